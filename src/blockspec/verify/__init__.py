@@ -1,0 +1,32 @@
+"""blockspec.verify: exact draft verification rules, pure tensor code (imports torch only).
+
+    verify_token   standard speculative sampling (first rejection stops)
+    verify_block   Sun et al., arXiv 2403.10444, Algorithm 2 (jointly verifies the block)
+    verify_greedy  temperature 0: longest prefix matching the target's argmax
+
+All three take (draft_tokens [B, K], draft_probs [B, K, V] | None, target_probs [B, K+1, V]) and return a
+VerifyOutput. See base.py for the glossary and exact.py for closed forms given a drafted block.
+"""
+
+from .base import Randomness, VerifyOutput
+from .block import block_acceptance, verify_block
+from .exact import accepted_length_law, acceptance_survival, expected_accepted, final_distributions
+from .greedy import verify_greedy
+from .token import token_acceptance, verify_token
+
+VERIFIERS = {"token": verify_token, "block": verify_block, "greedy": verify_greedy}
+
+__all__ = [
+    "VERIFIERS",
+    "Randomness",
+    "VerifyOutput",
+    "accepted_length_law",
+    "acceptance_survival",
+    "block_acceptance",
+    "expected_accepted",
+    "final_distributions",
+    "token_acceptance",
+    "verify_block",
+    "verify_greedy",
+    "verify_token",
+]

@@ -1,0 +1,255 @@
+"""What every verifier shares: inputs and their validation, explicit randomness, the final-token draw, outputs.
+
+Glossary (used throughout blockspec):
+    B  batch size (rows)
+    K  drafted positions per row (padding beyond a row's own ``num_draft``)
+    V  vocabulary size
+    draft_tokens [B, K]      x_1..x_K, the drafted tokens
+    draft_probs  [B, K, V]   draft_probs[:, i] is the distribution x_{i+1} was sampled from
+    target_probs [B, K+1, V] the target's distributions at the same contexts, from one forward
+    num_draft    [B]         n_b: row b drafted only x_1..x_{n_b}
+    tau                      accepted drafted tokens; a step emits tau + 1 tokens
+Probabilities are the *processed* distributions actually sampled from (temperature, top-k, top-p applied).
+A verifier is a deterministic part (acceptance probabilities, final distributions) plus a thin random part
+that consumes explicit uniforms and exponentials; the exact tests integrate over the first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Randomness:
+    """All the randomness one verification consumes, so that its outcome is a pure function of its inputs."""
+
+    uniforms: torch.Tensor  # [B, K] float in [0, 1): one per drafted position
+    exponentials: torch.Tensor  # [B, V] float > 0: Exp(1) variates; the final token wins an exponential race
+
+    @classmethod
+    def draw(
+        cls,
+        batch: int,
+        draft_len: int,
+        vocab: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Randomness:
+        uniforms = torch.rand(batch, draft_len, dtype=dtype, device=device, generator=generator)
+        exponentials = torch.empty(batch, vocab, dtype=dtype, device=device).exponential_(generator=generator)
+        # An Exp(1) draw can round to exactly 0; 0/0 in the race would be NaN, which argmax picks. Guard it.
+        exponentials.clamp_(min=torch.finfo(dtype).tiny)
+        return cls(uniforms, exponentials)
+
+
+@dataclass(frozen=True)
+class VerifyOutput:
+    tokens: torch.Tensor  # [B, K+1] int64: accepted drafted prefix, then the correction/bonus token; -1 after
+    num_accepted: torch.Tensor  # [B] int64: tau, the number of drafted tokens accepted
+
+    @property
+    def num_emitted(self) -> torch.Tensor:  # [B] int64
+        return self.num_accepted + 1
+
+
+def prepare(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    num_draft: torch.Tensor | None,
+    randomness: Randomness | None,
+    validate: bool,
+) -> torch.Tensor:
+    """Checks the inputs (when ``validate``) and returns ``num_draft`` [B] int64, defaulting to K for every row."""
+    if validate:
+        _check_shapes(draft_tokens, draft_probs, target_probs, num_draft, randomness)
+    batch, draft_len = draft_tokens.shape
+    if num_draft is None:
+        num_draft = torch.full((batch,), draft_len, dtype=torch.long, device=draft_tokens.device)
+    if validate:
+        _check_values(draft_tokens, draft_probs, target_probs, num_draft, randomness)
+    return num_draft
+
+
+def resolve_randomness(
+    randomness: Randomness | None, generator: torch.Generator | None, target_probs: torch.Tensor, draft_len: int
+) -> Randomness:
+    """The caller's explicit randomness, or a fresh draw from ``generator`` in the dtype of ``target_probs``."""
+    if randomness is not None:
+        return randomness
+    batch, _, vocab = target_probs.shape
+    return Randomness.draw(
+        batch, draft_len, vocab, dtype=target_probs.dtype, device=target_probs.device, generator=generator
+    )
+
+
+def drafted_mask(num_draft: torch.Tensor, draft_len: int) -> torch.Tensor:
+    """[B, K] bool: position i (0-based) holds a real drafted token, i.e. i < num_draft[b]."""
+    return torch.arange(draft_len, device=num_draft.device) < num_draft[:, None]
+
+
+def probs_of_drafted(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor):
+    """(draft, target) probabilities of each drafted token x_{i+1} at its own context, each [B, K].
+
+    Padding positions may hold any id; they are clamped into the vocabulary here and masked by the callers.
+    """
+    index = draft_tokens.clamp(0, target_probs.shape[-1] - 1).unsqueeze(-1)  # [B, K, 1]
+    target_at = target_probs[:, :-1].gather(-1, index).squeeze(-1)
+    if draft_probs is None:  # a one-hot draft (greedy or n-gram drafter) proposed x with probability 1
+        return torch.ones_like(target_at), target_at
+    return draft_probs.gather(-1, index).squeeze(-1), target_at
+
+
+def final_distribution(
+    draft_tokens: torch.Tensor,  # [B, K] int64
+    draft_probs: torch.Tensor | None,  # [B, K, V] or None (one-hot draft)
+    target_probs: torch.Tensor,  # [B, K+1, V]
+    num_draft: torch.Tensor,  # [B] int64
+    tau: torch.Tensor,  # [B] int64, 0 <= tau <= num_draft
+    weight: torch.Tensor,  # [B] float: w_tau (1 for token verification, Sun et al.'s w_tau for block)
+) -> torch.Tensor:
+    """Unnormalised distribution [B, V] of the token emitted after ``tau`` accepted drafted tokens.
+
+    The bonus ``target_probs[tau]`` when every drafted token was accepted (tau == num_draft), otherwise the
+    residual ``max(weight * target_probs[tau] - draft_probs[tau], 0)``.
+    """
+    rows = torch.arange(tau.shape[0], device=tau.device)
+    target_row = target_probs[rows, tau]  # [B, V]
+    draft_pos = tau.clamp(max=draft_tokens.shape[1] - 1)  # where tau == K the row is a bonus; any index will do
+    scaled = weight[:, None].to(target_row.dtype) * target_row
+    if draft_probs is None:
+        # max(w * t - onehot(x), 0) is w * t with x's entry zeroed, since w * t(x) <= 1.
+        residual = scaled.scatter(-1, draft_tokens[rows, draft_pos].clamp(min=0)[:, None], 0.0)
+    else:
+        residual = (scaled - draft_probs[rows, draft_pos]).clamp_(min=0.0)
+    # Numerical guard: a residual that rounds to all zeros has zero probability of being reached in exact
+    # arithmetic; sample the target row instead of dividing by zero.
+    use_target = (tau == num_draft) | (residual.sum(-1) <= 0)
+    return torch.where(use_target[:, None], target_row, residual)
+
+
+def race(weights: torch.Tensor, exponentials: torch.Tensor) -> torch.Tensor:
+    """Index [B] drawn with probability proportional to ``weights`` [B, V] (unnormalised, >= 0, not all 0).
+
+    argmax_v weights_v / E_v with E_v ~ Exp(1) independent: P(v wins) = weights_v / sum(weights).
+    """
+    return (weights / exponentials).argmax(-1)
+
+
+def emit(draft_tokens: torch.Tensor, tau: torch.Tensor, last: torch.Tensor) -> VerifyOutput:
+    """Left-aligns the accepted prefix x_1..x_tau followed by ``last``, padding with -1, into a VerifyOutput."""
+    batch, draft_len = draft_tokens.shape
+    positions = torch.arange(draft_len + 1, device=draft_tokens.device)  # [K+1]
+    padded = torch.nn.functional.pad(draft_tokens, (0, 1), value=-1)  # [B, K+1]
+    tokens = torch.where(positions < tau[:, None], padded, -1)
+    tokens.scatter_(1, tau[:, None], last[:, None])
+    return VerifyOutput(tokens=tokens, num_accepted=tau)
+
+
+# --- validation --------------------------------------------------------------------------------------------
+
+
+def _check_shapes(draft_tokens, draft_probs, target_probs, num_draft, randomness) -> None:
+    if not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dim() != 2:
+        raise ValueError(f"draft_tokens must be a [B, K] tensor, got {_describe(draft_tokens)}")
+    if draft_tokens.dtype != torch.long:
+        raise ValueError(f"draft_tokens must be int64, got {draft_tokens.dtype}")
+    batch, draft_len = draft_tokens.shape
+    if not isinstance(target_probs, torch.Tensor) or target_probs.dim() != 3:
+        raise ValueError(f"target_probs must be a [B, K+1, V] tensor, got {_describe(target_probs)}")
+    if target_probs.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"target_probs must be float32 or float64 probabilities, got {target_probs.dtype}")
+    if target_probs.shape[:2] != (batch, draft_len + 1):
+        raise ValueError(
+            f"target_probs must have shape [B, K+1, V] = [{batch}, {draft_len + 1}, V] to match draft_tokens "
+            f"[{batch}, {draft_len}], got {list(target_probs.shape)}"
+        )
+    vocab = target_probs.shape[2]
+    if vocab == 0:
+        raise ValueError("target_probs has an empty vocabulary (V = 0)")
+    if draft_probs is not None:
+        if not isinstance(draft_probs, torch.Tensor) or list(draft_probs.shape) != [batch, draft_len, vocab]:
+            raise ValueError(
+                f"draft_probs must have shape [B, K, V] = [{batch}, {draft_len}, {vocab}], got {_describe(draft_probs)}"
+            )
+        if draft_probs.dtype != target_probs.dtype:
+            raise ValueError(f"draft_probs is {draft_probs.dtype} but target_probs is {target_probs.dtype}")
+    if num_draft is not None:
+        if not isinstance(num_draft, torch.Tensor) or list(num_draft.shape) != [batch]:
+            raise ValueError(f"num_draft must be a [B] = [{batch}] tensor, got {_describe(num_draft)}")
+        if num_draft.dtype != torch.long:
+            raise ValueError(f"num_draft must be int64, got {num_draft.dtype}")
+    if randomness is not None:
+        if list(randomness.uniforms.shape) != [batch, draft_len]:
+            raise ValueError(
+                f"randomness.uniforms must have shape [B, K] = [{batch}, {draft_len}], "
+                f"got {list(randomness.uniforms.shape)}"
+            )
+        if list(randomness.exponentials.shape) != [batch, vocab]:
+            raise ValueError(
+                f"randomness.exponentials must have shape [B, V] = [{batch}, {vocab}], "
+                f"got {list(randomness.exponentials.shape)}"
+            )
+    devices = {t.device for t in (draft_tokens, draft_probs, target_probs, num_draft) if t is not None}
+    if len(devices) > 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+def _check_values(draft_tokens, draft_probs, target_probs, num_draft, randomness) -> None:
+    batch, draft_len = draft_tokens.shape
+    vocab = target_probs.shape[2]
+    if bool(((num_draft < 0) | (num_draft > draft_len)).any()):
+        raise ValueError(f"num_draft must lie in [0, K] = [0, {draft_len}], got {num_draft.tolist()}")
+    drafted = drafted_mask(num_draft, draft_len)  # [B, K]
+    bad_ids = drafted & ((draft_tokens < 0) | (draft_tokens >= vocab))
+    if bool(bad_ids.any()):
+        b, i = bad_ids.nonzero()[0].tolist()
+        raise ValueError(
+            f"draft_tokens[{b}, {i}] = {int(draft_tokens[b, i])} is outside the vocabulary [0, {vocab})"
+        )
+    # The target row at position num_draft (the bonus distribution) is used too.
+    target_used = torch.arange(draft_len + 1, device=num_draft.device) <= num_draft[:, None]  # [B, K+1]
+    _check_distributions("target_probs", target_probs, target_used)
+    if draft_probs is not None:
+        _check_distributions("draft_probs", draft_probs, drafted)
+        draft_at, _ = probs_of_drafted(draft_tokens, draft_probs, target_probs)
+        impossible = drafted & (draft_at <= 0)
+        if bool(impossible.any()):
+            b, i = impossible.nonzero()[0].tolist()
+            raise ValueError(
+                f"draft_tokens[{b}, {i}] = {int(draft_tokens[b, i])} has zero probability under draft_probs[{b}, {i}]: "
+                "the drafted tokens must be sampled from draft_probs"
+            )
+    if randomness is not None:
+        u = randomness.uniforms
+        if bool(((u < 0) | (u >= 1) | u.isnan()).any()):
+            raise ValueError("randomness.uniforms must lie in [0, 1)")
+        if bool((~(randomness.exponentials > 0)).any()):
+            raise ValueError("randomness.exponentials must be > 0")
+
+
+def _check_distributions(name: str, probs: torch.Tensor, used: torch.Tensor) -> None:
+    """Each used row of ``probs`` [B, N, V] must be a probability vector: no NaN, no negatives, sum 1."""
+    # Summing V rounded entries loses about half the significant digits at worst: float32 ~3e-4, float64 ~1e-8.
+    tolerance = torch.finfo(probs.dtype).eps ** 0.5
+    sums = probs.sum(-1)  # [B, N]; NaN and inf propagate here
+    lowest = probs.amin(-1)
+    for problem, bad in (
+        ("contains NaN or inf", ~sums.isfinite()),
+        ("has negative entries", lowest < 0),
+        (f"does not sum to 1 (tolerance {tolerance:.1e})", (sums - 1).abs() > tolerance),
+    ):
+        bad = bad & used
+        if bool(bad.any()):
+            b, i = bad.nonzero()[0].tolist()
+            raise ValueError(f"{name}[{b}, {i}] {problem}: sum = {float(sums[b, i]):.9g}; pass probabilities, not logits")
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor of shape {list(value.shape)} and dtype {value.dtype}"
+    return type(value).__name__

@@ -1,0 +1,78 @@
+"""Block verification (Sun et al., "Block Verification Accelerates Speculative Decoding", arXiv 2403.10444)."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Randomness, VerifyOutput, drafted_mask, emit, final_distribution, prepare, probs_of_drafted, race
+from .base import resolve_randomness
+
+
+def block_acceptance(
+    draft_tokens: torch.Tensor,  # [B, K] int64
+    draft_probs: torch.Tensor | None,  # [B, K, V] or None (one-hot draft)
+    target_probs: torch.Tensor,  # [B, K+1, V]
+    num_draft: torch.Tensor,  # [B] int64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The deterministic part of Algorithm 2: (h [B, K], log_w [B, K+1]).
+
+        w_0 = 1,  w_i = min(1, w_{i-1} * ratio_i)          capped at EVERY step, kept in log space
+        Z_i = sum_v max(w_i * target_probs[i][v] - draft_probs[i][v], 0)
+        h_i = Z_i / (Z_i + 1 - w_i)  for i < n,   h_n = w_n,   h_i = 0 on padding (i > n)
+
+    Column i of ``h`` is h_{i+1} (1-based positions); column i of ``log_w`` is log w_i (column 0 is w_0 = 1).
+    """
+    batch, draft_len = draft_tokens.shape
+    drafted = drafted_mask(num_draft, draft_len)  # [B, K]
+    draft_at, target_at = probs_of_drafted(draft_tokens, draft_probs, target_probs)
+    # Padding gets ratio 0 (log -inf), so w is 0 past a row's own draft and never NaN.
+    log_ratio = (target_at.log() - draft_at.log()).masked_fill(~drafted, float("-inf"))  # [B, K]
+    log_w = torch.zeros(batch, draft_len + 1, dtype=target_probs.dtype, device=target_probs.device)
+    for i in range(draft_len):
+        log_w[:, i + 1] = (log_w[:, i] + log_ratio[:, i]).clamp(max=0.0)
+    w = log_w.exp()
+
+    h = torch.zeros_like(w[:, 1:])  # h[:, i - 1] = h_i
+    longest = int(num_draft.max()) if batch else 0
+    for i in range(1, min(draft_len, longest)):  # only positions below some row's n need Z_i
+        if draft_probs is None:
+            # max(w t - onehot(x_{i+1}), 0) sums to w (1 - t(x_{i+1})) since w t <= 1: no vocabulary pass.
+            z = w[:, i] * (1.0 - target_at[:, i])
+        else:
+            z = (w[:, i, None] * target_probs[:, i] - draft_probs[:, i]).clamp_(min=0.0).sum(-1)
+        denominator = z + 1.0 - w[:, i]
+        # Guard: the denominator is 0 only if w_i = 1 and the two distributions agree; then P(tau = i) = 0
+        # whatever h_i is, and 1 is exact.
+        h[:, i - 1] = torch.where(denominator > 0, z / denominator.clamp(min=torch.finfo(w.dtype).tiny), 1.0)
+    positions = torch.arange(1, draft_len + 1, device=num_draft.device)  # 1-based
+    h = torch.where(positions == num_draft[:, None], w[:, 1:], torch.where(drafted, h, 0.0))
+    return h, log_w
+
+
+def verify_block(
+    draft_tokens: torch.Tensor,  # [B, K] int64
+    draft_probs: torch.Tensor | None,  # [B, K, V] float32/64, or None for a one-hot draft
+    target_probs: torch.Tensor,  # [B, K+1, V] same dtype
+    *,
+    num_draft: torch.Tensor | None = None,  # [B] int64 in [0, K]; default K
+    generator: torch.Generator | None = None,
+    randomness: Randomness | None = None,
+    validate: bool = True,
+) -> VerifyOutput:
+    """Sun et al. Algorithm 2: tau = the LARGEST i with u_i < h_i (no early stop), then one more token.
+
+    The extra token comes from normalize(max(w_tau * target_probs[tau] - draft_probs[tau], 0)), or from
+    target_probs[n] after all n drafted tokens. Lossless like token verification, and optimal in expected
+    accepted tokens (so never worse than token verification on average over drafts), at the cost of K - 1
+    vocabulary reductions instead of one.
+    """
+    num_draft = prepare(draft_tokens, draft_probs, target_probs, num_draft, randomness, validate)
+    randomness = resolve_randomness(randomness, generator, target_probs, draft_tokens.shape[1])
+    h, log_w = block_acceptance(draft_tokens, draft_probs, target_probs, num_draft)
+    positions = torch.arange(1, draft_tokens.shape[1] + 1, device=h.device)
+    hits = randomness.uniforms < h  # [B, K]; P(u < h) = h, and h = 0 (padding) never hits
+    tau = (hits * positions).amax(-1, initial=0)  # [B]: the last hit, 0 if none
+    weight = log_w.gather(1, tau[:, None]).squeeze(1).exp()  # w_tau, with w_0 = 1
+    last = race(final_distribution(draft_tokens, draft_probs, target_probs, num_draft, tau, weight),
+                randomness.exponentials)
+    return emit(draft_tokens, tau, last)

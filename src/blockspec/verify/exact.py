@@ -1,0 +1,99 @@
+"""Closed forms given a drafted block: acceptance survival, the law of tau, the emitted token's distribution.
+
+They integrate exactly over the random part of a verifier, so two rules can be compared on the SAME drafts
+with no sampling noise, and losslessness can be checked by enumeration (tests/test_exact_law.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import final_distribution, prepare
+from .block import block_acceptance
+from .token import token_acceptance
+
+METHODS = ("token", "block")
+
+
+def acceptance_survival(
+    draft_tokens: torch.Tensor,  # [B, K] int64
+    draft_probs: torch.Tensor | None,  # [B, K, V] or None (one-hot draft)
+    target_probs: torch.Tensor,  # [B, K+1, V]
+    method: str,
+    num_draft: torch.Tensor | None = None,  # [B] int64
+    *,
+    validate: bool = True,
+) -> torch.Tensor:
+    """P(tau >= i | drafted block) for i = 0..K, as [B, K+1] (column 0 is 1).
+
+    token: prod_{k <= i} min(1, ratio_k).   block: 1 - prod_{j >= i} (1 - h_j) (tau is the LAST hit).
+    """
+    _check_method(method)
+    num_draft = prepare(draft_tokens, draft_probs, target_probs, num_draft, None, validate)
+    if method == "token":
+        accept = token_acceptance(draft_tokens, draft_probs, target_probs, num_draft)
+        survival = accept.cumprod(-1)
+    else:
+        h, _ = block_acceptance(draft_tokens, draft_probs, target_probs, num_draft)
+        # prod_{j >= i} (1 - h_j): a cumulative product over the reversed positions.
+        none_from = (1.0 - h).flip(-1).cumprod(-1).flip(-1)
+        survival = 1.0 - none_from
+    return torch.nn.functional.pad(survival, (1, 0), value=1.0)
+
+
+def expected_accepted(
+    draft_tokens: torch.Tensor,  # [B, K] int64
+    draft_probs: torch.Tensor | None,  # [B, K, V] or None (one-hot draft)
+    target_probs: torch.Tensor,  # [B, K+1, V]
+    method: str,
+    num_draft: torch.Tensor | None = None,  # [B] int64
+    *,
+    validate: bool = True,
+) -> torch.Tensor:
+    """E[num_accepted | drafted block] under ``method`` ("token" or "block"), as [B] float."""
+    survival = acceptance_survival(draft_tokens, draft_probs, target_probs, method, num_draft, validate=validate)
+    return survival[:, 1:].sum(-1)
+
+
+def accepted_length_law(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    method: str,
+    num_draft: torch.Tensor | None = None,
+    *,
+    validate: bool = True,
+) -> torch.Tensor:
+    """P(tau = i | drafted block) for i = 0..K, as [B, K+1]; each row sums to 1."""
+    survival = acceptance_survival(draft_tokens, draft_probs, target_probs, method, num_draft, validate=validate)
+    return survival - torch.nn.functional.pad(survival[:, 1:], (0, 1), value=0.0)
+
+
+def final_distributions(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    method: str,
+    num_draft: torch.Tensor | None = None,
+    *,
+    validate: bool = True,
+) -> torch.Tensor:
+    """[B, K+1, V]: row i is the normalised law of the token emitted after tau = i (meaningful for i <= n)."""
+    _check_method(method)
+    num_draft = prepare(draft_tokens, draft_probs, target_probs, num_draft, None, validate)
+    batch, draft_len = draft_tokens.shape
+    if method == "block":
+        _, log_w = block_acceptance(draft_tokens, draft_probs, target_probs, num_draft)
+    else:
+        log_w = torch.zeros(batch, draft_len + 1, dtype=target_probs.dtype, device=target_probs.device)
+    rows = []
+    for i in range(draft_len + 1):
+        tau = torch.minimum(torch.full_like(num_draft, i), num_draft)
+        dist = final_distribution(draft_tokens, draft_probs, target_probs, num_draft, tau, log_w[:, i].exp())
+        rows.append(dist / dist.sum(-1, keepdim=True))
+    return torch.stack(rows, dim=1)
+
+
+def _check_method(method: str) -> None:
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")

@@ -1,0 +1,47 @@
+"""Token verification: the standard speculative sampling rule (Leviathan et al. 2023; Chen et al. 2023)."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Randomness, VerifyOutput, drafted_mask, emit, final_distribution, prepare, probs_of_drafted, race
+from .base import resolve_randomness
+
+
+def token_acceptance(
+    draft_tokens: torch.Tensor,  # [B, K] int64
+    draft_probs: torch.Tensor | None,  # [B, K, V] or None (one-hot draft)
+    target_probs: torch.Tensor,  # [B, K+1, V]
+    num_draft: torch.Tensor,  # [B] int64
+) -> torch.Tensor:
+    """a_i = min(1, ratio_i), the probability of accepting x_i once x_1..x_{i-1} were accepted; [B, K], 0 on padding."""
+    draft_at, target_at = probs_of_drafted(draft_tokens, draft_probs, target_probs)
+    accept = (target_at / draft_at).clamp(max=1.0)
+    return torch.where(drafted_mask(num_draft, draft_tokens.shape[1]), accept, 0.0)
+
+
+def verify_token(
+    draft_tokens: torch.Tensor,  # [B, K] int64
+    draft_probs: torch.Tensor | None,  # [B, K, V] float32/64, or None for a one-hot draft
+    target_probs: torch.Tensor,  # [B, K+1, V] same dtype
+    *,
+    num_draft: torch.Tensor | None = None,  # [B] int64 in [0, K]; default K
+    generator: torch.Generator | None = None,
+    randomness: Randomness | None = None,
+    validate: bool = True,
+) -> VerifyOutput:
+    """Accept x_i with probability min(1, ratio_i) and stop at the FIRST rejection; then emit one more token.
+
+    On a rejection at x_{tau+1} the extra token comes from normalize(max(target_probs[tau] - draft_probs[tau], 0)),
+    after all n drafted tokens from target_probs[n]. Guarantee: if x_i ~ draft_probs[i-1], the emitted tokens
+    are distributed exactly as the target's own samples.
+    """
+    num_draft = prepare(draft_tokens, draft_probs, target_probs, num_draft, randomness, validate)
+    randomness = resolve_randomness(randomness, generator, target_probs, draft_tokens.shape[1])
+    accept = token_acceptance(draft_tokens, draft_probs, target_probs, num_draft)  # [B, K]
+    accepted = randomness.uniforms < accept  # P(u < a) = a for u ~ U[0, 1); a = 0 (padding) never accepts
+    tau = accepted.long().cumprod(-1).sum(-1)  # [B]: length of the accepted prefix
+    weight = torch.ones_like(target_probs[:, 0, 0])
+    last = race(final_distribution(draft_tokens, draft_probs, target_probs, num_draft, tau, weight),
+                randomness.exponentials)
+    return emit(draft_tokens, tau, last)

@@ -119,6 +119,8 @@ def final_distribution(
     """
     rows = torch.arange(tau.shape[0], device=tau.device)
     target_row = target_probs[rows, tau]  # [B, V]
+    if draft_tokens.shape[1] == 0:  # nothing was drafted: a plain target step
+        return target_row
     draft_pos = tau.clamp(max=draft_tokens.shape[1] - 1)  # where tau == K the row is a bonus; any index will do
     scaled = weight[:, None].to(target_row.dtype) * target_row
     if draft_probs is None:

@@ -71,7 +71,7 @@ def verify_block(
     h, log_w = block_acceptance(draft_tokens, draft_probs, target_probs, num_draft)
     positions = torch.arange(1, draft_tokens.shape[1] + 1, device=h.device)
     hits = randomness.uniforms < h  # [B, K]; P(u < h) = h, and h = 0 (padding) never hits
-    tau = (hits * positions).amax(-1, initial=0)  # [B]: the last hit, 0 if none
+    tau = torch.nn.functional.pad(hits * positions, (1, 0)).amax(-1)  # [B]: the last hit, 0 if none
     weight = log_w.gather(1, tau[:, None]).squeeze(1).exp()  # w_tau, with w_0 = 1
     last = race(final_distribution(draft_tokens, draft_probs, target_probs, num_draft, tau, weight),
                 randomness.exponentials)

@@ -1,0 +1,202 @@
+"""Exact-law toolkit for the tests: tiny context-dependent models and the laws they induce.
+
+A ``Tables`` object is a toy language model pair over a vocabulary of V tokens: for every context (a tuple of
+tokens, of length 0..depth) the target's and the draft's next-token distributions, stored densely so whole
+batches of contexts are looked up at once. With it:
+
+- ``target_law``        the target's exact joint law over L tokens, [V] * L float64;
+- ``speculative_law``   the exact joint law of one speculative step (enumerating every drafted block, and
+                        integrating over the verifier's randomness through its closed forms), extended by
+                        exact target sampling to K + 1 tokens; lossless means it equals ``target_law``;
+- ``sample_emissions``  Monte-Carlo of a real batched verifier on the same tables, extended the same way;
+- ``chi_square``        the joint-outcome test against an exact law, with a threshold from the sample size.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+# step(draft_tokens [N, K], draft_probs [N, K, V], target_probs [N, K+1, V])
+#   -> (tau_law [N, K+1], final [N, K+1, V]): P(tau = i | block) and the law of the token emitted after tau = i.
+StepLaw = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Tables:
+    vocab: int
+    target: list[torch.Tensor]  # target[L]: [V**L, V] float64, the target's law after each length-L context
+    draft: list[torch.Tensor]  # draft[L]: likewise for the draft
+
+    def target_at(self, context: torch.Tensor) -> torch.Tensor:  # context [N, L] int64 -> [N, V]
+        return self.target[context.shape[1]][self._index(context)]
+
+    def draft_at(self, context: torch.Tensor) -> torch.Tensor:
+        return self.draft[context.shape[1]][self._index(context)]
+
+    def _index(self, context: torch.Tensor) -> torch.Tensor:
+        # Mixed radix: the context (x_1, .., x_L) is row sum_j x_j * V**(L-1-j) of the length-L table.
+        weights = self.vocab ** torch.arange(context.shape[1] - 1, -1, -1)
+        return (context * weights).sum(-1)
+
+    def block_inputs(self, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(draft_probs [N, K, V], target_probs [N, K+1, V]) along each drafted block [N, K]."""
+        draft_len = draft_tokens.shape[1]
+        draft_probs = torch.stack([self.draft_at(draft_tokens[:, :i]) for i in range(draft_len)], dim=1)
+        target_probs = torch.stack([self.target_at(draft_tokens[:, :i]) for i in range(draft_len + 1)], dim=1)
+        return draft_probs, target_probs
+
+
+def random_tables(vocab: int, depth: int, seed: int, *, peaked: float = 1.0, zeros: bool = True) -> Tables:
+    """Random context-dependent target and draft over ``vocab`` tokens, for contexts of length 0..depth.
+
+    Rows are softmax(peaked * N(0, 1) * 2); with ``zeros`` some entries are set exactly to 0 (at most V - 1
+    per row), so tokens the target never emits and drafted tokens the target rejects outright are exercised.
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def table(rows: int) -> torch.Tensor:
+        probs = (2.0 * peaked * torch.randn(rows, vocab, generator=gen, dtype=torch.float64)).softmax(-1)
+        if zeros and vocab > 2:
+            kill = torch.rand(rows, vocab, generator=gen) < 0.2
+            kill[torch.arange(rows), probs.argmax(-1)] = False  # keep at least one entry alive
+            probs = probs.masked_fill(kill, 0.0)
+        return probs / probs.sum(-1, keepdim=True)
+
+    return Tables(vocab, [table(vocab**L) for L in range(depth + 1)], [table(vocab**L) for L in range(depth + 1)])
+
+
+def all_blocks(vocab: int, draft_len: int) -> torch.Tensor:
+    """Every drafted block, [V**K, K] int64, in lexicographic order."""
+    return torch.tensor(list(itertools.product(range(vocab), repeat=draft_len)), dtype=torch.long).reshape(
+        vocab**draft_len, draft_len
+    )
+
+
+def target_law(tables: Tables, length: int) -> torch.Tensor:
+    """The target's exact joint law over ``length`` tokens, shape [V] * length."""
+    law = torch.ones((), dtype=torch.float64)
+    for i in range(length):
+        prefixes = all_blocks(tables.vocab, i)  # [V**i, i], same order as law.flatten()
+        law = law.reshape(-1, 1) * tables.target_at(prefixes)  # [V**i, V]
+    return law.reshape([tables.vocab] * length)
+
+
+def speculative_law(tables: Tables, draft_len: int, step: StepLaw) -> torch.Tensor:
+    """Exact joint law over K + 1 tokens of one speculative step followed by exact target sampling.
+
+    Every drafted block x is enumerated with probability prod_i draft(x_i | x_<i); ``step`` gives the law of
+    tau and of the emitted token y; the emitted prefix (x_1..x_tau, y) is then completed from the target.
+    """
+    vocab, length = tables.vocab, draft_len + 1
+    blocks = all_blocks(vocab, draft_len)  # [N, K]
+    draft_probs, _ = tables.block_inputs(blocks)
+    block_prob = draft_probs.gather(-1, blocks.unsqueeze(-1)).squeeze(-1).prod(-1)  # [N]
+    # Blocks the draft never proposes carry no mass (and a verifier rightly refuses them).
+    blocks, block_prob = blocks[block_prob > 0], block_prob[block_prob > 0]
+    draft_probs, target_probs = tables.block_inputs(blocks)
+    tau_law, final = step(blocks, draft_probs, target_probs)
+    assert torch.allclose(tau_law.sum(-1), torch.ones(len(blocks), dtype=torch.float64), atol=1e-12, rtol=0)
+
+    emitted: dict[tuple[int, ...], float] = {}  # prefix (x_1..x_tau, y) -> probability
+    for b, block in enumerate(blocks.tolist()):
+        for tau in range(draft_len + 1):
+            mass = float(block_prob[b] * tau_law[b, tau])
+            if mass == 0.0:
+                continue
+            for y in range(vocab):
+                prefix = tuple(block[:tau]) + (y,)
+                emitted[prefix] = emitted.get(prefix, 0.0) + mass * float(final[b, tau, y])
+
+    law = torch.zeros([vocab] * length, dtype=torch.float64)
+    for prefix, mass in emitted.items():
+        # Complete the prefix with the target's own conditionals: law[prefix + rest] += mass * P_target(rest | prefix).
+        completion = torch.ones((), dtype=torch.float64)
+        for j in range(len(prefix), length):
+            rests = all_blocks(vocab, j - len(prefix))
+            contexts = torch.cat([torch.tensor(prefix).expand(len(rests), -1), rests], dim=1)
+            completion = completion.reshape(-1, 1) * tables.target_at(contexts)
+        law[prefix] += mass * completion.reshape([vocab] * (length - len(prefix)))
+    return law
+
+
+def sample_emissions(
+    tables: Tables,
+    draft_len: int,
+    samples: int,
+    verifier: Callable,
+    generator: torch.Generator,
+    *,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """Counts [V] * (K+1) of K + 1 tokens from a real batched verifier (one step), completed by the target.
+
+    Each of the ``samples`` rows drafts its own block from the draft table, is verified in one batched call
+    ``verifier(draft_tokens, draft_probs, target_probs, generator=generator)``, and is then completed with
+    exact target samples.
+    """
+    vocab, length = tables.vocab, draft_len + 1
+    draft_tokens = torch.zeros(samples, 0, dtype=torch.long)
+    for _ in range(draft_len):
+        probs = tables.draft_at(draft_tokens)
+        draft_tokens = torch.cat([draft_tokens, torch.multinomial(probs, 1, generator=generator)], dim=1)
+    draft_probs, target_probs = tables.block_inputs(draft_tokens)
+    out = verifier(draft_tokens, draft_probs.to(dtype), target_probs.to(dtype), generator=generator)
+    sequences = out.tokens.clone()  # [N, K+1]: filled up to index tau, -1 after
+    for j in range(length):
+        missing = j > out.num_accepted
+        if bool(missing.any()):
+            context = sequences[missing, :j]
+            sequences[missing, j] = torch.multinomial(tables.target_at(context), 1, generator=generator).squeeze(1)
+    index = (sequences * vocab ** torch.arange(length - 1, -1, -1)).sum(-1)
+    return torch.bincount(index, minlength=vocab**length).reshape([vocab] * length).to(torch.float64)
+
+
+@dataclass(frozen=True)
+class ChiSquare:
+    statistic: float
+    threshold: float
+    dof: int
+    impossible: int  # samples that fell on outcomes of exact probability 0
+
+    @property
+    def passed(self) -> bool:
+        return self.impossible == 0 and self.statistic <= self.threshold
+
+
+def chi_square(counts: torch.Tensor, law: torch.Tensor, alpha: float = 1e-4) -> ChiSquare:
+    """Pearson's test of the joint counts against the exact law (a false alarm has probability ``alpha``)."""
+    from scipy.stats import chi2
+
+    counts, law = counts.flatten(), law.flatten()
+    total = float(counts.sum())
+    possible = law > 0
+    expected = total * law[possible]
+    statistic = float(((counts[possible] - expected) ** 2 / expected).sum())
+    dof = int(possible.sum()) - 1
+    return ChiSquare(statistic, float(chi2.ppf(1 - alpha, dof)), dof, int(counts[~possible].sum()))
+
+
+def detection_power(law: torch.Tensor, wrong_law: torch.Tensor, samples: int, alpha: float = 1e-4) -> float:
+    """Probability that ``chi_square`` at this sample size rejects samples drawn from ``wrong_law``.
+
+    Pearson's statistic under the wrong law is approximately noncentral chi-square with
+    lambda = N * sum (wrong - law)^2 / law (cells the exact law gives 0 make detection certain).
+    """
+    from scipy.stats import chi2, ncx2
+
+    law, wrong_law = law.flatten(), wrong_law.flatten()
+    possible = law > 0
+    if bool((wrong_law[~possible] > 0).any()) and samples * float(wrong_law[~possible].sum()) > 20:
+        return 1.0
+    dof = int(possible.sum()) - 1
+    noncentrality = samples * float(((wrong_law[possible] - law[possible]) ** 2 / law[possible]).sum())
+    return float(ncx2.sf(chi2.ppf(1 - alpha, dof), dof, noncentrality))
+
+
+def max_abs_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+

@@ -40,10 +40,16 @@ class Randomness:
         generator: torch.Generator | None = None,
     ) -> Randomness:
         uniforms = torch.rand(batch, draft_len, dtype=dtype, device=device, generator=generator)
-        exponentials = torch.empty(batch, vocab, dtype=dtype, device=device).exponential_(generator=generator)
-        # An Exp(1) draw can round to exactly 0; 0/0 in the race would be NaN, which argmax picks. Guard it.
-        exponentials.clamp_(min=torch.finfo(dtype).tiny)
-        return cls(uniforms, exponentials)
+        return cls(uniforms, draw_exponentials(batch, vocab, dtype=dtype, device=device, generator=generator))
+
+
+def draw_exponentials(rows: int, vocab: int, *, dtype, device, generator) -> torch.Tensor:
+    """[rows, V] Exp(1) variates, as -log(U): 6x faster here than Tensor.exponential_.
+
+    U lies in [0, 1), so every variate is > 0; U = 0 is clamped to the smallest normal number first.
+    """
+    uniforms = torch.rand(rows, vocab, dtype=dtype, device=device, generator=generator)
+    return uniforms.clamp_(min=torch.finfo(dtype).tiny).log_().neg_()
 
 
 @dataclass(frozen=True)
@@ -75,16 +81,62 @@ def prepare(
     return num_draft
 
 
-def resolve_randomness(
-    randomness: Randomness | None, generator: torch.Generator | None, target_probs: torch.Tensor, draft_len: int
-) -> Randomness:
-    """The caller's explicit randomness, or a fresh draw from ``generator`` in the dtype of ``target_probs``."""
+def draw_uniforms(randomness: Randomness | None, generator, target_probs: torch.Tensor, draft_len: int):
+    """The caller's explicit uniforms [B, K], or a fresh draw from ``generator`` in the dtype of ``target_probs``."""
     if randomness is not None:
-        return randomness
+        return randomness.uniforms
+    return torch.rand(target_probs.shape[0], draft_len, dtype=target_probs.dtype, device=target_probs.device,
+                      generator=generator)
+
+
+def row_chunks(batch: int, vocab: int) -> list[slice]:
+    """Row ranges whose [rows, V] temporaries stay small (2**21 entries).
+
+    A fresh tensor of tens of MB is page-faulted in on every call (measured here: a [64, 7, 151936] product
+    took 180 ms to allocate, 24 ms to compute in place); small temporaries are reused by the allocator.
+    """
+    rows = max(1, (1 << 21) // max(vocab, 1))
+    return [slice(start, min(start + rows, batch)) for start in range(0, batch, rows)]
+
+
+def positive_part_mass(scale: torch.Tensor, target_row: torch.Tensor, draft_row: torch.Tensor) -> torch.Tensor:
+    """sum_v max(scale * target_row[v] - draft_row[v], 0) for each row: scale [B], rows [B, V] -> [B]."""
+    mass = torch.empty_like(scale)
+    for rows in row_chunks(*target_row.shape):
+        residual = torch.mul(target_row[rows], scale[rows, None])
+        mass[rows] = residual.sub_(draft_row[rows]).clamp_(min=0.0).sum(-1)
+    return mass
+
+
+def sample_final(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    num_draft: torch.Tensor,
+    tau: torch.Tensor,
+    weight: torch.Tensor,
+    randomness: Randomness | None,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """The token [B] emitted after ``tau`` accepted drafted tokens, drawn from ``final_distribution``.
+
+    Row chunk by row chunk (see ``row_chunks``); without explicit randomness each chunk draws its own Exp(1)
+    variates from ``generator``, so the [B, V] table of them never exists.
+    """
     batch, _, vocab = target_probs.shape
-    return Randomness.draw(
-        batch, draft_len, vocab, dtype=target_probs.dtype, device=target_probs.device, generator=generator
-    )
+    last = torch.empty_like(tau)
+    for rows in row_chunks(batch, vocab):
+        dist = final_distribution(
+            draft_tokens[rows], None if draft_probs is None else draft_probs[rows], target_probs[rows],
+            num_draft[rows], tau[rows], weight[rows],
+        )
+        if randomness is not None:
+            exponentials = randomness.exponentials[rows]
+        else:
+            exponentials = draw_exponentials(len(dist), vocab, dtype=dist.dtype, device=dist.device,
+                                             generator=generator)
+        last[rows] = race(dist, exponentials)
+    return last
 
 
 def drafted_mask(num_draft: torch.Tensor, draft_len: int) -> torch.Tensor:
@@ -122,12 +174,12 @@ def final_distribution(
     if draft_tokens.shape[1] == 0:  # nothing was drafted: a plain target step
         return target_row
     draft_pos = tau.clamp(max=draft_tokens.shape[1] - 1)  # where tau == K the row is a bonus; any index will do
-    scaled = weight[:, None].to(target_row.dtype) * target_row
+    residual = torch.mul(target_row, weight[:, None].to(target_row.dtype))
     if draft_probs is None:
         # max(w * t - onehot(x), 0) is w * t with x's entry zeroed, since w * t(x) <= 1.
-        residual = scaled.scatter(-1, draft_tokens[rows, draft_pos].clamp(min=0)[:, None], 0.0)
+        residual.scatter_(-1, draft_tokens[rows, draft_pos].clamp(min=0)[:, None], 0.0)
     else:
-        residual = (scaled - draft_probs[rows, draft_pos]).clamp_(min=0.0)
+        residual.sub_(draft_probs[rows, draft_pos]).clamp_(min=0.0)
     # Numerical guard: a residual that rounds to all zeros has zero probability of being reached in exact
     # arithmetic; sample the target row instead of dividing by zero.
     use_target = (tau == num_draft) | (residual.sum(-1) <= 0)

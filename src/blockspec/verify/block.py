@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .base import Randomness, VerifyOutput, drafted_mask, emit, final_distribution, prepare, probs_of_drafted, race
-from .base import resolve_randomness
+from .base import (
+    Randomness, VerifyOutput, draw_uniforms, drafted_mask, emit, positive_part_mass, prepare,
+    probs_of_drafted, sample_final,
+)
 
 
 def block_acceptance(
@@ -39,7 +41,7 @@ def block_acceptance(
             # max(w t - onehot(x_{i+1}), 0) sums to w (1 - t(x_{i+1})) since w t <= 1: no vocabulary pass.
             z = w[:, i] * (1.0 - target_at[:, i])
         else:
-            z = (w[:, i, None] * target_probs[:, i] - draft_probs[:, i]).clamp_(min=0.0).sum(-1)
+            z = positive_part_mass(w[:, i], target_probs[:, i], draft_probs[:, i])
         denominator = z + 1.0 - w[:, i]
         # Guard: the denominator is 0 only if w_i = 1 and the two distributions agree; then P(tau = i) = 0
         # whatever h_i is, and 1 is exact.
@@ -67,12 +69,11 @@ def verify_block(
     vocabulary reductions instead of one.
     """
     num_draft = prepare(draft_tokens, draft_probs, target_probs, num_draft, randomness, validate)
-    randomness = resolve_randomness(randomness, generator, target_probs, draft_tokens.shape[1])
+    uniforms = draw_uniforms(randomness, generator, target_probs, draft_tokens.shape[1])  # [B, K]
     h, log_w = block_acceptance(draft_tokens, draft_probs, target_probs, num_draft)
     positions = torch.arange(1, draft_tokens.shape[1] + 1, device=h.device)
-    hits = randomness.uniforms < h  # [B, K]; P(u < h) = h, and h = 0 (padding) never hits
+    hits = uniforms < h  # [B, K]; P(u < h) = h, and h = 0 (padding) never hits
     tau = torch.nn.functional.pad(hits * positions, (1, 0)).amax(-1)  # [B]: the last hit, 0 if none
     weight = log_w.gather(1, tau[:, None]).squeeze(1).exp()  # w_tau, with w_0 = 1
-    last = race(final_distribution(draft_tokens, draft_probs, target_probs, num_draft, tau, weight),
-                randomness.exponentials)
+    last = sample_final(draft_tokens, draft_probs, target_probs, num_draft, tau, weight, randomness, generator)
     return emit(draft_tokens, tau, last)

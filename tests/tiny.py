@@ -1,0 +1,37 @@
+"""Tiny randomly initialised transformers models, built in-process (no hub), for engine tests."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+VOCAB = 48
+EOS = VOCAB - 1
+
+
+def tiny_model(*, family: str = "qwen2", layers: int = 2, seed: int = 0, vocab: int = VOCAB, sharpness: float = 1.0):
+    """A float32 causal LM with a small vocabulary; ``sharpness`` scales the output head (peakier laws)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_class, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[family]
+    config = config_class(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, eos_token_id=vocab - 1, bos_token_id=0,
+        pad_token_id=0, tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = model_class(config).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(sharpness)
+    return model
+
+
+def perturbed(model, *, scale: float, seed: int):
+    """A draft that agrees with ``model`` often but not always: its weights plus Gaussian noise."""
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(scale * param.std() * torch.randn(param.shape, generator=gen))
+    return draft

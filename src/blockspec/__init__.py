@@ -1,8 +1,25 @@
-"""blockspec: lossless speculative decoding with token, block and speculative verification."""
+"""blockspec: lossless speculative decoding with token, block and speculative verification.
 
-from .engine import GenerationResult, SpeculativeDecoder, StepStats
-from .sampling import SamplingParams
+    from blockspec import SpeculativeDecoder, SamplingParams
+
+The names below load on first use, so that `blockspec --help` does not wait for torch.
+"""
 
 __version__ = "0.1.0"
 
-__all__ = ["GenerationResult", "SamplingParams", "SpeculativeDecoder", "StepStats", "__version__"]
+_EXPORTS = {
+    "GenerationResult": "engine",
+    "SpeculativeDecoder": "engine",
+    "StepStats": "engine",
+    "SamplingParams": "sampling",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module 'blockspec' has no attribute {name!r}")

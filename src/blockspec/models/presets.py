@@ -438,6 +438,17 @@ def load(
     return model.eval(), tokenizer
 
 
+def load_tokenizer(preset: str | Preset, *, cache: str | os.PathLike | None = None, progress: bool = True):
+    """The preset's tokenizer alone: from any complete cached copy, else from the GGUF header (a few seconds)."""
+    from transformers import AutoTokenizer
+
+    preset = get_preset(preset)
+    for dtype_name in status(preset, cache=cache).converted:
+        return AutoTokenizer.from_pretrained(converted_dir(preset, dtype_name, cache))
+    gguf = materialize(preset, cache=cache, progress=progress)
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
 def _make_dense(model) -> None:
     """Drop the GGUF quantizer label from a model whose weights are already plain dense tensors.
 

@@ -12,7 +12,7 @@ import lawkit
 from blockspec import SamplingParams, SpeculativeDecoder
 from blockspec import engine as engine_module
 from blockspec.models.hf import HFModel
-from tiny import EOS, perturbed, tiny_model
+from tiny import EOS, perturbed, tiny_model, tiny_tokenizer
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
@@ -220,3 +220,17 @@ def test_bad_decoder_arguments_get_clear_errors(pair):
         SpeculativeDecoder(target, draft, verifier="greedy").generate([[1]], max_new_tokens=2)
     with pytest.raises(ValueError, match="cannot check they share a vocabulary"):
         SpeculativeDecoder(target, tiny_model(vocab=40))
+
+
+def test_stop_strings_end_a_row_right_after_the_text(pair):
+    target, draft = pair
+    tokenizer = tiny_tokenizer()
+    decoder = SpeculativeDecoder(HFModel(target, tokenizer), HFModel(draft, tokenizer), draft_len=4)
+    free = decoder.generate(PROMPTS, max_new_tokens=30, sampling=GREEDY, stop_on_eos=False)
+    stop = tokenizer.decode(free.sequences[0][5:7])  # text that row 0 produces mid-way, inside some step
+    result = decoder.generate(PROMPTS, max_new_tokens=30, sampling=GREEDY, stop_on_eos=False, stop_strings=[stop])
+    for seq, got, reason in zip(free.sequences, result.sequences, result.finish_reasons):
+        ends = [n for n in range(1, len(seq) + 1) if stop in tokenizer.decode(seq[:n])]
+        assert got == (seq[: ends[0]] if ends else seq)
+        assert reason == ("stop" if ends else "length")
+    assert result.finish_reasons[0] == "stop"

@@ -35,3 +35,25 @@ def perturbed(model, *, scale: float, seed: int):
         for param in draft.parameters():
             param.add_(scale * param.std() * torch.randn(param.shape, generator=gen))
     return draft
+
+
+def tiny_tokenizer(vocab: int = VOCAB):
+    """A byte-level tokenizer with no merges: id 0 is the space (and padding), then one id per ASCII letter,
+    the last id is EOS. It is a Qwen2 tokenizer, the class AutoTokenizer picks for these Qwen2 configs."""
+    import string
+
+    from transformers import Qwen2Tokenizer
+
+    symbols = ["\u0120"] + list(string.ascii_letters[: vocab - 2]) + ["<eos>"]  # \u0120 is byte-level's space
+    return Qwen2Tokenizer(vocab={s: i for i, s in enumerate(symbols)}, merges=[], unk_token=None,
+                          eos_token="<eos>", pad_token="\u0120")
+
+
+def save_tiny(path, *, seed: int = 0, sharpness: float = 5.0, noise: float = 0.0) -> str:
+    """A tiny model (optionally a perturbed copy, as a draft) with its tokenizer, saved for ``load_model``."""
+    model = tiny_model(seed=seed, sharpness=sharpness)
+    if noise:
+        model = perturbed(model, scale=noise, seed=seed + 1)
+    model.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return str(path)

@@ -234,3 +234,13 @@ def test_stop_strings_end_a_row_right_after_the_text(pair):
         assert got == (seq[: ends[0]] if ends else seq)
         assert reason == ("stop" if ends else "length")
     assert result.finish_reasons[0] == "stop"
+
+
+def test_sliding_window_models_are_refused_not_silently_given_full_attention():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=16,
+                         max_window_layers=1)
+    with pytest.raises(ValueError, match="sliding_attention"):
+        HFModel(Qwen2ForCausalLM(config))

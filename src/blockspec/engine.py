@@ -158,8 +158,8 @@ class SpeculativeDecoder:
             target_probs = process(logits[..., :self.vocab], sampling)  # [B, K+1, V]
             t2 = time.perf_counter()
             randomness = None if sampling.greedy else Randomness(verify_u[:, :draft_tokens.shape[1]], exponentials)
-            out = verify(draft_tokens, draft_probs, target_probs, num_draft=num_draft, randomness=randomness,
-                         validate=False)
+            out = verify(draft_tokens, draft_probs, target_probs, num_draft=num_draft.to(target_probs.device),
+                         randomness=randomness, validate=False)
             t3 = time.perf_counter()
 
             tau = out.num_accepted.cpu()

@@ -33,6 +33,9 @@ class HFModel:
         self.name = name or getattr(model, "name_or_path", None) or type(model).__name__
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         config = model.config.get_text_config(decoder=True)
+        windowed = sorted({t for t in getattr(config, "layer_types", None) or () if t != "full_attention"})
+        if windowed:  # the explicit slot mask below would silently give these layers full attention
+            raise ValueError(f"{type(model).__name__}: attention layers of type {windowed} are not supported yet")
         self.max_length = getattr(config, "max_position_embeddings", None)
         self.num_layers = int(config.num_hidden_layers)
         self.eos_token_ids = _eos_ids(model, tokenizer)

@@ -1,0 +1,154 @@
+"""End-to-end speed on a real pair at batch 1: target-only, token and block verification for several draft
+lengths, and transformers' own assisted generation, on the same models, prompts and sampling.
+
+    python benchmarks/engine_speed.py                                   # bundled Qwen2.5-Coder 1.5B/0.5B, bf16
+    python benchmarks/engine_speed.py --temperatures 1 --draft-lens 4 --max-new-tokens 32 --prompts 2
+
+Configurations are interleaved prompt by prompt (A B C ... A B C ...), after one warm-up generation each,
+so machine drift affects all of them alike. Prints a table, saves JSON (--out); the last stdout line is JSON.
+Block efficiency = 1 + mean accepted per step (tokens per target forward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+PROMPTS = [
+    "Write a Python function that checks whether a string is a palindrome, ignoring case and punctuation.",
+    "Explain the difference between a list and a tuple in Python, with a short example.",
+    "Write a SQL query that returns the ten customers with the highest total order value.",
+    "Implement binary search in JavaScript and explain its time complexity.",
+    "Write a bash script that counts the lines of every .py file in a directory tree.",
+    "What does the `yield` keyword do in Python? Give an example of a generator.",
+]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--draft-lens", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.0])
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--prompts", type=int, default=4, help=f"how many of the {len(PROMPTS)} built-in prompts")
+    parser.add_argument("--no-assisted", dest="assisted", action="store_false", help="skip transformers' assisted generation")
+    parser.add_argument("--out", type=Path, default=Path("results/engine_speed.json"))
+    args = parser.parse_args(argv)
+
+    from blockspec import SamplingParams, SpeculativeDecoder
+    from blockspec.chat import encode_prompt
+    from blockspec.models.hf import load_model
+
+    target = load_model(args.target, dtype=args.dtype)
+    draft = load_model(args.draft, dtype=args.dtype)
+    prompts = [encode_prompt(target.tokenizer, text) for text in PROMPTS[: args.prompts]]
+    configs = [("target-only", "none", 0)] + [
+        (f"{verifier} K={k}", verifier, k) for verifier in ("token", "block") for k in args.draft_lens
+    ] + ([("hf-assisted", "assisted", 0)] if args.assisted else [])
+
+    records = []
+    for temperature in args.temperatures:
+        sampling = SamplingParams(temperature=temperature)
+        runners = {name: make_runner(kind, k, target, draft, sampling, args.max_new_tokens, SpeculativeDecoder)
+                   for name, kind, k in configs}
+        for run in runners.values():  # warm-up, excluded
+            run(prompts[0][:16], seed=0)
+        for p, prompt in enumerate(prompts):
+            for name, _, _ in configs:
+                record = runners[name](prompt, seed=1000 + p)
+                records.append({"temperature": temperature, "config": name, "prompt": p, **record})
+                print(f"T={temperature:g} prompt {p} {name:<12} {record['new_tokens']:>4} tokens "
+                      f"{record['wall_time']:7.2f} s  BE {record['block_efficiency'] or float('nan'):.2f}",
+                      file=sys.stderr, flush=True)
+
+    summary = summarize(records, configs, args.temperatures)
+    result = {
+        "benchmark": "engine_speed",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads()},
+        "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__},
+        "models": {"target": args.target, "draft": args.draft, "dtype": args.dtype},
+        "max_new_tokens": args.max_new_tokens, "prompts": len(prompts),
+        "summary": summary, "records": records,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print_table(summary)
+    print(json.dumps({"benchmark": "engine_speed", "summary": summary}))
+
+
+def make_runner(kind, draft_len, target, draft, sampling, max_new_tokens, decoder_class):
+    if kind == "assisted":
+        return lambda prompt, seed: run_assisted(target, draft, prompt, sampling, max_new_tokens, seed)
+    decoder = decoder_class(target, None if kind == "none" else draft, verifier=kind, draft_len=draft_len or 4)
+
+    def run(prompt, seed):
+        result = decoder.generate([prompt], max_new_tokens=max_new_tokens, sampling=sampling, seed=seed)
+        steps = result.stats
+        return {
+            "new_tokens": result.new_tokens, "wall_time": result.wall_time, "steps": len(steps),
+            "block_efficiency": result.block_efficiency if kind != "none" else None,
+            "forward_time": sum(s.forward_s for s in steps),
+            "draft_time": sum(s.draft_s for s in steps), "target_time": sum(s.target_s for s in steps),
+            "verify_time": sum(s.verify_s for s in steps),
+        }
+
+    return run
+
+
+def run_assisted(target, draft, prompt, sampling, max_new_tokens, seed):
+    """transformers' assisted generation (its defaults for the assistant), same models and sampling."""
+    torch.manual_seed(seed)  # generate() samples from the global generator
+    ids = torch.tensor([prompt])
+    options = dict(do_sample=False) if sampling.greedy else dict(do_sample=True, temperature=sampling.temperature,
+                                                                  top_k=0, top_p=1.0)
+    start = time.perf_counter()
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft.model,
+                                max_new_tokens=max_new_tokens, eos_token_id=list(target.eos_token_ids),
+                                pad_token_id=target.eos_token_ids[0], **options)
+    wall = time.perf_counter() - start
+    return {"new_tokens": out.shape[1] - ids.shape[1], "wall_time": wall, "steps": None, "block_efficiency": None,
+            "forward_time": None, "draft_time": None, "target_time": None, "verify_time": None}
+
+
+def summarize(records, configs, temperatures):
+    summary = []
+    for temperature in temperatures:
+        rows = {name: [r for r in records if r["temperature"] == temperature and r["config"] == name]
+                for name, _, _ in configs}
+        speed = {name: sum(r["new_tokens"] for r in rs) / sum(r["wall_time"] for r in rs) for name, rs in rows.items()}
+        for name, rs in rows.items():
+            steps = sum(r["steps"] or 0 for r in rs)
+            forward = [r["forward_time"] for r in rs if r["forward_time"] is not None]
+            summary.append({
+                "temperature": temperature, "config": name, "tokens_per_s": round(speed[name], 3),
+                "speedup_vs_target": round(speed[name] / speed["target-only"], 3),
+                "speedup_vs_assisted": round(speed[name] / speed["hf-assisted"], 3) if "hf-assisted" in speed else None,
+                "block_efficiency": round(sum(r["new_tokens"] for r in rs) / steps, 3) if steps else None,
+                "outside_forward_share": round(1 - sum(forward) / sum(r["wall_time"] for r in rs), 4) if forward else None,
+            })
+    return summary
+
+
+def print_table(summary):
+    print(f"{'T':>3} {'config':<12} {'tokens/s':>9} {'vs target':>9} {'vs assisted':>11} {'BE*':>5} {'outside fwd':>11}")
+    for row in summary:
+        assisted = f"{row['speedup_vs_assisted']:.2f}x" if row["speedup_vs_assisted"] else "-"
+        be = f"{row['block_efficiency']:.2f}" if row["block_efficiency"] else "-"
+        outside = f"{100 * row['outside_forward_share']:.1f} %" if row["outside_forward_share"] is not None else "-"
+        print(f"{row['temperature']:>3g} {row['config']:<12} {row['tokens_per_s']:>9.2f} {row['speedup_vs_target']:>8.2f}x "
+              f"{assisted:>11} {be:>5} {outside:>11}")
+    print("* BE = emitted tokens per target forward (1 + mean accepted per step; EOS and length cuts included)")
+
+
+if __name__ == "__main__":
+    main()

@@ -350,7 +350,9 @@ def status(preset: str | Preset, *, cache: str | os.PathLike | None = None) -> P
     preset = get_preset(preset)
     folder = preset_dir(preset, cache)
     converted = tuple(
-        sorted(d.name[3:] for d in folder.glob("hf-*") if d.is_dir() and _converted_ok(preset, d))
+        sorted(  # hf-<dtype> only: an interrupted save leaves hf-<dtype>.partial<pid>, never counted
+            d.name[3:] for d in folder.glob("hf-*") if d.name[3:] in _DTYPES.values() and _converted_ok(preset, d)
+        )
     ) if folder.is_dir() else ()
     missing = missing_packages(preset)
     return PresetStatus(

@@ -97,7 +97,7 @@ def make_runner(kind, draft_len, target, draft, sampling, max_new_tokens, decode
         return {
             "new_tokens": result.new_tokens, "wall_time": result.wall_time, "steps": len(steps),
             "block_efficiency": result.block_efficiency if kind != "none" else None,
-            "forward_time": sum(s.forward_s for s in steps),
+            "forward_time": result.prefill_s + sum(s.forward_s for s in steps), "prefill_time": result.prefill_s,
             "draft_time": sum(s.draft_s for s in steps), "target_time": sum(s.target_s for s in steps),
             "verify_time": sum(s.verify_s for s in steps),
         }
@@ -117,7 +117,7 @@ def run_assisted(target, draft, prompt, sampling, max_new_tokens, seed):
                                 pad_token_id=target.eos_token_ids[0], **options)
     wall = time.perf_counter() - start
     return {"new_tokens": out.shape[1] - ids.shape[1], "wall_time": wall, "steps": None, "block_efficiency": None,
-            "forward_time": None, "draft_time": None, "target_time": None, "verify_time": None}
+            "forward_time": None, "prefill_time": None, "draft_time": None, "target_time": None, "verify_time": None}
 
 
 def summarize(records, configs, temperatures):

@@ -50,6 +50,7 @@ class GenerationResult:
     finish_reasons: list[str]  # "eos", "stop" or "length"
     stats: list[StepStats] = field(repr=False)
     wall_time: float = 0.0
+    prefill_s: float = 0.0  # the prompts' forwards through both models, before the first step
 
     @property
     def new_tokens(self) -> int:
@@ -136,6 +137,7 @@ class SpeculativeDecoder:
         models = [self.target] + ([self.draft] if self.draft is not None else [])
         for model in models:  # the last prompt token stays pending: every step scores [pending, drafts]
             model.prefill([s[:-1] for s in sequences])
+        prefill_s = time.perf_counter() - start
         generated: list[list[int]] = [[] for _ in sequences]
         reasons: list[str | None] = [None] * len(sequences)
         active = list(range(len(sequences)))  # prompt index of each batch row
@@ -194,7 +196,7 @@ class SpeculativeDecoder:
         texts = None
         if self.tokenizer is not None:
             texts = [self.tokenizer.decode(g, skip_special_tokens=True) for g in generated]
-        return GenerationResult(generated, texts, list(reasons), stats, time.perf_counter() - start)
+        return GenerationResult(generated, texts, list(reasons), stats, time.perf_counter() - start, prefill_s)
 
     # --- the pieces of a step ----------------------------------------------------------------------------
 

@@ -99,12 +99,13 @@ def row_chunks(batch: int, vocab: int) -> list[slice]:
     return [slice(start, min(start + rows, batch)) for start in range(0, batch, rows)]
 
 
-def positive_part_mass(scale: torch.Tensor, target_row: torch.Tensor, draft_row: torch.Tensor) -> torch.Tensor:
-    """sum_v max(scale * target_row[v] - draft_row[v], 0) for each row: scale [B], rows [B, V] -> [B]."""
+def positive_part_mass(scale: torch.Tensor, target: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
+    """sum_v max(scale * target[..., v] - draft[..., v], 0): scale [B, N], target and draft [B, N, V] -> [B, N]."""
     mass = torch.empty_like(scale)
-    for rows in row_chunks(*target_row.shape):
-        residual = torch.mul(target_row[rows], scale[rows, None])
-        mass[rows] = residual.sub_(draft_row[rows]).clamp_(min=0.0).sum(-1)
+    batch, positions, vocab = target.shape
+    for rows in row_chunks(batch, positions * vocab):
+        residual = torch.mul(target[rows], scale[rows, :, None])
+        mass[rows] = residual.sub_(draft[rows]).clamp_(min=0.0).sum(-1)
     return mass
 
 

@@ -34,20 +34,20 @@ def block_acceptance(
         log_w[:, i + 1] = (log_w[:, i] + log_ratio[:, i]).clamp(max=0.0)
     w = log_w.exp()
 
-    h = torch.zeros_like(w[:, 1:])  # h[:, i - 1] = h_i
-    longest = int(num_draft.max()) if batch else 0
-    for i in range(1, min(draft_len, longest)):  # only positions below some row's n need Z_i
-        if draft_probs is None:
-            # max(w t - onehot(x_{i+1}), 0) sums to w (1 - t(x_{i+1})) since w t <= 1: no vocabulary pass.
-            z = w[:, i] * (1.0 - target_at[:, i])
-        else:
-            z = positive_part_mass(w[:, i], target_probs[:, i], draft_probs[:, i])
-        # 1 - w first: exact for w in [1/2, 1] (Sterbenz) and >= 0, so denominator >= z and h <= 1 after rounding
-        # too. (z + 1) - w rounds z's low bits away: with w = 1 it gave h above 1 (by up to 2.4e-7 in float32).
-        denominator = z + (1.0 - w[:, i])
-        # Guard: the denominator is 0 only if w_i = 1 and the two distributions agree; then P(tau = i) = 0
-        # whatever h_i is, and 1 is exact.
-        h[:, i - 1] = torch.where(denominator > 0, z / denominator.clamp(min=torch.finfo(w.dtype).tiny), 1.0)
+    # Z_i for the positions i = 1..m-1 below the longest row's draft m, all at once: [B, m-1].
+    inner = slice(1, max(int(num_draft.max()) if batch else 0, 1))
+    if draft_probs is None:
+        # max(w t - onehot(x_{i+1}), 0) sums to w (1 - t(x_{i+1})) since w t <= 1: no vocabulary pass.
+        z = w[:, inner] * (1.0 - target_at[:, inner])
+    else:
+        z = positive_part_mass(w[:, inner], target_probs[:, inner], draft_probs[:, inner])
+    # 1 - w first: exact for w in [1/2, 1] (Sterbenz) and >= 0, so denominator >= z and h <= 1 after rounding
+    # too. (z + 1) - w rounds z's low bits away: with w = 1 it gave h above 1 (by up to 2.4e-7 in float32).
+    denominator = z + (1.0 - w[:, inner])
+    # Guard: the denominator is 0 only if w_i = 1 and the two distributions agree; then P(tau = i) = 0
+    # whatever h_i is, and 1 is exact.
+    h = torch.where(denominator > 0, z / denominator.clamp(min=torch.finfo(w.dtype).tiny), 1.0)
+    h = torch.nn.functional.pad(h, (0, draft_len - h.shape[1]))  # [B, K]: column i - 1 is h_i
     positions = torch.arange(1, draft_len + 1, device=num_draft.device)  # 1-based
     h = torch.where(positions == num_draft[:, None], w[:, 1:], torch.where(drafted, h, 0.0))
     return h, log_w

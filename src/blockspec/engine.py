@@ -133,6 +133,7 @@ class SpeculativeDecoder:
         stop = _Stopper(self, stop_on_eos, stop_strings, max_new_tokens)
         verify = VERIFIERS["greedy" if sampling.greedy else ("token" if self.verifier == "none" else self.verifier)]
 
+        device = self.target.device  # sampling and verification run where the target's logits are
         start = time.perf_counter()
         models = [self.target] + ([self.draft] if self.draft is not None else [])
         for model in models:  # the last prompt token stays pending: every step scores [pending, drafts]
@@ -151,16 +152,15 @@ class SpeculativeDecoder:
             draft_tokens, draft_probs, forward_s = self._propose([sequences[i] + generated[i] for i in active],
                                                                  int(num_draft.max()), sampling, draft_u)
             t1 = time.perf_counter()
-            pending = torch.tensor([(sequences[i] + generated[i])[-1] for i in active])[:, None]
+            pending = torch.tensor([(sequences[i] + generated[i])[-1] for i in active], device=device)[:, None]
             valid = torch.cat([torch.ones_like(pending, dtype=torch.bool),
-                               drafted_mask(num_draft, draft_tokens.shape[1])], dim=1)
-            logits = self.target.forward(torch.cat([pending, draft_tokens], 1).to(self.target.device),
-                                         valid.to(self.target.device))
+                               drafted_mask(num_draft.to(device), draft_tokens.shape[1])], dim=1)
+            logits = self.target.forward(torch.cat([pending, draft_tokens], 1), valid)
             forward_s += time.perf_counter() - t1
             target_probs = process(logits[..., :self.vocab], sampling)  # [B, K+1, V]
             t2 = time.perf_counter()
             randomness = None if sampling.greedy else Randomness(verify_u[:, :draft_tokens.shape[1]], exponentials)
-            out = verify(draft_tokens, draft_probs, target_probs, num_draft=num_draft.to(target_probs.device),
+            out = verify(draft_tokens, draft_probs, target_probs, num_draft=num_draft.to(device),
                          randomness=randomness, validate=False)
             t3 = time.perf_counter()
 

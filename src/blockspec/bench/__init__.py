@@ -1,0 +1,1 @@
+"""blockspec bench: reproduce the block verification paper's evaluation on real models and data."""

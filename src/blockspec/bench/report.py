@@ -1,0 +1,653 @@
+"""Benchmark report: paper-style tables and plots from saved JSONL records (re-runnable at any time).
+
+Glossary (ALGORITHMS.md conventions):
+    BE          block efficiency = tokens emitted per target forward = 1 + mean accepted draft tokens per
+                step, POOLED over all steps of all prompts of a configuration (sum accepted / sum steps).
+    gain        BE_block / BE_token - 1, measured from the accepted lengths actually observed.
+    analytic    1 + mean of the per-step exact E[accepted | this step's draft] under each rule, over the
+                steps of BOTH the token and the block runs: every step's draft is scored under both rules,
+                so the two BEs share their drafts and the paired gain is far less noisy than the measured one.
+    tok/s       sum new_tokens / sum wall_time of a configuration (prefill included).
+    unit        a prompt, (dataset, prompt_id). Confidence intervals resample prompts, never steps: the steps
+                of one prompt share its context and difficulty, so they are not independent draws.
+
+Confidence intervals are percentile bootstrap intervals over prompts, paired (one resample picks the same
+prompts for every configuration compared), stratified by dataset (each dataset keeps its prompt count), with
+an explicit seeded ``numpy.random.Generator``. Speedups compare tok/s on the prompts both configurations ran.
+
+Library entry points: ``build_report(records) -> Report``, ``format_table(report) -> str``,
+``summary(report) -> dict``, ``render(report, out_dir) -> list[Path]``. The CLI
+``python -m blockspec.bench.report --records FILE --out DIR`` prints the tables, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+
+from blockspec.bench import records as records_io
+from blockspec.bench.records import Record
+
+log = logging.getLogger(__name__)
+
+ALL = "all"  # dataset label of the summary rows, pooled over every dataset
+CONVENTION = (
+    "BE = block efficiency = 1 + mean accepted draft tokens per target forward, pooled over all steps of all "
+    "prompts of a configuration; gain = BE block / BE token - 1 with a {conf:.0f}% percentile bootstrap CI that "
+    "resamples prompts (paired by prompt, stratified by dataset, {n_boot} resamples, seed {seed}); analytic = "
+    "1 + mean per-step exact E[accepted | draft] under each rule over the steps of both runs (same drafts); "
+    "tok/s = sum new tokens / sum wall time; speedups are tok/s ratios on the prompts both configurations ran"
+)
+
+
+@dataclass(frozen=True)
+class ReportConfig:
+    """Defaults of the report (the CLI reads them from here)."""
+
+    n_boot: int = 2000  # bootstrap resamples of prompts
+    confidence: float = 0.95
+    seed: int = 0  # seed of the bootstrap's numpy Generator: the same records give the same report
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A point value and its bootstrap interval (lo/hi are None with fewer than two prompts)."""
+
+    value: float
+    lo: float | None = None
+    hi: float | None = None
+
+
+@dataclass(frozen=True)
+class Row:
+    """Token vs block at one (dataset, temperature, K, batch size), on the prompts both ran."""
+
+    dataset: str
+    temperature: float
+    draft_len: int
+    batch_size: int
+    prompts: int  # prompts that ran both token and block
+    steps_token: int
+    steps_block: int
+    # measured block efficiency
+    be_token: float | None
+    be_block: float | None
+    gain: Estimate | None
+    # analytic block efficiency from the per-step expected values
+    analytic_be_token: float | None
+    analytic_be_block: float | None
+    analytic_gain: Estimate | None
+    # wall clock
+    tokens_per_s_token: float | None
+    tokens_per_s_block: float | None
+    speedup_token_vs_target: float | None
+    speedup_block_vs_target: float | None
+    speedup_token_vs_hf: float | None
+    speedup_block_vs_hf: float | None
+    speedup_block_vs_token: Estimate | None
+
+
+@dataclass(frozen=True)
+class BaselineRow:
+    """target-only or hf-assisted at one (dataset, temperature, K, batch size)."""
+
+    dataset: str
+    config: str
+    temperature: float
+    draft_len: int
+    batch_size: int
+    prompts: int
+    tokens_per_s: float | None
+    speedup_vs_target: float | None  # None for target-only itself or when target-only is missing
+
+
+@dataclass(frozen=True)
+class AcceptedHistogram:
+    """How many steps accepted 0..K draft tokens, pooled over datasets."""
+
+    config: str
+    temperature: float
+    draft_len: int
+    counts: tuple[int, ...]  # counts[tau] for tau = 0..max
+
+
+@dataclass(frozen=True)
+class Report:
+    datasets: tuple[str, ...]
+    rows: tuple[Row, ...]  # per dataset, then the ALL rows
+    baselines: tuple[BaselineRow, ...]
+    histograms: tuple[AcceptedHistogram, ...]
+    n_records: int
+    config: ReportConfig
+
+    def rows_of(self, dataset: str) -> list[Row]:
+        return [row for row in self.rows if row.dataset == dataset]
+
+
+# ----------------------------------------------------------------------------------------- bootstrap
+
+
+def resample_counts(strata: np.ndarray, n_boot: int, generator: np.random.Generator) -> np.ndarray:
+    """[n_boot, P] float: how often each of P prompts is drawn in each resample.
+
+    Prompts are redrawn with replacement within their stratum (dataset), so every resample keeps each
+    dataset's prompt count. A statistic of the resample is then a function of ``counts @ per_prompt_sums``.
+    """
+    counts = np.zeros((n_boot, len(strata)))
+    for stratum in np.unique(strata):  # sorted: the draw order is deterministic
+        members = np.flatnonzero(strata == stratum)
+        m = len(members)
+        draws = generator.integers(0, m, size=(n_boot, m))  # [n_boot, m] indices into members
+        flat = draws + m * np.arange(n_boot)[:, None]  # one bincount for all resamples: offset row b by b*m
+        counts[:, members] = np.bincount(flat.ravel(), minlength=n_boot * m).reshape(n_boot, m)
+    return counts
+
+
+def bootstrap(
+    statistic: Callable[[dict], float | np.ndarray],
+    columns: dict[str, np.ndarray],
+    strata: np.ndarray,
+    config: ReportConfig,
+) -> Estimate:
+    """Point value and percentile CI of ``statistic`` over prompts.
+
+    ``columns`` maps a name to per-prompt sums [P] (all aligned on the same prompts, so the bootstrap is
+    paired); ``statistic`` receives the same names mapped to totals: scalars for the point value, arrays
+    [n_boot] for the resamples (numpy broadcasting serves both).
+    """
+    point = float(statistic({name: column.sum() for name, column in columns.items()}))
+    if len(strata) < 2:
+        return Estimate(point)
+    generator = np.random.default_rng(config.seed)  # fresh per call: a cell's CI does not depend on call order
+    counts = resample_counts(strata, config.n_boot, generator)
+    with np.errstate(divide="ignore", invalid="ignore"):  # a resample can draw only zero-step prompts
+        replicas = np.asarray(statistic({name: counts @ column for name, column in columns.items()}), float)
+    replicas = replicas[np.isfinite(replicas)]
+    if len(replicas) == 0:
+        return Estimate(point)
+    tail = (1 - config.confidence) / 2
+    lo, hi = np.quantile(replicas, [tail, 1 - tail])
+    return Estimate(point, float(lo), float(hi))
+
+
+# ------------------------------------------------------------------------------------ record helpers
+
+
+def _unit(record: Record) -> tuple[str, str]:
+    return (record.dataset, record.prompt_id)
+
+
+def _by_unit(records: Iterable[Record]) -> dict[tuple[str, str], Record]:
+    units: dict[tuple[str, str], Record] = {}
+    for record in records:
+        if _unit(record) in units:
+            log.warning("duplicate record %s: keeping the first", record.key)
+            continue
+        units[_unit(record)] = record
+    return units
+
+
+def _ratio(numerator: float, denominator: float) -> float | None:
+    return numerator / denominator if denominator > 0 else None
+
+
+def _rate(records: Iterable[Record]) -> float | None:
+    """tokens/s = sum new_tokens / sum wall_time (a pooled rate, not a mean of per-prompt rates)."""
+    records = list(records)
+    return _ratio(sum(r.new_tokens for r in records), sum(r.wall_time for r in records))
+
+
+def _speedup(fast: dict, slow: dict) -> float | None:
+    """tok/s of ``fast`` over tok/s of ``slow`` on the prompts both ran (prompt mix changes tok/s)."""
+    common = fast.keys() & slow.keys()
+    if not common:
+        return None
+    fast_rate, slow_rate = _rate(fast[u] for u in common), _rate(slow[u] for u in common)
+    return fast_rate / slow_rate if fast_rate and slow_rate else None
+
+
+# --------------------------------------------------------------------------------- table column groups
+
+
+def efficiency_columns(token: list[Record], block: list[Record], strata: np.ndarray, config: ReportConfig) -> dict:
+    """Measured BE of each rule (1 + pooled mean accepted) and the gain with a prompt-bootstrap CI.
+
+    ``token[i]`` and ``block[i]`` are the runs of the same prompt.
+    """
+    columns = {
+        "acc_t": np.array([sum(r.accepted) for r in token], float),
+        "steps_t": np.array([len(r.accepted) for r in token], float),
+        "acc_b": np.array([sum(r.accepted) for r in block], float),
+        "steps_b": np.array([len(r.accepted) for r in block], float),
+    }
+    steps_t, steps_b = int(columns["steps_t"].sum()), int(columns["steps_b"].sum())
+    be_token = 1 + columns["acc_t"].sum() / steps_t if steps_t else None
+    be_block = 1 + columns["acc_b"].sum() / steps_b if steps_b else None
+    gain = None
+    if be_token and be_block:
+        gain = bootstrap(
+            lambda s: (1 + s["acc_b"] / s["steps_b"]) / (1 + s["acc_t"] / s["steps_t"]) - 1, columns, strata, config
+        )
+    return dict(steps_token=steps_t, steps_block=steps_b, be_token=be_token, be_block=be_block, gain=gain)
+
+
+def analytic_columns(token: list[Record], block: list[Record], strata: np.ndarray, config: ReportConfig) -> dict:
+    """BE from the exact per-step expected accepted lengths, pooled over the steps of BOTH runs.
+
+    Every step of either run scored its own draft under both rules, so the token and block values share
+    their drafts (a paired comparison); pooling the two runs doubles the steps. Both runs are lossless, so
+    their contexts have the same law and pooling does not bias either value.
+    """
+
+    def per_prompt(name: str) -> np.ndarray:
+        return np.array([sum(getattr(t, name)) + sum(getattr(b, name)) for t, b in zip(token, block)], float)
+
+    columns = {
+        "exp_t": per_prompt("expected_token"),
+        "exp_b": per_prompt("expected_block"),
+        "steps": np.array([len(t.expected_token) + len(b.expected_token) for t, b in zip(token, block)], float),
+    }
+    lengths_match = all(
+        len(r.expected_token) == len(r.expected_block) for r in (*token, *block)
+    )
+    if not lengths_match:
+        log.warning("expected_token and expected_block differ in length in some records: analytic BE skipped")
+    if not lengths_match or columns["steps"].sum() == 0:
+        return dict(analytic_be_token=None, analytic_be_block=None, analytic_gain=None)
+    steps = columns["steps"].sum()
+    gain = bootstrap(lambda s: (s["steps"] + s["exp_b"]) / (s["steps"] + s["exp_t"]) - 1, columns, strata, config)
+    return dict(
+        analytic_be_token=1 + columns["exp_t"].sum() / steps,
+        analytic_be_block=1 + columns["exp_b"].sum() / steps,
+        analytic_gain=gain,
+    )
+
+
+def speed_columns(
+    token: dict, block: dict, target: dict, hf: dict, strata: np.ndarray, config: ReportConfig
+) -> dict:
+    """tok/s of each rule, speedups over target-only and hf-assisted, and block over token with a CI.
+
+    Each argument maps a prompt unit to its record; ``token`` and ``block`` hold the same prompts (paired).
+    """
+    units = list(token)
+    columns = {
+        "new_t": np.array([token[u].new_tokens for u in units], float),
+        "wall_t": np.array([token[u].wall_time for u in units], float),
+        "new_b": np.array([block[u].new_tokens for u in units], float),
+        "wall_b": np.array([block[u].wall_time for u in units], float),
+    }
+    block_vs_token = None
+    if columns["wall_t"].sum() > 0 and columns["wall_b"].sum() > 0 and columns["new_t"].sum() > 0:
+        block_vs_token = bootstrap(
+            lambda s: (s["new_b"] / s["wall_b"]) / (s["new_t"] / s["wall_t"]), columns, strata, config
+        )
+    return dict(
+        tokens_per_s_token=_rate(token.values()),
+        tokens_per_s_block=_rate(block.values()),
+        speedup_token_vs_target=_speedup(token, target),
+        speedup_block_vs_target=_speedup(block, target),
+        speedup_token_vs_hf=_speedup(token, hf),
+        speedup_block_vs_hf=_speedup(block, hf),
+        speedup_block_vs_token=block_vs_token,
+    )
+
+
+# ------------------------------------------------------------------------------------------- building
+
+
+def _cells(records: list[Record]) -> dict[tuple, list[Record]]:
+    """Records grouped by (config, temperature, draft_len, batch_size)."""
+    cells: dict[tuple, list[Record]] = defaultdict(list)
+    for record in records:
+        cells[(record.config, record.temperature, record.draft_len, record.batch_size)].append(record)
+    return cells
+
+
+def _target_cell(cells: dict, temperature: float, batch_size: int) -> dict:
+    """target-only records at this temperature and batch size (their draft_len is 0 by convention)."""
+    return _by_unit(r for (c, t, _, b), found in cells.items() for r in found
+                    if c == "target-only" and (t, b) == (temperature, batch_size))
+
+
+def _hf_cell(cells: dict, temperature: float, draft_len: int, batch_size: int) -> dict:
+    """hf-assisted at the same K if it ran there, else with its own schedule (draft_len 0)."""
+    for k in (draft_len, 0):
+        if ("hf-assisted", temperature, k, batch_size) in cells:
+            return _by_unit(cells[("hf-assisted", temperature, k, batch_size)])
+    return {}
+
+
+def _spec_row(
+    label: str, cells: dict, temperature: float, draft_len: int, batch_size: int, config: ReportConfig
+) -> Row:
+    token_all = _by_unit(cells.get(("token", temperature, draft_len, batch_size), []))
+    block_all = _by_unit(cells.get(("block", temperature, draft_len, batch_size), []))
+    units = sorted(token_all.keys() & block_all.keys())
+    unpaired = len(token_all) + len(block_all) - 2 * len(units)
+    if unpaired:
+        log.warning("%s T=%g K=%d B=%d: %d records without their token/block pair are left out",
+                    label, temperature, draft_len, batch_size, unpaired)
+    token = {u: token_all[u] for u in units}
+    block = {u: block_all[u] for u in units}
+    strata = np.array([dataset for dataset, _ in units])
+    token_list, block_list = list(token.values()), list(block.values())
+    return Row(
+        dataset=label, temperature=temperature, draft_len=draft_len, batch_size=batch_size, prompts=len(units),
+        **efficiency_columns(token_list, block_list, strata, config),
+        **analytic_columns(token_list, block_list, strata, config),
+        **speed_columns(token, block, _target_cell(cells, temperature, batch_size),
+                        _hf_cell(cells, temperature, draft_len, batch_size), strata, config),
+    )
+
+
+def _baseline_rows(label: str, cells: dict) -> list[BaselineRow]:
+    rows = []
+    order = {"target-only": 0, "hf-assisted": 1}  # the reference first
+    baseline_cells = sorted((key for key in cells if key[0] in order), key=lambda key: (order[key[0]], key[1:]))
+    for config_name, temperature, draft_len, batch_size in baseline_cells:
+        found = cells[(config_name, temperature, draft_len, batch_size)]
+        units = _by_unit(found)
+        target = _target_cell(cells, temperature, batch_size)
+        rows.append(BaselineRow(
+            dataset=label, config=config_name, temperature=temperature, draft_len=draft_len, batch_size=batch_size,
+            prompts=len(units), tokens_per_s=_rate(units.values()),
+            speedup_vs_target=_speedup(units, target) if config_name == "hf-assisted" else None,
+        ))
+    return rows
+
+
+def _histograms(records: list[Record]) -> list[AcceptedHistogram]:
+    pooled: dict[tuple, list[int]] = defaultdict(list)
+    for record in records:
+        if record.config in ("token", "block") and record.accepted:
+            pooled[(record.config, record.temperature, record.draft_len)].extend(record.accepted)
+    return [
+        AcceptedHistogram(config_name, temperature, draft_len,
+                          tuple(int(c) for c in np.bincount(accepted, minlength=draft_len + 1)))
+        for (config_name, temperature, draft_len), accepted in sorted(pooled.items())
+    ]
+
+
+def build_report(records: list[Record], config: ReportConfig = ReportConfig()) -> Report:
+    """Tables for every dataset and one pooled over all datasets (label ``ALL``), plus histograms.
+
+    Unknown configurations are ignored with a warning; missing ones leave their columns empty (None).
+    """
+    known = [r for r in records if r.config in records_io.CONFIGS]
+    if len(known) < len(records):
+        log.warning("%d records with an unknown config are ignored", len(records) - len(known))
+    datasets = tuple(sorted({r.dataset for r in known}))
+    groups = [(dataset, [r for r in known if r.dataset == dataset]) for dataset in datasets]
+    if datasets:
+        groups.append((ALL, known))
+    rows, baselines = [], []
+    for label, group in groups:
+        cells = _cells(group)
+        spec_keys = sorted({(t, k, b) for (c, t, k, b) in cells if c in ("token", "block")})
+        rows += [_spec_row(label, cells, t, k, b, config) for t, k, b in spec_keys]
+        baselines += _baseline_rows(label, cells)
+        log.info("%s: %d records, %d token/block rows", label, len(group), len(spec_keys))
+    return Report(datasets, tuple(rows), tuple(baselines), tuple(_histograms(known)), len(known), config)
+
+
+# ------------------------------------------------------------------------------------------ formatting
+
+DASH = "-"
+HEADER = (
+    "T", "K", "B", "config", "prompts", "BE token", "BE block", "gain (CI)", "analytic BE token",
+    "analytic BE block", "analytic gain (CI)", "tok/s token / block", "x target-only token / block",
+    "x hf-assisted token / block", "block / token wall (CI)",
+)
+
+
+def _num(value: float | None, spec: str = ".3f", suffix: str = "") -> str:
+    return DASH if value is None else f"{value:{spec}}{suffix}"
+
+
+def _pair(a: float | None, b: float | None, spec: str, suffix: str = "") -> str:
+    return DASH if a is None and b is None else f"{_num(a, spec, suffix)} / {_num(b, spec, suffix)}"
+
+
+def _percent(estimate: Estimate | None) -> str:
+    if estimate is None:
+        return DASH
+    text = f"{100 * estimate.value:+.1f}%"
+    return text if estimate.lo is None else f"{text} [{100 * estimate.lo:+.1f}, {100 * estimate.hi:+.1f}]"
+
+
+def _times(estimate: Estimate | None) -> str:
+    if estimate is None:
+        return DASH
+    text = f"{estimate.value:.3f}x"
+    return text if estimate.lo is None else f"{text} [{estimate.lo:.3f}, {estimate.hi:.3f}]"
+
+
+def _spec_cells(row: Row) -> list[str]:
+    return [
+        f"{row.temperature:g}", str(row.draft_len), str(row.batch_size), "token vs block", str(row.prompts),
+        _num(row.be_token), _num(row.be_block), _percent(row.gain),
+        _num(row.analytic_be_token), _num(row.analytic_be_block), _percent(row.analytic_gain),
+        _pair(row.tokens_per_s_token, row.tokens_per_s_block, ".2f"),
+        _pair(row.speedup_token_vs_target, row.speedup_block_vs_target, ".3f", "x"),
+        _pair(row.speedup_token_vs_hf, row.speedup_block_vs_hf, ".3f", "x"),
+        _times(row.speedup_block_vs_token),
+    ]
+
+
+def _baseline_cells(row: BaselineRow) -> list[str]:
+    return [
+        f"{row.temperature:g}", str(row.draft_len), str(row.batch_size), row.config, str(row.prompts),
+        *[DASH] * 6, _num(row.tokens_per_s, ".2f"),
+        "1.000x" if row.config == "target-only" else _num(row.speedup_vs_target, ".3f", "x"), DASH, DASH,
+    ]
+
+
+def _markdown(header: tuple[str, ...], body: list[list[str]]) -> str:
+    widths = [max(len(cell) for cell in column) for column in zip(header, *body)]
+    line = lambda cells: "| " + " | ".join(cell.ljust(w) for cell, w in zip(cells, widths)) + " |"  # noqa: E731
+    return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, body)])
+
+
+def format_table(report: Report) -> str:
+    """Markdown tables: one per dataset, then the summary pooled over datasets; the convention on top."""
+    cfg = report.config
+    parts = [CONVENTION.format(conf=100 * cfg.confidence, n_boot=cfg.n_boot, seed=cfg.seed) + "."]
+    for label in (*report.datasets, ALL):
+        body = [_baseline_cells(b) for b in report.baselines if b.dataset == label]
+        body += [_spec_cells(r) for r in report.rows_of(label)]
+        if not body:
+            continue
+        title = "summary: all datasets pooled" if label == ALL else f"dataset: {label}"
+        parts.append(f"## {title}\n\n{_markdown(HEADER, body)}")
+    return "\n\n".join(parts)
+
+
+def _fastest(report: Report) -> list[dict]:
+    """Per (temperature, batch size), the configuration and K with the highest pooled tok/s."""
+    candidates = [(b.temperature, b.batch_size, b.config, b.draft_len, b.tokens_per_s)
+                  for b in report.baselines if b.dataset == ALL]
+    for row in report.rows_of(ALL):
+        candidates.append((row.temperature, row.batch_size, "token", row.draft_len, row.tokens_per_s_token))
+        candidates.append((row.temperature, row.batch_size, "block", row.draft_len, row.tokens_per_s_block))
+    best: dict[tuple, tuple] = {}
+    for temperature, batch_size, name, k, rate in candidates:
+        if rate is not None and ((temperature, batch_size) not in best or rate > best[(temperature, batch_size)][2]):
+            best[(temperature, batch_size)] = (name, k, rate)
+    return [dict(temperature=t, batch_size=b, config=name, draft_len=k, tokens_per_s=rate)
+            for (t, b), (name, k, rate) in sorted(best.items())]
+
+
+def summary(report: Report) -> dict:
+    """The JSON summary (the last stdout line of the CLI): pooled rows, baselines and the fastest setting."""
+    cfg = report.config
+    return {
+        "convention": CONVENTION.format(conf=100 * cfg.confidence, n_boot=cfg.n_boot, seed=cfg.seed),
+        "confidence": cfg.confidence,
+        "n_boot": cfg.n_boot,
+        "seed": cfg.seed,
+        "records": report.n_records,
+        "datasets": list(report.datasets),
+        "summary": [asdict(row) for row in report.rows_of(ALL)],
+        "baselines": [asdict(b) for b in report.baselines if b.dataset == ALL],
+        "fastest": _fastest(report),
+    }
+
+
+# ----------------------------------------------------------------------------------------------- plots
+
+
+def _panels(report: Report) -> list[tuple[float, int]]:
+    return sorted({(row.temperature, row.batch_size) for row in report.rows})
+
+
+def _new_figure(n_panels: int, title: str):
+    """A figure with n_panels side by side, drawn by the Agg canvas (no pyplot, no global backend state)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(5.5 * max(n_panels, 1), 4.2), layout="constrained")
+    FigureCanvasAgg(figure)
+    figure.suptitle(title)
+    axes = figure.subplots(1, max(n_panels, 1), squeeze=False)[0]
+    return figure, axes
+
+
+def plot_efficiency(report: Report, path: Path) -> Path:
+    """BE vs K: token (dashed) vs block (solid) per dataset; analytic values as hollow markers."""
+    panels = _panels(report)
+    figure, axes = _new_figure(len(panels), "block efficiency (1 + mean accepted per step) vs K")
+    for ax, (temperature, batch_size) in zip(axes, panels):
+        for index, label in enumerate((*report.datasets, ALL)):
+            rows = [r for r in report.rows_of(label) if (r.temperature, r.batch_size) == (temperature, batch_size)]
+            if not rows:
+                continue
+            color, ks = ("black" if label == ALL else f"C{index}"), [r.draft_len for r in rows]
+            ax.plot(ks, [r.be_token for r in rows], "o--", color=color, label=f"{label} token")
+            ax.plot(ks, [r.be_block for r in rows], "s-", color=color, label=f"{label} block")
+            ax.plot(ks, [r.analytic_be_token for r in rows], "o", mfc="none", color=color, alpha=0.6)
+            ax.plot(ks, [r.analytic_be_block for r in rows], "s", mfc="none", color=color, alpha=0.6)
+        ax.set(title=f"T={temperature:g}, B={batch_size} (hollow: analytic)", xlabel="K (draft length)",
+               ylabel="block efficiency")
+        ax.set_xticks(sorted({r.draft_len for r in report.rows}))
+        ax.legend(fontsize=7)
+    figure.savefig(path, dpi=110)
+    return path
+
+
+def plot_speedup(report: Report, path: Path) -> Path:
+    """Wall-clock speedup over target-only vs K: token (dashed), block (solid), hf-assisted (x)."""
+    panels = _panels(report)
+    figure, axes = _new_figure(len(panels), "wall-clock speedup over target-only vs K")
+    for ax, (temperature, batch_size) in zip(axes, panels):
+        ax.axhline(1.0, color="grey", lw=0.8)
+        for index, label in enumerate((*report.datasets, ALL)):
+            rows = [r for r in report.rows_of(label) if (r.temperature, r.batch_size) == (temperature, batch_size)]
+            color, ks = ("black" if label == ALL else f"C{index}"), [r.draft_len for r in rows]
+            ax.plot(ks, [_nan(r.speedup_token_vs_target) for r in rows], "o--", color=color, label=f"{label} token")
+            ax.plot(ks, [_nan(r.speedup_block_vs_target) for r in rows], "s-", color=color, label=f"{label} block")
+            hf = [b for b in report.baselines if b.dataset == label and b.config == "hf-assisted"
+                  and (b.temperature, b.batch_size) == (temperature, batch_size) and b.speedup_vs_target]
+            for b in hf:  # own schedule (K=0): a horizontal line; fixed K: a point
+                if b.draft_len:
+                    ax.plot([b.draft_len], [b.speedup_vs_target], "x", color=color, ms=9)
+                else:
+                    ax.axhline(b.speedup_vs_target, color=color, ls=":", lw=1)
+        ax.set(title=f"T={temperature:g}, B={batch_size} (x / dotted: hf-assisted)", xlabel="K (draft length)",
+               ylabel="tok/s over target-only")
+        ax.set_xticks(sorted({r.draft_len for r in report.rows}))
+        ax.legend(fontsize=7)
+    figure.savefig(path, dpi=110)
+    return path
+
+
+def plot_accepted(report: Report, path: Path) -> Path:
+    """Histogram of accepted lengths per step, token vs block, one panel per (T, K), pooled over datasets."""
+    panels = sorted({(h.temperature, h.draft_len) for h in report.histograms})
+    figure, axes = _new_figure(len(panels), "accepted draft tokens per step (fraction of steps)")
+    for ax, (temperature, draft_len) in zip(axes, panels):
+        for offset, name in ((-0.2, "token"), (0.2, "block")):
+            for h in report.histograms:
+                if (h.config, h.temperature, h.draft_len) == (name, temperature, draft_len):
+                    counts = np.array(h.counts, float)
+                    ax.bar(np.arange(len(counts)) + offset, counts / counts.sum(), width=0.4, label=name)
+        ax.set(title=f"T={temperature:g}, K={draft_len}", xlabel="accepted tokens", ylabel="fraction of steps")
+        ax.legend(fontsize=8)
+    figure.savefig(path, dpi=110)
+    return path
+
+
+def _nan(value: float | None) -> float:
+    return float("nan") if value is None else value
+
+
+def render(report: Report, out_dir: Path, plots: bool = True) -> list[Path]:
+    """Write report.md (the tables), summary.json and, if ``plots``, three PNG plots; return the paths.
+
+    Plots need matplotlib (``pip install 'blockspec[bench]'``); without it this raises ImportError rather
+    than silently skipping them.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = [out_dir / "report.md", out_dir / "summary.json"]
+    written[0].write_text(format_table(report) + "\n")
+    written[1].write_text(json.dumps(summary(report), indent=1) + "\n")
+    if plots:
+        written += [
+            plot_efficiency(report, out_dir / "block_efficiency_vs_k.png"),
+            plot_speedup(report, out_dir / "speedup_vs_k.png"),
+            plot_accepted(report, out_dir / "accepted_hist.png"),
+        ]
+    log.info("report written: %s", ", ".join(str(p) for p in written))
+    return written
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = ReportConfig()
+    parser = argparse.ArgumentParser(
+        prog="python -m blockspec.bench.report",
+        description="Tables and plots from saved benchmark records; the last stdout line is a JSON summary.",
+    )
+    parser.add_argument("--records", type=Path, nargs="+", required=True, help="JSONL record file(s)")
+    parser.add_argument("--out", type=Path, help="directory for report.md, summary.json and plots")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--n-boot", type=int, default=defaults.n_boot,
+                        help="bootstrap resamples (default: %(default)s)")
+    parser.add_argument("--confidence", type=float, default=defaults.confidence, help="(default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="bootstrap seed (default: %(default)s)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    try:
+        loaded = [record for path in args.records for record in records_io.read(path)]
+    except (FileNotFoundError, ValueError) as error:
+        print(f"report: error: {error}", file=sys.stderr)
+        return 2
+    if not loaded:
+        print("report: error: no records", file=sys.stderr)
+        return 2
+    report = build_report(loaded, ReportConfig(n_boot=args.n_boot, confidence=args.confidence, seed=args.seed))
+    if args.out:
+        render(report, args.out, plots=not args.no_plots)
+    print(format_table(report))
+    print(json.dumps(summary(report)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

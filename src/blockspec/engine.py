@@ -165,24 +165,8 @@ class SpeculativeDecoder:
             t3 = time.perf_counter()
 
             tau = out.num_accepted.cpu()
-            emitted, finished = [], []
-            for b, i in enumerate(active):
-                tokens = out.tokens[b, : int(tau[b]) + 1].tolist()
-                kept, reasons[i] = stop.cut(generated[i], tokens)
-                generated[i] += kept
-                emitted.append(len(kept))
-                if on_tokens is not None and kept:
-                    on_tokens(i, kept)
-                if reasons[i] is not None:
-                    finished.append(b)
-            lengths = torch.tensor([len(sequences[i]) + len(generated[i]) - 1 for i in active])
-            self.target.rollback(lengths.to(self.target.device))
-            if self.draft is not None:  # the draft never saw the last drafted token: keep what it has of the rest
-                self.draft.rollback(torch.minimum(self.draft.lengths, lengths.to(self.draft.device)))
-            if finished:
-                keep = torch.tensor([b for b in range(len(active)) if b not in finished], dtype=torch.long)
-                for model in models:
-                    model.select(keep)
+            emitted, finished = self._commit(out.tokens, tau, active, generated, reasons, stop, on_tokens)
+            self._roll_back([len(sequences[i]) + len(generated[i]) - 1 for i in active], finished, models)
             step = StepStats(
                 rows=list(active), draft_len=num_draft.tolist(), accepted=tau.tolist(), emitted=emitted,
                 draft_s=t1 - t0, target_s=t2 - t1, verify_s=t3 - t2, total_s=time.perf_counter() - t0,
@@ -198,9 +182,36 @@ class SpeculativeDecoder:
         texts = None
         if self.tokenizer is not None:
             texts = [self.tokenizer.decode(g, skip_special_tokens=True) for g in generated]
-        return GenerationResult(generated, texts, list(reasons), stats, time.perf_counter() - start - untimed, prefill_s)
+        wall_time = time.perf_counter() - start - untimed
+        return GenerationResult(generated, texts, list(reasons), stats, wall_time, prefill_s)
 
     # --- the pieces of a step ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _commit(tokens, tau, active, generated, reasons, stop, on_tokens) -> tuple[list[int], list[int]]:
+        """Append each row's emitted tokens (cut at EOS, stop strings or the length cap); returns the number
+        kept per row and the batch positions of the rows that finished."""
+        emitted, finished = [], []
+        for b, i in enumerate(active):
+            kept, reasons[i] = stop.cut(generated[i], tokens[b, : int(tau[b]) + 1].tolist())
+            generated[i] += kept
+            emitted.append(len(kept))
+            if on_tokens is not None and kept:
+                on_tokens(i, kept)
+            if reasons[i] is not None:
+                finished.append(b)
+        return emitted, finished
+
+    def _roll_back(self, lengths: list[int], finished: list[int], models) -> None:
+        """Cut both caches back to the committed tokens (less the pending last one) and drop finished rows."""
+        lengths = torch.tensor(lengths)
+        self.target.rollback(lengths.to(self.target.device))
+        if self.draft is not None:  # the draft never saw the last drafted token: keep what it has of the rest
+            self.draft.rollback(torch.minimum(self.draft.lengths, lengths.to(self.draft.device)))
+        if finished:
+            keep = torch.tensor([b for b in range(len(lengths)) if b not in finished], dtype=torch.long)
+            for model in models:
+                model.select(keep)
 
     def _draw(self, generators: list[torch.Generator], sampling: SamplingParams):
         """Each row's randomness for one step, from its own stream and always the same amount of it, so a row's

@@ -68,3 +68,12 @@ def test_bench_command_prints_the_report_and_writes_plots(tiny_config, tmp_path)
     assert "1 + mean accepted" in out.stdout
     for name in ("records.jsonl", "report.md", "block_efficiency_vs_k.png", "speedup_vs_k.png", "accepted_hist.png"):
         assert (tmp_path / name).stat().st_size > 0
+
+
+def test_the_run_stops_once_the_gain_is_known_to_the_requested_precision(tiny_config, tmp_path):
+    three = replace(tiny_config, prompts_per_dataset=3)
+    loose = runner.run(replace(three, out=tmp_path / "loose", precision=10.0), progress=False)
+    # One prompt gives no interval; after two rounds (prompts 0 and 1, every configuration) the gain is known.
+    assert len(list(rec.read(loose))) == 12
+    strict = runner.run(replace(three, out=tmp_path / "strict", precision=1e-9), progress=False)
+    assert len(list(rec.read(strict))) == 18

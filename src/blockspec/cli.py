@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="configurations to run (default: all four)")
     bench.add_argument("--max-new-tokens", type=int, help="new tokens per prompt")
     bench.add_argument("--time-budget", type=float, help="seconds; stop scheduling runs after this (resume later)")
+    bench.add_argument("--precision", type=float,
+                       help="stop once the paired analytic block-vs-token gain is known to +- this (paper: 0.01)")
     bench.add_argument("--seed", type=int, help="base seed: prompt i of a set uses seed + i in every configuration")
     bench.add_argument("--dtype", choices=["bfloat16", "float16", "float32"])
     bench.add_argument("--device", help="cpu, cuda, cuda:N or auto")
@@ -198,7 +200,7 @@ def run_bench(args) -> int:
     preset = runner.PRESETS[args.preset]
     overrides = {name: getattr(args, name) for name in (
         "target", "draft", "datasets", "prompts_per_dataset", "draft_lens", "temperatures", "configs",
-        "max_new_tokens", "time_budget", "seed", "dtype", "device", "out") if getattr(args, name) is not None}
+        "max_new_tokens", "time_budget", "precision", "seed", "dtype", "device", "out") if getattr(args, name) is not None}
     for name in ("datasets", "draft_lens", "temperatures", "configs"):
         if name in overrides:
             overrides[name] = tuple(overrides[name])

@@ -38,6 +38,7 @@ class BenchConfig:
     seed: int = 0
     chat: bool = True
     time_budget: float | None = None  # seconds; None = run the whole plan
+    precision: float | None = None  # stop once every paired analytic gain is known to +- this (checked per round)
     out: Path = Path("results/bench")
 
 
@@ -48,7 +49,7 @@ PRESETS = {
     "paper": BenchConfig(
         datasets=("gsm8k", "translation", "humaneval", "sharegpt", "summarize", "lm1b"),
         prompts_per_dataset=20, draft_lens=(2, 4, 6, 8), temperatures=(1.0, 0.0), max_new_tokens=128,
-        time_budget=3 * 3600.0,
+        time_budget=3 * 3600.0, precision=0.01,
     ),
 }
 
@@ -71,16 +72,30 @@ class Run:
 
 
 def plan(config: BenchConfig, prompts: dict[str, list[tuple[str, list[int]]]]) -> list[Run]:
-    """Every run, interleaved: for each dataset, temperature and prompt, all configurations in turn."""
+    """Every run, interleaved: round n takes prompt n of every dataset, at every temperature, through all
+    configurations in turn; so a run cut short by its budget still covers every dataset and configuration."""
     runs = []
-    for dataset, items in prompts.items():
-        for temperature in config.temperatures:
-            for n, (prompt_id, ids) in enumerate(items):
-                seed = config.seed + n  # the same seed for every configuration of this prompt
+    for n in range(max(len(items) for items in prompts.values())):
+        seed = config.seed + n  # the same seed for every configuration of this prompt
+        for dataset, items in prompts.items():
+            if n >= len(items):
+                continue
+            prompt_id, ids = items[n]
+            for temperature in config.temperatures:
                 for name in config.configs:
                     lens = config.draft_lens if name in ("token", "block") else (0,)
                     runs.extend(Run(dataset, prompt_id, tuple(ids), name, k, temperature, seed) for k in lens)
     return runs
+
+
+def gain_is_known(records_file: Path, precision: float) -> bool:
+    """Whether every pooled paired analytic block-vs-token gain has a confidence half-width <= precision."""
+    from .report import build_report, summary
+
+    rows = summary(build_report(list(rec.read(records_file))))["summary"]
+    widths = [(r["analytic_gain"]["hi"] - r["analytic_gain"]["lo"]) / 2 for r in rows
+              if r["analytic_gain"] and r["analytic_gain"]["lo"] is not None]
+    return bool(widths) and len(widths) == len(rows) and max(widths) <= precision
 
 
 def run(config: BenchConfig, *, progress: bool = True) -> Path:
@@ -111,6 +126,11 @@ def run(config: BenchConfig, *, progress: bool = True) -> Path:
         # Budget checked before each run; the first always goes, so every resumed call makes progress.
         if config.time_budget is not None and n and time.perf_counter() - start > config.time_budget:
             log.warning("time budget of %.0f s spent: %d runs left for a resumed run", config.time_budget,
+                        len(todo) - n)
+            break
+        new_round = n and item.seed != todo[n - 1].seed
+        if config.precision is not None and new_round and gain_is_known(records_file, config.precision):
+            log.warning("block-vs-token gain known to +-%.3f: stopping with %d runs left", config.precision,
                         len(todo) - n)
             break
         rec.append(records_file, executor(item))

@@ -1,0 +1,124 @@
+"""Verification-length policies: the stopping rule is lossless; look-ahead variants are not (exact law).
+
+Toy context-dependent draft, companion and target tables; per drafted block the policy picks L from the
+draft-companion overlap S_i and the companion's acceptance of the previous token A_{i-1}; the block is then
+verified with num_draft = L. The latency table jumps at 3 scored tokens, so goodput is not concave in L.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lawkit
+from blockspec.policy import LatencyTable, stopping_lengths
+from blockspec.verify import accepted_length_law, final_distributions
+
+VOCAB, DRAFT_LEN = 3, 3
+GENTLE = LatencyTable(batch_sizes=(1,), tokens=(1, 4), seconds=((1.0, 1.3),))
+LATENCY = LatencyTable(batch_sizes=(1, 8), tokens=(1, 2, 3, 4), seconds=((1.0, 1.2, 1.7, 1.72), (2.0, 2.4, 3.4, 3.44)))
+
+
+def features(tables: lawkit.Tables, companion: lawkit.Tables, blocks: torch.Tensor):
+    """Per drafted position i: S_i (overlap of draft and companion at x_<i) and A_i = min(1, companion/draft at x_i)."""
+    overlap, accept = [], []
+    for i in range(blocks.shape[1]):
+        draft, comp = tables.draft_at(blocks[:, :i]), companion.draft_at(blocks[:, :i])
+        overlap.append(torch.minimum(draft, comp).sum(-1))
+        x = blocks[:, i : i + 1]
+        accept.append((comp.gather(1, x) / draft.gather(1, x)).clamp(max=1.0).squeeze(1))
+    return torch.stack(overlap, 1), torch.stack(accept, 1)
+
+
+def predictor(overlap_i: torch.Tensor, accept_before: torch.Tensor) -> torch.Tensor:
+    return (2.0 * overlap_i * accept_before - 0.6).clamp(0.02, 0.98)
+
+
+def stopping_policy(overlap, accept, latency=LATENCY):
+    """Allowed: p_i from S_i and A_{i-1} (A_0 = 1), then the stopping rule."""
+    before = torch.cat([torch.ones_like(accept[:, :1]), accept[:, :-1]], dim=1)
+    p = predictor(overlap, before)
+    return torch.stack([stopping_lengths(p[b : b + 1], torch.tensor([DRAFT_LEN]), latency)[0] for b in range(len(p))])
+
+
+def gentle_stopping_policy(overlap, accept):
+    """The same rule on a smooth latency curve, where it verifies every length from 0 to K."""
+    return stopping_policy(overlap, accept, GENTLE)
+
+
+def lookahead_policy(overlap, accept):
+    """NOT allowed: x_i's own A_i decides whether x_i is verified."""
+    p = predictor(overlap, accept)
+    return torch.stack([stopping_lengths(p[b : b + 1], torch.tensor([DRAFT_LEN]), LATENCY)[0] for b in range(len(p))])
+
+
+def argmax_policy(overlap, accept):
+    """NOT allowed although every prediction uses allowed features: the global argmax over L of the goodput
+    curve lets p_{i+1} (which uses A_i) decide whether x_i is verified."""
+    before = torch.cat([torch.ones_like(accept[:, :1]), accept[:, :-1]], dim=1)
+    survival = predictor(overlap, before).double().cumprod(1)
+    emitted = torch.cat([torch.ones(len(survival), 1, dtype=torch.float64), 1 + survival.cumsum(1)], dim=1)
+    cost = torch.tensor([LATENCY(1, 1 + n) for n in range(DRAFT_LEN + 1)], dtype=torch.float64)
+    return (emitted / cost).argmax(1)
+
+
+def step_with(policy, method: str, tables: lawkit.Tables, companion: lawkit.Tables) -> lawkit.StepLaw:
+    def step(blocks, draft_probs, target_probs):
+        lengths = policy(*features(tables, companion, blocks))
+        return (accepted_length_law(blocks, draft_probs, target_probs, method, lengths),
+                final_distributions(blocks, draft_probs, target_probs, method, lengths))
+
+    return step
+
+
+def law_errors(policy, method):
+    errors, lengths_seen = [], set()
+    for seed in range(6):
+        tables = lawkit.random_tables(VOCAB, DRAFT_LEN, seed=40 + seed)
+        companion = lawkit.random_tables(VOCAB, DRAFT_LEN, seed=80 + seed, peaked=0.5)
+        blocks = lawkit.all_blocks(VOCAB, DRAFT_LEN)
+        lengths_seen |= set(policy(*features(tables, companion, blocks)).tolist())
+        law = lawkit.speculative_law(tables, DRAFT_LEN, step_with(policy, method, tables, companion))
+        errors.append(lawkit.max_abs_error(law, lawkit.target_law(tables, DRAFT_LEN + 1)))
+    return errors, lengths_seen
+
+
+@pytest.mark.parametrize("method", ["token", "block"])
+@pytest.mark.parametrize(("policy", "lengths_used"), [(stopping_policy, {0, 1}), (gentle_stopping_policy, {0, 1, 2, 3})],
+                         ids=["non-concave latency", "smooth latency"])
+def test_the_stopping_rule_is_lossless(policy, lengths_used, method):
+    errors, lengths = law_errors(policy, method)
+    assert max(errors) < 1e-12, errors
+    assert lengths == lengths_used  # the policy really varies the verified length with the features
+
+
+@pytest.mark.parametrize("method", ["token", "block"])
+@pytest.mark.parametrize("policy", [lookahead_policy, argmax_policy], ids=["look-ahead", "global-argmax"])
+def test_policies_that_look_at_the_token_they_decide_on_are_biased(policy, method):
+    errors, _ = law_errors(policy, method)
+    assert max(errors) > 1e-4, errors
+
+
+def test_goodput_here_is_not_concave_so_the_argmax_and_the_stopping_rule_differ():
+    p = torch.tensor([[0.9, 0.7, 0.99]])
+    assert stopping_lengths(p, torch.tensor([3]), LATENCY).item() == 1  # stops at the latency jump
+    emitted = 1 + p[0].cumprod(0).cumsum(0)
+    goodput = [1.0] + [float(emitted[n - 1]) / LATENCY(1, 1 + n) for n in (1, 2, 3)]
+    assert max(range(4), key=goodput.__getitem__) == 3
+
+
+def test_stopping_lengths_respect_each_rows_draft_and_share_the_batch_cost():
+    p = torch.tensor([[0.99, 0.99, 0.99], [0.99, 0.99, 0.99], [0.01, 0.01, 0.01]])
+    assert stopping_lengths(p[:1], torch.tensor([3]), LATENCY).tolist() == [3]  # alone, a sure row goes on
+    first, capped, poor = stopping_lengths(p, torch.tensor([3, 1, 3]), LATENCY).tolist()
+    assert capped == 1 and poor <= first
+    assert first < 3  # in a batch, widening the forward costs every row's time: the sure row stops earlier
+    assert stopping_lengths(p, torch.tensor([0, 0, 0]), LATENCY).tolist() == [0, 0, 0]
+
+
+def test_latency_table_interpolates_and_checks_its_axes():
+    assert LATENCY(1, 2) == pytest.approx(1.2)
+    assert LATENCY(4, 1) == pytest.approx(1.0 + 3 / 7)  # linear in the batch size between 1 and 8
+    assert LATENCY(1, 5) == pytest.approx(1.74)  # extended linearly past the last measured width
+    with pytest.raises(ValueError, match="strictly increasing"):
+        LatencyTable(batch_sizes=(2, 1), tokens=(1,), seconds=((1.0,), (2.0,)))

@@ -71,9 +71,10 @@ def test_bench_command_prints_the_report_and_writes_plots(tiny_config, tmp_path)
 
 
 def test_the_run_stops_once_the_gain_is_known_to_the_requested_precision(tiny_config, tmp_path):
-    three = replace(tiny_config, prompts_per_dataset=3)
-    loose = runner.run(replace(three, out=tmp_path / "loose", precision=10.0), progress=False)
-    # One prompt gives no interval; after two rounds (prompts 0 and 1, every configuration) the gain is known.
-    assert len(list(rec.read(loose))) == 12
-    strict = runner.run(replace(three, out=tmp_path / "strict", precision=1e-9), progress=False)
-    assert len(list(rec.read(strict))) == 18
+    six = replace(tiny_config, prompts_per_dataset=runner.MIN_PROMPTS + 1, draft_lens=(2,),
+                  configs=("token", "block"))
+    loose = runner.run(replace(six, out=tmp_path / "loose", precision=10.0), progress=False)
+    # Known once MIN_PROMPTS prompts (rounds) are in, however loose the precision: 2 records per round.
+    assert len(list(rec.read(loose))) == 2 * runner.MIN_PROMPTS
+    strict = runner.run(replace(six, out=tmp_path / "strict", precision=1e-9), progress=False)
+    assert len(list(rec.read(strict))) == 2 * (runner.MIN_PROMPTS + 1)

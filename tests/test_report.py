@@ -269,3 +269,14 @@ def test_module_entry_point_help():
     out = subprocess.run([sys.executable, "-m", "blockspec.bench.report", "--help"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--records" in out.stdout and "--out" in out.stdout
+
+
+def test_no_interval_while_a_dataset_has_a_single_prompt():
+    """Regression: with one prompt per dataset the dataset-stratified bootstrap resampled each prompt to itself
+    and gave a zero-width interval, which stopped the first paper run after one round."""
+    rng = np.random.default_rng(3)
+    records = synthetic(rng, prompts=1, dataset="a") + synthetic(rng, prompts=1, dataset="b")
+    row = row_of(build_report(records))
+    assert row.analytic_gain.lo is None and row.gain.lo is None
+    two_each = synthetic(rng, prompts=2, dataset="a") + synthetic(rng, prompts=2, dataset="b")
+    assert row_of(build_report(two_each)).analytic_gain.lo is not None

@@ -164,7 +164,9 @@ def bootstrap(
     [n_boot] for the resamples (numpy broadcasting serves both).
     """
     point = float(statistic({name: column.sum() for name, column in columns.items()}))
-    if len(strata) < 2:
+    # A stratum with a single prompt resamples to itself: its interval would be falsely narrow (zero-width
+    # with one prompt per dataset), so no interval is given until every stratum has two prompts.
+    if len(strata) < 2 or np.unique(strata, return_counts=True)[1].min() < 2:
         return Estimate(point)
     generator = np.random.default_rng(config.seed)  # fresh per call: a cell's CI does not depend on call order
     counts = resample_counts(strata, config.n_boot, generator)

@@ -12,6 +12,7 @@ import logging
 import platform
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -88,11 +89,19 @@ def plan(config: BenchConfig, prompts: dict[str, list[tuple[str, list[int]]]]) -
     return runs
 
 
+MIN_PROMPTS = 5  # per dataset, before a bootstrap interval is trusted to stop a run
+
+
 def gain_is_known(records_file: Path, precision: float) -> bool:
-    """Whether every pooled paired analytic block-vs-token gain has a confidence half-width <= precision."""
+    """Whether every pooled paired analytic block-vs-token gain has a confidence half-width <= precision, with
+    at least MIN_PROMPTS prompts of every dataset behind it."""
     from .report import build_report, summary
 
-    rows = summary(build_report(list(rec.read(records_file))))["summary"]
+    records = list(rec.read(records_file))
+    prompts = Counter(dataset for dataset, _ in {(r.dataset, r.prompt_id) for r in records if r.config == "block"})
+    if not prompts or min(prompts.values()) < MIN_PROMPTS:
+        return False
+    rows = summary(build_report(records))["summary"]
     widths = [(r["analytic_gain"]["hi"] - r["analytic_gain"]["lo"]) / 2 for r in rows
               if r["analytic_gain"] and r["analytic_gain"]["lo"] is not None]
     return bool(widths) and len(widths) == len(rows) and max(widths) <= precision

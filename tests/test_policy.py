@@ -34,11 +34,16 @@ def predictor(overlap_i: torch.Tensor, accept_before: torch.Tensor) -> torch.Ten
     return (2.0 * overlap_i * accept_before - 0.6).clamp(0.02, 0.98)
 
 
+def seconds(latency=LATENCY):
+    return lambda width: latency(1, 1 + width)
+
+
 def stopping_policy(overlap, accept, latency=LATENCY):
-    """Allowed: p_i from S_i and A_{i-1} (A_0 = 1), then the stopping rule."""
+    """Allowed: p_i from S_i and A_{i-1} (A_0 = 1), gains as their running product, then the stopping rule."""
     before = torch.cat([torch.ones_like(accept[:, :1]), accept[:, :-1]], dim=1)
-    p = predictor(overlap, before)
-    return torch.stack([stopping_lengths(p[b : b + 1], torch.tensor([DRAFT_LEN]), latency)[0] for b in range(len(p))])
+    gains = predictor(overlap, before).cumprod(1)
+    return torch.stack([stopping_lengths(gains[b : b + 1], torch.tensor([DRAFT_LEN]), seconds(latency))[0]
+                        for b in range(len(gains))])
 
 
 def gentle_stopping_policy(overlap, accept):
@@ -48,8 +53,9 @@ def gentle_stopping_policy(overlap, accept):
 
 def lookahead_policy(overlap, accept):
     """NOT allowed: x_i's own A_i decides whether x_i is verified."""
-    p = predictor(overlap, accept)
-    return torch.stack([stopping_lengths(p[b : b + 1], torch.tensor([DRAFT_LEN]), LATENCY)[0] for b in range(len(p))])
+    gains = predictor(overlap, accept).cumprod(1)
+    return torch.stack([stopping_lengths(gains[b : b + 1], torch.tensor([DRAFT_LEN]), seconds())[0]
+                        for b in range(len(gains))])
 
 
 def argmax_policy(overlap, accept):
@@ -101,7 +107,7 @@ def test_policies_that_look_at_the_token_they_decide_on_are_biased(policy, metho
 
 def test_goodput_here_is_not_concave_so_the_argmax_and_the_stopping_rule_differ():
     p = torch.tensor([[0.9, 0.7, 0.99]])
-    assert stopping_lengths(p, torch.tensor([3]), LATENCY).item() == 1  # stops at the latency jump
+    assert stopping_lengths(p.cumprod(1), torch.tensor([3]), seconds()).item() == 1  # stops at the latency jump
     emitted = 1 + p[0].cumprod(0).cumsum(0)
     goodput = [1.0] + [float(emitted[n - 1]) / LATENCY(1, 1 + n) for n in (1, 2, 3)]
     assert max(range(4), key=goodput.__getitem__) == 3
@@ -109,11 +115,11 @@ def test_goodput_here_is_not_concave_so_the_argmax_and_the_stopping_rule_differ(
 
 def test_stopping_lengths_respect_each_rows_draft_and_share_the_batch_cost():
     p = torch.tensor([[0.99, 0.99, 0.99], [0.99, 0.99, 0.99], [0.01, 0.01, 0.01]])
-    assert stopping_lengths(p[:1], torch.tensor([3]), LATENCY).tolist() == [3]  # alone, a sure row goes on
-    first, capped, poor = stopping_lengths(p, torch.tensor([3, 1, 3]), LATENCY).tolist()
+    assert stopping_lengths(p[:1], torch.tensor([3]), seconds()).tolist() == [3]  # alone, a sure row goes on
+    first, capped, poor = stopping_lengths(p, torch.tensor([3, 1, 3]), lambda w: LATENCY(3, 1 + w)).tolist()
     assert capped == 1 and poor <= first
     assert first < 3  # in a batch, widening the forward costs every row's time: the sure row stops earlier
-    assert stopping_lengths(p, torch.tensor([0, 0, 0]), LATENCY).tolist() == [0, 0, 0]
+    assert stopping_lengths(p, torch.tensor([0, 0, 0]), lambda w: LATENCY(3, 1 + w)).tolist() == [0, 0, 0]
 
 
 def test_latency_table_interpolates_and_checks_its_axes():

@@ -13,6 +13,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from .sv import cli as sv_cli
+
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
 
@@ -20,6 +22,8 @@ EXAMPLES = """examples:
   blockspec generate "Write a Python function that reverses a string."
   blockspec generate --verifier token --draft-len 8 --temperature 0 "def fib(n):"
   blockspec generate --target smollm2-135m --verifier none --max-new-tokens 32 "Hello"
+  blockspec sv profile && blockspec sv calibrate    # once per models and machine, then:
+  blockspec generate --policy sv --draft-len 8 "first prompt" "second prompt"   # Speculative Verification
   blockspec models          # bundled presets: installed or not, cache state
   blockspec env             # versions, threads and device, for bug reports
 """
@@ -41,6 +45,11 @@ class GenerateConfig:
     device: str
     chat: bool
     stop: tuple[str, ...]
+    policy: str = "fixed"
+    companion: str | None = None
+    sv_predictor: str = "companion"
+    sv_profile: Path | None = None
+    latency: Path | None = None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,34 +95,59 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-chat", dest="chat", action="store_false",
                      help="send the raw prompt instead of wrapping it in the model's chat template")
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop a row after this text (repeatable)")
+    gen.add_argument("--policy", default="fixed", choices=["fixed", "sv"],
+                     help="fixed: draft and verify --draft-len tokens every step; sv: Speculative Verification, "
+                     "verify per row only the drafted tokens predicted to pay for their cost, at most --draft-len "
+                     "(needs `blockspec sv profile` and `blockspec sv calibrate` first) (default: %(default)s)")
+    sv_cli.add_arguments(gen)
     gen.set_defaults(run=run_generate)
 
     bench = sub.add_parser(
-        "bench", help="compare target-only, token and block verification and transformers' assisted generation",
+        "bench", help="compare target-only, token and block verification, Speculative Verification and "
+        "transformers' assisted generation, at one or more batch sizes",
         description="Decode the same prompts with the same seeds through every configuration (interleaved, "
-        "warm-up excluded), write one JSONL record per prompt and configuration, then the report: block "
+        "warm-up excluded), write one JSONL record per prompt (or batch) and configuration, then the report: block "
         "efficiency (1 + mean accepted per step) of token and block verification with bootstrap intervals, "
-        "the paired analytic gain, tokens/s and speedups, and plots. Resumable: records already written are "
+        "the paired analytic gain, tokens/s and speedups, and plots; with batch sizes above 1 or SV "
+        "configurations, also a batch table (tokens/s of every configuration per batch size, speedups over "
+        "target-only and over the best fixed K, rejected fraction of verified tokens, verified tokens per "
+        "emitted token) and a tokens/s vs batch size plot. At batch size B a run decodes B consecutive prompts "
+        "of a dataset together; hf-assisted runs at batch size 1 only. Resumable: records already written are "
         "skipped, so an interrupted or time-boxed run continues where it stopped.",
         epilog="examples:\n  blockspec bench                        # quick preset, ~15 minutes\n"
         "  blockspec bench --preset paper --time-budget 3600   # run again to resume\n"
-        "  blockspec bench --datasets gsm8k --draft-lens 2 4 --prompts 5 --out results/mine",
+        "  blockspec bench --datasets gsm8k --draft-lens 2 4 --prompts 5 --out results/mine\n"
+        "  blockspec sv profile && blockspec sv calibrate      # once, then the SV grid (hours; resumable):\n"
+        "  blockspec bench --preset sv --out results/bench-sv",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bench.add_argument("--preset", default="quick", choices=["quick", "paper"],
-                       help="quick: 3 datasets, a few prompts, K in {4, 8}, T=1; paper: the full grid (default: quick)")
+    bench.add_argument("--preset", default="quick", choices=["quick", "paper", "sv"],
+                       help="quick: 3 datasets, a few prompts, K in {4, 8}, T=1; paper: the full token-vs-block grid; "
+                       "sv: target-only, token, block (K in {2, 4, 8}) and SV at batch sizes 1 to 64 (default: quick)")
     bench.add_argument("--target", help="target model (default: the preset's, the bundled 1.5B)")
     bench.add_argument("--draft", help="draft model (default: the preset's, the bundled 0.5B)")
     bench.add_argument("--datasets", nargs="+", help="prompt sets (see blockspec.bench.datasets.DATASETS)")
     bench.add_argument("--prompts", type=int, dest="prompts_per_dataset", help="prompts per dataset")
     bench.add_argument("--draft-lens", type=int, nargs="+", help="draft lengths K to compare")
     bench.add_argument("--temperatures", type=float, nargs="+", help="sampling temperatures (0 = greedy)")
-    bench.add_argument("--configs", nargs="+", choices=["target-only", "token", "block", "hf-assisted"],
-                       help="configurations to run (default: all four)")
+    bench.add_argument("--configs", nargs="+", choices=["target-only", "token", "block", "hf-assisted", "sv-draft",
+                                                         "sv-token", "sv-block"],
+                       help="configurations to run; sv-token / sv-block: Speculative Verification with the companion "
+                       "predictor (token / block rule), sv-draft: with the draft-only predictor (block rule), each "
+                       "drafting at most max(--draft-lens) tokens (default: the preset's; quick and paper: the first four)")
+    bench.add_argument("--batch-sizes", type=int, nargs="+",
+                       help="prompts decoded together per run, e.g. 1 4 16 32 64 (default: the preset's; quick: 1)")
+    bench.add_argument("--companion", help="SV companion: prefix:K (the target's first K layers) or a model sharing "
+                       "the target's tokenizer (default: the same as `blockspec sv`)")
+    bench.add_argument("--sv-profile", type=Path, help="SV calibration profile (default: the one `blockspec sv "
+                       "calibrate` saved for these models and each temperature)")
+    bench.add_argument("--latency", type=Path, help="SV latency profile (default: the one `blockspec sv profile` saved "
+                       "for these models, dtype and device)")
     bench.add_argument("--max-new-tokens", type=int, help="new tokens per prompt")
     bench.add_argument("--time-budget", type=float, help="seconds; stop scheduling runs after this (resume later)")
     bench.add_argument("--precision", type=float,
-                       help="stop once the paired analytic block-vs-token gain is known to +- this (paper: 0.01)")
+                       help="stop the batch-1 runs once the paired analytic block-vs-token gain is known to +- this "
+                       "(paper: 0.01); batched runs go on")
     bench.add_argument("--seed", type=int, help="base seed: prompt i of a set uses seed + i in every configuration")
     bench.add_argument("--dtype", choices=["bfloat16", "float16", "float32"])
     bench.add_argument("--device", help="cpu, cuda, cuda:N or auto")
@@ -123,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="list the bundled model presets, installed or not, and their cache state")
     models.add_argument("--json", action="store_true", help="print JSON instead of a table")
     models.set_defaults(run=run_models)
+
+    sv_cli.add_parsers(sub, {"target": DEFAULT_TARGET, "draft": DEFAULT_DRAFT})
 
     env = sub.add_parser("env", help="versions, threads and device, to paste into a bug report")
     env.add_argument("--json", action="store_true", help="print JSON instead of lines")
@@ -136,7 +172,8 @@ def run_generate(args) -> int:
         prompts=prompts, target=args.target, draft=None if args.verifier == "none" else args.draft,
         verifier=args.verifier, draft_len=args.draft_len, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed, dtype=args.dtype,
-        device=args.device, chat=args.chat, stop=tuple(args.stop),
+        device=args.device, chat=args.chat, stop=tuple(args.stop), policy=args.policy,
+        companion=args.companion, sv_predictor=args.sv_predictor, sv_profile=args.sv_profile, latency=args.latency,
     )
     return generate(config)
 
@@ -150,7 +187,13 @@ def generate(config: GenerateConfig) -> int:
     sampling = SamplingParams(config.temperature, config.top_k, config.top_p)  # checks the values first
     target = load_model(config.target, dtype=config.dtype, device=config.device)
     draft = load_model(config.draft, dtype=config.dtype, device=config.device) if config.draft else None
-    decoder = SpeculativeDecoder(target, draft, verifier=config.verifier, draft_len=config.draft_len)
+    policy, companion = None, None
+    if config.policy == "sv":
+        if config.verifier == "none":
+            raise ValueError("--policy sv needs a draft: use --verifier token, block or greedy")
+        policy, companion = sv_cli.build_policy(config, target, sampling)
+    decoder = SpeculativeDecoder(target, draft, verifier=config.verifier, draft_len=config.draft_len, policy=policy,
+                                 companion=companion)
     if decoder.tokenizer is None:
         raise ValueError(f"{config.target} has no tokenizer: the CLI needs one to read and print text")
     ids = [encode_prompt(decoder.tokenizer, p, chat=config.chat) for p in config.prompts]
@@ -164,7 +207,7 @@ def generate(config: GenerateConfig) -> int:
         for i, text in enumerate(result.texts):
             print(f"--- prompt {i}\n{text}")
     print(
-        f"[{config.verifier}, K={decoder.draft_len}] {result.new_tokens} tokens in {result.wall_time:.1f} s = "
+        f"[{config.verifier}, {config.policy} K={decoder.draft_len}] {result.new_tokens} tokens in {result.wall_time:.1f} s = "
         f"{result.tokens_per_second:.2f} tokens/s; acceptance length (1 + accepted/steps) "
         f"{result.block_efficiency:.2f}; acceptance rate (accepted/drafted) {result.acceptance_rate:.2f}",
         file=sys.stderr,
@@ -200,8 +243,9 @@ def run_bench(args) -> int:
     preset = runner.PRESETS[args.preset]
     overrides = {name: getattr(args, name) for name in (
         "target", "draft", "datasets", "prompts_per_dataset", "draft_lens", "temperatures", "configs",
-        "max_new_tokens", "time_budget", "precision", "seed", "dtype", "device", "out") if getattr(args, name) is not None}
-    for name in ("datasets", "draft_lens", "temperatures", "configs"):
+        "max_new_tokens", "time_budget", "precision", "seed", "dtype", "device", "out", "batch_sizes", "companion",
+        "sv_profile", "latency") if getattr(args, name) is not None}
+    for name in ("datasets", "draft_lens", "temperatures", "configs", "batch_sizes"):
         if name in overrides:
             overrides[name] = tuple(overrides[name])
     config = replace(preset, **overrides)

@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 import torch
 
 from .models.base import LanguageModel, left_pad
+from .policy import FixedLength
 from .sampling import SamplingParams, check_unsupported, process, sample
 from .verify import VERIFIERS, Randomness, expected_accepted
 from .verify.base import draw_exponentials, drafted_mask
@@ -38,7 +39,8 @@ class StepStats:
     target_s: float  # the target's scoring forward and its processing into probabilities
     verify_s: float
     total_s: float  # the whole step, bookkeeping included
-    forward_s: float  # model forwards alone (draft and target)
+    forward_s: float  # model forwards alone (draft, companion and target)
+    drafted: int = 0  # tokens drafted per row (a length policy may verify fewer)
     expected_token: list[float] | None = None  # E[tau | this draft] under each rule, outside the timed region
     expected_block: list[float] | None = None
 
@@ -85,7 +87,8 @@ class SpeculativeDecoder:
     greedy rule is used whatever ``verifier`` says: token and block verification coincide with it there.
     """
 
-    def __init__(self, target, draft=None, *, verifier: str = "block", draft_len: int = 4):
+    def __init__(self, target, draft=None, *, verifier: str = "block", draft_len: int = 4, policy=None,
+                 companion=None):
         if verifier not in VERIFIER_CHOICES:
             raise ValueError(f"verifier must be one of {VERIFIER_CHOICES}, got {verifier!r}")
         if verifier != "none" and draft is None:
@@ -96,7 +99,11 @@ class SpeculativeDecoder:
         self.draft = as_model(draft) if verifier != "none" else None
         self.verifier = verifier
         self.draft_len = draft_len if verifier != "none" else 0
-        self.vocab = common_vocabulary(self.target, self.draft)
+        self.policy = policy if policy is not None else FixedLength(self.draft_len)
+        if self.policy.needs_companion and companion is None:
+            raise ValueError("this length policy needs a companion model (companion=...)")
+        self.companion = as_model(companion) if companion is not None and self.draft is not None else None
+        self.vocab = min(common_vocabulary(self.target, self.draft), common_vocabulary(self.target, self.companion))
 
     @property
     def tokenizer(self):
@@ -135,7 +142,7 @@ class SpeculativeDecoder:
 
         device = self.target.device  # sampling and verification run where the target's logits are
         start = time.perf_counter()
-        models = [self.target] + ([self.draft] if self.draft is not None else [])
+        models = [m for m in (self.target, self.draft, self.companion) if m is not None]
         for model in models:  # the last prompt token stays pending: every step scores [pending, drafts]
             model.prefill([s[:-1] for s in sequences])
         prefill_s, untimed = time.perf_counter() - start, 0.0
@@ -146,11 +153,9 @@ class SpeculativeDecoder:
         while active:
             t0 = time.perf_counter()
             remaining = torch.tensor([max_new_tokens - len(generated[i]) for i in active])
-            num_draft = remaining.sub(1).clamp(max=self.draft_len)  # the step's last token is the target's own
             draft_u, verify_u, exponentials = self._draw([generators[i] for i in active], sampling)
-
-            draft_tokens, draft_probs, forward_s = self._propose([sequences[i] + generated[i] for i in active],
-                                                                 int(num_draft.max()), sampling, draft_u)
+            draft_tokens, draft_probs, num_draft, drafted, forward_s = self._plan(
+                [sequences[i] + generated[i] for i in active], remaining.sub(1), sampling, draft_u)
             t1 = time.perf_counter()
             pending = torch.tensor([(sequences[i] + generated[i])[-1] for i in active], device=device)[:, None]
             valid = torch.cat([torch.ones_like(pending, dtype=torch.bool),
@@ -164,13 +169,14 @@ class SpeculativeDecoder:
                          randomness=randomness, validate=False)
             t3 = time.perf_counter()
 
+            self.policy.observe(active, draft_tokens, draft_probs, target_probs, num_draft, out.num_accepted)
             tau = out.num_accepted.cpu()
             emitted, finished = self._commit(out.tokens, tau, active, generated, reasons, stop, on_tokens)
             self._roll_back([len(sequences[i]) + len(generated[i]) - 1 for i in active], finished, models)
             step = StepStats(
                 rows=list(active), draft_len=num_draft.tolist(), accepted=tau.tolist(), emitted=emitted,
                 draft_s=t1 - t0, target_s=t2 - t1, verify_s=t3 - t2, total_s=time.perf_counter() - t0,
-                forward_s=forward_s,
+                forward_s=forward_s, drafted=drafted,
             )
             if expected:  # bookkeeping outside the timed region: taken off the wall clock as well
                 t4 = time.perf_counter()
@@ -203,11 +209,12 @@ class SpeculativeDecoder:
         return emitted, finished
 
     def _roll_back(self, lengths: list[int], finished: list[int], models) -> None:
-        """Cut both caches back to the committed tokens (less the pending last one) and drop finished rows."""
+        """Cut the caches back to the committed tokens (less the pending last one) and drop finished rows."""
         lengths = torch.tensor(lengths)
         self.target.rollback(lengths.to(self.target.device))
-        if self.draft is not None:  # the draft never saw the last drafted token: keep what it has of the rest
-            self.draft.rollback(torch.minimum(self.draft.lengths, lengths.to(self.draft.device)))
+        for model in (self.draft, self.companion):  # they never saw the last drafted token: keep the rest
+            if model is not None:
+                model.rollback(torch.minimum(model.lengths, lengths.to(model.device)))
         if finished:
             keep = torch.tensor([b for b in range(len(lengths)) if b not in finished], dtype=torch.long)
             for model in models:
@@ -226,26 +233,58 @@ class SpeculativeDecoder:
         device = self.target.device
         return draft_u.to(device), verify_u.to(device), exponentials.to(device)
 
+    def _plan(self, contexts: list[list[int]], room: torch.Tensor, sampling: SamplingParams, draft_u):
+        """Draft, let the companion score, and let the policy pick each row's verification length (at most
+        ``room``: the step's last token is the target's own). Returns (draft tokens [B, W] and probs [B, W, V]
+        cut to the widest verified row W, verification lengths [B], tokens drafted, forward seconds)."""
+        num_draft = room.clamp(max=self.policy.draft_budget(len(contexts)))
+        draft_tokens, draft_probs, forward_s = self._propose(contexts, int(num_draft.max()), sampling, draft_u)
+        drafted = draft_tokens.shape[1]
+        num_draft = num_draft.clamp(max=drafted)
+        if drafted:
+            companion_probs, companion_s = self._score(contexts, draft_tokens, sampling)
+            num_draft = self.policy.lengths(draft_tokens, draft_probs, companion_probs, num_draft)
+            forward_s += companion_s
+        width = int(num_draft.max())
+        draft_probs = None if draft_probs is None else draft_probs[:, :width]
+        return draft_tokens[:, :width], draft_probs, num_draft, drafted, forward_s
+
     def _propose(self, contexts: list[list[int]], draft_len: int, sampling: SamplingParams, uniforms):
-        """Draft ``draft_len`` tokens per row: (tokens [B, K], probs [B, K, V] or None when greedy, forward s)."""
+        """Draft up to ``draft_len`` tokens per row, fewer if the policy stops drafting: (tokens [B, K], probs
+        [B, K, V] or None when greedy, forward seconds)."""
         batch, device = len(contexts), self.target.device
-        if draft_len == 0:
-            empty = torch.zeros(batch, 0, dtype=torch.long, device=device)
-            return empty, torch.zeros(batch, 0, self.vocab, device=device), 0.0
+        drafted = [torch.zeros(batch, 0, dtype=torch.long, device=device)]
+        probs = [torch.zeros(batch, 0, self.vocab, device=device)]
         # Bring the draft up to date with what it has not seen yet (1 token, or 2 after a fully accepted step).
-        tokens, valid = left_pad([c[n:] for c, n in zip(contexts, self.draft.lengths.tolist())])
-        forward_s, drafted, probs = 0.0, [], []
+        tokens, valid = left_pad([c[n:] for c, n in zip(contexts, self.draft.lengths.tolist())] if draft_len else [])
+        forward_s, prefix = 0.0, torch.zeros(batch, dtype=torch.float64, device=device)  # sum_{j<i} log q_j(x_j)
         for i in range(draft_len):
             t0 = time.perf_counter()
             logits = self.draft.forward(tokens.to(self.draft.device), valid.to(self.draft.device))[:, -1]
             forward_s += time.perf_counter() - t0
             step_probs = process(logits[:, :self.vocab].to(device), sampling)  # [B, V]
+            if not self.policy.keep_drafting(i + 1, step_probs, prefix):  # decided before x_i is sampled
+                break
             token = step_probs.argmax(-1) if sampling.greedy else sample(step_probs, uniforms[:, i])
-            drafted.append(token)
-            probs.append(step_probs)
+            prefix += step_probs.gather(1, token[:, None]).squeeze(1).double().clamp(min=1e-6).log()
+            drafted.append(token[:, None])
+            probs.append(step_probs[:, None])
             tokens, valid = token[:, None], torch.ones(batch, 1, dtype=torch.bool)
-        draft_probs = None if sampling.greedy else torch.stack(probs, dim=1)
-        return torch.stack(drafted, dim=1), draft_probs, forward_s
+        draft_probs = None if sampling.greedy else torch.cat(probs, dim=1)
+        return torch.cat(drafted, dim=1), draft_probs, forward_s
+
+    def _score(self, contexts: list[list[int]], draft_tokens: torch.Tensor, sampling: SamplingParams):
+        """The companion's processed distributions at the K drafted positions [B, K, V] (one forward over what it
+        has not seen plus x_1..x_{K-1}) and the forward's seconds; (None, 0) when the policy needs no companion."""
+        drafted = draft_tokens.shape[1]
+        if self.companion is None or not self.policy.needs_companion:
+            return None, 0.0
+        drafts = draft_tokens[:, : drafted - 1].tolist()
+        tokens, valid = left_pad([c[n:] + d for c, n, d in zip(contexts, self.companion.lengths.tolist(), drafts)])
+        t0 = time.perf_counter()
+        logits = self.companion.forward(tokens.to(self.companion.device), valid.to(self.companion.device))
+        seconds = time.perf_counter() - t0
+        return process(logits[:, -drafted:, :self.vocab].to(self.target.device), sampling), seconds
 
     def _encode(self, prompts) -> list[list[int]]:
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or len(prompts) == 0:

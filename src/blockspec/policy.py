@@ -17,6 +17,8 @@ from typing import Callable
 
 import torch
 
+from .sv.features import as_probs, companion_features, draft_features
+
 
 @dataclass(frozen=True)
 class LatencyTable:
@@ -47,36 +49,138 @@ def _interpolate(xs: tuple[int, ...], ys, x: float) -> float:
 
 
 def stopping_lengths(
-    predicted: torch.Tensor,  # [B, K]: P(x_i accepted | x_1..x_{i-1} accepted), from information before x_i
+    gains: torch.Tensor,  # [B, K]: predicted gain of verifying x_i, from information available before x_i
     num_draft: torch.Tensor,  # [B] int64: drafted tokens available per row
-    latency: Callable[[int, int], float],  # (batch, tokens per row) -> seconds of a step
+    step_seconds: Callable[[int], float],  # verification width (drafted tokens per row) -> seconds of the step
 ) -> torch.Tensor:
     """Per-row verification lengths L [B] maximising batch goodput by a stopping rule.
 
-    Goodput = sum_b (1 + sum_{j <= L_b} prod_{i <= j} predicted[b, i]) / latency(B, 1 + max_b L_b). Position by
-    position, each row (in row order) extends from i - 1 to i only if that raises the goodput, and a row that
-    declines once is done. Column i of ``predicted`` may depend only on what was known before x_{i+1} was
-    sampled; the rule never looks further, so the verified length is a stopping time and verification stays
-    lossless whatever the predictor.
+    Goodput = sum_b (1 + sum_{i <= L_b} gains[b, i]) / step_seconds(max_b L_b). Position by position, each row
+    (in row order) extends from i - 1 to i only if that raises the goodput, and a row that declines once is
+    done. Column i of ``gains`` may depend only on what was known before x_{i+1} was sampled; the rule never
+    looks further, so the verified length is a stopping time and verification stays lossless whatever the
+    predictor.
     """
-    batch, draft_len = predicted.shape
-    predicted = predicted.double().cpu()
+    batch, draft_len = gains.shape
+    gains = gains.double().cpu().tolist()
     lengths = [0] * batch
-    emitted = [1.0] * batch  # expected tokens emitted per row at its current length
-    survival = [1.0] * batch  # predicted P(all drafted tokens so far accepted)
+    emitted = float(batch)  # expected tokens emitted by the batch at the current lengths
     active = [int(n) > 0 for n in num_draft.tolist()]
     limit = num_draft.tolist()
+    width = 0
     for i in range(draft_len):
         for b in range(batch):
             if not active[b]:
                 continue
-            width = max(lengths)
-            before = sum(emitted) / latency(batch, 1 + width)
-            gained = survival[b] * float(predicted[b, i])
-            after = (sum(emitted) + gained) / latency(batch, 1 + max(width, i + 1))
-            if after <= before:
+            gained = gains[b][i]
+            if (emitted + gained) / step_seconds(max(width, i + 1)) <= emitted / step_seconds(width):
                 active[b] = False
                 continue
-            lengths[b], emitted[b], survival[b] = i + 1, emitted[b] + gained, gained
+            lengths[b], emitted, width = i + 1, emitted + gained, max(width, i + 1)
             active[b] = lengths[b] < limit[b]
     return torch.tensor(lengths, dtype=torch.long)
+
+
+class FixedLength:
+    """Standard speculative decoding: draft ``draft_len`` tokens every step and verify them all."""
+
+    needs_companion = False
+
+    def __init__(self, draft_len: int):
+        self.draft_len = draft_len
+
+    def draft_budget(self, batch: int) -> int:
+        return self.draft_len
+
+    def keep_drafting(self, position: int, probs: torch.Tensor, prefix: torch.Tensor) -> bool:
+        return True
+
+    def lengths(self, draft_tokens, draft_probs, companion_probs, num_draft: torch.Tensor) -> torch.Tensor:
+        return num_draft
+
+    def observe(self, rows, draft_tokens, draft_probs, target_probs, num_draft, accepted) -> None:
+        pass
+
+
+class SVPolicy:
+    """Speculative Verification: a step's verification lengths from predicted gains and measured latency.
+
+    Each step, three decisions, each using only what is known when it is made:
+      1. before drafting (``draft_budget``): from the recent history of predicted gains per position and the
+         latency table, whether speculating pays at all at this batch size, and how far drafting may go;
+      2. while drafting (``keep_drafting``): after the draft's distribution at position i is known and before
+         x_i is sampled, continue while some row's draft-only plan (the stopping rule over draft-only gains)
+         still reaches position i;
+      3. after the companion has scored the block (``lengths``): the stopping rule over the ``kind``
+         predictor's gains gives each row its verification length.
+    ``kind`` is "companion" (draft + companion features) or "draft" (draft-only features, no companion).
+    """
+
+    def __init__(self, profile, latency, *, method: str, max_draft: int, kind: str = "companion",
+                 memory: float = 0.9):
+        if kind not in ("draft", "companion"):
+            raise ValueError(f"kind must be 'draft' or 'companion', got {kind!r}")
+        if kind == "companion" and latency.companion is None:
+            raise ValueError("the latency profile has no companion costs: measure it with the companion")
+        self.method, self.max_draft, self.kind, self.memory = method, max_draft, kind, memory
+        self.draft_predictor = profile.predictor(method, "draft")
+        self.predictor = profile.predictor(method, kind)
+        self.latency = latency
+        prior = list(profile.prior[method])[:max_draft]
+        self.prior = torch.tensor(prior + [prior[-1]] * (max_draft - len(prior)), dtype=torch.float64)
+        self.history = self.prior.clone()  # predicted gain per position, recent steps
+        self._draft_features: list[torch.Tensor] = []
+        self._seconds: Callable[[int], float] = lambda width: 1.0
+
+    @property
+    def needs_companion(self) -> bool:
+        return self.kind == "companion"
+
+    def step_seconds(self, batch: int) -> Callable[[int], float]:
+        """Predicted seconds of a step at this batch size that drafts, scores and verifies ``width`` tokens."""
+        table = self.latency
+
+        def seconds(width: int) -> float:
+            if width == 0:
+                return table.target(batch, 1)
+            companion = table.companion(batch, width) if self.needs_companion else 0.0
+            return width * table.draft(batch, 1) + companion + table.target(batch, 1 + width)
+
+        return seconds
+
+    def draft_budget(self, batch: int) -> int:
+        self._seconds, self._draft_features = self.step_seconds(batch), []
+        emitted = torch.cat([torch.ones(1, dtype=torch.float64), 1 + self.history.cumsum(0)])
+        goodput = [float(emitted[w]) / self._seconds(w) for w in range(self.max_draft + 1)]
+        best = max(range(len(goodput)), key=goodput.__getitem__)
+        if best == 0:  # not speculating teaches nothing new: drift back towards the calibrated prior
+            self.history = self.memory * self.history + (1 - self.memory) * self.prior
+        return min(self.max_draft, best + 1)
+
+    def keep_drafting(self, position: int, probs: torch.Tensor, prefix: torch.Tensor) -> bool:
+        return self.keep_drafting_given(draft_features(probs[:, None], prefix[:, None], first=position)[:, 0])
+
+    def keep_drafting_given(self, features: torch.Tensor) -> bool:
+        """``keep_drafting`` from the draft-only features [B, F] of the next position."""
+        self._draft_features.append(features)
+        gains = self.draft_predictor(torch.stack(self._draft_features, 1))
+        position = len(self._draft_features)
+        limit = torch.full((len(gains),), position, dtype=torch.long)
+        return int(stopping_lengths(gains, limit, self._seconds).max()) == position
+
+    def lengths(self, draft_tokens, draft_probs, companion_probs, num_draft: torch.Tensor) -> torch.Tensor:
+        features = torch.stack(self._draft_features[: draft_tokens.shape[1]], 1).to(draft_tokens.device)
+        if self.kind == "companion":
+            probs = as_probs(draft_tokens, draft_probs, companion_probs.shape[-1])
+            features = companion_features(draft_tokens, probs, companion_probs, self.method, features)
+        return self.lengths_given(features, num_draft)
+
+    def lengths_given(self, features: torch.Tensor, num_draft: torch.Tensor) -> torch.Tensor:
+        """``lengths`` from the ``kind`` predictor's features [B, K, F] of the drafted positions."""
+        gains = self.predictor(features)
+        drafted = gains.shape[1]
+        self.history[:drafted] = self.memory * self.history[:drafted] + (1 - self.memory) * gains.mean(0).cpu()
+        return stopping_lengths(gains, num_draft, self._seconds).to(num_draft.device)
+
+    def observe(self, rows, draft_tokens, draft_probs, target_probs, num_draft, accepted) -> None:
+        pass

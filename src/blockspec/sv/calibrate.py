@@ -1,0 +1,173 @@
+"""Calibration: record drafted positions with their features and exact gains, fit the predictors, and replay.
+
+``record`` runs ordinary speculative decoding (every drafted token verified, token rule) on calibration prompts
+with a recording policy. Per row and step it keeps, for the K drafted positions: the draft-only features, the
+companion's plug-in gain and overlap under each rule, the exact gains under each rule (from the target's
+distributions, ``features.gains``), and the accepted length. ``fit_profile`` fits a draft-only and a
+draft+companion predictor per rule on some prompts and reports held-out log-loss and Brier score on the others
+(the companion's information gain). ``replay`` evaluates any length policy offline on recorded steps against a
+latency table, with a hindsight oracle that knows how many tokens the target accepts.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from ..policy import FixedLength, stopping_lengths
+from ..verify import expected_accepted
+from .features import as_probs, companion_features, draft_features, gains, prefix_logprob
+from .predictor import MONOTONE, Predictor, Profile, evaluate, feature_names
+
+METHODS = ("token", "block")
+
+
+@dataclass
+class Recording:
+    """Recorded row-steps: N rows of K positions (positions past ``num_draft`` are padding)."""
+
+    prompt: torch.Tensor  # [N] index of the calibration prompt
+    num_draft: torch.Tensor  # [N]
+    accepted: torch.Tensor  # [N] tau under the token rule with all drafted tokens verified
+    draft: torch.Tensor  # [N, K, len(DRAFT_FEATURES)]
+    companion: dict[str, torch.Tensor]  # method -> [N, K, len(COMPANION_FEATURES)]
+    labels: dict[str, torch.Tensor]  # method -> [N, K] exact gains
+
+    def positions(self, rows: torch.Tensor) -> torch.Tensor:
+        """Mask [n, K] of the real (drafted) positions of ``rows``."""
+        k = self.draft.shape[1]
+        return torch.arange(k)[None, :] < self.num_draft[rows, None]
+
+    def features(self, kind: str, method: str) -> torch.Tensor:
+        return self.draft if kind == "draft" else self.companion[method]
+
+    def save(self, path) -> None:
+        torch.save(self.__dict__, path)
+
+    @classmethod
+    def load(cls, path) -> Recording:
+        return cls(**torch.load(path))
+
+
+class Recorder(FixedLength):
+    """A fixed-length policy that also records every step (used by ``record``)."""
+
+    needs_companion = True
+
+    def __init__(self, draft_len: int):
+        super().__init__(draft_len)
+        self.rows: list[dict] = []
+        self.offset = 0  # index of the current generate() call's first prompt (set by ``record``)
+        self._pending: dict = {}
+
+    def draft_budget(self, batch: int) -> int:
+        self._draft: list[torch.Tensor] = []
+        return self.draft_len
+
+    def keep_drafting(self, position: int, probs: torch.Tensor, prefix: torch.Tensor) -> bool:
+        self._draft.append(draft_features(probs[:, None], prefix[:, None], first=position)[:, 0])
+        return True
+
+    def lengths(self, draft_tokens, draft_probs, companion_probs, num_draft):
+        probs = as_probs(draft_tokens, draft_probs, companion_probs.shape[-1])
+        draft = torch.stack(self._draft[: draft_tokens.shape[1]], 1)
+        self._pending = {"draft": draft, "companion": {
+            m: companion_features(draft_tokens, probs, companion_probs, m, draft) for m in METHODS}}
+        return num_draft
+
+    def observe(self, rows, draft_tokens, draft_probs, target_probs, num_draft, accepted) -> None:
+        if draft_tokens.shape[1] < self.draft_len:
+            return  # a row's last step: fewer drafted positions than the recording's width
+        probs = as_probs(draft_tokens, draft_probs, target_probs.shape[-1])
+        labels = {m: gains(draft_tokens, probs.double(), target_probs.double(), m).float() for m in METHODS}
+        for b in range(len(draft_tokens)):
+            self.rows.append({
+                "prompt": self.offset + rows[b], "num_draft": int(num_draft[b]), "accepted": int(accepted[b]),
+                "draft": self._pending["draft"][b].cpu(),
+                "companion": {m: f[b].cpu() for m, f in self._pending["companion"].items()},
+                "labels": {m: v[b].cpu() for m, v in labels.items()},
+            })
+
+    def recording(self) -> Recording:
+        rows = self.rows
+        return Recording(
+            prompt=torch.tensor([r["prompt"] for r in rows]), num_draft=torch.tensor([r["num_draft"] for r in rows]),
+            accepted=torch.tensor([r["accepted"] for r in rows]), draft=torch.stack([r["draft"] for r in rows]),
+            companion={m: torch.stack([r["companion"][m] for r in rows]) for m in METHODS},
+            labels={m: torch.stack([r["labels"][m] for r in rows]) for m in METHODS},
+        )
+
+
+def record(decoder, prompts, *, sampling, max_new_tokens: int, batch_size: int, seed: int = 0,
+           progress: bool = True) -> Recording:
+    """Decode ``prompts`` with ``decoder`` (a SpeculativeDecoder whose policy is a ``Recorder``) and return what
+    was recorded; row b of a batch uses seed + its prompt index."""
+    from tqdm.auto import tqdm
+
+    recorder = decoder.policy
+    if not isinstance(recorder, Recorder):
+        raise TypeError("record() needs a SpeculativeDecoder built with policy=Recorder(draft_len)")
+    for start in tqdm(range(0, len(prompts), batch_size), desc="calibration batches", disable=not progress):
+        recorder.offset = start
+        decoder.generate(prompts[start : start + batch_size], max_new_tokens=max_new_tokens, sampling=sampling,
+                         seed=seed + start)
+    if not recorder.rows:
+        raise ValueError("calibration recorded no complete drafted block: use more prompts or more new tokens")
+    return recorder.recording()
+
+
+def split_prompts(recording: Recording, held_out: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row indices (train, test), split by prompt so no prompt is on both sides."""
+    prompts = sorted(set(recording.prompt.tolist()))
+    random.Random(seed).shuffle(prompts)
+    n_test = max(1, round(held_out * len(prompts))) if len(prompts) > 1 else 0
+    test = torch.isin(recording.prompt, torch.tensor(prompts[:n_test], dtype=torch.long))
+    return (~test).nonzero().squeeze(1), test.nonzero().squeeze(1)
+
+
+def fit_profile(recording: Recording, *, target: str, draft: str, companion: str | None, sampling: dict,
+                held_out: float = 0.25, seed: int = 0) -> tuple[Profile, dict]:
+    """Fit every (method, kind) predictor on the training prompts; returns the profile (refitted on all prompts)
+    and the held-out evaluation {method: {kind: metrics}} plus calibration curves."""
+    train, test = split_prompts(recording, held_out, seed)
+    report, predictors = {}, {}
+    for method in METHODS:
+        report[method], predictors[method] = {}, {}
+        for kind in ("draft", "companion"):
+            x, y = _flat(recording, kind, method, train)
+            fitted = Predictor.fit(feature_names(kind), x, y, monotone=MONOTONE[kind])
+            if len(test):
+                xt, yt = _flat(recording, kind, method, test)
+                report[method][kind] = {**evaluate(fitted, xt, yt), "curve": calibration_curve(fitted(xt), yt)}
+            x, y = _flat(recording, kind, method, torch.arange(len(recording.prompt)))
+            predictors[method][kind] = Predictor.fit(feature_names(kind), x, y, monotone=MONOTONE[kind])
+    prior = {m: _mean_by_position(recording, m) for m in METHODS}
+    metrics = {"positions": int(recording.positions(torch.arange(len(recording.prompt))).sum()),
+               "prompts": len(set(recording.prompt.tolist())), "held_out": {
+                   m: {k: {n: v for n, v in r.items() if n != "curve"} for k, r in report[m].items()} for m in METHODS}}
+    profile = Profile(target=target, draft=draft, companion=companion, sampling=sampling, predictors=predictors,
+                      prior=prior, metrics=metrics)
+    return profile, report
+
+
+def calibration_curve(predicted: torch.Tensor, labels: torch.Tensor, bins: int = 10) -> list[tuple[float, float, int]]:
+    """(mean predicted, mean exact gain, count) per bin of equal predicted-gain width."""
+    index = (predicted.double() * bins).long().clamp(max=bins - 1)
+    curve = []
+    for b in range(bins):
+        chosen = index == b
+        if chosen.any():
+            curve.append((float(predicted[chosen].mean()), float(labels[chosen].double().mean()), int(chosen.sum())))
+    return curve
+
+
+def _flat(recording: Recording, kind: str, method: str, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    mask = recording.positions(rows)
+    return recording.features(kind, method)[rows][mask], recording.labels[method][rows][mask]
+
+
+def _mean_by_position(recording: Recording, method: str) -> list[float]:
+    labels, mask = recording.labels[method], recording.positions(torch.arange(len(recording.prompt)))
+    return (labels * mask).sum(0).div(mask.sum(0).clamp(min=1)).tolist()

@@ -1,0 +1,258 @@
+"""``blockspec sv profile``, ``blockspec sv calibrate`` and the SV options of ``blockspec generate``.
+
+Only argparse at import time: torch and the models load inside the commands, so ``--help`` stays instant.
+Profiles live by default in ~/.cache/blockspec/sv, named after the models (and the sampling, for the
+calibration profile), so ``generate --policy sv`` finds the ones measured for its configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+DEFAULT_COMPANION = "prefix:8"
+SV_DIR = Path(os.environ.get("BLOCKSPEC_CACHE", Path.home() / ".cache" / "blockspec")) / "sv"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that name an SV configuration (shared by generate and sv calibrate)."""
+    parser.add_argument("--companion", default=DEFAULT_COMPANION,
+                        help="companion model sharing the target's tokenizer, or prefix:K for the target's own first K "
+                        "layers (shared weights, no extra memory) (default: %(default)s)")
+    parser.add_argument("--sv-predictor", default="companion", choices=["companion", "draft"],
+                        help="features that predict acceptance: draft and companion, or draft only (no companion "
+                        "forward) (default: %(default)s)")
+    parser.add_argument("--sv-profile", type=Path, help="calibration profile (default: the one `blockspec sv calibrate` "
+                        f"saved for these models and sampling under {SV_DIR})")
+    parser.add_argument("--latency", type=Path, help="latency profile (default: the one `blockspec sv profile` saved "
+                        f"for these models under {SV_DIR})")
+
+
+def add_parsers(sub, defaults: dict) -> None:
+    sv = sub.add_parser("sv", help="Speculative Verification: measure latency, calibrate the acceptance predictor",
+                        description="Speculative Verification (Kim et al., arXiv 2509.24328) verifies, per row and "
+                        "step, only the drafted tokens predicted to pay for their cost. It needs two profiles for "
+                        "your models and machine: `sv profile` (step latency by batch size and tokens verified) and "
+                        "`sv calibrate` (the acceptance predictor, fitted on prompts disjoint from evaluation sets).")
+    sv_sub = sv.add_subparsers(required=True, metavar="SV_COMMAND")
+
+    profile = sv_sub.add_parser("profile", help="measure target, draft and companion forward latency on this machine",
+                                description="Time the target's forward over a grid of batch sizes and tokens per row, "
+                                "the draft's one-token forward and the companion's forward; save the table.")
+    _model_arguments(profile, defaults)
+    profile.add_argument("--companion", default=DEFAULT_COMPANION, help="(default: %(default)s); 'none' for no companion")
+    profile.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 32, 64], help="(default: %(default)s)")
+    profile.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 5, 9],
+                         help="tokens per row in one forward (default: %(default)s)")
+    profile.add_argument("--context", type=int, default=64, help="cached tokens per row while timing (default: %(default)s)")
+    profile.add_argument("--repeats", type=int, default=3, help="timed forwards per cell, median kept (default: %(default)s)")
+    profile.add_argument("--out", type=Path, help=f"output JSON (default: under {SV_DIR})")
+    profile.set_defaults(run=run_profile)
+
+    calibrate = sv_sub.add_parser("calibrate", help="record drafted positions and fit the acceptance predictors",
+                                  description="Run speculative decoding (all drafted tokens verified) on calibration "
+                                  "prompts, record per-position draft and companion features with the exact gain "
+                                  "each token adds to the expected accepted length, fit draft-only and "
+                                  "draft+companion predictors for both rules, and report held-out log-loss and Brier "
+                                  "score (the companion's information gain) with a calibration plot.")
+    _model_arguments(calibrate, defaults)
+    add_arguments(calibrate)
+    calibrate.add_argument("--dataset", default="sharegpt",
+                           help="calibration prompts; keep them disjoint from your evaluation sets (default: %(default)s)")
+    calibrate.add_argument("--prompts", type=int, default=24, help="(default: %(default)s)")
+    calibrate.add_argument("--max-new-tokens", type=int, default=64, help="(default: %(default)s)")
+    calibrate.add_argument("--draft-len", type=int, default=8, help="K drafted and recorded per step (default: %(default)s)")
+    calibrate.add_argument("--batch-size", type=int, default=4, help="(default: %(default)s)")
+    calibrate.add_argument("--temperature", type=float, default=1.0, help="(default: %(default)s)")
+    calibrate.add_argument("--top-k", type=int, default=0, help="(default: %(default)s)")
+    calibrate.add_argument("--top-p", type=float, default=1.0, help="(default: %(default)s)")
+    calibrate.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    calibrate.add_argument("--out", type=Path, help=f"profile JSON (default: under {SV_DIR})")
+    calibrate.add_argument("--recording", type=Path, help="also save the recorded positions (torch file) for replay")
+    calibrate.set_defaults(run=run_calibrate)
+
+    replay = sv_sub.add_parser("replay", help="evaluate length policies offline on a recording against a latency profile",
+                               description="Regroup recorded steps (`sv calibrate --recording`) into batches and "
+                               "compare, in predicted tokens per second: target-only, fixed K, SV with the draft-only "
+                               "and the companion predictor, and a hindsight oracle that knows the target's decisions. "
+                               "Use a recording of prompts the profile was not calibrated on.")
+    replay.add_argument("--recording", type=Path, required=True, help="recorded positions (torch file)")
+    replay.add_argument("--sv-profile", type=Path, required=True, help="calibration profile")
+    replay.add_argument("--latency", type=Path, required=True, help="latency profile")
+    replay.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 32, 64], help="(default: %(default)s)")
+    replay.add_argument("--methods", nargs="+", default=["token", "block"], choices=["token", "block"])
+    replay.add_argument("--steps", type=int, default=300, help="replayed steps per batch size (default: %(default)s)")
+    replay.add_argument("--out", type=Path, help="also write the results as JSON")
+    replay.set_defaults(run=run_replay)
+
+
+def _model_arguments(parser, defaults: dict) -> None:
+    parser.add_argument("--target", default=defaults["target"], help="(default: %(default)s)")
+    parser.add_argument("--draft", default=defaults["draft"], help="(default: %(default)s)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                        help="(default: %(default)s)")
+    parser.add_argument("--device", default="cpu", help="(default: %(default)s)")
+
+
+def sampling_key(sampling) -> dict:
+    return {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
+
+
+def profile_path(target: str, draft: str, companion: str | None, sampling: dict) -> Path:
+    temperature = "T{temperature:g}-k{top_k}-p{top_p:g}".format(**sampling)
+    return SV_DIR / f"calibration-{_slug(target, draft, companion)}-{temperature}.json"
+
+
+def latency_path(target: str, draft: str, companion: str | None, dtype: str, device: str) -> Path:
+    return SV_DIR / f"latency-{_slug(target, draft, companion)}-{dtype}-{device}.json"
+
+
+def _slug(*names) -> str:
+    return "-".join(re.sub(r"[^A-Za-z0-9.:]+", "_", Path(str(n)).name).replace(":", "") for n in names)
+
+
+def build_policy(config, target, sampling):
+    """(SVPolicy, companion model or None) for ``blockspec generate --policy sv``."""
+    from ..models.companion import load_companion
+    from ..policy import SVPolicy
+    from .latency import LatencyProfile
+    from .predictor import Profile
+
+    companion_name = config.companion if config.sv_predictor == "companion" else None
+    profile = Profile.load(_existing(config.sv_profile or profile_path(
+        config.target, config.draft, config.companion, sampling_key(sampling)), "sv calibrate"))
+    profile.check(target=config.target, draft=config.draft, companion=config.companion, sampling=sampling_key(sampling))
+    latency = LatencyProfile.load(_existing(config.latency or latency_path(
+        config.target, config.draft, config.companion, config.dtype, str(target.device)), "sv profile"))
+    latency.check(config.target, config.draft, config.companion, config.dtype, target.device)
+    method = "token" if config.verifier == "token" else "block"  # greedy: the token rule's gains
+    policy = SVPolicy(profile, latency, method=method, max_draft=config.draft_len, kind=config.sv_predictor)
+    companion = load_companion(companion_name, target, dtype=config.dtype, device=config.device) if companion_name else None
+    return policy, companion
+
+
+def _existing(path: Path, command: str) -> Path:
+    if not Path(path).exists():
+        raise FileNotFoundError(f"{path} does not exist: run `blockspec {command}` with the same models first")
+    return Path(path)
+
+
+def run_profile(args) -> int:
+    from ..models.companion import load_companion
+    from ..models.hf import load_model
+    from .latency import measure_profile
+
+    target = load_model(args.target, dtype=args.dtype, device=args.device)
+    draft = load_model(args.draft, dtype=args.dtype, device=args.device)
+    companion_name = None if args.companion == "none" else args.companion
+    companion = load_companion(companion_name, target, dtype=args.dtype, device=args.device) if companion_name else None
+    profile = measure_profile(target, draft, companion, batch_sizes=tuple(args.batch_sizes), tokens=tuple(args.tokens),
+                              context=args.context, repeats=args.repeats)
+    # the names the other commands look the profile up by: what the user typed
+    profile.meta.update(target=args.target, draft=args.draft, companion=companion_name)
+    out = args.out or latency_path(args.target, args.draft, companion_name, args.dtype, str(target.device))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    profile.save(out)
+    for name, table in (("target", profile.target), ("draft", profile.draft), ("companion", profile.companion)):
+        if table is not None:
+            print(f"{name} forward seconds (rows: batch {list(table.batch_sizes)}; columns: tokens per row "
+                  f"{list(table.tokens)})")
+            for batch, row in zip(table.batch_sizes, table.seconds):
+                print(f"  B={batch:<3} " + " ".join(f"{s:8.3f}" for s in row))
+    print(f"saved {out}")
+    return 0
+
+
+def run_calibrate(args) -> int:
+    from ..bench.datasets import load as load_prompts
+    from ..chat import encode_prompt
+    from ..engine import SpeculativeDecoder
+    from ..models.companion import load_companion
+    from ..models.hf import load_model
+    from ..sampling import SamplingParams
+    from .calibrate import Recorder, fit_profile, record
+
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+    target = load_model(args.target, dtype=args.dtype, device=args.device)
+    draft = load_model(args.draft, dtype=args.dtype, device=args.device)
+    companion = load_companion(args.companion, target, dtype=args.dtype, device=args.device)
+    decoder = SpeculativeDecoder(target, draft, verifier="token", draft_len=args.draft_len,
+                                 policy=Recorder(args.draft_len), companion=companion)
+    prompts = load_prompts(args.dataset, args.prompts, seed=args.seed)
+    ids = [encode_prompt(decoder.tokenizer, p.text, chat=True) for p in prompts]
+    recording = record(decoder, ids, sampling=sampling, max_new_tokens=args.max_new_tokens,
+                       batch_size=args.batch_size, seed=args.seed)
+    if args.recording:
+        recording.save(args.recording)
+    profile, report = fit_profile(recording, target=args.target, draft=args.draft, companion=args.companion,
+                                  sampling=sampling_key(sampling))
+    profile.metrics["calibration_prompts"] = [p.id for p in prompts]
+    out = args.out or profile_path(args.target, args.draft, args.companion, sampling_key(sampling))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    profile.save(out)
+    plot = out.with_suffix(".png")
+    plot_calibration(report, plot, title=f"{args.target} / {args.draft} / companion {args.companion}")
+    print(f"{'rule':<6} {'predictor':<10} {'held-out log-loss':>18} {'floor':>7} {'Brier':>8} {'mean pred':>10} "
+          f"{'mean gain':>10}")
+    for method, kinds in report.items():
+        for kind, m in kinds.items():
+            print(f"{method:<6} {kind:<10} {m['log_loss']:18.4f} {m['entropy_of_labels']:7.4f} {m['brier']:8.4f} "
+                  f"{m['mean_predicted']:10.3f} {m['mean_label']:10.3f}")
+    print(f"saved {out} and {plot}", file=sys.stderr)
+    print(json.dumps({"profile": str(out), "positions": profile.metrics["positions"],
+                      "held_out": profile.metrics["held_out"]}))
+    return 0
+
+
+def plot_calibration(report: dict, path: Path, title: str) -> None:
+    """Held-out calibration curves: mean exact gain against mean predicted gain, per rule and predictor."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(report), figsize=(5 * len(report), 4.5), squeeze=False)
+    for ax, (method, kinds) in zip(axes[0], report.items()):
+        ax.plot([0, 1], [0, 1], color="grey", lw=0.8, ls="--")
+        for kind, m in kinds.items():
+            predicted, observed, _ = zip(*m["curve"])
+            ax.plot(predicted, observed, marker="o", label=f"{kind} (log-loss {m['log_loss']:.3f})")
+        ax.set(title=f"{method} rule", xlabel="predicted gain", ylabel="exact gain (held-out mean)", xlim=(0, 1),
+               ylim=(0, 1))
+        ax.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_replay(args) -> int:
+    from .calibrate import Recording
+    from .latency import LatencyProfile
+    from .predictor import Profile
+    from .replay import replay
+
+    recording, profile = Recording.load(args.recording), Profile.load(args.sv_profile)
+    latency = LatencyProfile.load(args.latency)
+    rows = []
+    for method in args.methods:
+        for batch in args.batch_sizes:
+            outcomes = replay(recording, profile, latency, batch=batch, method=method, steps=args.steps)
+            base = outcomes["target-only"].goodput
+            for name, o in outcomes.items():
+                rows.append({"method": method, "batch": batch, "policy": name, "tokens_per_s": o.goodput,
+                             "speedup": o.goodput / base, "verified_per_emitted": o.verified / o.emitted,
+                             "drafted_per_emitted": o.drafted / o.emitted})
+    print(f"{'rule':<6} {'B':>3} {'policy':<13} {'tok/s':>8} {'vs target':>9} {'verified/emitted':>17} "
+          f"{'drafted/emitted':>16}")
+    for r in rows:
+        print(f"{r['method']:<6} {r['batch']:>3} {r['policy']:<13} {r['tokens_per_s']:8.2f} {r['speedup']:8.3f}x "
+              f"{r['verified_per_emitted']:17.3f} {r['drafted_per_emitted']:16.3f}")
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1) + "\n")
+    print(json.dumps({"replay": [{k: r[k] for k in ("method", "batch", "policy", "speedup")} for r in rows]}))
+    return 0

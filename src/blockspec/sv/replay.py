@@ -1,0 +1,89 @@
+"""Offline evaluation of length policies on recorded steps (``calibrate.Recording``) against a latency profile.
+
+Recorded rows are regrouped into steps of ``batch`` rows (a fixed-seed sample), so one recording serves every
+batch size. Each policy picks per-row lengths from the recorded features; a step emits, in expectation,
+sum_b (1 + sum_{i <= L_b} g_b,i) tokens with the exact gains g (an unbiased stand-in for the realised count)
+and costs what the latency profile predicts for the forwards it runs: drafting, the companion, the target.
+The hindsight oracle knows each row's accepted length tau under the token rule with all K drafts verified and
+picks the width w maximising sum_b (1 + min(tau_b, w)) / seconds, so it never verifies a rejected token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..policy import SVPolicy
+from .calibrate import Recording
+
+
+@dataclass(frozen=True)
+class Outcome:
+    emitted: float  # expected tokens emitted over all replayed steps
+    seconds: float  # predicted seconds of those steps
+    verified: float  # drafted tokens verified
+    drafted: float  # drafted tokens (per row, summed over rows)
+
+    @property
+    def goodput(self) -> float:
+        return self.emitted / self.seconds
+
+
+def replay(recording: Recording, profile, latency, *, batch: int, method: str, fixed: tuple[int, ...] = (1, 2, 4, 8),
+           steps: int = 200, seed: int = 0) -> dict[str, Outcome]:
+    """Outcomes of target-only, fixed K in ``fixed``, SV (draft-only and companion predictors) and the oracle."""
+    rows = torch.randint(len(recording.prompt), (steps, batch), generator=torch.Generator().manual_seed(seed))
+    max_draft = recording.draft.shape[1]
+    labels, tau = recording.labels[method].double(), recording.accepted
+    target, draft = latency.target, latency.draft
+
+    def outcome(lengths_per_step, drafted_per_step, companion: bool) -> Outcome:
+        emitted = seconds = verified = drafted_total = 0.0
+        for chosen, lengths, drafted in zip(rows, lengths_per_step, drafted_per_step):
+            reach = torch.arange(max_draft)[None, :] < lengths[:, None]
+            emitted += batch + float((labels[chosen] * reach).sum())
+            width = int(lengths.max())
+            cost = target(batch, 1 + width) + drafted * draft(batch, 1)
+            if companion and drafted:
+                cost += latency.companion(batch, drafted)
+            seconds += cost
+            verified += float(lengths.sum())
+            drafted_total += drafted * batch
+        return Outcome(emitted, seconds, verified, drafted_total)
+
+    results = {"target-only": outcome([torch.zeros(batch, dtype=torch.long)] * steps, [0] * steps, False)}
+    for k in fixed:
+        if k <= max_draft:
+            lengths = [recording.num_draft[chosen].clamp(max=k) for chosen in rows]
+            results[f"fixed K={k}"] = outcome(lengths, [k] * steps, False)
+    for kind in ("draft", "companion"):
+        if kind == "companion" and latency.companion is None:
+            continue
+        policy = SVPolicy(profile, latency, method=method, max_draft=max_draft, kind=kind)
+        lengths, drafted = zip(*(_sv_step(policy, recording, chosen, kind, method) for chosen in rows))
+        results[f"SV {kind}"] = outcome(lengths, drafted, kind == "companion")
+    lengths, drafted = zip(*(_oracle(tau[chosen], recording.num_draft[chosen], target, draft, batch) for chosen in rows))
+    results["oracle"] = outcome(lengths, drafted, False)
+    return results
+
+
+def _sv_step(policy: SVPolicy, recording: Recording, chosen: torch.Tensor, kind: str, method: str):
+    """One step of the real SVPolicy on recorded rows: (lengths [B], draft forwards run)."""
+    budget = policy.draft_budget(len(chosen))
+    drafted = 0
+    while drafted < budget and policy.keep_drafting_given(recording.draft[chosen, drafted]):
+        drafted += 1
+    forwards = drafted + (drafted < budget)  # a stop still paid for the draft forward that decided it
+    if drafted == 0:
+        return torch.zeros(len(chosen), dtype=torch.long), forwards
+    features = recording.features(kind, method)[chosen, :drafted]
+    return policy.lengths_given(features, recording.num_draft[chosen].clamp(max=drafted)), forwards
+
+
+def _oracle(tau, num_draft, target, draft, batch: int) -> torch.Tensor:
+    def goodput(w: int) -> float:
+        return float((1 + tau.clamp(max=w)).sum()) / (target(batch, 1 + w) + w * draft(batch, 1))
+
+    best = max(range(int(num_draft.max()) + 1), key=goodput)
+    return torch.minimum(tau, torch.tensor(best)), best

@@ -1,0 +1,95 @@
+"""`blockspec sv profile`, `sv calibrate`, `sv replay` and `generate --policy sv`, end to end on tiny models."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tiny import save_tiny
+
+
+def run(*args: str, cache=None) -> subprocess.CompletedProcess:
+    env = None
+    if cache is not None:
+        import os
+
+        env = {**os.environ, "BLOCKSPEC_CACHE": str(cache)}
+    return subprocess.run([sys.executable, "-m", "blockspec.cli", *args], capture_output=True, text=True,
+                          timeout=600, env=env)
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    """A tiny pair with its latency and calibration profiles in a private cache directory."""
+    root = tmp_path_factory.mktemp("sv")
+    target, draft = save_tiny(root / "target"), save_tiny(root / "draft", noise=0.3)
+    models = ["--target", target, "--draft", draft, "--dtype", "float32"]
+    profile = run("sv", "profile", *models, "--companion", "prefix:1", "--batch-sizes", "1", "2",
+                  "--tokens", "1", "2", "3", "--context", "8", "--repeats", "1", cache=root)
+    assert profile.returncode == 0, profile.stderr
+    calibrate = run("sv", "calibrate", *models, "--companion", "prefix:1", "--dataset", "lm1b", "--prompts", "6",
+                    "--max-new-tokens", "24", "--draft-len", "3", "--batch-size", "3", "--recording", str(root / "rec.pt"), cache=root)
+    assert calibrate.returncode == 0, calibrate.stderr
+    return root, models, profile, calibrate
+
+
+def test_profile_and_calibrate_save_where_generate_looks(calibrated):
+    root, _, profile, calibrate = calibrated
+    assert "target forward seconds" in profile.stdout and "companion forward seconds" in profile.stdout
+    saved = sorted(p.name for p in (root / "sv").iterdir())
+    assert [n.split("-")[0] for n in saved] == ["calibration", "calibration", "latency"]  # .json, .png; latency
+    report = json.loads(calibrate.stdout.strip().splitlines()[-1])
+    for method in ("token", "block"):
+        for kind in ("draft", "companion"):
+            metrics = report["held_out"][method][kind]
+            assert metrics["entropy_of_labels"] <= metrics["log_loss"]  # the labels' own entropy is the floor
+    assert "held-out log-loss" in calibrate.stdout
+
+
+def test_generate_with_sv_gives_the_greedy_text_of_the_target(calibrated):
+    root, models, _, _ = calibrated
+    common = [*models, "--max-new-tokens", "16", "--temperature", "0", "--draft-len", "3"]
+    plain = run("generate", *common, "--verifier", "none", "abc de", cache=root)
+    # calibrated at T=1: greedy needs its own calibration profile, and says so
+    missing = run("generate", *common, "--policy", "sv", "--companion", "prefix:1", "abc de", cache=root)
+    assert missing.returncode == 2 and "blockspec sv calibrate" in missing.stderr
+    sampled = run("generate", *models, "--max-new-tokens", "16", "--draft-len", "3", "--seed", "3", "--policy", "sv",
+                  "--companion", "prefix:1", "abc de", "fgh", cache=root)
+    assert sampled.returncode == 0 and "sv K=3" in sampled.stderr, sampled.stderr
+    profile = next((root / "sv").glob("calibration-*.json"))
+    greedy = run("generate", *common, "--policy", "sv", "--companion", "prefix:1", "--sv-profile", str(profile),
+                 "abc de", cache=root)
+    assert greedy.returncode == 2 and "calibrated with sampling" in greedy.stderr
+    assert plain.returncode == 0 and plain.stdout.strip()
+
+
+def test_replay_compares_policies_and_the_oracle(calibrated):
+    root, _, _, _ = calibrated
+    profile = next((root / "sv").glob("calibration-*.json"))
+    latency = next((root / "sv").glob("latency-*.json"))
+    out = run("sv", "replay", "--recording", str(root / "rec.pt"), "--sv-profile", str(profile), "--latency",
+              str(latency), "--batch-sizes", "1", "2", "--steps", "20", "--out", str(root / "replay.json"))
+    assert out.returncode == 0, out.stderr
+    rows = json.loads((root / "replay.json").read_text())
+    policies = {r["policy"] for r in rows}
+    assert policies == {"target-only", "fixed K=1", "fixed K=2", "SV draft", "SV companion", "oracle"}
+    for r in rows:
+        if r["policy"] == "target-only":
+            assert r["speedup"] == 1.0 and r["verified_per_emitted"] == 0.0
+    for method in ("token", "block"):
+        for batch in (1, 2):
+            best_fixed = max(r["speedup"] for r in rows if r["method"] == method and r["batch"] == batch
+                             and r["policy"].startswith("fixed"))
+            oracle = next(r for r in rows if (r["method"], r["batch"], r["policy"]) == (method, batch, "oracle"))
+            assert oracle["speedup"] >= 1.0  # it may always choose not to speculate
+            assert oracle["speedup"] >= best_fixed * 0.9  # a ceiling, up to the expected-vs-realised noise
+
+
+def test_missing_profiles_are_explained(tmp_path):
+    target = save_tiny(tmp_path / "target")
+    out = run("generate", "--target", target, "--draft", target, "--dtype", "float32", "--policy", "sv", "hi",
+              cache=tmp_path)
+    assert out.returncode == 2 and "blockspec sv calibrate" in out.stderr and "Traceback" not in out.stderr

@@ -113,13 +113,16 @@ def test_goodput_here_is_not_concave_so_the_argmax_and_the_stopping_rule_differ(
     assert max(range(4), key=goodput.__getitem__) == 3
 
 
-def test_stopping_lengths_respect_each_rows_draft_and_share_the_batch_cost():
+def test_the_batch_widens_when_its_rows_gains_together_pay_for_it():
     p = torch.tensor([[0.99, 0.99, 0.99], [0.99, 0.99, 0.99], [0.01, 0.01, 0.01]])
     assert stopping_lengths(p[:1], torch.tensor([3]), seconds()).tolist() == [3]  # alone, a sure row goes on
-    first, capped, poor = stopping_lengths(p, torch.tensor([3, 1, 3]), lambda w: LATENCY(3, 1 + w)).tolist()
-    assert capped == 1 and poor <= first
-    assert first < 3  # in a batch, widening the forward costs every row's time: the sure row stops earlier
+    # three rows make the second position cost more than its 1.0 expected tokens; each row keeps its own cap
+    assert stopping_lengths(p, torch.tensor([3, 1, 3]), lambda w: LATENCY(3, 1 + w)).tolist() == [1, 1, 1]
     assert stopping_lengths(p, torch.tensor([0, 0, 0]), lambda w: LATENCY(3, 1 + w)).tolist() == [0, 0, 0]
+    # 64 rows: no single row's gain pays for a 5 % wider forward, their sum does at every position
+    cheap = lambda w: 1 + 0.05 * w  # noqa: E731
+    assert stopping_lengths(torch.full((64, 3), 0.9), torch.full((64,), 3), cheap).tolist() == [3] * 64
+    assert stopping_lengths(torch.full((64, 3), 0.04), torch.full((64,), 3), cheap).tolist() == [0] * 64
 
 
 def test_latency_table_interpolates_and_checks_its_axes():

@@ -55,30 +55,23 @@ def stopping_lengths(
 ) -> torch.Tensor:
     """Per-row verification lengths L [B] maximising batch goodput by a stopping rule.
 
-    Goodput = sum_b (1 + sum_{i <= L_b} gains[b, i]) / step_seconds(max_b L_b). Position by position, each row
-    (in row order) extends from i - 1 to i only if that raises the goodput, and a row that declines once is
-    done. Column i of ``gains`` may depend only on what was known before x_{i+1} was sampled; the rule never
-    looks further, so the verified length is a stopping time and verification stays lossless whatever the
-    predictor.
+    Goodput = sum_b (1 + sum_{i <= L_b} gains[b, i]) / step_seconds(max_b L_b). The batch's forward is padded
+    to its widest row, so its cost depends on the width alone, and once the width reaches i every row that
+    drafted x_i adds to the expected output at no extra cost: the width grows one position at a time while
+    the rows' summed gains at the next position pay for it, and stops at the first position that does not
+    (a global argmax would be look-ahead). Column i of ``gains`` may depend only on what was known before
+    x_{i+1} was sampled, so the verified length is a stopping time and verification stays lossless whatever
+    the predictor. Each row then verifies min(width, num_draft[b]).
     """
-    batch, draft_len = gains.shape
-    gains = gains.double().cpu().tolist()
-    lengths = [0] * batch
-    emitted = float(batch)  # expected tokens emitted by the batch at the current lengths
-    active = [int(n) > 0 for n in num_draft.tolist()]
     limit = num_draft.tolist()
-    width = 0
-    for i in range(draft_len):
-        for b in range(batch):
-            if not active[b]:
-                continue
-            gained = gains[b][i]
-            if (emitted + gained) / step_seconds(max(width, i + 1)) <= emitted / step_seconds(width):
-                active[b] = False
-                continue
-            lengths[b], emitted, width = i + 1, emitted + gained, max(width, i + 1)
-            active[b] = lengths[b] < limit[b]
-    return torch.tensor(lengths, dtype=torch.long)
+    gains = gains.double().cpu().tolist()
+    emitted, width = float(len(limit)), 0
+    for i in range(len(gains[0]) if gains else 0):
+        gained = sum(row[i] for row, n in zip(gains, limit) if n > i)
+        if not any(n > i for n in limit) or (emitted + gained) / step_seconds(i + 1) <= emitted / step_seconds(i):
+            break
+        emitted, width = emitted + gained, i + 1
+    return num_draft.clamp(max=width)
 
 
 class FixedLength:

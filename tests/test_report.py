@@ -7,6 +7,7 @@ efficiency of block is (1 + gain) times that of token in expectation when the g_
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -280,3 +281,120 @@ def test_no_interval_while_a_dataset_has_a_single_prompt():
     assert row.analytic_gain.lo is None and row.gain.lo is None
     two_each = synthetic(rng, prompts=2, dataset="a") + synthetic(rng, prompts=2, dataset="b")
     assert row_of(build_report(two_each)).analytic_gain.lo is not None
+
+
+# --- batch sizes and Speculative Verification --------------------------------------------------------------------
+
+
+def batch_record(config: str, draft_len: int, dataset: str, batch: int, *, new_tokens: int, wall_time: float,
+                 accepted: list[int], verified: list[int], drafted: list[int] | None = None,
+                 batch_size: int = 4) -> Record:
+    """A batched record whose steps each have every row active (rows = batch_size per step)."""
+    steps = len(accepted) // batch_size
+    return Record(
+        dataset=dataset, prompt_id=f"{dataset}/{batch * batch_size:04d}", config=config, draft_len=draft_len,
+        temperature=1.0, batch_size=batch_size, seed=batch * batch_size, new_tokens=new_tokens, wall_time=wall_time,
+        prefill_time=0.01, accepted=accepted, draft_lens=verified,
+        drafted=drafted if drafted is not None else [max(verified)] * steps, rows=[batch_size] * steps,
+        prompt_ids=[f"{dataset}/{batch * batch_size + b:04d}" for b in range(batch_size)],
+    )
+
+
+def batch_records(rng: np.random.Generator) -> list[Record]:
+    """target-only, token K=2, block K=2 and K=4, sv-block (K <= 4) on 3 batches of 4 prompts of 2 datasets."""
+    speeds = {("target-only", 0): 10.0, ("token", 2): 14.0, ("block", 2): 15.0, ("block", 4): 13.0,
+              ("sv-block", 4): 16.0}
+    out = []
+    for dataset in ("a", "b"):
+        for batch in range(3):
+            for (config, k), speed in speeds.items():
+                n = 8 * 4  # 8 steps of 4 rows
+                verified = [0] * n if k == 0 else rng.integers(0 if config.startswith("sv") else k, k + 1, n).tolist()
+                accepted = [int(rng.integers(0, v + 1)) for v in verified]
+                new_tokens = sum(accepted) + n
+                out.append(batch_record(config, k, dataset, batch, new_tokens=new_tokens,
+                                        wall_time=new_tokens / (speed * rng.uniform(0.9, 1.1)), accepted=accepted,
+                                        verified=verified, drafted=[k] * 8))
+    return out
+
+
+def test_batch_table_arithmetic_best_fixed_and_sv_over_it():
+    records = batch_records(np.random.default_rng(20))
+    report = build_report(records, ReportConfig(n_boot=300))
+    assert report.rows == () and report.baselines == ()  # the token-vs-block tables are batch 1 only
+    rows = {(r.config, r.draft_len): r for r in report.batch}
+    assert set(rows) == {("target-only", 0), ("token", 2), ("block", 2), ("block", 4), ("sv-block", 4)}
+
+    def of(config, k):
+        return [r for r in records if (r.config, r.draft_len) == (config, k)]
+
+    def rate(config, k):
+        found = of(config, k)
+        return sum(r.new_tokens for r in found) / sum(r.wall_time for r in found)
+
+    best = max([("token", 2), ("block", 2), ("block", 4)], key=lambda key: rate(*key))
+    assert [key for key, r in rows.items() if r.best_fixed] == [best]
+    sv = rows[("sv-block", 4)]
+    assert sv.batches == 6 and sv.tokens_per_s.value == pytest.approx(rate("sv-block", 4))
+    assert sv.speedup_vs_target.value == pytest.approx(rate("sv-block", 4) / rate("target-only", 0))
+    assert sv.speedup_vs_best_fixed.value == pytest.approx(rate("sv-block", 4) / rate(*best))
+    assert sv.speedup_vs_best_fixed.lo < sv.speedup_vs_best_fixed.value < sv.speedup_vs_best_fixed.hi
+    accepted = sum(sum(r.accepted) for r in of("sv-block", 4))
+    verified = sum(sum(r.draft_lens) for r in of("sv-block", 4))
+    new = sum(r.new_tokens for r in of("sv-block", 4))
+    assert sv.rejected.value == pytest.approx(1 - accepted / verified)
+    assert sv.verified_per_emitted.value == pytest.approx(verified / new)
+    assert sv.drafted_per_emitted == pytest.approx(6 * 8 * 4 * 4 / new)  # 4 drafted per row, 8 steps of 4 rows
+    assert sv.block_efficiency == pytest.approx(1 + accepted / (6 * 32))
+    target = rows[("target-only", 0)]
+    assert target.rejected is None and target.verified_per_emitted.value == 0 and target.speedup_vs_target is None
+    assert all(r.speedup_vs_best_fixed is None for key, r in rows.items() if key[0] != "sv-block")
+    table = format_table(report)
+    assert "## batch sizes and Speculative Verification" in table and f"| {best[0]} * " in table
+    data = json.loads(json.dumps(summary(report)))
+    assert data["batch_best_fixed"] == [dict(temperature=1.0, batch_size=4, config=best[0], draft_len=best[1],
+                                             tokens_per_s=pytest.approx(rate(*best)))]
+
+
+def test_batch_comparisons_use_the_batches_every_configuration_ran():
+    records = batch_records(np.random.default_rng(21))
+    missing = records[-1]  # the last batch of dataset b, sv-block: an interrupted run
+    records = [r for r in records if r is not missing and not (r.key[:2] == missing.key[:2] and r.config == "token")]
+    rows = {(r.config, r.draft_len): r for r in build_report(records, ReportConfig(n_boot=100)).batch}
+    assert rows[("token", 2)].batches == 5 and rows[("block", 2)].batches == 6 and rows[("sv-block", 4)].batches == 5
+    common = {r.key[:2] for r in records if r.config == "sv-block"}
+    fixed = [r for r in records if r.config in ("token", "block") and r.key[:2] in common]
+    best = max({(r.config, r.draft_len) for r in fixed}, key=lambda key: sum(
+        r.new_tokens for r in fixed if (r.config, r.draft_len) == key) / sum(
+        r.wall_time for r in fixed if (r.config, r.draft_len) == key))
+    sv = [r for r in records if r.config == "sv-block"]
+    chosen = [r for r in fixed if (r.config, r.draft_len) == best]
+    expected = (sum(r.new_tokens for r in sv) / sum(r.wall_time for r in sv)) / (
+        sum(r.new_tokens for r in chosen) / sum(r.wall_time for r in chosen))
+    assert rows[("sv-block", 4)].speedup_vs_best_fixed.value == pytest.approx(expected)
+
+
+def test_batch_table_only_with_batched_or_sv_records_and_no_interval_from_one_batch_per_dataset():
+    rng = np.random.default_rng(22)
+    assert build_report(synthetic(rng, prompts=4)).batch == ()
+    one_each = [r for r in batch_records(rng) if r.key[1].endswith("/0000")]
+    rows = build_report(one_each).batch
+    assert rows and all(r.tokens_per_s.lo is None for r in rows)  # one batch per dataset: no interval
+
+
+def test_schema_1_records_still_load_and_report_as_before(tmp_path):
+    records = synthetic(np.random.default_rng(23), prompts=6)
+    path = tmp_path / "old.jsonl"
+    new_fields = ("drafted", "rows", "prompt_ids", "finish_reasons")
+    with path.open("w") as out:
+        for record in records:  # as the schema-1 runner wrote them
+            data = {k: v for k, v in dataclasses.asdict(record).items() if k not in new_fields}
+            out.write(json.dumps({**data, "schema": 1}) + "\n")
+    loaded = list(records_io.read(path))
+    assert [r.schema for r in loaded] == [1] * len(records) and all(r.drafted == r.rows == [] for r in loaded)
+    old, new = build_report(loaded, ReportConfig(n_boot=100)), build_report(records, ReportConfig(n_boot=100))
+    assert old.rows == new.rows and old.baselines == new.baselines and old.batch == ()
+    assert format_table(old) == format_table(new) and "batch" not in summary(old)
+    path.write_text(json.dumps({**dataclasses.asdict(records[0]), "schema": 3}) + "\n")
+    with pytest.raises(ValueError, match="record schema 3"):
+        list(records_io.read(path))

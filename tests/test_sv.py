@@ -208,12 +208,12 @@ class LookAhead(SVPolicy):
             return super().lengths(draft_tokens, draft_probs, companion_probs, num_draft)
 
 
-def argmax_lengths(gains, num_draft, seconds):
+def argmax_lengths(gains, num_draft, seconds, paid=lambda position: 0.0):
     """BROKEN stand-in for stopping_lengths: per row, the global argmax over L of predicted goodput."""
     lengths = []
     for gain, limit in zip(gains.double(), num_draft.tolist()):
         emitted = torch.cat([torch.ones(1, dtype=torch.float64), 1 + gain[:limit].cumsum(0)])
-        goodput = [float(emitted[w]) / seconds(w) for w in range(limit + 1)]
+        goodput = [float(emitted[w]) / (paid(limit) + seconds(w)) for w in range(limit + 1)]
         lengths.append(max(range(limit + 1), key=goodput.__getitem__))
     return torch.tensor(lengths, dtype=torch.long)
 

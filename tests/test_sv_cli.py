@@ -74,6 +74,7 @@ def test_replay_compares_policies_and_the_oracle(calibrated):
               str(latency), "--batch-sizes", "1", "2", "--steps", "20", "--out", str(root / "replay.json"))
     assert out.returncode == 0, out.stderr
     rows = json.loads((root / "replay.json").read_text())
+    assert (root / "replay.png").stat().st_size > 0
     policies = {r["policy"] for r in rows}
     assert policies == {"target-only", "fixed K=1", "fixed K=2", "SV draft", "SV companion", "oracle"}
     for r in rows:

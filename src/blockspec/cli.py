@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "sv-token", "sv-block"],
                        help="configurations to run; sv-token / sv-block: Speculative Verification with the companion "
                        "predictor (token / block rule), sv-draft: with the draft-only predictor (block rule), each "
-                       "drafting at most max(--draft-lens) tokens (default: the preset's; quick and paper: the first four)")
+                       "drafting at most max(--draft-lens) tokens (default: the preset's; quick and paper: the "
+                       "first four)")
     bench.add_argument("--batch-sizes", type=int, nargs="+",
                        help="prompts decoded together per run, e.g. 1 4 16 32 64 (default: the preset's; quick: 1)")
     bench.add_argument("--companion", help="SV companion: prefix:K (the target's first K layers) or a model sharing "

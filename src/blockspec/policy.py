@@ -52,23 +52,26 @@ def stopping_lengths(
     gains: torch.Tensor,  # [B, K]: predicted gain of verifying x_i, from information available before x_i
     num_draft: torch.Tensor,  # [B] int64: drafted tokens available per row
     step_seconds: Callable[[int], float],  # verification width (drafted tokens per row) -> seconds of the step
+    paid: Callable[[int], float] = lambda position: 0.0,  # seconds already spent when position i is decided
 ) -> torch.Tensor:
     """Per-row verification lengths L [B] maximising batch goodput by a stopping rule.
 
-    Goodput = sum_b (1 + sum_{i <= L_b} gains[b, i]) / step_seconds(max_b L_b). The batch's forward is padded
-    to its widest row, so its cost depends on the width alone, and once the width reaches i every row that
+    Goodput = sum_b (1 + sum_{i <= L_b} gains[b, i]) / (paid + step_seconds(max_b L_b)). The batch's forward is
+    padded to its widest row, so its cost depends on the width alone, and once the width reaches i every row that
     drafted x_i adds to the expected output at no extra cost: the width grows one position at a time while
     the rows' summed gains at the next position pay for it, and stops at the first position that does not
     (a global argmax would be look-ahead). Column i of ``gains`` may depend only on what was known before
     x_{i+1} was sampled, so the verified length is a stopping time and verification stays lossless whatever
-    the predictor. Each row then verifies min(width, num_draft[b]).
+    the predictor. Each row then verifies min(width, num_draft[b]). ``paid(i)`` (sunk costs, such as the
+    drafting already done) must likewise depend on i alone, not on how far drafting went.
     """
     limit = num_draft.tolist()
     gains = gains.double().cpu().tolist()
     emitted, width = float(len(limit)), 0
     for i in range(len(gains[0]) if gains else 0):
-        gained = sum(row[i] for row, n in zip(gains, limit) if n > i)
-        if not any(n > i for n in limit) or (emitted + gained) / step_seconds(i + 1) <= emitted / step_seconds(i):
+        gained, sunk = sum(row[i] for row, n in zip(gains, limit) if n > i), paid(i + 1)
+        if not any(n > i for n in limit) or (emitted + gained) / (sunk + step_seconds(i + 1)) <= emitted / (
+                sunk + step_seconds(i)):
             break
         emitted, width = emitted + gained, i + 1
     return num_draft.clamp(max=width)
@@ -123,6 +126,7 @@ class SVPolicy:
         self.prior = torch.tensor(prior + [prior[-1]] * (max_draft - len(prior)), dtype=torch.float64)
         self.history = self.prior.clone()  # predicted gain per position, recent steps
         self._draft_features: list[torch.Tensor] = []
+        self._batch = 1
         self._seconds: Callable[[int], float] = lambda width: 1.0
 
     @property
@@ -142,7 +146,7 @@ class SVPolicy:
         return seconds
 
     def draft_budget(self, batch: int) -> int:
-        self._seconds, self._draft_features = self.step_seconds(batch), []
+        self._batch, self._seconds, self._draft_features = batch, self.step_seconds(batch), []
         emitted = torch.cat([torch.ones(1, dtype=torch.float64), 1 + self.history.cumsum(0)])
         goodput = [float(emitted[w]) / self._seconds(w) for w in range(self.max_draft + 1)]
         best = max(range(len(goodput)), key=goodput.__getitem__)
@@ -173,7 +177,13 @@ class SVPolicy:
         gains = self.predictor(features)
         drafted = gains.shape[1]
         self.history[:drafted] = self.memory * self.history[:drafted] + (1 - self.memory) * gains.mean(0).cpu()
-        return stopping_lengths(gains, num_draft, self._seconds).to(num_draft.device)
+        # Drafting (and the companion's scoring) up to position i is paid by the time x_i is decided on; the
+        # sunk seconds are those of i positions, never of how far drafting went (which depends on x_i).
+        batch, table = self._batch, self.latency
+        companion = table.companion if self.needs_companion else lambda batch, tokens: 0.0
+        lengths = stopping_lengths(gains, num_draft, lambda width: table.target(batch, 1 + width),
+                                   paid=lambda i: i * table.draft(batch, 1) + companion(batch, i))
+        return lengths.to(num_draft.device)
 
     def observe(self, rows, draft_tokens, draft_probs, target_probs, num_draft, accepted) -> None:
         pass

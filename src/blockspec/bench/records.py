@@ -1,7 +1,16 @@
-"""Raw benchmark records: one JSON line per (prompt, configuration) run, Spec-Bench style.
+"""Raw benchmark records: one JSON line per (prompt or batch, configuration) run, Spec-Bench style.
 
 The runner appends records; the report reads them back (and can be re-run on saved files at any time).
 A run is identified by ``key``; a resumed run skips records whose key is already in the file.
+
+A batched run (batch_size B > 1) decodes B consecutive prompts of one dataset in one ``generate`` call and
+makes one record: ``prompt_id`` is the batch's first prompt (``prompt_ids`` lists all B), ``new_tokens`` and
+``wall_time`` are the whole batch's, and the per-step lists are flattened over the rows active in each step
+(``rows[s]`` of them in step s), so ``accepted`` and ``draft_lens`` hold one entry per row-step while
+``drafted`` and ``rows`` hold one entry per step. At B = 1 every list has one entry per step, as in schema 1.
+
+Schema 2 added ``drafted``, ``rows``, ``prompt_ids`` and ``finish_reasons`` (and the SV configurations);
+schema-1 records still load, with those fields empty.
 """
 
 from __future__ import annotations
@@ -11,29 +20,38 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-SCHEMA = 1
-CONFIGS = ("target-only", "token", "block", "hf-assisted")
+SCHEMA = 2
+READABLE_SCHEMAS = (1, 2)  # schema 1 lacks the fields added in 2: they load with their (empty) defaults
+CONFIGS = ("target-only", "token", "block", "hf-assisted")  # the default comparison (no profiles needed)
+SV_CONFIGS = ("sv-draft", "sv-token", "sv-block")  # Speculative Verification: draft-only / companion predictor
+KNOWN_CONFIGS = CONFIGS + SV_CONFIGS
+FIXED_CONFIGS = ("token", "block")  # fixed-K speculative decoding: one run per K
 
 
 @dataclass(frozen=True)
 class Record:
     dataset: str  # prompt set name, e.g. "gsm8k"
-    prompt_id: str  # stable id of the prompt within its set, e.g. "gsm8k/0042"
-    config: str  # one of CONFIGS
-    draft_len: int  # K (0 for target-only; the assistant's own schedule for hf-assisted)
+    prompt_id: str  # stable id of the prompt within its set, e.g. "gsm8k/0042" (a batch: its first prompt)
+    config: str  # one of KNOWN_CONFIGS
+    draft_len: int  # K (0 for target-only; the assistant's own schedule for hf-assisted; the max for SV)
     temperature: float
     batch_size: int
-    seed: int
-    new_tokens: int
+    seed: int  # row b of the batch uses seed + b
+    new_tokens: int  # summed over the batch's rows
     wall_time: float  # seconds for the whole generate call, prefill included
     prefill_time: float | None  # seconds of prompt forwards (None when the config cannot tell)
-    accepted: list[int] = field(default_factory=list)  # tau per step (empty for hf-assisted)
-    draft_lens: list[int] = field(default_factory=list)  # drafted tokens per step
+    accepted: list[int] = field(default_factory=list)  # tau per row-step (empty for hf-assisted)
+    draft_lens: list[int] = field(default_factory=list)  # drafted tokens verified per row-step
     expected_token: list[float] = field(default_factory=list)  # E[tau | this step's draft], token rule
     expected_block: list[float] = field(default_factory=list)  # the same draft under the block rule
-    finish_reason: str = "length"
+    finish_reason: str = "length"  # of the first row ("eos", "stop" or "length")
     meta: dict = field(default_factory=dict)  # models, dtype, threads, machine, versions, date
     schema: int = SCHEMA
+    # schema 2
+    drafted: list[int] = field(default_factory=list)  # tokens drafted per row, per step (SV may verify fewer)
+    rows: list[int] = field(default_factory=list)  # rows active per step
+    prompt_ids: list[str] = field(default_factory=list)  # every prompt of the batch, in row order
+    finish_reasons: list[str] = field(default_factory=list)  # per row
 
     @property
     def key(self) -> tuple:
@@ -54,6 +72,6 @@ def read(path: Path) -> Iterator[Record]:
                 data = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if data.get("schema") != SCHEMA:
-                raise ValueError(f"{path}: record schema {data.get('schema')} is not {SCHEMA}")
+            if data.get("schema") not in READABLE_SCHEMAS:
+                raise ValueError(f"{path}: record schema {data.get('schema')} is not one of {READABLE_SCHEMAS}")
             yield Record(**data)

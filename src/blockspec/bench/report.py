@@ -11,6 +11,16 @@ Glossary (ALGORITHMS.md conventions):
     unit        a prompt, (dataset, prompt_id). Confidence intervals resample prompts, never steps: the steps
                 of one prompt share its context and difficulty, so they are not independent draws.
 
+The token-vs-block tables are built from batch-1 records (one prompt per run). Batched runs (a batch of B
+consecutive prompts per record, see ``records``) and the Speculative Verification configurations go to a
+second table, pooled over datasets, one row per (temperature, batch size, configuration, K), whose unit is a
+batch (at B = 1, a prompt):
+    tok/s       sum new_tokens / sum wall_time over the batches of a configuration.
+    x best K    tok/s over that of the best fixed-K configuration (token or block, any K: the highest tok/s
+                on the batches all of them ran), re-selected inside every bootstrap resample.
+    rejected    1 - accepted / verified: the fraction of verified drafted tokens the target rejected.
+    verified / emitted, drafted / emitted   drafted tokens the target verified (drafted) per new token.
+
 Confidence intervals are percentile bootstrap intervals over prompts, paired (one resample picks the same
 prompts for every configuration compared), stratified by dataset (each dataset keeps its prompt count), with
 an explicit seeded ``numpy.random.Generator``. Speedups compare tok/s on the prompts both configurations ran.
@@ -45,6 +55,15 @@ CONVENTION = (
     "resamples prompts (paired by prompt, stratified by dataset, {n_boot} resamples, seed {seed}); analytic = "
     "1 + mean per-step exact E[accepted | draft] under each rule over the steps of both runs (same drafts); "
     "tok/s = sum new tokens / sum wall time; speedups are tok/s ratios on the prompts both configurations ran"
+)
+BATCH_CONVENTION = (
+    "Batch table, all datasets pooled: a unit is a batch of B consecutive prompts decoded in one generate call "
+    "(a prompt at B = 1); tok/s = sum new tokens / sum wall time over batches; x target-only and x best fixed K "
+    "are tok/s ratios on the batches both (all) configurations ran, the best fixed K (*) being the token or "
+    "block K with the highest tok/s, re-selected in every resample; rejected = 1 - accepted / verified drafted "
+    "tokens; verified (drafted) / emitted = verified (drafted) draft tokens per new token; BE = 1 + accepted per "
+    "row-step; {conf:.0f}% percentile bootstrap CIs over batches, stratified by dataset (given once every "
+    "dataset has 2 batches), {n_boot} resamples, seed {seed}"
 )
 
 
@@ -120,6 +139,25 @@ class AcceptedHistogram:
 
 
 @dataclass(frozen=True)
+class BatchRow:
+    """One configuration at one (temperature, batch size), pooled over datasets; units are batches."""
+
+    temperature: float
+    batch_size: int
+    config: str
+    draft_len: int
+    batches: int
+    tokens_per_s: Estimate | None
+    speedup_vs_target: Estimate | None  # None for target-only itself or when target-only is missing
+    best_fixed: bool  # the token / block K with the highest tok/s at this (temperature, batch size)
+    speedup_vs_best_fixed: Estimate | None  # for the SV configurations
+    rejected: Estimate | None  # 1 - accepted / verified (None when nothing was verified)
+    verified_per_emitted: Estimate | None
+    drafted_per_emitted: float | None  # None for records without the per-step drafted counts (schema 1)
+    block_efficiency: float | None  # 1 + accepted per row-step
+
+
+@dataclass(frozen=True)
 class Report:
     datasets: tuple[str, ...]
     rows: tuple[Row, ...]  # per dataset, then the ALL rows
@@ -127,6 +165,7 @@ class Report:
     histograms: tuple[AcceptedHistogram, ...]
     n_records: int
     config: ReportConfig
+    batch: tuple[BatchRow, ...] = ()  # only when there are batched or SV records
 
     def rows_of(self, dataset: str) -> list[Row]:
         return [row for row in self.rows if row.dataset == dataset]
@@ -380,17 +419,21 @@ def _histograms(records: list[Record]) -> list[AcceptedHistogram]:
 
 
 def build_report(records: list[Record], config: ReportConfig = ReportConfig()) -> Report:
-    """Tables for every dataset and one pooled over all datasets (label ``ALL``), plus histograms.
+    """Tables for every dataset and one pooled over all datasets (label ``ALL``), plus histograms, from the
+    batch-1 records; and the batch table when there are batched or SV records.
 
     Unknown configurations are ignored with a warning; missing ones leave their columns empty (None).
     """
-    known = [r for r in records if r.config in records_io.CONFIGS]
+    known = [r for r in records if r.config in records_io.KNOWN_CONFIGS]
     if len(known) < len(records):
         log.warning("%d records with an unknown config are ignored", len(records) - len(known))
-    datasets = tuple(sorted({r.dataset for r in known}))
-    groups = [(dataset, [r for r in known if r.dataset == dataset]) for dataset in datasets]
+    batch = tuple(_batch_rows(known, config)) if any(
+        r.batch_size > 1 or r.config in records_io.SV_CONFIGS for r in known) else ()
+    paper = [r for r in known if r.batch_size == 1 and r.config in records_io.CONFIGS]
+    datasets = tuple(sorted({r.dataset for r in paper}))
+    groups = [(dataset, [r for r in paper if r.dataset == dataset]) for dataset in datasets]
     if datasets:
-        groups.append((ALL, known))
+        groups.append((ALL, paper))
     rows, baselines = [], []
     for label, group in groups:
         cells = _cells(group)
@@ -398,7 +441,94 @@ def build_report(records: list[Record], config: ReportConfig = ReportConfig()) -
         rows += [_spec_row(label, cells, t, k, b, config) for t, k, b in spec_keys]
         baselines += _baseline_rows(label, cells)
         log.info("%s: %d records, %d token/block rows", label, len(group), len(spec_keys))
-    return Report(datasets, tuple(rows), tuple(baselines), tuple(_histograms(known)), len(known), config)
+    return Report(datasets, tuple(rows), tuple(baselines), tuple(_histograms(paper)), len(known), config, batch)
+
+
+# ---------------------------------------------------------------------------------------------- batch table
+
+
+def _step_sums(record: Record) -> dict[str, float]:
+    """Per-unit sums of a record for the batch table."""
+    return {
+        "new": float(record.new_tokens), "wall": float(record.wall_time), "accepted": float(sum(record.accepted)),
+        "verified": float(sum(record.draft_lens)), "row_steps": float(len(record.accepted)),
+        "drafted": float(sum(d * r for d, r in zip(record.drafted, record.rows))),
+    }
+
+
+def _columns(cell: dict, units: list) -> dict[str, np.ndarray]:
+    sums = [_step_sums(cell[u]) for u in units]
+    return {name: np.array([s[name] for s in sums], float) for name in (sums[0] if sums else ())}
+
+
+def _strata(units: list) -> np.ndarray:
+    return np.array([dataset for dataset, _ in units])
+
+
+def _batch_rows(records: list[Record], config: ReportConfig) -> list[BatchRow]:
+    """The batch table: every configuration at every (temperature, batch size), pooled over datasets."""
+    cells = {key: _by_unit(found) for key, found in _cells(records).items()}  # (config, T, K, B) -> unit -> record
+    order = {name: i for i, name in enumerate(("target-only", "token", "block", "hf-assisted", "sv-draft", "sv-token",
+                                                "sv-block"))}
+    rows = []
+    for temperature, batch_size in sorted({(t, b) for (_, t, _, b) in cells}):
+        here = {(c, k): cell for (c, t, k, b), cell in cells.items() if (t, b) == (temperature, batch_size)}
+        target = here.get(("target-only", 0), {})
+        fixed = {key: cell for key, cell in here.items() if key[0] in records_io.FIXED_CONFIGS}
+        # units every fixed-K configuration ran: where their tok/s are compared and the best one is chosen
+        fixed_units = sorted(set.intersection(*(set(c) for c in fixed.values()))) if fixed else []
+        best = None
+        if fixed_units:
+            rates = {key: _rate(cell[u] for u in fixed_units) for key, cell in fixed.items()}
+            best = max((key for key in rates if rates[key] is not None), key=rates.get, default=None)
+        for (name, k), cell in sorted(here.items(), key=lambda item: (order[item[0][0]], item[0][1])):
+            units = sorted(cell)
+            columns = _columns(cell, units)
+            steps = name != "hf-assisted"  # hf-assisted records carry no per-step lists
+            drafted_known = all(cell[u].rows for u in units) or name == "target-only"
+            rows.append(BatchRow(
+                temperature=temperature, batch_size=batch_size, config=name, draft_len=k, batches=len(units),
+                tokens_per_s=_estimate(lambda s: s["new"] / s["wall"], columns, units, config),
+                speedup_vs_target=None if name == "target-only" else _paired_speedup(cell, [target], config),
+                best_fixed=(name, k) == best,
+                speedup_vs_best_fixed=(_paired_speedup(cell, list(fixed.values()), config)
+                                       if name in records_io.SV_CONFIGS else None),
+                rejected=_estimate(lambda s: 1 - s["accepted"] / s["verified"], columns, units, config,
+                                   when=steps and columns["verified"].sum() > 0),
+                verified_per_emitted=_estimate(lambda s: s["verified"] / s["new"], columns, units, config, when=steps),
+                drafted_per_emitted=(_ratio(columns["drafted"].sum(), columns["new"].sum())
+                                     if steps and drafted_known else None),
+                block_efficiency=(1 + columns["accepted"].sum() / columns["row_steps"].sum()
+                                  if steps and columns["row_steps"].sum() > 0 else None),
+            ))
+    return rows
+
+
+def _estimate(statistic: Callable, columns: dict, units: list, config: ReportConfig, when: bool = True):
+    """``bootstrap`` over the units (batches), or None when there is nothing to estimate."""
+    if not when or not units or columns["new"].sum() <= 0 or columns["wall"].sum() <= 0:
+        return None
+    return bootstrap(statistic, columns, _strata(units), config)
+
+
+def _paired_speedup(cell: dict, others: list[dict], config: ReportConfig) -> Estimate | None:
+    """tok/s of ``cell`` over the best tok/s among ``others`` (each unit -> record), on the units all of them
+    ran, with the best re-chosen in every resample (so the selection is part of the interval)."""
+    if not others or not all(others):
+        return None
+    units = sorted(set(cell).intersection(*others))
+    if not units:
+        return None
+    columns = {f"{name}{i}": column for i, other in enumerate([cell, *others])
+               for name, column in _columns(other, units).items() if name in ("new", "wall")}
+    if any(column.sum() <= 0 for column in columns.values()):
+        return None
+
+    def statistic(s):
+        best = np.max([s[f"new{i}"] / s[f"wall{i}"] for i in range(1, len(others) + 1)], axis=0)
+        return (s["new0"] / s["wall0"]) / best
+
+    return bootstrap(statistic, columns, _strata(units), config)
 
 
 # ------------------------------------------------------------------------------------------ formatting
@@ -459,6 +589,48 @@ def _markdown(header: tuple[str, ...], body: list[list[str]]) -> str:
     return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, body)])
 
 
+BATCH_HEADER = (
+    "T", "B", "config", "K", "batches", "tok/s (CI)", "x target-only (CI)", "x best fixed K (CI)",
+    "rejected / verified (CI)", "verified / emitted (CI)", "drafted / emitted", "BE",
+)
+
+
+def _rate_cell(estimate: Estimate | None) -> str:
+    if estimate is None:
+        return DASH
+    text = f"{estimate.value:.2f}"
+    return text if estimate.lo is None else f"{text} [{estimate.lo:.2f}, {estimate.hi:.2f}]"
+
+
+def _plain(estimate: Estimate | None) -> str:
+    if estimate is None:
+        return DASH
+    text = f"{estimate.value:.3f}"
+    return text if estimate.lo is None else f"{text} [{estimate.lo:.3f}, {estimate.hi:.3f}]"
+
+
+def _batch_cells(row: BatchRow) -> list[str]:
+    return [
+        f"{row.temperature:g}", str(row.batch_size), row.config + (" *" if row.best_fixed else ""), str(row.draft_len),
+        str(row.batches), _rate_cell(row.tokens_per_s),
+        "1.000x" if row.config == "target-only" else _times(row.speedup_vs_target),
+        "1.000x" if row.best_fixed else _times(row.speedup_vs_best_fixed),
+        _percent(row.rejected).replace("+", ""), _plain(row.verified_per_emitted),
+        _num(row.drafted_per_emitted), _num(row.block_efficiency),
+    ]
+
+
+def format_batch_table(report: Report) -> str:
+    """The batch table (markdown, with its convention), or "" without batched or SV records."""
+    if not report.batch:
+        return ""
+    cfg = report.config
+    caption = BATCH_CONVENTION.format(conf=100 * cfg.confidence, n_boot=cfg.n_boot, seed=cfg.seed)
+    body = [_batch_cells(row) for row in report.batch]
+    return f"## batch sizes and Speculative Verification: all datasets pooled\n\n{caption}.\n\n" \
+        f"{_markdown(BATCH_HEADER, body)}"
+
+
 def format_table(report: Report) -> str:
     """Markdown tables: one per dataset, then the summary pooled over datasets; the convention on top."""
     cfg = report.config
@@ -470,6 +642,8 @@ def format_table(report: Report) -> str:
             continue
         title = "summary: all datasets pooled" if label == ALL else f"dataset: {label}"
         parts.append(f"## {title}\n\n{_markdown(HEADER, body)}")
+    if report.batch:
+        parts.append(format_batch_table(report))
     return "\n\n".join(parts)
 
 
@@ -501,7 +675,16 @@ def summary(report: Report) -> dict:
         "summary": [asdict(row) for row in report.rows_of(ALL)],
         "baselines": [asdict(b) for b in report.baselines if b.dataset == ALL],
         "fastest": _fastest(report),
+        **({"batch": [asdict(row) for row in report.batch], "batch_best_fixed": _best_fixed(report)}
+           if report.batch else {}),
     }
+
+
+def _best_fixed(report: Report) -> list[dict]:
+    """Per (temperature, batch size) of the batch table, the best fixed-K configuration."""
+    return [dict(temperature=r.temperature, batch_size=r.batch_size, config=r.config, draft_len=r.draft_len,
+                 tokens_per_s=r.tokens_per_s.value if r.tokens_per_s else None)
+            for r in report.batch if r.best_fixed]
 
 
 # ----------------------------------------------------------------------------------------------- plots
@@ -511,7 +694,7 @@ def _panels(report: Report) -> list[tuple[float, int]]:
     return sorted({(row.temperature, row.batch_size) for row in report.rows})
 
 
-def _new_figure(n_panels: int, title: str):
+def new_figure(n_panels: int, title: str):
     """A figure with n_panels side by side, drawn by the Agg canvas (no pyplot, no global backend state)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -526,7 +709,7 @@ def _new_figure(n_panels: int, title: str):
 def plot_efficiency(report: Report, path: Path) -> Path:
     """BE vs K: token (dashed) vs block (solid) per dataset; analytic values as hollow markers."""
     panels = _panels(report)
-    figure, axes = _new_figure(len(panels), "block efficiency (1 + mean accepted per step) vs K")
+    figure, axes = new_figure(len(panels), "block efficiency (1 + mean accepted per step) vs K")
     for ax, (temperature, batch_size) in zip(axes, panels):
         for index, label in enumerate((*report.datasets, ALL)):
             rows = [r for r in report.rows_of(label) if (r.temperature, r.batch_size) == (temperature, batch_size)]
@@ -548,7 +731,7 @@ def plot_efficiency(report: Report, path: Path) -> Path:
 def plot_speedup(report: Report, path: Path) -> Path:
     """Wall-clock speedup over target-only vs K: token (dashed), block (solid), hf-assisted (x)."""
     panels = _panels(report)
-    figure, axes = _new_figure(len(panels), "wall-clock speedup over target-only vs K")
+    figure, axes = new_figure(len(panels), "wall-clock speedup over target-only vs K")
     for ax, (temperature, batch_size) in zip(axes, panels):
         ax.axhline(1.0, color="grey", lw=0.8)
         for index, label in enumerate((*report.datasets, ALL)):
@@ -574,7 +757,7 @@ def plot_speedup(report: Report, path: Path) -> Path:
 def plot_accepted(report: Report, path: Path) -> Path:
     """Histogram of accepted lengths per step, token vs block, one panel per (T, K), pooled over datasets."""
     panels = sorted({(h.temperature, h.draft_len) for h in report.histograms})
-    figure, axes = _new_figure(len(panels), "accepted draft tokens per step (fraction of steps)")
+    figure, axes = new_figure(len(panels), "accepted draft tokens per step (fraction of steps)")
     for ax, (temperature, draft_len) in zip(axes, panels):
         for offset, name in ((-0.2, "token"), (0.2, "block")):
             for h in report.histograms:
@@ -587,12 +770,46 @@ def plot_accepted(report: Report, path: Path) -> Path:
     return path
 
 
+FIXED_COLORS = ("C0", "C1", "C2", "C6", "C8", "C9")  # one per K; C3-C5 are the SV configurations
+
+
+def plot_batch(report: Report, path: Path) -> Path:
+    """tok/s vs batch size per configuration (and K), one panel per temperature, pooled over datasets."""
+    temperatures = sorted({row.temperature for row in report.batch})
+    figure, axes = new_figure(len(temperatures), "tokens/s vs batch size (all datasets pooled)")
+    style = {"target-only": ("o-", "black"), "hf-assisted": ("x", "grey"), "sv-draft": ("D-", "C3"),
+             "sv-token": ("^-", "C4"), "sv-block": ("v-", "C5")}
+    for ax, temperature in zip(axes, temperatures):
+        rows = [r for r in report.batch if r.temperature == temperature]
+        ks = sorted({r.draft_len for r in rows if r.config in records_io.FIXED_CONFIGS})
+        for name, k in sorted({(r.config, r.draft_len) for r in rows}):
+            line = sorted((r.batch_size, r.tokens_per_s.value) for r in rows
+                          if (r.config, r.draft_len) == (name, k) and r.tokens_per_s is not None)
+            if not line:
+                continue
+            if name in records_io.FIXED_CONFIGS:  # one colour per K; token dashed, block solid
+                fmt, color = ("o--" if name == "token" else "s-"), FIXED_COLORS[ks.index(k) % len(FIXED_COLORS)]
+                label = f"{name} K={k}"
+            else:
+                (fmt, color), label = style[name], name + (f" (K<={k})" if name in records_io.SV_CONFIGS else "")
+            xs, ys = zip(*line)
+            ax.plot(xs, ys, fmt, color=color, label=label, lw=2 if name in records_io.SV_CONFIGS else 1)
+        sizes = sorted({r.batch_size for r in rows})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.set(title=f"T={temperature:g}", xlabel="batch size B", ylabel="tokens/s (all rows)")
+        ax.legend(fontsize=7)
+    figure.savefig(path, dpi=110)
+    return path
+
+
 def _nan(value: float | None) -> float:
     return float("nan") if value is None else value
 
 
 def render(report: Report, out_dir: Path, plots: bool = True) -> list[Path]:
-    """Write report.md (the tables), summary.json and, if ``plots``, three PNG plots; return the paths.
+    """Write report.md (the tables), summary.json and, if ``plots``, three PNG plots (four with the batch
+    table: tokens/s vs batch size); return the paths.
 
     Plots need matplotlib (``pip install 'blockspec[bench]'``); without it this raises ImportError rather
     than silently skipping them.
@@ -608,6 +825,8 @@ def render(report: Report, out_dir: Path, plots: bool = True) -> list[Path]:
             plot_speedup(report, out_dir / "speedup_vs_k.png"),
             plot_accepted(report, out_dir / "accepted_hist.png"),
         ]
+        if report.batch:
+            written.append(plot_batch(report, out_dir / "tokens_per_s_vs_batch.png"))
     log.info("report written: %s", ", ".join(str(p) for p in written))
     return written
 

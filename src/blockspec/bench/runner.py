@@ -1,9 +1,23 @@
 """The benchmark runner: the same prompts and seeds through every configuration, interleaved, resumable.
 
-For each dataset and temperature, prompt by prompt, every configuration runs in turn (A B C A B C ...), so
-machine drift affects them alike; each configuration is warmed up once first, outside the records. Records
-go to ``<out>/records.jsonl`` as they are made; a rerun skips what is there, and ``time_budget`` stops
-scheduling new runs once spent.
+For each dataset and temperature, prompt by prompt (or batch by batch), every configuration runs in turn
+(A B C A B C ...), so machine drift affects them alike; each variant (configuration, K, temperature, batch
+size) is warmed up once just before its first run, outside the records. Records go to ``<out>/records.jsonl``
+as they are made; a rerun skips what is there, and ``time_budget`` stops scheduling new runs once spent.
+
+Batch sizes: at batch size B a run decodes B consecutive prompts of one dataset together in one ``generate``
+call (row b of batch j, i.e. prompt j*B + b, uses seed + j*B + b: the seed of a prompt does not depend on B).
+Only whole batches run: every dataset needs at least max(batch_sizes) prompts (else ValueError), and the last
+len % B prompts of a dataset are left out at batch size B (logged). Round j runs batch j of every batch size
+(smallest first), so a time-boxed run covers every batch size early. hf-assisted is batch 1 only (transformers'
+assisted generation takes one row): it is left out of the plan at B > 1.
+
+Configurations: target-only; token and block at each K of ``draft_lens`` (fixed-K speculative decoding);
+hf-assisted; and Speculative Verification, once per batch with at most max(draft_lens) drafted tokens:
+sv-token / sv-block (SVPolicy with the companion predictor, token / block rule) and sv-draft (SVPolicy with the
+draft-only predictor, block rule, no companion forward). SV needs a calibration profile per temperature and a
+latency profile (``blockspec sv calibrate`` / ``blockspec sv profile``); by default they are read from where
+those commands save them for these models, sampling, dtype and device.
 """
 
 from __future__ import annotations
@@ -19,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from ..sv.cli import DEFAULT_COMPANION
 from . import records as rec
 
 log = logging.getLogger(__name__)
@@ -34,13 +49,31 @@ class BenchConfig:
     prompts_per_dataset: int = 2
     draft_lens: tuple[int, ...] = (4, 8)
     temperatures: tuple[float, ...] = (1.0,)
-    configs: tuple[str, ...] = rec.CONFIGS
+    configs: tuple[str, ...] = rec.CONFIGS  # any of rec.KNOWN_CONFIGS
     max_new_tokens: int = 64
     seed: int = 0
     chat: bool = True
     time_budget: float | None = None  # seconds; None = run the whole plan
-    precision: float | None = None  # stop once every paired analytic gain is known to +- this (checked per round)
+    # stop the batch-1 runs once every paired analytic gain is known to +- this (checked per round); batched
+    # runs go on
+    precision: float | None = None
     out: Path = Path("results/bench")
+    batch_sizes: tuple[int, ...] = (1,)  # prompts decoded together per run
+    companion: str = DEFAULT_COMPANION  # SV companion: prefix:K or a model sharing the target's tokenizer
+    sv_profile: Path | None = None  # SV calibration profile; None = `blockspec sv calibrate`'s, per temperature
+    latency: Path | None = None  # SV latency profile; None = `blockspec sv profile`'s for these models and device
+
+    def __post_init__(self):
+        unknown = sorted(set(self.configs) - set(rec.KNOWN_CONFIGS))
+        if unknown:
+            raise ValueError(f"unknown bench configurations {unknown}: choose from {list(rec.KNOWN_CONFIGS)}")
+        if not self.batch_sizes or not all(isinstance(b, int) and b >= 1 for b in self.batch_sizes):
+            raise ValueError(f"batch sizes must be ints >= 1, got {self.batch_sizes}")
+        if max(self.batch_sizes) > self.prompts_per_dataset:
+            raise ValueError(
+                f"batch size {max(self.batch_sizes)} needs at least {max(self.batch_sizes)} prompts per dataset, "
+                f"not {self.prompts_per_dataset}: raise --prompts or lower --batch-sizes"
+            )
 
 
 PRESETS = {
@@ -52,40 +85,82 @@ PRESETS = {
         prompts_per_dataset=20, draft_lens=(2, 4, 6, 8), temperatures=(1.0, 0.0), max_new_tokens=128,
         time_budget=3 * 3600.0, precision=0.01,
     ),
+    # Speculative Verification (issue #5): target-only, token and block at K in {2, 4, 8}, and SV with the
+    # draft-only and the companion predictor (at most 8 drafted tokens), at batch sizes 1 to 64, on prompt
+    # sets disjoint from `blockspec sv calibrate`'s default (sharegpt). Hours here: resumable, 3 h per call.
+    "sv": BenchConfig(
+        datasets=("gsm8k", "humaneval"), prompts_per_dataset=64, draft_lens=(2, 4, 8), batch_sizes=(1, 4, 16, 32, 64),
+        configs=("target-only", "token", "block", "sv-draft", "sv-token", "sv-block"), time_budget=3 * 3600.0,
+    ),
 }
 
 
 @dataclass(frozen=True)
 class Run:
-    """One planned generation: a prompt through one configuration."""
+    """One planned generation: a batch of consecutive prompts (one at batch size 1) through one configuration."""
 
     dataset: str
-    prompt_id: str
-    ids: tuple[int, ...] = field(repr=False)
+    prompt_ids: tuple[str, ...]
+    prompts: tuple[tuple[int, ...], ...] = field(repr=False)  # token ids, one tuple per row
     config: str
-    draft_len: int
+    draft_len: int  # K; the max drafted length for SV; 0 for target-only and hf-assisted
     temperature: float
-    seed: int
+    seed: int  # row b uses seed + b
+    round: int = 0  # batch index within its dataset and batch size; runs are interleaved round by round
+
+    @property
+    def prompt_id(self) -> str:
+        return self.prompt_ids[0]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.prompt_ids)
 
     @property
     def key(self) -> tuple:
-        return (self.dataset, self.prompt_id, self.config, self.draft_len, self.temperature, 1)
+        return (self.dataset, self.prompt_id, self.config, self.draft_len, self.temperature, self.batch_size)
+
+
+def draft_lens_of(config: BenchConfig, name: str) -> tuple[int, ...]:
+    """The K values a configuration runs at: every K for fixed-K SD, the largest for SV, none (0) otherwise."""
+    if name in rec.FIXED_CONFIGS:
+        return config.draft_lens
+    if name in rec.SV_CONFIGS:
+        return (max(config.draft_lens),)
+    return (0,)
 
 
 def plan(config: BenchConfig, prompts: dict[str, list[tuple[str, list[int]]]]) -> list[Run]:
-    """Every run, interleaved: round n takes prompt n of every dataset, at every temperature, through all
-    configurations in turn; so a run cut short by its budget still covers every dataset and configuration."""
-    runs = []
-    for n in range(max(len(items) for items in prompts.values())):
-        seed = config.seed + n  # the same seed for every configuration of this prompt
+    """Every run, interleaved: round n takes batch n (prompt n at batch size 1) of every dataset, at every batch
+    size, at every temperature, through all configurations in turn; so a run cut short by its budget still
+    covers every dataset, batch size and configuration."""
+    batch_sizes = sorted(set(config.batch_sizes))
+    short = {dataset: len(items) for dataset, items in prompts.items() if len(items) < batch_sizes[-1]}
+    if short:
+        raise ValueError(f"batch size {batch_sizes[-1]} needs at least {batch_sizes[-1]} prompts per dataset; "
+                         f"these have fewer: {short}")
+    for batch_size in batch_sizes:
         for dataset, items in prompts.items():
-            if n >= len(items):
-                continue
-            prompt_id, ids = items[n]
-            for temperature in config.temperatures:
-                for name in config.configs:
-                    lens = config.draft_lens if name in ("token", "block") else (0,)
-                    runs.extend(Run(dataset, prompt_id, tuple(ids), name, k, temperature, seed) for k in lens)
+            if len(items) % batch_size:
+                log.warning("%s: the last %d of %d prompts do not fill a batch of %d and are left out at that size",
+                            dataset, len(items) % batch_size, len(items), batch_size)
+    runs = []
+    rounds = max((len(items) for items in prompts.values()), default=0)  # batch size 1 has the most
+    for n in range(rounds):
+        for batch_size in batch_sizes:
+            first = n * batch_size  # index of the batch's first prompt
+            for dataset, items in prompts.items():
+                if first + batch_size > len(items):
+                    continue
+                batch = items[first:first + batch_size]
+                ids, rows = tuple(i for i, _ in batch), tuple(tuple(p) for _, p in batch)
+                seed = config.seed + first  # prompt i uses seed + i in every configuration and at every B
+                for temperature in config.temperatures:
+                    for name in config.configs:
+                        if name == "hf-assisted" and batch_size > 1:
+                            continue  # transformers' assisted generation decodes one row
+                        runs.extend(Run(dataset, ids, rows, name, k, temperature, seed, n)
+                                    for k in draft_lens_of(config, name))
     return runs
 
 
@@ -97,7 +172,7 @@ def gain_is_known(records_file: Path, precision: float) -> bool:
     at least MIN_PROMPTS prompts of every dataset behind it."""
     from .report import build_report, summary
 
-    records = list(rec.read(records_file))
+    records = [r for r in rec.read(records_file) if r.batch_size == 1]
     prompts = Counter(dataset for dataset, _ in {(r.dataset, r.prompt_id) for r in records if r.config == "block"})
     if not prompts or min(prompts.values()) < MIN_PROMPTS:
         return False
@@ -128,36 +203,37 @@ def run(config: BenchConfig, *, progress: bool = True) -> Path:
         return records_file
 
     executor = Executor(target, draft, config)
-    executor.warm_up({(r.config, r.draft_len, r.temperature) for r in todo})
-    start = time.perf_counter()
+    start, executed, skipped, precise = time.perf_counter(), 0, 0, False
     bar = _progress(len(todo), progress)
     for n, item in enumerate(todo):
         # Budget checked before each run; the first always goes, so every resumed call makes progress.
-        if config.time_budget is not None and n and time.perf_counter() - start > config.time_budget:
+        if config.time_budget is not None and executed and time.perf_counter() - start > config.time_budget:
             log.warning("time budget of %.0f s spent: %d runs left for a resumed run", config.time_budget,
-                        len(todo) - n)
+                        len(todo) - n - skipped)
             break
-        new_round = n and item.seed != todo[n - 1].seed
-        if config.precision is not None and new_round and gain_is_known(records_file, config.precision):
-            log.warning("block-vs-token gain known to +-%.3f: stopping with %d runs left", config.precision,
-                        len(todo) - n)
-            break
+        new_round = n and item.round != todo[n - 1].round
+        if config.precision is not None and new_round and not precise and gain_is_known(records_file, config.precision):
+            precise = True
+            log.warning("block-vs-token gain known to +-%.3f: no more batch-1 runs (%d left out)", config.precision,
+                        sum(r.batch_size == 1 for r in todo[n:]))
+        if precise and item.batch_size == 1:
+            skipped += 1
+            bar.update(1)
+            continue
         rec.append(records_file, executor(item))
+        executed += 1
         bar.update(1)
     bar.close()
     return records_file
 
 
 class Executor:
-    """Runs one planned generation and turns it into a Record."""
+    """Runs one planned generation and turns it into a Record; warms each variant up before its first run."""
 
     def __init__(self, target, draft, config: BenchConfig):
-        from ..engine import SpeculativeDecoder
-
         self.target, self.draft, self.config = target, draft, config
-        self.decoders = {"target-only": lambda k: SpeculativeDecoder(target, verifier="none")}
-        for verifier in ("token", "block"):
-            self.decoders[verifier] = lambda k, v=verifier: SpeculativeDecoder(target, draft, verifier=v, draft_len=k)
+        self.warm: set[tuple] = set()
+        self.sv = _SVSetup(target, config) if set(config.configs) & set(rec.SV_CONFIGS) else None
         self.meta = {
             "target": config.target, "draft": config.draft, "dtype": config.dtype, "device": config.device,
             "threads": torch.get_num_threads(), "machine": platform.platform(), "processor": platform.processor(),
@@ -165,36 +241,100 @@ class Executor:
                          "transformers": __import__("transformers").__version__},
         }
 
-    def warm_up(self, variants) -> None:
-        warm = Run("warm-up", "warm-up", tuple(self.target.tokenizer("Hello")["input_ids"]), "", 0, 1.0, 0)
-        for name, draft_len, temperature in sorted(variants):
-            self._generate(replace(warm, config=name, draft_len=draft_len, temperature=temperature), 8)
+    def warm_up(self, item: Run) -> None:
+        """A short generation of this variant (B copies of a short prompt, 8 tokens), once, outside the records."""
+        variant = (item.config, item.draft_len, item.temperature, item.batch_size)
+        if variant in self.warm:
+            return
+        self.warm.add(variant)
+        prompt = tuple(self.target.tokenizer("Hello")["input_ids"])
+        copies = {"prompt_ids": ("warm-up",) * item.batch_size, "prompts": (prompt,) * item.batch_size}
+        self._generate(replace(item, dataset="warm-up", seed=0, **copies), 8)
 
     def __call__(self, item: Run) -> rec.Record:
+        self.warm_up(item)
         result = self._generate(item, self.config.max_new_tokens)
+        meta = {**self.meta, "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        if item.config in rec.SV_CONFIGS:
+            meta.update(self.sv.meta(item))
         return rec.Record(
             dataset=item.dataset, prompt_id=item.prompt_id, config=item.config, draft_len=item.draft_len,
-            temperature=item.temperature, batch_size=1, seed=item.seed, **result,
-            meta={**self.meta, "date": datetime.now(timezone.utc).isoformat(timespec="seconds")},
+            temperature=item.temperature, batch_size=item.batch_size, seed=item.seed,
+            prompt_ids=list(item.prompt_ids), **result, meta=meta,
         )
+
+    def _decoder(self, item: Run):
+        from ..engine import SpeculativeDecoder
+
+        if item.config == "target-only":
+            return SpeculativeDecoder(self.target, verifier="none")
+        if item.config in rec.FIXED_CONFIGS:
+            return SpeculativeDecoder(self.target, self.draft, verifier=item.config, draft_len=item.draft_len)
+        policy, companion, method = self.sv.policy(item)  # a fresh policy: no history across runs
+        return SpeculativeDecoder(self.target, self.draft, verifier=method, draft_len=item.draft_len, policy=policy,
+                                  companion=companion)
 
     def _generate(self, item: Run, max_new_tokens: int) -> dict:
         from ..sampling import SamplingParams
 
         sampling = SamplingParams(temperature=item.temperature)
         if item.config == "hf-assisted":
-            return run_assisted(self.target, self.draft, list(item.ids), sampling, max_new_tokens, item.seed)
-        decoder = self.decoders[item.config](item.draft_len)
-        result = decoder.generate([list(item.ids)], max_new_tokens=max_new_tokens, sampling=sampling,
-                                  seed=item.seed, expected=item.config in ("token", "block"))
-        steps = result.stats
+            return run_assisted(self.target, self.draft, list(item.prompts[0]), sampling, max_new_tokens, item.seed)
+        decoder = self._decoder(item)
+        result = decoder.generate([list(p) for p in item.prompts], max_new_tokens=max_new_tokens, sampling=sampling,
+                                  seed=item.seed, expected=item.config in rec.FIXED_CONFIGS)
+        steps = result.stats  # per-row lists flattened in step order, then row order
         return {
             "new_tokens": result.new_tokens, "wall_time": result.wall_time, "prefill_time": result.prefill_s,
-            "accepted": [s.accepted[0] for s in steps], "draft_lens": [s.draft_len[0] for s in steps],
-            "expected_token": [s.expected_token[0] for s in steps if s.expected_token is not None],
-            "expected_block": [s.expected_block[0] for s in steps if s.expected_block is not None],
-            "finish_reason": result.finish_reasons[0],
+            "accepted": [a for s in steps for a in s.accepted], "draft_lens": [k for s in steps for k in s.draft_len],
+            "expected_token": [e for s in steps if s.expected_token is not None for e in s.expected_token],
+            "expected_block": [e for s in steps if s.expected_block is not None for e in s.expected_block],
+            "drafted": [s.drafted for s in steps], "rows": [len(s.rows) for s in steps],
+            "finish_reason": result.finish_reasons[0], "finish_reasons": list(result.finish_reasons),
         }
+
+
+class _SVSetup:
+    """The SV pieces shared by every SV run: calibration profiles (one per temperature), the latency profile and
+    the companion, loaded and checked once, before the first run, so a missing profile fails fast."""
+
+    SPEC = {"sv-token": ("token", "companion"), "sv-block": ("block", "companion"), "sv-draft": ("block", "draft")}
+
+    def __init__(self, target, config: BenchConfig):
+        from ..models.companion import load_companion
+        from ..sampling import SamplingParams
+        from ..sv import cli as sv_cli
+        from ..sv.latency import LatencyProfile
+        from ..sv.predictor import Profile
+
+        self.config, self.profiles, self.paths = config, {}, {}
+        for temperature in config.temperatures:
+            sampling = sv_cli.sampling_key(SamplingParams(temperature=temperature))
+            path = sv_cli.require_file(config.sv_profile or sv_cli.profile_path(
+                config.target, config.draft, config.companion, sampling), "sv calibrate")
+            profile = Profile.load(path)
+            profile.check(target=config.target, draft=config.draft, companion=config.companion, sampling=sampling)
+            self.profiles[temperature], self.paths[temperature] = profile, str(path)
+        path = sv_cli.require_file(config.latency or sv_cli.latency_path(
+            config.target, config.draft, config.companion, config.dtype, str(target.device)), "sv profile")
+        self.latency, self.latency_path = LatencyProfile.load(path), str(path)
+        self.latency.check(config.target, config.draft, config.companion, config.dtype, target.device)
+        needs_companion = bool({"sv-token", "sv-block"} & set(config.configs))
+        self.companion = load_companion(config.companion, target, dtype=config.dtype, device=config.device) \
+            if needs_companion else None
+
+    def policy(self, item: Run):
+        """(a fresh SVPolicy, the companion or None, the verification rule) for this run."""
+        from ..policy import SVPolicy
+
+        method, kind = self.SPEC[item.config]
+        policy = SVPolicy(self.profiles[item.temperature], self.latency, method=method, max_draft=item.draft_len,
+                          kind=kind)
+        return policy, (self.companion if kind == "companion" else None), method
+
+    def meta(self, item: Run) -> dict:
+        return {"companion": self.config.companion, "sv_profile": self.paths[item.temperature],
+                "latency": self.latency_path}
 
 
 def run_assisted(target, draft, prompt: list[int], sampling, max_new_tokens: int, seed: int) -> dict:
@@ -209,8 +349,9 @@ def run_assisted(target, draft, prompt: list[int], sampling, max_new_tokens: int
                                 max_new_tokens=max_new_tokens, eos_token_id=list(target.eos_token_ids),
                                 pad_token_id=target.eos_token_ids[0], **options)
     new = out[0, len(prompt):].tolist()
+    reason = "eos" if new and new[-1] in target.eos_token_ids else "length"
     return {"new_tokens": len(new), "wall_time": time.perf_counter() - start, "prefill_time": None,
-            "finish_reason": "eos" if new and new[-1] in target.eos_token_ids else "length"}
+            "finish_reason": reason, "finish_reasons": [reason]}
 
 
 def _progress(total: int, enabled: bool):

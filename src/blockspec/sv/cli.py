@@ -86,7 +86,7 @@ def add_parsers(sub, defaults: dict) -> None:
     replay.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 32, 64], help="(default: %(default)s)")
     replay.add_argument("--methods", nargs="+", default=["token", "block"], choices=["token", "block"])
     replay.add_argument("--steps", type=int, default=300, help="replayed steps per batch size (default: %(default)s)")
-    replay.add_argument("--out", type=Path, help="also write the results as JSON")
+    replay.add_argument("--out", type=Path, help="also write the results as JSON, and a plot beside it (.png)")
     replay.set_defaults(run=run_replay)
 
 
@@ -123,10 +123,10 @@ def build_policy(config, target, sampling):
     from .predictor import Profile
 
     companion_name = config.companion if config.sv_predictor == "companion" else None
-    profile = Profile.load(_existing(config.sv_profile or profile_path(
+    profile = Profile.load(require_file(config.sv_profile or profile_path(
         config.target, config.draft, config.companion, sampling_key(sampling)), "sv calibrate"))
     profile.check(target=config.target, draft=config.draft, companion=config.companion, sampling=sampling_key(sampling))
-    latency = LatencyProfile.load(_existing(config.latency or latency_path(
+    latency = LatencyProfile.load(require_file(config.latency or latency_path(
         config.target, config.draft, config.companion, config.dtype, str(target.device)), "sv profile"))
     latency.check(config.target, config.draft, config.companion, config.dtype, target.device)
     method = "token" if config.verifier == "token" else "block"  # greedy: the token rule's gains
@@ -135,7 +135,7 @@ def build_policy(config, target, sampling):
     return policy, companion
 
 
-def _existing(path: Path, command: str) -> Path:
+def require_file(path: Path, command: str) -> Path:
     if not Path(path).exists():
         raise FileNotFoundError(f"{path} does not exist: run `blockspec {command}` with the same models first")
     return Path(path)
@@ -210,13 +210,10 @@ def run_calibrate(args) -> int:
 
 def plot_calibration(report: dict, path: Path, title: str) -> None:
     """Held-out calibration curves: mean exact gain against mean predicted gain, per rule and predictor."""
-    import matplotlib
+    from ..bench.report import new_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(report), figsize=(5 * len(report), 4.5), squeeze=False)
-    for ax, (method, kinds) in zip(axes[0], report.items()):
+    figure, axes = new_figure(len(report), title)
+    for ax, (method, kinds) in zip(axes, report.items()):
         ax.plot([0, 1], [0, 1], color="grey", lw=0.8, ls="--")
         for kind, m in kinds.items():
             predicted, observed, _ = zip(*m["curve"])
@@ -224,10 +221,7 @@ def plot_calibration(report: dict, path: Path, title: str) -> None:
         ax.set(title=f"{method} rule", xlabel="predicted gain", ylabel="exact gain (held-out mean)", xlim=(0, 1),
                ylim=(0, 1))
         ax.legend()
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    figure.savefig(path, dpi=110)
 
 
 def run_replay(args) -> int:
@@ -254,5 +248,23 @@ def run_replay(args) -> int:
               f"{r['verified_per_emitted']:17.3f} {r['drafted_per_emitted']:16.3f}")
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1) + "\n")
+        plot_replay(rows, args.out.with_suffix(".png"))
     print(json.dumps({"replay": [{k: r[k] for k in ("method", "batch", "policy", "speedup")} for r in rows]}))
     return 0
+
+
+def plot_replay(rows: list[dict], path: Path) -> None:
+    """Predicted speedup over target-only against batch size, per policy, one panel per rule."""
+    from ..bench.report import new_figure
+
+    methods = sorted({r["method"] for r in rows})
+    figure, axes = new_figure(len(methods), "replay: predicted speedup over target-only")
+    for ax, method in zip(axes, methods):
+        for policy in dict.fromkeys(r["policy"] for r in rows):
+            points = sorted((r["batch"], r["speedup"]) for r in rows if (r["method"], r["policy"]) == (method, policy))
+            style = {"ls": "--", "color": "black"} if policy == "oracle" else {}
+            ax.plot(*zip(*points), marker="o", label=policy, **style)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set(xscale="log", title=f"{method} rule", xlabel="batch size", ylabel="speedup over target-only")
+        ax.legend(fontsize=8)
+    figure.savefig(path, dpi=110)

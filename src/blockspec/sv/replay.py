@@ -38,11 +38,12 @@ def replay(recording: Recording, profile, latency, *, batch: int, method: str, f
     labels, tau = recording.labels[method].double(), recording.accepted
     target, draft = latency.target, latency.draft
 
-    def outcome(lengths_per_step, drafted_per_step, companion: bool) -> Outcome:
+    def outcome(lengths_per_step, drafted_per_step, companion: bool, realised: bool = False) -> Outcome:
+        """``realised``: the lengths are accepted counts (the oracle's), not verification lengths."""
         emitted = seconds = verified = drafted_total = 0.0
         for chosen, lengths, drafted in zip(rows, lengths_per_step, drafted_per_step):
             reach = torch.arange(max_draft)[None, :] < lengths[:, None]
-            emitted += batch + float((labels[chosen] * reach).sum())
+            emitted += batch + (float(lengths.sum()) if realised else float((labels[chosen] * reach).sum()))
             width = int(lengths.max())
             cost = target(batch, 1 + width) + drafted * draft(batch, 1)
             if companion and drafted:
@@ -64,7 +65,7 @@ def replay(recording: Recording, profile, latency, *, batch: int, method: str, f
         lengths, drafted = zip(*(_sv_step(policy, recording, chosen, kind, method) for chosen in rows))
         results[f"SV {kind}"] = outcome(lengths, drafted, kind == "companion")
     lengths, drafted = zip(*(_oracle(tau[chosen], recording.num_draft[chosen], target, draft, batch) for chosen in rows))
-    results["oracle"] = outcome(lengths, drafted, False)
+    results["oracle"] = outcome(lengths, drafted, False, realised=True)
     return results
 
 

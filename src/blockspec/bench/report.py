@@ -15,7 +15,9 @@ The token-vs-block tables are built from batch-1 records (one prompt per run). B
 consecutive prompts per record, see ``records``) and the Speculative Verification configurations go to a
 second table, pooled over datasets, one row per (temperature, batch size, configuration, K), whose unit is a
 batch (at B = 1, a prompt):
-    tok/s       sum new_tokens / sum wall_time over the batches of a configuration.
+    tok/s       decode throughput: sum new_tokens / sum (wall_time - prefill_time) over the batches of a
+                configuration. The prompts' forwards are left out: at batch 64 with short generations they
+                would dominate, and serving overlaps them with other batches' decoding.
     x best K    tok/s over that of the best fixed-K configuration (token or block, any K: the highest tok/s
                 on the batches all of them ran), re-selected inside every bootstrap resample.
     rejected    1 - accepted / verified: the fraction of verified drafted tokens the target rejected.
@@ -450,7 +452,8 @@ def build_report(records: list[Record], config: ReportConfig = ReportConfig()) -
 def _step_sums(record: Record) -> dict[str, float]:
     """Per-unit sums of a record for the batch table."""
     return {
-        "new": float(record.new_tokens), "wall": float(record.wall_time), "accepted": float(sum(record.accepted)),
+        "new": float(record.new_tokens), "wall": float(record.wall_time - (record.prefill_time or 0.0)),
+        "accepted": float(sum(record.accepted)),
         "verified": float(sum(record.draft_lens)), "row_steps": float(len(record.accepted)),
         "drafted": float(sum(d * r for d, r in zip(record.drafted, record.rows))),
     }

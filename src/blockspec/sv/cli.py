@@ -112,7 +112,7 @@ def latency_path(target: str, draft: str, companion: str | None, dtype: str, dev
 
 
 def _slug(*names) -> str:
-    return "-".join(re.sub(r"[^A-Za-z0-9.:]+", "_", Path(str(n)).name).replace(":", "") for n in names)
+    return "-".join(re.sub(r"[^A-Za-z0-9.:-]+", "_", Path(str(n)).name).replace(":", "") for n in names)
 
 
 def build_policy(config, target, sampling):

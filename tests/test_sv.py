@@ -3,7 +3,7 @@
 features   exact (float64, every drafted block of V=3, K=3 context-dependent toy tables): the gains' expectation
            is E[tau] when verifying the first L tokens, also conditionally on a drafted prefix; column i of every
            feature function ignores x_i and everything after it (what makes a policy built on them a stopping rule)
-exact law  the REAL SVPolicy driven exactly as the engine drives it (draft_budget, keep_drafting position by
+exact law  the REAL SVPolicy driven as the engine drives it (draft_budget, draft_next, keep_drafting position by
            position, lengths after the companion), its verified length per block fed to lawkit.speculative_law:
            lossless to 1e-12; look-ahead variants (A_i decides x_i) and a global-argmax variant must fail
 predictor  Predictor.fit recovers logistic weights within 5 standard errors; the monotone weight stays >= 0;
@@ -251,6 +251,8 @@ def drive(make_policy, tables: lawkit.Tables, companion: lawkit.Tables, blocks: 
         prefix = torch.zeros(1, dtype=torch.float64)  # sum_{j<i} log q_j(x_j), clamped as in _propose
         drafted = 0
         for i in range(1, min(budget, DRAFT_LEN) + 1):
+            if i > 1 and not policy.draft_next(i):  # before the forward of position i
+                break
             probs = tables.draft_at(block[None, : i - 1])  # [1, V]: the draft's law at position i, before x_i
             if not policy.keep_drafting(i, probs, prefix):
                 break
@@ -440,11 +442,16 @@ def test_profile_predictor_for_a_missing_rule_or_kind():
 
 
 class Recorded(SVPolicy):
-    """SVPolicy unchanged, counting the times keep_drafting stopped drafting before the budget."""
+    """SVPolicy unchanged, counting the times draft_next or keep_drafting stopped drafting before the budget."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.declined = 0
+
+    def draft_next(self, position):
+        more = super().draft_next(position)
+        self.declined += not more
+        return more
 
     def keep_drafting(self, position, probs, prefix):
         keep = super().keep_drafting(position, probs, prefix)

@@ -259,6 +259,8 @@ class SpeculativeDecoder:
         tokens, valid = left_pad([c[n:] for c, n in zip(contexts, self.draft.lengths.tolist())] if draft_len else [])
         forward_s, prefix = 0.0, torch.zeros(batch, dtype=torch.float64, device=device)  # sum_{j<i} log q_j(x_j)
         for i in range(draft_len):
+            if i and not self.policy.draft_next(i + 1):  # before paying for the forward of position i + 1
+                break
             t0 = time.perf_counter()
             logits = self.draft.forward(tokens.to(self.draft.device), valid.to(self.draft.device))[:, -1]
             forward_s += time.perf_counter() - t0

@@ -88,6 +88,9 @@ class FixedLength:
     def draft_budget(self, batch: int) -> int:
         return self.draft_len
 
+    def draft_next(self, position: int) -> bool:
+        return True
+
     def keep_drafting(self, position: int, probs: torch.Tensor, prefix: torch.Tensor) -> bool:
         return True
 
@@ -101,13 +104,15 @@ class FixedLength:
 class SVPolicy:
     """Speculative Verification: a step's verification lengths from predicted gains and measured latency.
 
-    Each step, three decisions, each using only what is known when it is made:
+    Each step, four decisions, each using only what is known when it is made:
       1. before drafting (``draft_budget``): from the recent history of predicted gains per position and the
-         latency table, whether speculating pays at all at this batch size, and how far drafting may go;
-      2. while drafting (``keep_drafting``): after the draft's distribution at position i is known and before
-         x_i is sampled, continue while some row's draft-only plan (the stopping rule over draft-only gains)
-         still reaches position i;
-      3. after the companion has scored the block (``lengths``): the stopping rule over the ``kind``
+         latency table, whether speculating pays at all at this batch size;
+      2. before the draft forward for position i > 1 (``draft_next``): whether the batch's plan, with the gains
+         of position i guessed from those of i - 1 and the history's decay between the two, would reach i; so
+         a stop rarely pays for a forward whose distribution then goes unused;
+      3. after the draft's distribution at position i is known and before x_i is sampled (``keep_drafting``):
+         whether the stopping rule over the draft-only gains of positions 1..i reaches i;
+      4. after the companion has scored the block (``lengths``): the stopping rule over the ``kind``
          predictor's gains gives each row its verification length.
     ``kind`` is "companion" (draft + companion features) or "draft" (draft-only features, no companion).
     """
@@ -149,10 +154,18 @@ class SVPolicy:
         self._batch, self._seconds, self._draft_features = batch, self.step_seconds(batch), []
         emitted = torch.cat([torch.ones(1, dtype=torch.float64), 1 + self.history.cumsum(0)])
         goodput = [float(emitted[w]) / self._seconds(w) for w in range(self.max_draft + 1)]
-        best = max(range(len(goodput)), key=goodput.__getitem__)
-        if best == 0:  # not speculating teaches nothing new: drift back towards the calibrated prior
+        if max(range(len(goodput)), key=goodput.__getitem__) == 0:
+            # not speculating teaches nothing new: drift back towards the calibrated prior
             self.history = self.memory * self.history + (1 - self.memory) * self.prior
-        return min(self.max_draft, best + 1)
+            return 0
+        return self.max_draft
+
+    def draft_next(self, position: int) -> bool:
+        gains = self.draft_predictor(torch.stack(self._draft_features, 1))
+        decay = float(self.history[position - 1] / self.history[position - 2].clamp(min=1e-9))
+        guess = torch.cat([gains, gains[:, -1:] * min(decay, 1.0)], dim=1)
+        limit = torch.full((len(gains),), position, dtype=torch.long)
+        return int(stopping_lengths(guess, limit, self._seconds).max()) == position
 
     def keep_drafting(self, position: int, probs: torch.Tensor, prefix: torch.Tensor) -> bool:
         return self.keep_drafting_given(draft_features(probs[:, None], prefix[:, None], first=position)[:, 0])

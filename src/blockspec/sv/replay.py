@@ -72,10 +72,12 @@ def replay(recording: Recording, profile, latency, *, batch: int, method: str, f
 def _sv_step(policy: SVPolicy, recording: Recording, chosen: torch.Tensor, kind: str, method: str):
     """One step of the real SVPolicy on recorded rows: (lengths [B], draft forwards run)."""
     budget = policy.draft_budget(len(chosen))
-    drafted = 0
-    while drafted < budget and policy.keep_drafting_given(recording.draft[chosen, drafted]):
+    drafted = forwards = 0
+    while drafted < budget and (drafted == 0 or policy.draft_next(drafted + 1)):
+        forwards += 1  # a stop at keep_drafting still paid for the forward that decided it
+        if not policy.keep_drafting_given(recording.draft[chosen, drafted]):
+            break
         drafted += 1
-    forwards = drafted + (drafted < budget)  # a stop still paid for the draft forward that decided it
     if drafted == 0:
         return torch.zeros(len(chosen), dtype=torch.long), forwards
     features = recording.features(kind, method)[chosen, :drafted]

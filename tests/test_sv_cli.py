@@ -59,6 +59,9 @@ def test_generate_with_sv_gives_the_greedy_text_of_the_target(calibrated):
     sampled = run("generate", *models, "--max-new-tokens", "16", "--draft-len", "3", "--seed", "3", "--policy", "sv",
                   "--companion", "prefix:1", "abc de", "fgh", cache=root)
     assert sampled.returncode == 0 and "sv K=3" in sampled.stderr, sampled.stderr
+    with_companion = run("generate", *models, "--max-new-tokens", "16", "--draft-len", "3", "--policy", "sv",
+                         "--sv-predictor", "companion", "--companion", "prefix:1", "abc de", cache=root)
+    assert with_companion.returncode == 0, with_companion.stderr
     profile = next((root / "sv").glob("calibration-*.json"))
     greedy = run("generate", *common, "--policy", "sv", "--companion", "prefix:1", "--sv-profile", str(profile),
                  "abc de", cache=root)

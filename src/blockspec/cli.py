@@ -47,7 +47,7 @@ class GenerateConfig:
     stop: tuple[str, ...]
     policy: str = "fixed"
     companion: str | None = None
-    sv_predictor: str = "companion"
+    sv_predictor: str = "draft"
     sv_profile: Path | None = None
     latency: Path | None = None
 
@@ -155,6 +155,57 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", type=Path, help="output directory for records, report and plots")
     bench.set_defaults(run=run_bench)
 
+    from .bench.alignment import AlignConfig  # stdlib-only at import: --help stays instant
+
+    align_defaults = AlignConfig()
+    align = sub.add_parser(
+        "align", help="alignment sweep: block-vs-token gain against draft-target overlap, the draft sampling at "
+        "several temperatures of its own",
+        description="How does the gain of block over token verification depend on draft quality? The draft samples "
+        "at its own temperature T_d (still lossless: verification sees the distribution the draft actually sampled "
+        "from, so T_d only changes how well the draft matches the target) while the target keeps --temperature. "
+        "For every prompt and T_d, one block-verification run (same seed at every T_d) records per step the exact "
+        "expected accepted length of that same draft under the token and the block rule, and the draft-target "
+        "overlap sum_v min(draft, target) at the verified positions. Measured and reported per T_d, pooled over "
+        "datasets and per dataset: mean overlap, analytic block efficiency of each rule (1 + mean expected "
+        "accepted per step) and the paired analytic gain (BE block / BE token - 1) with a bootstrap interval over "
+        "prompts; a table (alignment.md), a JSON summary (the last stdout line) and a plot of gain vs overlap "
+        "(alignment_gain_vs_overlap.png). No wall clock is measured. Resumable: records already written are "
+        "skipped; round n runs prompt n of every dataset at every T_d, so a time-boxed run covers every T_d.",
+        epilog="examples:\n  blockspec align --time-budget 1200      # bundled pair, 3 datasets x 5 T_d, ~20 min\n"
+        "  blockspec align --draft-temperatures 0.5 1 2 --prompts 8 --out results/align-8   # run again to resume\n"
+        "  python -m blockspec.bench.alignment --records results/align/records.jsonl --out results/align  # re-report",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    align.add_argument("--target", default=DEFAULT_TARGET,
+                       help="the model whose distribution is kept (default: %(default)s)")
+    align.add_argument("--draft", default=DEFAULT_DRAFT,
+                       help="the small model that proposes tokens (default: %(default)s)")
+    align.add_argument("--datasets", nargs="+", default=list(align_defaults.datasets),
+                       help="prompt sets (see blockspec.bench.datasets.DATASETS) (default: %(default)s)")
+    align.add_argument("--prompts", type=int, dest="prompts_per_dataset", default=align_defaults.prompts_per_dataset,
+                       help="prompts per dataset (default: %(default)s)")
+    align.add_argument("--draft-temperatures", type=float, nargs="+", default=list(align_defaults.draft_temperatures),
+                       help="the draft's own sampling temperatures T_d; 0 = its argmax (default: %(default)s)")
+    align.add_argument("--temperature", type=float, default=align_defaults.temperature,
+                       help="the target's sampling temperature, > 0 (default: %(default)s)")
+    align.add_argument("--draft-len", type=int, default=align_defaults.draft_len,
+                       help="tokens drafted per step, K (default: %(default)s)")
+    align.add_argument("--max-new-tokens", type=int, default=align_defaults.max_new_tokens,
+                       help="new tokens per prompt (default: %(default)s)")
+    align.add_argument("--seed", type=int, default=align_defaults.seed,
+                       help="base seed: prompt n of a set uses seed + n at every T_d (default: %(default)s)")
+    align.add_argument("--dtype", default=align_defaults.dtype, choices=["bfloat16", "float16", "float32"],
+                       help="(default: %(default)s)")
+    align.add_argument("--device", default=align_defaults.device,
+                       help="cpu, cuda, cuda:N or auto (default: %(default)s)")
+    align.add_argument("--no-chat", dest="chat", action="store_false",
+                       help="send the raw prompts instead of wrapping them in the model's chat template")
+    align.add_argument("--time-budget", type=float, help="seconds; stop scheduling runs after this (resume later)")
+    align.add_argument("--out", type=Path, default=align_defaults.out,
+                       help="output directory for records, table, summary and plot (default: %(default)s)")
+    align.set_defaults(run=run_align)
+
     models = sub.add_parser("models", help="list the bundled model presets, installed or not, and their cache state")
     models.add_argument("--json", action="store_true", help="print JSON instead of a table")
     models.set_defaults(run=run_models)
@@ -252,6 +303,19 @@ def run_bench(args) -> int:
     config = replace(preset, **overrides)
     records_file = runner.run(config)
     return report.main(["--records", str(records_file), "--out", str(config.out)])
+
+
+def run_align(args) -> int:
+    from .bench import alignment
+
+    config = alignment.AlignConfig(
+        target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, datasets=tuple(args.datasets),
+        prompts_per_dataset=args.prompts_per_dataset, draft_temperatures=tuple(args.draft_temperatures),
+        temperature=args.temperature, draft_len=args.draft_len, max_new_tokens=args.max_new_tokens, seed=args.seed,
+        chat=args.chat, time_budget=args.time_budget, out=args.out,
+    )
+    records_file = alignment.run(config)
+    return alignment.main(["--records", str(records_file), "--out", str(config.out)])
 
 
 def run_models(args) -> int:

@@ -19,6 +19,7 @@ import torch
 from .models.base import LanguageModel, left_pad
 from .policy import FixedLength
 from .sampling import SamplingParams, check_unsupported, process, sample
+from .sv.features import as_probs, overlap
 from .verify import VERIFIERS, Randomness, expected_accepted
 from .verify.base import draw_exponentials, drafted_mask
 
@@ -35,7 +36,7 @@ class StepStats:
     draft_len: list[int]  # drafted tokens verified per row (0 = a plain target step)
     accepted: list[int]  # tau per row
     emitted: list[int]  # tokens kept per row (tau + 1, less anything cut by EOS, stop strings or the length cap)
-    draft_s: float  # drafting: forwards of the draft and its sampling
+    draft_s: float  # drafting (forwards of the draft and its sampling) and the companion's scoring, if any
     target_s: float  # the target's scoring forward and its processing into probabilities
     verify_s: float
     total_s: float  # the whole step, bookkeeping included
@@ -43,6 +44,7 @@ class StepStats:
     drafted: int = 0  # tokens drafted per row (a length policy may verify fewer)
     expected_token: list[float] | None = None  # E[tau | this draft] under each rule, outside the timed region
     expected_block: list[float] | None = None
+    overlap: list[float] | None = None  # mean over verified positions of sum_v min(draft, target), per row
 
 
 @dataclass
@@ -85,6 +87,9 @@ class SpeculativeDecoder:
     HFModel). ``verifier``: "block" (Sun et al. 2024, the default), "token" (standard speculative sampling),
     "greedy" (temperature 0 only) or "none" (target-only decoding, no draft needed). At temperature 0 the
     greedy rule is used whatever ``verifier`` says: token and block verification coincide with it there.
+    ``policy`` decides how many tokens each step drafts and verifies (default ``FixedLength(draft_len)``; see
+    ``blockspec.policy.SVPolicy`` for Speculative Verification); ``companion`` is the model an SV policy
+    scores drafted blocks with (``blockspec.models.companion``).
     """
 
     def __init__(self, target, draft=None, *, verifier: str = "block", draft_len: int = 4, policy=None,
@@ -99,6 +104,8 @@ class SpeculativeDecoder:
         self.draft = as_model(draft) if verifier != "none" else None
         self.verifier = verifier
         self.draft_len = draft_len if verifier != "none" else 0
+        if policy is not None and verifier == "none":
+            raise ValueError("a length policy needs a draft: verifier='none' decodes with the target alone")
         self.policy = policy if policy is not None else FixedLength(self.draft_len)
         if self.policy.needs_companion and companion is None:
             raise ValueError("this length policy needs a companion model (companion=...)")
@@ -120,6 +127,7 @@ class SpeculativeDecoder:
         stop_strings: Sequence[str] = (),
         expected: bool = False,
         on_tokens: Callable[[int, list[int]], None] | None = None,
+        draft_sampling: SamplingParams | None = None,
         **options,
     ) -> GenerationResult:
         """Generate up to ``max_new_tokens`` new tokens for each prompt (strings need a tokenizer).
@@ -128,13 +136,18 @@ class SpeculativeDecoder:
         its output does not depend on its neighbours (beyond floating-point differences of batched forwards).
         ``expected=True`` records, per step and row, the exact expected accepted length under both the token
         and the block rule for the same draft (computed outside the timed region). ``on_tokens(i, tokens)``
-        is called as tokens of prompt i are committed (for streaming).
+        is called as tokens of prompt i are committed (for streaming). ``draft_sampling``: the draft's own
+        temperature / top-k / top-p (default: ``sampling``); verification sees the distribution the draft
+        actually sampled from, so any choice stays lossless and only changes the acceptance rate.
         """
         check_unsupported(options)
         if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         if self.verifier == "greedy" and not sampling.greedy:
             raise ValueError("verifier='greedy' needs temperature 0; use 'block' or 'token' to sample")
+        if draft_sampling is not None and sampling.greedy:
+            raise ValueError("draft_sampling needs a sampled target: at temperature 0 the draft proposes its argmax")
+        draft_sampling = draft_sampling or sampling
         sequences = self._encode(prompts)
         generators = [torch.Generator().manual_seed(s) for s in _row_seeds(seed, len(sequences))]
         stop = _Stopper(self, stop_on_eos, stop_strings, max_new_tokens)
@@ -155,7 +168,7 @@ class SpeculativeDecoder:
             remaining = torch.tensor([max_new_tokens - len(generated[i]) for i in active])
             draft_u, verify_u, exponentials = self._draw([generators[i] for i in active], sampling)
             draft_tokens, draft_probs, num_draft, drafted, forward_s = self._plan(
-                [sequences[i] + generated[i] for i in active], remaining.sub(1), sampling, draft_u)
+                [sequences[i] + generated[i] for i in active], remaining.sub(1), sampling, draft_sampling, draft_u)
             t1 = time.perf_counter()
             pending = torch.tensor([(sequences[i] + generated[i])[-1] for i in active], device=device)[:, None]
             valid = torch.cat([torch.ones_like(pending, dtype=torch.bool),
@@ -233,12 +246,13 @@ class SpeculativeDecoder:
         device = self.target.device
         return draft_u.to(device), verify_u.to(device), exponentials.to(device)
 
-    def _plan(self, contexts: list[list[int]], room: torch.Tensor, sampling: SamplingParams, draft_u):
+    def _plan(self, contexts: list[list[int]], room: torch.Tensor, sampling: SamplingParams,
+              draft_sampling: SamplingParams, draft_u):
         """Draft, let the companion score, and let the policy pick each row's verification length (at most
         ``room``: the step's last token is the target's own). Returns (draft tokens [B, W] and probs [B, W, V]
         cut to the widest verified row W, verification lengths [B], tokens drafted, forward seconds)."""
         num_draft = room.clamp(max=self.policy.draft_budget(len(contexts)))
-        draft_tokens, draft_probs, forward_s = self._propose(contexts, int(num_draft.max()), sampling, draft_u)
+        draft_tokens, draft_probs, forward_s = self._propose(contexts, int(num_draft.max()), draft_sampling, draft_u)
         drafted = draft_tokens.shape[1]
         num_draft = num_draft.clamp(max=drafted)
         if drafted:
@@ -267,7 +281,7 @@ class SpeculativeDecoder:
             step_probs = process(logits[:, :self.vocab].to(device), sampling)  # [B, V]
             if not self.policy.keep_drafting(i + 1, step_probs, prefix):  # decided before x_i is sampled
                 break
-            token = step_probs.argmax(-1) if sampling.greedy else sample(step_probs, uniforms[:, i])
+            token = step_probs.argmax(-1) if uniforms is None else sample(step_probs, uniforms[:, i])
             prefix += step_probs.gather(1, token[:, None]).squeeze(1).double().clamp(min=1e-6).log()
             drafted.append(token[:, None])
             probs.append(step_probs[:, None])
@@ -380,4 +394,9 @@ def _with_expected(step: StepStats, draft_tokens, draft_probs, target_probs, num
                                   validate=False).tolist()
         for method in ("token", "block")
     }
-    return StepStats(**{**step.__dict__, "expected_token": values["token"], "expected_block": values["block"]})
+    probs = as_probs(draft_tokens, draft_probs, target_probs.shape[-1])
+    verified = drafted_mask(num_draft.to(draft_tokens.device), draft_tokens.shape[1])
+    agreement = (overlap(probs, target_probs[:, : draft_tokens.shape[1]]) * verified).sum(1)
+    mean = (agreement / verified.sum(1).clamp(min=1)).where(verified.any(1), float("nan"))
+    return StepStats(**{**step.__dict__, "expected_token": values["token"], "expected_block": values["block"],
+                        "overlap": mean.tolist()})

@@ -58,10 +58,18 @@ class Record:
         return (self.dataset, self.prompt_id, self.config, self.draft_len, self.temperature, self.batch_size)
 
 
-def append(path: Path, record: Record) -> None:
+def append(path: Path, record) -> None:
+    """Append one record (any dataclass) as a JSON line; a truncated last line (an interrupted write) is first
+    closed with a newline, so it stays a single unreadable line instead of swallowing this record too."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps(asdict(record)) + "\n"
+    if path.exists() and path.stat().st_size > 0:
+        with path.open("rb") as existing:
+            existing.seek(-1, 2)
+            if existing.read(1) != b"\n":
+                line = "\n" + line
     with path.open("a") as out:
-        out.write(json.dumps(asdict(record)) + "\n")
+        out.write(line)
 
 
 def read(path: Path) -> Iterator[Record]:

@@ -23,9 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--companion", default=DEFAULT_COMPANION,
                         help="companion model sharing the target's tokenizer, or prefix:K for the target's own first K "
                         "layers (shared weights, no extra memory) (default: %(default)s)")
-    parser.add_argument("--sv-predictor", default="companion", choices=["companion", "draft"],
-                        help="features that predict acceptance: draft and companion, or draft only (no companion "
-                        "forward) (default: %(default)s)")
+    parser.add_argument("--sv-predictor", default="draft", choices=["companion", "draft"],
+                        help="features that predict acceptance: draft only (no companion forward), or draft and "
+                        "companion. Draft-only is the default because on the bundled pair the target-prefix "
+                        "companions carried no measurable information for their cost (docs/benchmarks.md) "
+                        "(default: %(default)s)")
     parser.add_argument("--sv-profile", type=Path, help="calibration profile (default: the one `blockspec sv calibrate` "
                         f"saved for these models and sampling under {SV_DIR})")
     parser.add_argument("--latency", type=Path, help="latency profile (default: the one `blockspec sv profile` saved "

@@ -59,6 +59,12 @@ def gains(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, other: torch.Te
     return gains
 
 
+def overlap(draft_probs: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """sum_v min(q_i(v), other_i(v)) per position [B, K]: draft-target agreement, or S_i with a companion."""
+    return 1.0 - positive_part_mass(torch.ones(draft_probs.shape[:2], dtype=draft_probs.dtype,
+                                               device=draft_probs.device), other, draft_probs)
+
+
 def companion_features(
     draft_tokens: torch.Tensor, draft_probs: torch.Tensor, companion_probs: torch.Tensor, method: str,
     draft_part: torch.Tensor,
@@ -74,14 +80,14 @@ def _gains_and_overlap(draft_tokens, draft_probs, other, method: str) -> tuple[t
     ratio = other.gather(-1, draft_tokens[..., None]).squeeze(-1) / draft_probs.gather(
         -1, draft_tokens[..., None]).squeeze(-1).clamp(min=torch.finfo(draft_probs.dtype).tiny)
     ones = torch.ones_like(ratio[:, :1])
-    overlap = 1.0 - positive_part_mass(torch.ones_like(ratio), other, draft_probs)  # sum_v min(q_i, other_i)
+    agreement = overlap(draft_probs, other)
     if method == "token":
         survival = torch.cat([ones, ratio.clamp(max=1.0)[:, :-1]], dim=1).cumprod(1)  # prod_{j<i} min(1, r_j)
-        return survival * overlap, overlap
+        return survival * agreement, agreement
     if method != "block":
         raise ValueError(f"method must be 'token' or 'block', got {method!r}")
     weights = [ones[:, 0]]  # w_0 .. w_{K-1}
     for i in range(ratio.shape[1] - 1):
         weights.append(torch.minimum(weights[-1] * ratio[:, i], ones[:, 0]))
     w = torch.stack(weights, dim=1)
-    return w - positive_part_mass(w, other, draft_probs), overlap  # sum_v min(q_i, w_{i-1} other_i)
+    return w - positive_part_mass(w, other, draft_probs), agreement  # sum_v min(q_i, w_{i-1} other_i)

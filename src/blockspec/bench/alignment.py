@@ -33,7 +33,6 @@ runs prompt n of every dataset through every T_d, so a time-boxed run covers eve
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -412,10 +411,10 @@ HEADER = ("T", "K", "T_d", "prompts", "steps", "overlap (CI)", "analytic BE toke
 
 
 def _cells(row: AlignRow) -> list[str]:
-    from .report import _num, _percent, _plain
+    from .report import _interval, _num, _percent
 
     return [f"{row.temperature:g}", str(row.draft_len), f"{row.draft_temperature:g}", str(row.prompts),
-            str(row.steps), _plain(row.overlap), _num(row.analytic_be_token), _num(row.analytic_be_block),
+            str(row.steps), _interval(row.overlap), _num(row.analytic_be_token), _num(row.analytic_be_block),
             _percent(row.gain), _num(row.be_block)]
 
 
@@ -499,45 +498,16 @@ def render(report: AlignReport, out_dir: Path, plots: bool = True) -> list[Path]
     return written
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from .report import ReportConfig
+def main(argv: list[str] | None = None) -> int:
+    from .report import ReportTool, run_tool
 
-    defaults = ReportConfig()
-    parser = argparse.ArgumentParser(
+    return run_tool(ReportTool(
         prog="python -m blockspec.bench.alignment",
         description="Table and plot of the alignment sweep (`blockspec align`) from its saved records: block-vs-token "
         "gain against draft-target overlap per draft temperature. The last stdout line is a JSON summary.",
-    )
-    parser.add_argument("--records", type=Path, nargs="+", required=True, help="JSONL record file(s)")
-    parser.add_argument("--out", type=Path, help="directory for alignment.md, alignment.json and the plot")
-    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plot")
-    parser.add_argument("--n-boot", type=int, default=defaults.n_boot,
-                        help="bootstrap resamples (default: %(default)s)")
-    parser.add_argument("--confidence", type=float, default=defaults.confidence, help="(default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=defaults.seed, help="bootstrap seed (default: %(default)s)")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    from .report import ReportConfig
-
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
-    try:
-        loaded = [record for path in args.records for record in read(path)]
-    except (FileNotFoundError, ValueError, TypeError) as error:
-        print(f"alignment: error: {error}", file=sys.stderr)
-        return 2
-    if not loaded:
-        print("alignment: error: no records", file=sys.stderr)
-        return 2
-    report = build_report(loaded, ReportConfig(n_boot=args.n_boot, confidence=args.confidence, seed=args.seed))
-    if args.out:
-        render(report, args.out, plots=not args.no_plots)
-    print(format_table(report))
-    print(json.dumps(summary(report)))
-    return 0
+        outputs="alignment.md, alignment.json and the plot", read=read, build_report=build_report,
+        format_table=format_table, summary=summary, render=render,
+    ), argv)
 
 
 if __name__ == "__main__":

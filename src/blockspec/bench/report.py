@@ -552,18 +552,20 @@ def _pair(a: float | None, b: float | None, spec: str, suffix: str = "") -> str:
     return DASH if a is None and b is None else f"{_num(a, spec, suffix)} / {_num(b, spec, suffix)}"
 
 
-def _percent(estimate: Estimate | None) -> str:
+def _interval(estimate: Estimate | None, spec: str = ".3f", suffix: str = "", scale: float = 1.0) -> str:
+    """``value<suffix> [lo, hi]`` (the interval only when there is one), every number scaled and formatted alike."""
     if estimate is None:
         return DASH
-    text = f"{100 * estimate.value:+.1f}%"
-    return text if estimate.lo is None else f"{text} [{100 * estimate.lo:+.1f}, {100 * estimate.hi:+.1f}]"
+    text = f"{scale * estimate.value:{spec}}{suffix}"
+    return text if estimate.lo is None else f"{text} [{scale * estimate.lo:{spec}}, {scale * estimate.hi:{spec}}]"
+
+
+def _percent(estimate: Estimate | None) -> str:
+    return _interval(estimate, "+.1f", "%", 100.0)
 
 
 def _times(estimate: Estimate | None) -> str:
-    if estimate is None:
-        return DASH
-    text = f"{estimate.value:.3f}x"
-    return text if estimate.lo is None else f"{text} [{estimate.lo:.3f}, {estimate.hi:.3f}]"
+    return _interval(estimate, ".3f", "x")
 
 
 def _spec_cells(row: Row) -> list[str]:
@@ -598,27 +600,13 @@ BATCH_HEADER = (
 )
 
 
-def _rate_cell(estimate: Estimate | None) -> str:
-    if estimate is None:
-        return DASH
-    text = f"{estimate.value:.2f}"
-    return text if estimate.lo is None else f"{text} [{estimate.lo:.2f}, {estimate.hi:.2f}]"
-
-
-def _plain(estimate: Estimate | None) -> str:
-    if estimate is None:
-        return DASH
-    text = f"{estimate.value:.3f}"
-    return text if estimate.lo is None else f"{text} [{estimate.lo:.3f}, {estimate.hi:.3f}]"
-
-
 def _batch_cells(row: BatchRow) -> list[str]:
     return [
         f"{row.temperature:g}", str(row.batch_size), row.config + (" *" if row.best_fixed else ""), str(row.draft_len),
-        str(row.batches), _rate_cell(row.tokens_per_s),
+        str(row.batches), _interval(row.tokens_per_s, ".2f"),
         "1.000x" if row.config == "target-only" else _times(row.speedup_vs_target),
         "1.000x" if row.best_fixed else _times(row.speedup_vs_best_fixed),
-        _percent(row.rejected).replace("+", ""), _plain(row.verified_per_emitted),
+        _percent(row.rejected).replace("+", ""), _interval(row.verified_per_emitted),
         _num(row.drafted_per_emitted), _num(row.block_efficiency),
     ]
 
@@ -837,14 +825,26 @@ def render(report: Report, out_dir: Path, plots: bool = True) -> list[Path]:
 # ------------------------------------------------------------------------------------------------- CLI
 
 
-def build_parser() -> argparse.ArgumentParser:
+@dataclass(frozen=True)
+class ReportTool:
+    """What a report command reads and writes: this module's benchmark report, or another report built on the
+    same bootstrap (``alignment``), so both share one command line."""
+
+    prog: str
+    description: str
+    outputs: str  # what --out receives
+    read: Callable
+    build_report: Callable
+    format_table: Callable
+    summary: Callable
+    render: Callable
+
+
+def build_parser(tool: ReportTool) -> argparse.ArgumentParser:
     defaults = ReportConfig()
-    parser = argparse.ArgumentParser(
-        prog="python -m blockspec.bench.report",
-        description="Tables and plots from saved benchmark records; the last stdout line is a JSON summary.",
-    )
+    parser = argparse.ArgumentParser(prog=tool.prog, description=tool.description)
     parser.add_argument("--records", type=Path, nargs="+", required=True, help="JSONL record file(s)")
-    parser.add_argument("--out", type=Path, help="directory for report.md, summary.json and plots")
+    parser.add_argument("--out", type=Path, help=f"directory for {tool.outputs}")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--n-boot", type=int, default=defaults.n_boot,
                         help="bootstrap resamples (default: %(default)s)")
@@ -854,23 +854,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run_tool(tool: ReportTool, argv: list[str] | None = None) -> int:
+    """Read the records, print the table and then one JSON line; write files under --out."""
+    args = build_parser(tool).parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    name = tool.prog.rsplit(".", 1)[-1]
     try:
-        loaded = [record for path in args.records for record in records_io.read(path)]
-    except (FileNotFoundError, ValueError) as error:
-        print(f"report: error: {error}", file=sys.stderr)
+        loaded = [record for path in args.records for record in tool.read(path)]
+    except (FileNotFoundError, ValueError, TypeError) as error:
+        print(f"{name}: error: {error}", file=sys.stderr)
         return 2
     if not loaded:
-        print("report: error: no records", file=sys.stderr)
+        print(f"{name}: error: no records", file=sys.stderr)
         return 2
-    report = build_report(loaded, ReportConfig(n_boot=args.n_boot, confidence=args.confidence, seed=args.seed))
+    report = tool.build_report(loaded, ReportConfig(n_boot=args.n_boot, confidence=args.confidence, seed=args.seed))
     if args.out:
-        render(report, args.out, plots=not args.no_plots)
-    print(format_table(report))
-    print(json.dumps(summary(report)))
+        tool.render(report, args.out, plots=not args.no_plots)
+    print(tool.format_table(report))
+    print(json.dumps(tool.summary(report)))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_tool(ReportTool(
+        prog="python -m blockspec.bench.report",
+        description="Tables and plots from saved benchmark records; the last stdout line is a JSON summary.",
+        outputs="report.md, summary.json and plots", read=records_io.read, build_report=build_report,
+        format_table=format_table, summary=summary, render=render,
+    ), argv)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,6 @@ EOS and length exactness, row independence, and clear errors."""
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ import lawkit
 from blockspec import SamplingParams, SpeculativeDecoder
 from blockspec import engine as engine_module
 from blockspec.models.hf import HFModel
-from tiny import EOS, perturbed, tiny_model, tiny_tokenizer
+from tiny import EOS, exact_law_of_first_tokens, perturbed, tiny_model, tiny_tokenizer
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
@@ -104,19 +103,6 @@ def test_sampled_rows_stop_right_after_their_first_eos(pair):
     assert "eos" in result.finish_reasons
     rows_per_step = [len(s.rows) for s in result.stats]
     assert rows_per_step == sorted(rows_per_step, reverse=True) and rows_per_step[-1] < rows_per_step[0]
-
-
-def exact_law_of_first_tokens(model, prompt: list[int], length: int) -> torch.Tensor:
-    """The target's exact joint law of its first ``length`` tokens, [V] * length, from its conditionals."""
-    vocab = model.config.vocab_size
-    law = torch.ones((), dtype=torch.float64)
-    with torch.no_grad():
-        for i in range(length):
-            prefixes = torch.tensor(list(itertools.product(range(vocab), repeat=i)), dtype=torch.long)
-            contexts = torch.cat([torch.tensor(prompt).expand(len(prefixes), -1), prefixes.reshape(len(prefixes), i)], 1)
-            conditionals = model(contexts).logits[:, -1].double().softmax(-1)
-            law = law.reshape(-1, 1) * conditionals
-    return law.reshape([vocab] * length)
 
 
 def off_by_one(verify):

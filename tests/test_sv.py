@@ -18,7 +18,6 @@ nothing: SpeculativeDecoder._plan does not call SVPolicy.lengths then (regressio
 
 from __future__ import annotations
 
-import itertools
 import json
 from unittest import mock
 
@@ -42,7 +41,7 @@ from blockspec.sv.features import (
 from blockspec.sv.latency import LatencyProfile
 from blockspec.sv.predictor import MONOTONE, Predictor, Profile, feature_names
 from blockspec.verify import accepted_length_law, expected_accepted, final_distributions
-from tiny import perturbed, tiny_model
+from tiny import exact_law_of_first_tokens, perturbed, tiny_model
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
@@ -181,6 +180,7 @@ def hand_profile(draft_weights=DRAFT_WEIGHTS, companion_weights=COMPANION_WEIGHT
               "sampling": {"temperature": 1.0, "top_k": 0, "top_p": 1.0}, **names}
     return Profile(**fields, predictors=predictors, prior={m: list(prior) for m in METHODS},
                    metrics={"note": "hand-set weights"})
+
 
 
 class LookAhead(SVPolicy):
@@ -526,24 +526,11 @@ def test_steps_that_draft_nothing_verify_nothing(trio, reference):
     assert policy.declined > 0 and all(s.drafted == 0 for s in result.stats)
 
 
-def exact_law_of_first_tokens(model, prompt: list[int], length: int) -> torch.Tensor:
-    """The target's exact joint law of its first ``length`` tokens, [V] * length (as in test_engine.py)."""
-    vocab = model.config.vocab_size
-    law = torch.ones((), dtype=torch.float64)
-    with torch.no_grad():
-        for i in range(length):
-            prefixes = torch.tensor(list(itertools.product(range(vocab), repeat=i)), dtype=torch.long)
-            contexts = torch.cat([torch.tensor(prompt).expand(len(prefixes), -1),
-                                  prefixes.reshape(len(prefixes), i)], 1)
-            law = law.reshape(-1, 1) * model(contexts).logits[:, -1].double().softmax(-1)
-    return law.reshape([vocab] * length)
-
-
-# For thousands of rows, stopping_lengths widens the batch only when ONE row's gain pays for the whole batch's
-# extra latency (per-row gains are < 1, so a 5 % wider forward is never paid for at B >= 21): these tables are
-# nearly flat where verifying should happen. Then the first row that can widen the batch does, every later row
-# follows, and a look-ahead policy changes nothing: LookAhead, ShiftedPlugin and GlobalArgmax give bit-identical
-# outputs here (checked when writing this test), so this test has no power against them and no negative control.
+# With thousands of rows in one batch, the width is set by the sum of all rows' gains, so one row's own A_i
+# barely moves it and a look-ahead policy has almost no effect on any row: LookAhead, ShiftedPlugin and
+# GlobalArgmax gave bit-identical outputs here (checked under the earlier row-by-row width rule, where the first
+# row that could widen the batch did and every later row followed), so this test has no power against them and
+# no negative control.
 # At batch 1 (about 15 ms per generate call) the largest first-step bias found for LookAhead on these tiny models
 # was 7e-3 (joint law), detected with probability 0.36 at N = 3000: too slow for a unit test. The exact-law tests
 # above are the check against look-ahead. Smallest expected count here: 1.9 (the same law and N as test_engine).

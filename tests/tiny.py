@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 
 import torch
 
@@ -57,3 +58,16 @@ def save_tiny(path, *, seed: int = 0, sharpness: float = 5.0, noise: float = 0.0
     model.save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return str(path)
+
+
+def exact_law_of_first_tokens(model, prompt: list[int], length: int) -> torch.Tensor:
+    """The target's exact joint law of its first ``length`` tokens, [V] * length, from its conditionals."""
+    vocab = model.config.vocab_size
+    law = torch.ones((), dtype=torch.float64)
+    with torch.no_grad():
+        for i in range(length):
+            prefixes = torch.tensor(list(itertools.product(range(vocab), repeat=i)), dtype=torch.long)
+            contexts = torch.cat([torch.tensor(prompt).expand(len(prefixes), -1), prefixes.reshape(len(prefixes), i)], 1)
+            conditionals = model(contexts).logits[:, -1].double().softmax(-1)
+            law = law.reshape(-1, 1) * conditionals
+    return law.reshape([vocab] * length)

@@ -183,6 +183,21 @@ def hand_profile(draft_weights=DRAFT_WEIGHTS, companion_weights=COMPANION_WEIGHT
 
 
 
+def flat_latency(target: tuple[float, float], draft: float) -> LatencyProfile:
+    return LatencyProfile(target=LatencyTable((1,), (1, 2), (target,)),
+                          draft=LatencyTable((1,), (1, 2), ((draft,) * 2,)),
+                          companion=LatencyTable((1,), (1, 2), ((1e-9,) * 2,)), meta={})
+
+
+@pytest.mark.parametrize("kind", ["draft", "companion"])
+def test_no_draft_forward_is_paid_when_the_latency_table_says_speculation_cannot_pay(kind):
+    """Before drafting: a step whose best expected goodput is target-only drafts nothing (budget 0), rather than
+    paying for a draft forward that keep_drafting then declines; where drafting pays, up to max_draft."""
+    dear = SVPolicy(hand_profile(), flat_latency((1.0, 3.0), 1.0), method="block", max_draft=3, kind=kind)
+    assert [dear.draft_budget(1) for _ in range(3)] == [0, 0, 0]
+    cheap = SVPolicy(hand_profile(), flat_latency((1.0, 1.0), 1e-9), method="block", max_draft=3, kind=kind)
+    assert cheap.draft_budget(1) == 3
+
 class LookAhead(SVPolicy):
     """BROKEN: the companion's plug-in feature at position i uses x_i's own acceptance A_i (the realised
     survival prod_{j<=i} A_j, or the companion's w_i for the block rule, instead of its expectation over x_i)."""

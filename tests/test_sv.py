@@ -286,13 +286,18 @@ def drive(make_policy, tables: lawkit.Tables, companion: lawkit.Tables, blocks: 
     return torch.tensor(lengths, dtype=torch.long), budgets, drafted_counts
 
 
-def policy_law_errors(policy_class, method: str, kind: str = "companion", latency=TOY_LATENCY):
-    """Max joint-law error per toy table, the lengths used, and the number of blocks whose drafting stopped early."""
+def policy_law_errors(policy_class, method: str, kind: str = "companion", latency=TOY_LATENCY, offset: float = 0.0):
+    """Max joint-law error per toy table, the lengths used, and the number of blocks whose drafting stopped early.
+    ``offset``: the policy starts from learnt logit offsets (+offset for the draft predictor, -offset for the
+    other) and the history they give, as after earlier steps."""
     profile = hand_profile()
     errors, lengths_seen, early_stops = [], set(), 0
 
     def make():
-        return policy_class(profile, latency, method=method, max_draft=DRAFT_LEN, kind=kind)
+        policy = policy_class(profile, latency, method=method, max_draft=DRAFT_LEN, kind=kind)
+        policy.offsets = {name: offset if name == "draft" else -offset for name in policy.offsets}
+        policy.history = policy.expected()
+        return policy
 
     for seed in SEEDS:
         tables, companion = toy(seed)
@@ -323,6 +328,15 @@ def test_sv_policy_is_lossless(kind, method):
 
 
 @pytest.mark.parametrize("method", METHODS)
+def test_sv_policy_is_lossless_from_any_learnt_state(method):
+    """What ``learn`` changes between steps (offsets, history) is policy state: lossless from any state, too."""
+    errors, lengths, _ = policy_law_errors(SVPolicy, method, offset=1.0)
+    print(f"SVPolicy companion {method}, learnt offsets: max joint-law error {max(errors):.2g}, lengths {sorted(lengths)}")
+    assert max(errors) < 1e-12, errors
+    assert len(lengths) >= 3, lengths
+
+
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("policy_class", [LookAhead, ShiftedPlugin, GlobalArgmax],
                          ids=["look-ahead", "shifted-plugin", "global-argmax"])
 def test_sv_policies_that_let_x_i_decide_on_itself_are_biased(policy_class, method):
@@ -336,6 +350,29 @@ def test_toy_goodput_is_not_concave_so_argmax_and_stopping_rule_differ():
     gain = torch.tensor([[0.3, 0.9, 0.9]], dtype=torch.float64)
     assert stopping_lengths(gain, torch.tensor([3]), seconds).tolist() == [0]  # x_1 alone does not pay
     assert argmax_lengths(gain, torch.tensor([3]), seconds).tolist() == [3]  # but the whole block would
+
+
+@pytest.mark.parametrize("kind", ["draft", "companion"])
+def test_learn_takes_one_cross_entropy_step_on_the_verified_positions_only(kind):
+    policy = SVPolicy(hand_profile(), TOY_LATENCY, method="block", max_draft=3, kind=kind)
+    policy.draft_budget(2)
+    width = len(COMPANION_FEATURES if kind == "companion" else DRAFT_FEATURES)
+    features = torch.randn(2, 3, width, generator=torch.Generator().manual_seed(0)).float()
+    features[..., 0] = 1.0  # the bias feature
+    verified = torch.tensor([2, 1])
+    policy.lengths_given(features, torch.tensor([3, 3]))
+    own = {name: features[..., :len(predictor.features)] for name, predictor in policy.predictors.items()}
+    before = {name: policy.predict(name, x) for name, x in own.items()}
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    labels = torch.where(mask, 1.0, -50.0).double()  # unverified positions carry junk that must be ignored
+    policy.learn(labels, verified)
+    for name, predicted in before.items():
+        assert policy.offsets[name] == pytest.approx(0.5 * float((1 - predicted[mask]).mean()), rel=1e-12), name
+        assert policy.offsets[name] > 0 and bool((policy.predict(name, own[name]) > predicted).all()), name
+    learnt = dict(policy.offsets)
+    policy.learn(labels, torch.tensor([0, 0]))  # nothing verified: nothing learnt
+    assert policy.offsets == learnt
+    assert float(policy.expected()[0]) > PRIOR[0]  # the prior the history drifts to moves with the offset
 
 
 # --- 3. predictor and profile -----------------------------------------------------------------------------------
@@ -525,6 +562,7 @@ def test_greedy_output_with_sv_equals_plain_greedy_decoding(trio, reference, met
     assert any(k < s.drafted for s in steps for k in s.draft_len)  # drafted tokens left unverified
     assert declined > 0  # drafting stopped before the budget
     assert any(a > 0 for s in steps for a in s.accepted)
+    assert all(offset != 0 for offset in policy.offsets.values())  # observe() learnt from the verified steps
 
 
 def test_steps_that_draft_nothing_verify_nothing(trio, reference):

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from .sv.features import as_probs, companion_features, draft_features
+from .sv.features import DRAFT_FEATURES, as_probs, companion_features, draft_features, gains as exact_gains
 
 
 @dataclass(frozen=True)
@@ -115,17 +115,23 @@ class SVPolicy:
       4. after the companion has scored the block (``lengths``): the stopping rule over the ``kind``
          predictor's gains gives each row its verification length.
     ``kind`` is "companion" (draft + companion features) or "draft" (draft-only features, no companion).
+
+    After each step (``observe``) each predictor's logit offset takes one gradient step of the cross-entropy it
+    was fitted with, on the exact gains of the positions just verified (``learn``), at ``rate``: the calibration
+    follows the prompts at hand (a profile fitted on chat prompts underestimates code). The offsets are used from
+    the next step on, so no decision on a token depends on that token.
     """
 
     def __init__(self, profile, latency, *, method: str, max_draft: int, kind: str = "companion",
-                 memory: float = 0.9):
+                 memory: float = 0.9, rate: float = 0.5):
         if kind not in ("draft", "companion"):
             raise ValueError(f"kind must be 'draft' or 'companion', got {kind!r}")
         if kind == "companion" and latency.companion is None:
             raise ValueError("the latency profile has no companion costs: measure it with the companion")
-        self.method, self.max_draft, self.kind, self.memory = method, max_draft, kind, memory
-        self.draft_predictor = profile.predictor(method, "draft")
-        self.predictor = profile.predictor(method, kind)
+        self.method, self.max_draft, self.kind, self.memory, self.rate = method, max_draft, kind, memory, rate
+        self.predictors = {"draft": profile.predictor(method, "draft"), kind: profile.predictor(method, kind)}
+        self.offsets = dict.fromkeys(self.predictors, 0.0)  # learnt online: added to each predictor's logits
+        self._verified: dict[str, torch.Tensor] = {}  # this step's features per predictor, for ``learn``
         self.latency = latency
         prior = list(profile.prior[method])[:max_draft]
         self.prior = torch.tensor(prior + [prior[-1]] * (max_draft - len(prior)), dtype=torch.float64)
@@ -151,17 +157,17 @@ class SVPolicy:
         return seconds
 
     def draft_budget(self, batch: int) -> int:
-        self._batch, self._seconds, self._draft_features = batch, self.step_seconds(batch), []
+        self._batch, self._seconds, self._draft_features, self._verified = batch, self.step_seconds(batch), [], {}
         emitted = torch.cat([torch.ones(1, dtype=torch.float64), 1 + self.history.cumsum(0)])
         goodput = [float(emitted[w]) / self._seconds(w) for w in range(self.max_draft + 1)]
         if max(range(len(goodput)), key=goodput.__getitem__) == 0:
             # not speculating teaches nothing new: drift back towards the calibrated prior
-            self.history = self.memory * self.history + (1 - self.memory) * self.prior
+            self.history = self.memory * self.history + (1 - self.memory) * self.expected()
             return 0
         return self.max_draft
 
     def draft_next(self, position: int) -> bool:
-        gains = self.draft_predictor(torch.stack(self._draft_features, 1))
+        gains = self.predict("draft", torch.stack(self._draft_features, 1))
         decay = float(self.history[position - 1] / self.history[position - 2].clamp(min=1e-9))
         guess = torch.cat([gains, gains[:, -1:] * min(decay, 1.0)], dim=1)
         limit = torch.full((len(gains),), position, dtype=torch.long)
@@ -173,7 +179,7 @@ class SVPolicy:
     def keep_drafting_given(self, features: torch.Tensor) -> bool:
         """``keep_drafting`` from the draft-only features [B, F] of the next position."""
         self._draft_features.append(features)
-        gains = self.draft_predictor(torch.stack(self._draft_features, 1))
+        gains = self.predict("draft", torch.stack(self._draft_features, 1))
         position = len(self._draft_features)
         limit = torch.full((len(gains),), position, dtype=torch.long)
         return int(stopping_lengths(gains, limit, self._seconds).max()) == position
@@ -187,9 +193,12 @@ class SVPolicy:
 
     def lengths_given(self, features: torch.Tensor, num_draft: torch.Tensor) -> torch.Tensor:
         """``lengths`` from the ``kind`` predictor's features [B, K, F] of the drafted positions."""
-        gains = self.predictor(features)
+        gains = self.predict(self.kind, features)
+        self._verified = {"draft": features[..., :len(DRAFT_FEATURES)], self.kind: features}
         drafted = gains.shape[1]
-        self.history[:drafted] = self.memory * self.history[:drafted] + (1 - self.memory) * gains.mean(0).cpu()
+        # positions drafted move towards this step's predictions, the others towards the (recalibrated) prior's
+        now = torch.cat([gains.mean(0).cpu(), self.expected()[drafted:]])
+        self.history = self.memory * self.history + (1 - self.memory) * now
         # Drafting (and the companion's scoring) up to position i is paid by the time x_i is decided on; the
         # sunk seconds are those of i positions, never of how far drafting went (which depends on x_i).
         batch, table = self._batch, self.latency
@@ -198,5 +207,27 @@ class SVPolicy:
                                    paid=lambda i: i * table.draft(batch, 1) + companion(batch, i))
         return lengths.to(num_draft.device)
 
+    def expected(self) -> torch.Tensor:
+        """The calibrated mean gain per position [max_draft], shifted by the learnt offset of the predictor."""
+        return torch.sigmoid(torch.logit(self.prior, eps=1e-6) + self.offsets[self.kind])
+
+    def predict(self, kind: str, features: torch.Tensor) -> torch.Tensor:
+        """Gains [B, K] predicted by the ``kind`` predictor from its features [B, K, F], with its learnt offset."""
+        return torch.sigmoid(self.predictors[kind].logits(features) + self.offsets[kind])
+
     def observe(self, rows, draft_tokens, draft_probs, target_probs, num_draft, accepted) -> None:
-        pass
+        if not bool((num_draft > 0).any()):
+            return
+        probs = as_probs(draft_tokens, draft_probs, target_probs.shape[-1])
+        self.learn(exact_gains(draft_tokens, probs, target_probs, self.method), num_draft)
+
+    def learn(self, labels: torch.Tensor, verified: torch.Tensor) -> None:
+        """One online step on the exact gains ``labels`` [B, W] of the first ``verified`` [B] <= W positions of
+        each row (where the target's distributions are known) of the step whose ``lengths`` were just decided."""
+        width = labels.shape[1]
+        mask = torch.arange(width, device=labels.device) < verified.to(labels.device)[:, None]
+        if not mask.any():
+            return
+        for kind, features in self._verified.items():
+            residual = labels.double() - self.predict(kind, features[:, :width].to(labels.device))
+            self.offsets[kind] += self.rate * float(residual[mask].mean())

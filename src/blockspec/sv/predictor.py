@@ -29,7 +29,11 @@ class Predictor:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Predicted gains [...] from features [..., len(self.features)]."""
-        return torch.sigmoid(x.double() @ torch.tensor(self.weights, dtype=torch.float64, device=x.device))
+        return torch.sigmoid(self.logits(x))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The predicted gains' logits [...] (float64)."""
+        return x.double() @ torch.tensor(self.weights, dtype=torch.float64, device=x.device)
 
     @classmethod
     def fit(cls, features: tuple[str, ...], x: torch.Tensor, y: torch.Tensor, *, monotone: str,

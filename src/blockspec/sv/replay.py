@@ -81,7 +81,9 @@ def _sv_step(policy: SVPolicy, recording: Recording, chosen: torch.Tensor, kind:
     if drafted == 0:
         return torch.zeros(len(chosen), dtype=torch.long), forwards
     features = recording.features(kind, method)[chosen, :drafted]
-    return policy.lengths_given(features, recording.num_draft[chosen].clamp(max=drafted)), forwards
+    lengths = policy.lengths_given(features, recording.num_draft[chosen].clamp(max=drafted))
+    policy.learn(recording.labels[method][chosen, :drafted], lengths)  # as observe() after the target's forward
+    return lengths, forwards
 
 
 def _oracle(tau, num_draft, target, draft, batch: int) -> torch.Tensor:

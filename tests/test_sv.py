@@ -367,7 +367,7 @@ def test_learn_takes_one_cross_entropy_step_on_the_verified_positions_only(kind)
     labels = torch.where(mask, 1.0, -50.0).double()  # unverified positions carry junk that must be ignored
     policy.learn(labels, verified)
     for name, predicted in before.items():
-        assert policy.offsets[name] == pytest.approx(0.5 * float((1 - predicted[mask]).mean()), rel=1e-12), name
+        assert policy.offsets[name] == pytest.approx(policy.rate * float((1 - predicted[mask]).mean()), rel=1e-12), name
         assert policy.offsets[name] > 0 and bool((policy.predict(name, own[name]) > predicted).all()), name
     learnt = dict(policy.offsets)
     policy.learn(labels, torch.tensor([0, 0]))  # nothing verified: nothing learnt

@@ -131,7 +131,7 @@ class SVPolicy:
         self.method, self.max_draft, self.kind, self.memory, self.rate = method, max_draft, kind, memory, rate
         self.predictors = {"draft": profile.predictor(method, "draft"), kind: profile.predictor(method, kind)}
         self.offsets = dict.fromkeys(self.predictors, 0.0)  # learnt online: added to each predictor's logits
-        self._verified: dict[str, torch.Tensor] = {}  # this step's features per predictor, for ``learn``
+        self._predicted: dict[str, torch.Tensor] = {}  # this step's gains [B, K] per predictor, for ``learn``
         self.latency = latency
         prior = list(profile.prior[method])[:max_draft]
         self.prior = torch.tensor(prior + [prior[-1]] * (max_draft - len(prior)), dtype=torch.float64)
@@ -157,7 +157,7 @@ class SVPolicy:
         return seconds
 
     def draft_budget(self, batch: int) -> int:
-        self._batch, self._seconds, self._draft_features, self._verified = batch, self.step_seconds(batch), [], {}
+        self._batch, self._seconds, self._draft_features, self._predicted = batch, self.step_seconds(batch), [], {}
         emitted = torch.cat([torch.ones(1, dtype=torch.float64), 1 + self.history.cumsum(0)])
         goodput = [float(emitted[w]) / self._seconds(w) for w in range(self.max_draft + 1)]
         if max(range(len(goodput)), key=goodput.__getitem__) == 0:
@@ -194,7 +194,8 @@ class SVPolicy:
     def lengths_given(self, features: torch.Tensor, num_draft: torch.Tensor) -> torch.Tensor:
         """``lengths`` from the ``kind`` predictor's features [B, K, F] of the drafted positions."""
         gains = self.predict(self.kind, features)
-        self._verified = {"draft": features[..., :len(DRAFT_FEATURES)], self.kind: features}
+        draft = gains if self.kind == "draft" else self.predict("draft", features[..., :len(DRAFT_FEATURES)])
+        self._predicted = {"draft": draft, self.kind: gains}
         drafted = gains.shape[1]
         # positions drafted move towards this step's predictions, the others towards the (recalibrated) prior's
         now = torch.cat([gains.mean(0).cpu(), self.expected()[drafted:]])
@@ -228,6 +229,6 @@ class SVPolicy:
         mask = torch.arange(width, device=labels.device) < verified.to(labels.device)[:, None]
         if not mask.any():
             return
-        for kind, features in self._verified.items():
-            residual = labels.double() - self.predict(kind, features[:, :width].to(labels.device))
+        for kind, predicted in self._predicted.items():
+            residual = labels.double() - predicted[:, :width].to(labels.device)
             self.offsets[kind] += self.rate * float(residual[mask].mean())

@@ -7,6 +7,10 @@ token or padding). An explicit 4D attention mask lets a token see exactly the ea
 row, and explicit position ids keep every row's positions contiguous, so holes cost nothing but memory until
 an occasional compaction squeezes them out. Rolling back is a mask update: free.
 
+With that explicit mask, transformers' sdpa attention repeats each key/value head of a grouped-query model for
+its query heads whenever more than one token is scored: a copy of the whole cache in every layer of every
+verification forward. HFModel switches sdpa models to ``grouped_sdpa`` below, which attends in place instead.
+
 This module and ``presets`` are the only ones that import transformers; nothing imports this module eagerly.
 """
 
@@ -33,6 +37,8 @@ class HFModel:
         self.name = name or getattr(model, "name_or_path", None) or type(model).__name__
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         config = model.config.get_text_config(decoder=True)
+        if model.config._attn_implementation == "sdpa":
+            model.set_attn_implementation(GROUPED_SDPA)
         windowed = sorted({t for t in getattr(config, "layer_types", None) or () if t != "full_attention"})
         if windowed:  # the explicit slot mask below would silently give these layers full attention
             raise ValueError(f"{type(model).__name__}: attention layers of type {windowed} are not supported yet")
@@ -122,6 +128,41 @@ class HFModel:
             log.debug("%s: compacted the KV cache from %d to %d slots", self.name, used, longest)
         for layer in self._layers:
             layer.reserve(self._slot_pos.shape[1] + new)
+
+
+GROUPED_SDPA = "blockspec_grouped_sdpa"
+
+
+def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
+                 **kwargs):
+    """transformers' sdpa attention, except that several query tokens under a 4D mask attend to grouped
+    key/value heads in place: the query heads sharing a key/value head are stacked along the query axis (and the
+    mask, which is small, repeated for each), instead of the keys and values being copied once per query head.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    batch, heads, length, dim = query.shape
+    groups = key.shape[1]
+    if (length == 1 or groups == heads or dropout or attention_mask is None or attention_mask.dim() != 4
+            or attention_mask.shape[1] != 1 or kwargs.get("position_bias") is not None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    per_group = heads // groups
+    stacked = query.reshape(batch, groups, per_group * length, dim)  # head g * per_group + r: group g, block r
+    mask = attention_mask.repeat(1, 1, per_group, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(stacked, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(batch, heads, length, dim).transpose(1, 2).contiguous(), None
+
+
+def _register_grouped_sdpa() -> None:
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)
+    AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)  # other callers' 2D masks are built as for sdpa
+
+
+_register_grouped_sdpa()
 
 
 def _slot_mask(slot_pos: torch.Tensor, new: int, dtype: torch.dtype) -> torch.Tensor:

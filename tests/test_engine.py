@@ -10,7 +10,7 @@ import torch
 import lawkit
 from blockspec import SamplingParams, SpeculativeDecoder
 from blockspec import engine as engine_module
-from blockspec.models.hf import GROUPED_SDPA, HFModel
+from blockspec.models.hf import GROUPED_SDPA, PREFILL_TOKENS, HFModel, prefill_groups
 from tiny import EOS, exact_law_of_first_tokens, perturbed, tiny_model, tiny_tokenizer
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -49,12 +49,14 @@ def test_greedy_equivalence_on_a_llama_model():
     assert result.sequences == [reference_greedy(target, p, 20) for p in PROMPTS]
 
 
-def test_rollback_then_replay_gives_the_logits_of_a_fresh_forward():
+@pytest.mark.parametrize("prefill_tokens", [PREFILL_TOKENS, 6])  # one prefill forward; rows 0 and (3, 1) apart
+def test_rollback_then_replay_gives_the_logits_of_a_fresh_forward(prefill_tokens):
     model = tiny_model(sharpness=5.0)  # 4 query heads share 2 key/value heads
     adapter = HFModel(model)
     assert model.config._attn_implementation == GROUPED_SDPA
+    adapter.prefill_tokens = prefill_tokens
     gen = torch.Generator().manual_seed(0)
-    rows = [[1, 2, 3, 4, 5], [6], [7, 8, 9]]
+    rows = [[1, 2, 3, 4, 5], [6], [], [7, 8, 9]]
     adapter.prefill(rows)
     for step in range(40):  # append 1-4 tokens per row (some as holes), then roll back a random amount
         width = 1 + step % 4
@@ -63,17 +65,24 @@ def test_rollback_then_replay_gives_the_logits_of_a_fresh_forward():
         logits = adapter.forward(tokens, valid)
         for b, row in enumerate(rows):
             new = tokens[b][valid[b]].tolist()
-            fresh = model(torch.tensor([row + new])).logits[0, len(row):]  # no cache, no mask: transformers' own sdpa
-            torch.testing.assert_close(logits[b][valid[b]], fresh, atol=1e-5, rtol=1e-5)
+            if row + new:  # no cache, no mask: transformers' own sdpa
+                fresh = model(torch.tensor([row + new])).logits[0, len(row):]
+                torch.testing.assert_close(logits[b][valid[b]], fresh, atol=1e-5, rtol=1e-5)
             row += new
         drop = torch.randint(0, 3, (len(rows),), generator=gen)
-        keep = (adapter.lengths - drop).clamp(min=1)
+        keep = torch.minimum(adapter.lengths, (adapter.lengths - drop).clamp(min=1))
         adapter.rollback(keep)
         rows = [row[: int(k)] for row, k in zip(rows, keep)]
         if step == 20:  # a finished row leaves the batch
-            adapter.select(torch.tensor([0, 2]))
-            rows = [rows[0], rows[2]]
+            adapter.select(torch.tensor([0, 2, 3]))
+            rows = [rows[0], rows[2], rows[3]]
     assert adapter.lengths.tolist() == [len(r) for r in rows]
+
+
+def test_prefill_groups_rows_by_length_within_the_token_budget():
+    assert prefill_groups([5, 1, 0, 3], 6) == [[0], [3, 1]]  # the empty row needs no forward
+    assert prefill_groups([5, 1, 0, 3], PREFILL_TOKENS) == [[0, 3, 1]]
+    assert prefill_groups([9, 9], 4) == [[0], [1]]  # a row longer than the budget still gets its forward
 
 
 def test_eos_and_max_new_tokens_are_exact(pair):

@@ -5,7 +5,8 @@ decoding needs per-row rollback, so the cache here is a preallocated buffer of *
 S slots to every row; each slot records the position of the token in it, or -1 for a hole (a rolled-back
 token or padding). An explicit 4D attention mask lets a token see exactly the earlier non-hole slots of its
 row, and explicit position ids keep every row's positions contiguous, so holes cost nothing but memory until
-an occasional compaction squeezes them out. Rolling back is a mask update: free.
+an occasional compaction squeezes them out. Rolling back is a mask update: free. Prompts are prefilled in
+groups of similar length (``prefill_groups``), so a batch's short prompts are not padded to its longest.
 
 With that explicit mask, transformers' sdpa attention repeats each key/value head of a grouped-query model for
 its query heads whenever more than one token is scored: a copy of the whole cache in every layer of every
@@ -28,6 +29,9 @@ from .base import left_pad
 log = logging.getLogger(__name__)
 
 
+PREFILL_TOKENS = 2048  # padded tokens per prefill forward: enough for efficient matmuls, bounds activations
+
+
 class HFModel:
     """Wraps an already-loaded transformers ``PreTrainedModel`` (and optionally its tokenizer)."""
 
@@ -47,6 +51,7 @@ class HFModel:
         self.eos_token_ids = _eos_ids(model, tokenizer)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self.prefill_tokens = PREFILL_TOKENS
         self._layers: list[_SlotLayer] = []
         self._slot_pos = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # [B, T]: position or -1
         self._lengths = torch.zeros(0, dtype=torch.long, device=self.device)  # [B]
@@ -65,12 +70,21 @@ class HFModel:
         if self.max_length is not None and longest > self.max_length:
             raise ValueError(f"{self.name}: a prompt of {longest} tokens exceeds the context of {self.max_length}")
         self._layers = [_SlotLayer() for _ in range(self.num_layers)]
-        self._slot_pos = torch.zeros(batch, 0, dtype=torch.long, device=self.device)
-        self._lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
-        if longest == 0:
-            return
-        tokens, valid = left_pad(sequences)
-        self._run(tokens.to(self.device), valid.to(self.device), logits_to_keep=1)
+        self._slot_pos = torch.full((batch, longest), -1, dtype=torch.long, device=self.device)
+        self._lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long, device=self.device)
+        for rows in prefill_groups([len(s) for s in sequences], self.prefill_tokens):
+            tokens, valid = left_pad([sequences[b] for b in rows])
+            tokens, valid, width = tokens.to(self.device), valid.to(self.device), tokens.shape[1]
+            positions = valid.cumsum(1) - 1
+            slot_pos = positions.masked_fill(~valid, -1)
+            part = [_SlotLayer() for _ in range(self.num_layers)]
+            for layer in part:
+                layer.reserve(width)
+            self._call(part, tokens, slot_pos, positions, logits_to_keep=1)
+            rows = torch.tensor(rows, device=self.device)
+            self._slot_pos[rows, longest - width:] = slot_pos  # right-aligned: every row's last token at the end
+            for layer, filled in zip(self._layers, part):
+                layer.place(rows, filled, batch, longest)
 
     def forward(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         return self._run(tokens, valid, logits_to_keep=0)
@@ -91,8 +105,6 @@ class HFModel:
 
     @torch.no_grad()
     def _run(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
-        from transformers.cache_utils import Cache
-
         batch, new = tokens.shape
         self._make_room(new)
         old = self._slot_pos.shape[1]
@@ -100,18 +112,27 @@ class HFModel:
         if self.max_length is not None and bool((positions[valid] >= self.max_length).any()):
             raise ValueError(f"{self.name}: the sequence outgrew the model's context of {self.max_length} tokens")
         slot_pos = torch.cat([self._slot_pos, positions.masked_fill(~valid, -1)], dim=1)  # [B, T+S]
-        out = self.model(
-            input_ids=tokens,
-            attention_mask=_slot_mask(slot_pos, new, self.dtype),
-            position_ids=positions.clamp(min=0),  # a hole's position is irrelevant: nobody attends to it
-            past_key_values=Cache(layers=self._layers),
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-        )
+        logits = self._call(self._layers, tokens, slot_pos, positions, logits_to_keep)
         self._slot_pos = slot_pos
         self._lengths = self._lengths + valid.sum(1)
         assert all(layer.used == old + new for layer in self._layers)
-        return out.logits
+        return logits
+
+    @torch.no_grad()
+    def _call(self, layers: list[_SlotLayer], tokens: torch.Tensor, slot_pos: torch.Tensor, positions: torch.Tensor,
+              logits_to_keep: int) -> torch.Tensor:
+        """The model's forward of ``tokens`` [B, S] at ``positions``, appended to ``layers``; ``slot_pos`` [B, T+S]
+        covers the cached slots and the new ones."""
+        from transformers.cache_utils import Cache
+
+        return self.model(
+            input_ids=tokens,
+            attention_mask=_slot_mask(slot_pos, tokens.shape[1], self.dtype),
+            position_ids=positions.clamp(min=0),  # a hole's position is irrelevant: nobody attends to it
+            past_key_values=Cache(layers=layers),
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+        ).logits
 
     def _make_room(self, new: int) -> None:
         """Compact when holes are at least half the slots or the buffers are full; grow only if still needed."""
@@ -231,9 +252,35 @@ class _SlotLayer(DynamicLayer):
         self.values[:, :, :kept] = self.values[:, :, :self.used].gather(2, index)
         self.used = kept
 
+    def place(self, rows: torch.Tensor, part: "_SlotLayer", batch: int, slots: int) -> None:
+        """Copy ``part``'s filled slots into rows ``rows`` (of ``batch``), right-aligned in the first ``slots``."""
+        if part.keys is None:
+            return
+        if self.keys is None:  # zeros, not garbage, in the slots no row fills: masked keys must still be finite
+            self.lazy_initialization(part.keys, part.values)
+            self.capacity = max(self.capacity, slots)
+            self.keys = part.keys.new_zeros(batch, part.keys.shape[1], self.capacity, part.keys.shape[3])
+            self.values = part.values.new_zeros(batch, part.values.shape[1], self.capacity, part.values.shape[3])
+            self.used = slots
+        self.keys[rows, :, slots - part.used:slots] = part.keys[:, :, :part.used]
+        self.values[rows, :, slots - part.used:slots] = part.values[:, :, :part.used]
+
     def select(self, rows: torch.Tensor) -> None:
         if self.keys is not None:
             self.keys, self.values = self.keys[rows], self.values[rows]
+
+
+def prefill_groups(lengths: list[int], budget: int) -> list[list[int]]:
+    """Rows to prefill together: by decreasing length, as many as fit ``budget`` tokens once padded to the
+    group's longest (at least one), so short prompts are not padded to the batch's longest. Empty rows need no
+    forward and are left out."""
+    groups: list[list[int]] = []
+    for b in sorted((b for b, n in enumerate(lengths) if n), key=lambda b: -lengths[b]):
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= budget:
+            groups[-1].append(b)
+        else:
+            groups.append([b])
+    return groups
 
 
 def _eos_ids(model, tokenizer) -> tuple[int, ...]:

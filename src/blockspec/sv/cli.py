@@ -50,7 +50,9 @@ def add_parsers(sub, defaults: dict) -> None:
     profile.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 32, 64], help="(default: %(default)s)")
     profile.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 5, 9],
                          help="tokens per row in one forward (default: %(default)s)")
-    profile.add_argument("--context", type=int, default=64, help="cached tokens per row while timing (default: %(default)s)")
+    profile.add_argument("--context", type=int, default=160,
+                         help="cached tokens per row while timing; the cost of attention grows with it, so match the "
+                         "prompts you serve (default: %(default)s, a chat prompt and its answer so far)")
     profile.add_argument("--repeats", type=int, default=3, help="timed forwards per cell, median kept (default: %(default)s)")
     profile.add_argument("--out", type=Path, help=f"output JSON (default: under {SV_DIR})")
     profile.set_defaults(run=run_profile)

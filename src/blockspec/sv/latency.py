@@ -80,7 +80,7 @@ def measure_profile(
     *,
     batch_sizes: tuple[int, ...] = (1, 4, 16, 32, 64),
     tokens: tuple[int, ...] = (1, 2, 3, 5, 9),
-    context: int = 64,
+    context: int = 160,
     repeats: int = 3,
     progress: bool = True,
 ) -> LatencyProfile:

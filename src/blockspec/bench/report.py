@@ -459,6 +459,12 @@ def _step_sums(record: Record) -> dict[str, float]:
     }
 
 
+def _decode_rate(records: Iterable[Record]) -> float | None:
+    """The batch table's tok/s: sum new_tokens / sum (wall_time - prefill_time)."""
+    sums = [_step_sums(record) for record in records]
+    return _ratio(sum(s["new"] for s in sums), sum(s["wall"] for s in sums))
+
+
 def _columns(cell: dict, units: list) -> dict[str, np.ndarray]:
     sums = [_step_sums(cell[u]) for u in units]
     return {name: np.array([s[name] for s in sums], float) for name in (sums[0] if sums else ())}
@@ -482,7 +488,7 @@ def _batch_rows(records: list[Record], config: ReportConfig) -> list[BatchRow]:
         fixed_units = sorted(set.intersection(*(set(c) for c in fixed.values()))) if fixed else []
         best = None
         if fixed_units:
-            rates = {key: _rate(cell[u] for u in fixed_units) for key, cell in fixed.items()}
+            rates = {key: _decode_rate(cell[u] for u in fixed_units) for key, cell in fixed.items()}
             best = max((key for key in rates if rates[key] is not None), key=rates.get, default=None)
         for (name, k), cell in sorted(here.items(), key=lambda item: (order[item[0][0]], item[0][1])):
             units = sorted(cell)

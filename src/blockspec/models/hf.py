@@ -33,7 +33,8 @@ PREFILL_TOKENS = 2048  # padded tokens per prefill forward: enough for efficient
 
 
 class HFModel:
-    """Wraps an already-loaded transformers ``PreTrainedModel`` (and optionally its tokenizer)."""
+    """Wraps an already-loaded transformers ``PreTrainedModel`` (and optionally its tokenizer). A model using sdpa
+    attention is switched to ``grouped_sdpa``, which computes the same attention without copying the cache."""
 
     def __init__(self, model, tokenizer=None, *, name: str | None = None):
         self.model = model.eval()

@@ -22,7 +22,8 @@ import os
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .base import left_pad
 
@@ -124,8 +125,6 @@ class HFModel:
               logits_to_keep: int) -> torch.Tensor:
         """The model's forward of ``tokens`` [B, S] at ``positions``, appended to ``layers``; ``slot_pos`` [B, T+S]
         covers the cached slots and the new ones."""
-        from transformers.cache_utils import Cache
-
         return self.model(
             input_ids=tokens,
             attention_mask=_slot_mask(slot_pos, tokens.shape[1], self.dtype),
@@ -161,8 +160,6 @@ def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
     key/value heads in place: the query heads sharing a key/value head are stacked along the query axis (and the
     mask, which is small, repeated for each), instead of the keys and values being copied once per query head.
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     batch, heads, length, dim = query.shape
     groups = key.shape[1]
     if (length == 1 or groups == heads or dropout or attention_mask is None or attention_mask.dim() != 4

@@ -10,6 +10,7 @@ import torch
 import lawkit
 from blockspec import SamplingParams, SpeculativeDecoder
 from blockspec import engine as engine_module
+from blockspec.policy import FixedLength
 from blockspec.models.hf import GROUPED_SDPA, PREFILL_TOKENS, HFModel, prefill_groups
 from tiny import EOS, exact_law_of_first_tokens, perturbed, tiny_model, tiny_tokenizer
 
@@ -146,6 +147,33 @@ def test_law_of_the_first_tokens_is_the_targets(verifier, monkeypatch):
     monkeypatch.setitem(engine_module.VERIFIERS, verifier, off_by_one(engine_module.VERIFIERS[verifier]))
     broken = lawkit.chi_square(counts()[0], law)
     assert not broken.passed, f"negative control passed: {broken}"
+
+
+class Schedule(FixedLength):
+    """Drafts ``budgets[s]`` tokens at step s and records the catch-up width the engine reports before drafting."""
+
+    def __init__(self, budgets):
+        super().__init__(max(budgets))
+        self.budgets, self.catch_ups = list(budgets), []
+
+    def draft_budget(self, batch: int, catch_up: int) -> int:
+        self.catch_ups.append(catch_up)
+        return self.budgets[len(self.catch_ups) - 1]
+
+
+def test_the_policy_is_told_how_many_tokens_the_draft_reads_before_drafting(pair):
+    """1 token at first, 2 after a fully accepted step, one more per step that did not draft: what the draft's
+    first forward of the step then reads (the policy prices drafting with it)."""
+    target, _ = pair
+    policy = Schedule([2, 2, 0, 0, 2, 2])
+    decoder = SpeculativeDecoder(target, target, verifier="block", policy=policy)  # the target drafts: all accepted
+    widths = []
+    forward = decoder.draft.forward
+    decoder.draft.forward = lambda tokens, valid: widths.append(tokens.shape[1]) or forward(tokens, valid)
+    result = decoder.generate(PROMPTS[:1], max_new_tokens=14, sampling=GREEDY, stop_on_eos=False)
+    assert result.sequences[0] == reference_greedy(target, PROMPTS[0], 14, eos=None)
+    assert policy.catch_ups == [1, 2, 2, 3, 4, 2]
+    assert widths == [1, 1, 2, 1, 4, 1, 2, 1]  # per drafting step: the catch-up forward, then one per position
 
 
 def test_a_row_does_not_depend_on_its_neighbours(pair):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from blockspec.models.hf import HFModel
-from blockspec.sv.latency import META_FIELDS, LatencyProfile, measure_profile
+from blockspec.sv.latency import DRAFT_TOKENS, META_FIELDS, LatencyProfile, measure_profile
 from tiny import tiny_model
 
 BATCH_SIZES, TOKENS = (1, 3), (1, 2, 4)
@@ -33,7 +33,7 @@ def profile() -> LatencyProfile:
 
 
 def test_measured_grid_is_as_requested_and_positive(profile):
-    tables = {"target": (profile.target, TOKENS), "draft": (profile.draft, (1, 2)),
+    tables = {"target": (profile.target, TOKENS), "draft": (profile.draft, DRAFT_TOKENS),
               "companion": (profile.companion, TOKENS)}
     for name, (table, tokens) in tables.items():
         assert table.batch_sizes == BATCH_SIZES and table.tokens == tokens, name

@@ -18,6 +18,7 @@ nothing: SpeculativeDecoder._plan does not call SVPolicy.lengths then (regressio
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from unittest import mock
 
@@ -190,13 +191,26 @@ def flat_latency(target: tuple[float, float], draft: float) -> LatencyProfile:
 
 
 @pytest.mark.parametrize("kind", ["draft", "companion"])
+def test_the_drafts_catch_up_forward_is_priced_at_the_tokens_it_reads(kind):
+    """The step's first draft forward reads what the draft has not seen: a long catch-up can make speculating
+    not pay where a one-token one does, and the sunk cost of position i counts it once."""
+    latency = dataclasses.replace(flat_latency((1.0, 1.0), 0.0), draft=LatencyTable((1,), (1, 4), ((1e-9, 3.0),)))
+    policy = SVPolicy(hand_profile(), latency, method="block", max_draft=3, kind=kind)
+    assert policy.draft_budget(1, 1) == 3
+    assert policy.step_seconds(1, 1)(2) == pytest.approx(1.0, abs=1e-6)
+    assert policy.draft_budget(1, 4) == 0
+    assert policy.step_seconds(1, 4)(2) == pytest.approx(4.0, abs=1e-6)
+    assert latency.drafting(1, 3, 4) == pytest.approx(3.0, abs=1e-6) and latency.drafting(1, 0, 4) == 0.0
+
+
+@pytest.mark.parametrize("kind", ["draft", "companion"])
 def test_no_draft_forward_is_paid_when_the_latency_table_says_speculation_cannot_pay(kind):
     """Before drafting: a step whose best expected goodput is target-only drafts nothing (budget 0), rather than
     paying for a draft forward that keep_drafting then declines; where drafting pays, up to max_draft."""
     dear = SVPolicy(hand_profile(), flat_latency((1.0, 3.0), 1.0), method="block", max_draft=3, kind=kind)
-    assert [dear.draft_budget(1) for _ in range(3)] == [0, 0, 0]
+    assert [dear.draft_budget(1, 1) for _ in range(3)] == [0, 0, 0]
     cheap = SVPolicy(hand_profile(), flat_latency((1.0, 1.0), 1e-9), method="block", max_draft=3, kind=kind)
-    assert cheap.draft_budget(1) == 3
+    assert cheap.draft_budget(1, 1) == 3
 
 class LookAhead(SVPolicy):
     """BROKEN: the companion's plug-in feature at position i uses x_i's own acceptance A_i (the realised
@@ -262,7 +276,7 @@ def drive(make_policy, tables: lawkit.Tables, companion: lawkit.Tables, blocks: 
     lengths, budgets, drafted_counts = [], [], []
     for block in blocks:
         policy = make_policy()
-        budget = policy.draft_budget(1)
+        budget = policy.draft_budget(1, 1)
         prefix = torch.zeros(1, dtype=torch.float64)  # sum_{j<i} log q_j(x_j), clamped as in _propose
         drafted = 0
         for i in range(1, min(budget, DRAFT_LEN) + 1):
@@ -346,7 +360,7 @@ def test_sv_policies_that_let_x_i_decide_on_itself_are_biased(policy_class, meth
 
 
 def test_toy_goodput_is_not_concave_so_argmax_and_stopping_rule_differ():
-    seconds = SVPolicy(hand_profile(), TOY_LATENCY, method="block", max_draft=DRAFT_LEN).step_seconds(1)
+    seconds = SVPolicy(hand_profile(), TOY_LATENCY, method="block", max_draft=DRAFT_LEN).step_seconds(1, 1)
     gain = torch.tensor([[0.3, 0.9, 0.9]], dtype=torch.float64)
     assert stopping_lengths(gain, torch.tensor([3]), seconds).tolist() == [0]  # x_1 alone does not pay
     assert argmax_lengths(gain, torch.tensor([3]), seconds).tolist() == [3]  # but the whole block would
@@ -355,7 +369,7 @@ def test_toy_goodput_is_not_concave_so_argmax_and_stopping_rule_differ():
 @pytest.mark.parametrize("kind", ["draft", "companion"])
 def test_learn_takes_one_cross_entropy_step_on_the_verified_positions_only(kind):
     policy = SVPolicy(hand_profile(), TOY_LATENCY, method="block", max_draft=3, kind=kind)
-    policy.draft_budget(2)
+    policy.draft_budget(2, 1)
     width = len(COMPANION_FEATURES if kind == "companion" else DRAFT_FEATURES)
     features = torch.randn(2, 3, width, generator=torch.Generator().manual_seed(0)).float()
     features[..., 0] = 1.0  # the bias feature

@@ -251,8 +251,11 @@ class SpeculativeDecoder:
         """Draft, let the companion score, and let the policy pick each row's verification length (at most
         ``room``: the step's last token is the target's own). Returns (draft tokens [B, W] and probs [B, W, V]
         cut to the widest verified row W, verification lengths [B], tokens drafted, forward seconds)."""
-        num_draft = room.clamp(max=self.policy.draft_budget(len(contexts)))
-        draft_tokens, draft_probs, forward_s = self._propose(contexts, int(num_draft.max()), draft_sampling, draft_u)
+        # What the draft has not seen yet: 1 token, 2 after a fully accepted step, more after steps that did not draft
+        seen = self.draft.lengths.tolist() if self.draft is not None else [len(c) for c in contexts]
+        unseen = [c[n:] for c, n in zip(contexts, seen)]
+        num_draft = room.clamp(max=self.policy.draft_budget(len(contexts), max(map(len, unseen))))
+        draft_tokens, draft_probs, forward_s = self._propose(unseen, int(num_draft.max()), draft_sampling, draft_u)
         drafted = draft_tokens.shape[1]
         num_draft = num_draft.clamp(max=drafted)
         if drafted:
@@ -263,14 +266,13 @@ class SpeculativeDecoder:
         draft_probs = None if draft_probs is None else draft_probs[:, :width]
         return draft_tokens[:, :width], draft_probs, num_draft, drafted, forward_s
 
-    def _propose(self, contexts: list[list[int]], draft_len: int, sampling: SamplingParams, uniforms):
-        """Draft up to ``draft_len`` tokens per row, fewer if the policy stops drafting: (tokens [B, K], probs
-        [B, K, V] or None when greedy, forward seconds)."""
-        batch, device = len(contexts), self.target.device
+    def _propose(self, unseen: list[list[int]], draft_len: int, sampling: SamplingParams, uniforms):
+        """Draft up to ``draft_len`` tokens per row after the ``unseen`` tokens the draft reads first, fewer if the
+        policy stops drafting: (tokens [B, K], probs [B, K, V] or None when greedy, forward seconds)."""
+        batch, device = len(unseen), self.target.device
         drafted = [torch.zeros(batch, 0, dtype=torch.long, device=device)]
         probs = [torch.zeros(batch, 0, self.vocab, device=device)]
-        # Bring the draft up to date with what it has not seen yet (1 token, or 2 after a fully accepted step).
-        tokens, valid = left_pad([c[n:] for c, n in zip(contexts, self.draft.lengths.tolist())] if draft_len else [])
+        tokens, valid = left_pad(unseen)
         forward_s, prefix = 0.0, torch.zeros(batch, dtype=torch.float64, device=device)  # sum_{j<i} log q_j(x_j)
         for i in range(draft_len):
             if i and not self.policy.draft_next(i + 1):  # before paying for the forward of position i + 1

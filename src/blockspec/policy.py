@@ -85,7 +85,7 @@ class FixedLength:
     def __init__(self, draft_len: int):
         self.draft_len = draft_len
 
-    def draft_budget(self, batch: int) -> int:
+    def draft_budget(self, batch: int, catch_up: int) -> int:
         return self.draft_len
 
     def draft_next(self, position: int) -> bool:
@@ -106,7 +106,8 @@ class SVPolicy:
 
     Each step, four decisions, each using only what is known when it is made:
       1. before drafting (``draft_budget``): from the recent history of predicted gains per position and the
-         latency table, whether speculating pays at all at this batch size;
+         latency table, whether speculating pays at all at this batch size, with the draft's first forward priced
+         at the tokens it must catch up on (more after steps that did not draft);
       2. before the draft forward for position i > 1 (``draft_next``): whether the batch's plan, with the gains
          of position i guessed from those of i - 1 and the history's decay between the two, would reach i; so
          a stop rarely pays for a forward whose distribution then goes unused;
@@ -137,27 +138,31 @@ class SVPolicy:
         self.prior = torch.tensor(prior + [prior[-1]] * (max_draft - len(prior)), dtype=torch.float64)
         self.history = self.prior.clone()  # predicted gain per position, recent steps
         self._draft_features: list[torch.Tensor] = []
-        self._batch = 1
+        self._batch, self._catch_up = 1, 1
         self._seconds: Callable[[int], float] = lambda width: 1.0
 
     @property
     def needs_companion(self) -> bool:
         return self.kind == "companion"
 
-    def step_seconds(self, batch: int) -> Callable[[int], float]:
-        """Predicted seconds of a step at this batch size that drafts, scores and verifies ``width`` tokens."""
-        table = self.latency
-
+    def step_seconds(self, batch: int, catch_up: int) -> Callable[[int], float]:
+        """Predicted seconds of a step at this batch size that drafts, scores and verifies ``width`` tokens, when
+        the draft has ``catch_up`` tokens to read first."""
         def seconds(width: int) -> float:
-            if width == 0:
-                return table.target(batch, 1)
-            companion = table.companion(batch, width) if self.needs_companion else 0.0
-            return width * table.draft(batch, 1) + companion + table.target(batch, 1 + width)
+            return self.sunk_seconds(batch, width, catch_up) + self.latency.target(batch, 1 + width)
 
         return seconds
 
-    def draft_budget(self, batch: int) -> int:
-        self._batch, self._seconds, self._draft_features, self._predicted = batch, self.step_seconds(batch), [], {}
+    def sunk_seconds(self, batch: int, positions: int, catch_up: int) -> float:
+        """Seconds spent on ``positions`` drafted tokens per row before the target's forward: drafting them and,
+        with a companion, scoring them."""
+        table = self.latency
+        companion = table.companion(batch, positions) if self.needs_companion and positions else 0.0
+        return table.drafting(batch, positions, catch_up) + companion
+
+    def draft_budget(self, batch: int, catch_up: int) -> int:
+        self._batch, self._catch_up, self._draft_features, self._predicted = batch, catch_up, [], {}
+        self._seconds = self.step_seconds(batch, catch_up)
         emitted = torch.cat([torch.ones(1, dtype=torch.float64), 1 + self.history.cumsum(0)])
         goodput = [float(emitted[w]) / self._seconds(w) for w in range(self.max_draft + 1)]
         if max(range(len(goodput)), key=goodput.__getitem__) == 0:
@@ -202,10 +207,9 @@ class SVPolicy:
         self.history = self.memory * self.history + (1 - self.memory) * now
         # Drafting (and the companion's scoring) up to position i is paid by the time x_i is decided on; the
         # sunk seconds are those of i positions, never of how far drafting went (which depends on x_i).
-        batch, table = self._batch, self.latency
-        companion = table.companion if self.needs_companion else lambda batch, tokens: 0.0
-        lengths = stopping_lengths(gains, num_draft, lambda width: table.target(batch, 1 + width),
-                                   paid=lambda i: i * table.draft(batch, 1) + companion(batch, i))
+        batch, catch_up = self._batch, self._catch_up
+        lengths = stopping_lengths(gains, num_draft, lambda width: self.latency.target(batch, 1 + width),
+                                   paid=lambda i: self.sunk_seconds(batch, i, catch_up))
         return lengths.to(num_draft.device)
 
     def expected(self) -> torch.Tensor:

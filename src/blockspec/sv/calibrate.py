@@ -62,7 +62,7 @@ class Recorder(FixedLength):
         self.offset = 0  # index of the current generate() call's first prompt (set by ``record``)
         self._pending: dict = {}
 
-    def draft_budget(self, batch: int) -> int:
+    def draft_budget(self, batch: int, catch_up: int) -> int:
         self._draft: list[torch.Tensor] = []
         return self.draft_len
 

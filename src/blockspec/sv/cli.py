@@ -42,9 +42,11 @@ def add_parsers(sub, defaults: dict) -> None:
                         "`sv calibrate` (the acceptance predictor, fitted on prompts disjoint from evaluation sets).")
     sv_sub = sv.add_subparsers(required=True, metavar="SV_COMMAND")
 
-    profile = sv_sub.add_parser("profile", help="measure target, draft and companion forward latency on this machine",
+    profile = sv_sub.add_parser("profile", help="measure target, draft and companion step latency on this machine",
                                 description="Time the target's forward over a grid of batch sizes and tokens per row, "
-                                "the draft's one-token forward and the companion's forward; save the table.")
+                                "the draft's forwards over 1, 2 and 4 tokens (a step's first draft forward catches up) "
+                                "and the companion's forward, each with the processing of its logits into "
+                                "probabilities; cells take turns so drift is shared; save the table.")
     _model_arguments(profile, defaults)
     profile.add_argument("--companion", default=DEFAULT_COMPANION, help="(default: %(default)s); 'none' for no companion")
     profile.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 32, 64], help="(default: %(default)s)")

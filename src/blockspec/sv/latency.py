@@ -26,9 +26,11 @@ from pathlib import Path
 import torch
 
 from ..policy import LatencyTable
+from ..sampling import SamplingParams, process, sample
 
 SCHEMA = 1
-DRAFT_TOKENS = (1, 2)  # drafting scores one token per row per step (two after a fully accepted step)
+DRAFT_TOKENS = (1, 2, 4)  # a step's first draft forward catches up (1 token, 2 after a fully accepted step, more
+# after steps that did not draft); each later one scores a single token
 META_FIELDS = ("date", "target", "draft", "companion", "dtype", "device", "torch_threads", "torch", "machine",
                "processor", "context", "repeats")
 _RERUN = "run `blockspec sv profile` to measure a profile for these models on this machine"
@@ -39,9 +41,14 @@ class LatencyProfile:
     """Forward latency (seconds) of each model over (batch size, tokens per row), with what it was measured on."""
 
     target: LatencyTable  # n = tokens scored per row (verified drafts + 1)
-    draft: LatencyTable  # n in DRAFT_TOKENS: the cost of drafting one position
+    draft: LatencyTable  # n in DRAFT_TOKENS: a draft forward over n tokens, and sampling from its last position
     companion: LatencyTable | None  # same grid as the target; None without a companion
     meta: dict  # META_FIELDS
+
+    def drafting(self, batch: int, positions: int, catch_up: int) -> float:
+        """Seconds of drafting ``positions`` tokens per row: the first forward reads the ``catch_up`` tokens the
+        draft has not seen yet, each later one the token drafted before it."""
+        return 0.0 if positions == 0 else self.draft(batch, catch_up) + (positions - 1) * self.draft(batch, 1)
 
     def check(self, target_name: str, draft_name: str, companion_name: str | None, dtype, device) -> None:
         """Raise ValueError naming the first field that differs from what the profile was measured for."""
@@ -84,9 +91,12 @@ def measure_profile(
     repeats: int = 3,
     progress: bool = True,
 ) -> LatencyProfile:
-    """Time each model's ``forward`` of n tokens per row on B rows of ``context`` cached tokens (median of
-    ``repeats`` after one warm-up; the draft at n in DRAFT_TOKENS). Token ids are random (seeded), which costs
-    the same as text. Each model's batch is replaced by an empty one at the end, so its next prefill starts clean.
+    """Time what a step does with each model: a ``forward`` of n tokens per row on B rows of ``context`` cached
+    tokens, then the processing of its logits into probabilities at temperature 1 (the target's and the
+    companion's at every position, the draft's at the last one, which it also samples from; the draft at n in
+    DRAFT_TOKENS). Median of ``repeats`` after one warm-up round; within a batch size the cells take turns, so
+    the machine's drift is shared by all of them. Token ids are random (seeded), which costs the same as text.
+    Each model's batch is replaced by an empty one at the end, so its next prefill starts clean.
     """
     from tqdm.auto import tqdm
 
@@ -96,19 +106,24 @@ def measure_profile(
     vocab = min(model.vocab_size for model, _ in models.values())
     generator = torch.Generator().manual_seed(0)
     seconds = {name: [] for name in models}  # name -> rows over batch_sizes
-    cells = len(batch_sizes) * sum(len(grid) for _, grid in models.values())
-    with torch.inference_mode(), tqdm(total=cells, disable=not progress, unit="cell") as bar:
+    calls = len(batch_sizes) * sum(len(grid) for _, grid in models.values()) * (1 + repeats)
+    with torch.inference_mode(), tqdm(total=calls, disable=not progress, unit="call") as bar:
         for batch in batch_sizes:
+            bar.set_description(f"B={batch}")
             prompts = torch.randint(vocab, (batch, context), generator=generator).tolist()
+            cells = {}  # (name, n) -> the n tokens per row it scores
             for name, (model, grid) in models.items():
                 model.prefill(prompts)  # replaces the previous batch size's cache
-                row = []
-                for n in grid:
-                    bar.set_description(f"{name} B={batch} n={n}")
-                    step = torch.randint(vocab, (batch, n), generator=generator).to(model.device)
-                    row.append(_median_seconds(model, step, repeats))
+                cells |= {(name, n): torch.randint(vocab, (batch, n), generator=generator) for n in grid}
+            times = {cell: [] for cell in cells}
+            for _ in range(1 + repeats):  # the first round warms up (allocation, kernel selection) and is not kept
+                for (name, n), step in cells.items():
+                    times[name, n].append(_step_seconds(models[name][0], step.to(models[name][0].device),
+                                                        last_only=name == "draft"))
                     bar.update()
-                seconds[name].append(tuple(row))
+            for name, (_, grid) in models.items():
+                # finer than microseconds is timer noise
+                seconds[name].append(tuple(round(statistics.median(times[name, n][1:]), 6) for n in grid))
     for model, _ in models.values():
         model.prefill([])  # frees the last batch
     tables = {name: LatencyTable(tuple(batch_sizes), tuple(grid), tuple(seconds[name]))
@@ -123,18 +138,21 @@ def measure_profile(
     return LatencyProfile(tables["target"], tables["draft"], tables.get("companion"), meta)
 
 
-def _median_seconds(model, step: torch.Tensor, repeats: int) -> float:
-    """Median wall time of ``model.forward(step)`` [B, n], rolling back to the prefilled rows after each call."""
+def _step_seconds(model, step: torch.Tensor, last_only: bool) -> float:
+    """Wall time of ``model.forward(step)`` [B, n] and the processing of its logits (the last position's alone,
+    and a token sampled from it, if ``last_only``), rolling back to the prefilled rows afterwards."""
     prefilled, valid = model.lengths.clone(), torch.ones_like(step, dtype=torch.bool)
-    times = []
-    for _ in range(1 + repeats):  # the first call warms up (allocation, kernel selection) and is not kept
-        start = time.perf_counter()
-        model.forward(step, valid)
-        if step.device.type == "cuda":  # CUDA kernels run asynchronously: wait before stopping the clock
-            torch.cuda.synchronize(step.device)
-        times.append(time.perf_counter() - start)
-        model.rollback(prefilled)
-    return round(statistics.median(times[1:]), 6)  # finer than microseconds is timer noise
+    start = time.perf_counter()
+    logits = model.forward(step, valid)
+    if last_only:
+        sample(process(logits[:, -1], SamplingParams()), torch.full((len(step),), 0.5, dtype=torch.float64))
+    else:
+        process(logits, SamplingParams())
+    if step.device.type == "cuda":  # CUDA kernels run asynchronously: wait before stopping the clock
+        torch.cuda.synchronize(step.device)
+    seconds = time.perf_counter() - start
+    model.rollback(prefilled)
+    return seconds
 
 
 def _name(model) -> str:

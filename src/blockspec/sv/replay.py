@@ -4,6 +4,8 @@ Recorded rows are regrouped into steps of ``batch`` rows (a fixed-seed sample), 
 batch size. Each policy picks per-row lengths from the recorded features; a step emits, in expectation,
 sum_b (1 + sum_{i <= L_b} g_b,i) tokens with the exact gains g (an unbiased stand-in for the realised count)
 and costs what the latency profile predicts for the forwards it runs: drafting, the companion, the target.
+A step's first draft forward reads CATCH_UP tokens (at batch >= 4 some row nearly always accepted its whole
+block or did not draft the step before, so it reads two), each later one a single token.
 The hindsight oracle knows each row's accepted length tau under the token rule with all K drafts verified and
 picks the width w maximising sum_b (1 + min(tau_b, w)) / seconds, so it never verifies a rejected token.
 """
@@ -16,6 +18,8 @@ import torch
 
 from ..policy import SVPolicy
 from .calibrate import Recording
+
+CATCH_UP = 2  # tokens the draft's first forward of a step reads
 
 
 @dataclass(frozen=True)
@@ -36,7 +40,7 @@ def replay(recording: Recording, profile, latency, *, batch: int, method: str, f
     rows = torch.randint(len(recording.prompt), (steps, batch), generator=torch.Generator().manual_seed(seed))
     max_draft = recording.draft.shape[1]
     labels, tau = recording.labels[method].double(), recording.accepted
-    target, draft = latency.target, latency.draft
+    target = latency.target
 
     def outcome(lengths_per_step, drafted_per_step, companion: bool, realised: bool = False) -> Outcome:
         """``realised``: the lengths are accepted counts (the oracle's), not verification lengths."""
@@ -45,7 +49,7 @@ def replay(recording: Recording, profile, latency, *, batch: int, method: str, f
             reach = torch.arange(max_draft)[None, :] < lengths[:, None]
             emitted += batch + (float(lengths.sum()) if realised else float((labels[chosen] * reach).sum()))
             width = int(lengths.max())
-            cost = target(batch, 1 + width) + drafted * draft(batch, 1)
+            cost = target(batch, 1 + width) + latency.drafting(batch, drafted, CATCH_UP)
             if companion and drafted:
                 cost += latency.companion(batch, drafted)
             seconds += cost
@@ -64,14 +68,14 @@ def replay(recording: Recording, profile, latency, *, batch: int, method: str, f
         policy = SVPolicy(profile, latency, method=method, max_draft=max_draft, kind=kind)
         lengths, drafted = zip(*(_sv_step(policy, recording, chosen, kind, method) for chosen in rows))
         results[f"SV {kind}"] = outcome(lengths, drafted, kind == "companion")
-    lengths, drafted = zip(*(_oracle(tau[chosen], recording.num_draft[chosen], target, draft, batch) for chosen in rows))
+    lengths, drafted = zip(*(_oracle(tau[chosen], recording.num_draft[chosen], latency, batch) for chosen in rows))
     results["oracle"] = outcome(lengths, drafted, False, realised=True)
     return results
 
 
 def _sv_step(policy: SVPolicy, recording: Recording, chosen: torch.Tensor, kind: str, method: str):
     """One step of the real SVPolicy on recorded rows: (lengths [B], draft forwards run)."""
-    budget = policy.draft_budget(len(chosen))
+    budget = policy.draft_budget(len(chosen), CATCH_UP)
     drafted = forwards = 0
     while drafted < budget and (drafted == 0 or policy.draft_next(drafted + 1)):
         forwards += 1  # a stop at keep_drafting still paid for the forward that decided it
@@ -86,9 +90,10 @@ def _sv_step(policy: SVPolicy, recording: Recording, chosen: torch.Tensor, kind:
     return lengths, forwards
 
 
-def _oracle(tau, num_draft, target, draft, batch: int) -> torch.Tensor:
+def _oracle(tau, num_draft, latency, batch: int) -> torch.Tensor:
     def goodput(w: int) -> float:
-        return float((1 + tau.clamp(max=w)).sum()) / (target(batch, 1 + w) + w * draft(batch, 1))
+        seconds = latency.target(batch, 1 + w) + latency.drafting(batch, w, CATCH_UP)
+        return float((1 + tau.clamp(max=w)).sum()) / seconds
 
     best = max(range(int(num_draft.max()) + 1), key=goodput)
     return torch.minimum(tau, torch.tensor(best)), best

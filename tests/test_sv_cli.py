@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
 
 import pytest
+import torch
 
+from blockspec.policy import LatencyTable
+from blockspec.sv import replay
+from blockspec.sv.latency import LatencyProfile
 from tiny import save_tiny
 
 
@@ -90,6 +95,31 @@ def test_replay_compares_policies_and_the_oracle(calibrated):
             oracle = next(r for r in rows if (r["method"], r["batch"], r["policy"]) == (method, batch, "oracle"))
             assert oracle["speedup"] >= 1.0  # it may always choose not to speculate
             assert oracle["speedup"] >= best_fixed * 0.9  # a ceiling, up to the expected-vs-realised noise
+
+
+def test_the_oracle_maximises_the_runs_pooled_goodput_not_each_steps():
+    """Brute force over every assignment of widths to 4 steps: the oracle's pooled goodput is the maximum, and on
+    these steps it beats the per-step argmax of emitted / seconds."""
+    latency = LatencyProfile(target=LatencyTable((2,), (1, 2, 3), ((1.0, 1.8, 1.8),)),
+                             draft=LatencyTable((2,), (1, 2), ((0.05, 0.1),)), companion=None, meta={})
+    taus = [torch.tensor(t) for t in ([2, 2], [2, 0], [1, 1], [2, 2])]
+    num_drafts = [torch.tensor([2, 2])] * len(taus)
+
+    def emitted(tau, w):
+        return float((1 + tau.clamp(max=w)).sum())
+
+    def seconds(w):
+        return latency.target(2, 1 + w) + latency.drafting(2, w, replay.CATCH_UP)
+
+    def pooled(widths):
+        return sum(emitted(tau, w) for tau, w in zip(taus, widths)) / sum(seconds(w) for w in widths)
+
+    chosen = replay.oracle(taus, num_drafts, latency, batch=2)
+    best = max(pooled(widths) for widths in itertools.product(range(3), repeat=len(taus)))
+    assert pooled([w for _, w in chosen]) == pytest.approx(best, rel=1e-12)
+    per_step = [max(range(3), key=lambda w, tau=tau: emitted(tau, w) / seconds(w)) for tau in taus]
+    assert pooled(per_step) < best - 0.1
+    assert all(torch.equal(lengths, tau.clamp(max=w)) for (lengths, w), tau in zip(chosen, taus))
 
 
 def test_missing_profiles_are_explained(tmp_path):

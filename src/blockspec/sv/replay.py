@@ -7,7 +7,7 @@ and costs what the latency profile predicts for the forwards it runs: drafting, 
 A step's first draft forward reads CATCH_UP tokens (at batch >= 4 some row nearly always accepted its whole
 block or did not draft the step before, so it reads two), each later one a single token.
 The hindsight oracle knows each row's accepted length tau under the token rule with all K drafts verified and
-picks the width w maximising sum_b (1 + min(tau_b, w)) / seconds, so it never verifies a rejected token.
+picks each step's width so that the run's pooled goodput is the highest possible (``oracle``).
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ def replay(recording: Recording, profile, latency, *, batch: int, method: str, f
         policy = SVPolicy(profile, latency, method=method, max_draft=max_draft, kind=kind)
         lengths, drafted = zip(*(_sv_step(policy, recording, chosen, kind, method) for chosen in rows))
         results[f"SV {kind}"] = outcome(lengths, drafted, kind == "companion")
-    lengths, drafted = zip(*(_oracle(tau[chosen], recording.num_draft[chosen], latency, batch) for chosen in rows))
+    lengths, drafted = zip(*oracle([tau[chosen] for chosen in rows], [recording.num_draft[chosen] for chosen in rows],
+                                   latency, batch))
     results["oracle"] = outcome(lengths, drafted, False, realised=True)
     return results
 
@@ -90,10 +91,21 @@ def _sv_step(policy: SVPolicy, recording: Recording, chosen: torch.Tensor, kind:
     return lengths, forwards
 
 
-def _oracle(tau, num_draft, latency, batch: int) -> torch.Tensor:
-    def goodput(w: int) -> float:
-        seconds = latency.target(batch, 1 + w) + latency.drafting(batch, w, CATCH_UP)
-        return float((1 + tau.clamp(max=w)).sum()) / seconds
+def oracle(taus: list[torch.Tensor], num_drafts: list[torch.Tensor], latency, batch: int) -> list[tuple]:
+    """Hindsight widths for steps whose rows' accepted lengths ``taus`` [B] (all drafts verified) are known:
+    (lengths [B], width) per step, maximising the run's pooled goodput sum_t emitted_t / sum_t seconds_t, where a
+    step of width w emits sum_b (1 + min(tau_b, w)). Dinkelbach's iteration: at the current rate r, each step
+    takes the width maximising emitted - r * seconds; the pooled rate of those choices is the next r, until it
+    stops growing (a per-step argmax of emitted / seconds is not the run's optimum)."""
+    def seconds(w: int) -> float:
+        return latency.target(batch, 1 + w) + latency.drafting(batch, w, CATCH_UP)
 
-    best = max(range(int(num_draft.max()) + 1), key=goodput)
-    return torch.minimum(tau, torch.tensor(best)), best
+    options = [[(float((1 + tau.clamp(max=w)).sum()), seconds(w)) for w in range(int(num_draft.max()) + 1)]
+               for tau, num_draft in zip(taus, num_drafts)]  # (emitted, seconds) per width, per step
+    rate = 0.0
+    while True:
+        widths = [max(range(len(o)), key=lambda w, o=o: o[w][0] - rate * o[w][1]) for o in options]
+        pooled = sum(o[w][0] for o, w in zip(options, widths)) / sum(o[w][1] for o, w in zip(options, widths))
+        if pooled <= rate:
+            return [(tau.clamp(max=w), w) for tau, w in zip(taus, widths)]
+        rate = pooled

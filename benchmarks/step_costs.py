@@ -5,8 +5,9 @@ forwards. This is what Speculative Verification's cost model must get right: it 
     python benchmarks/step_costs.py --batch-sizes 16 --latency docs/sv/latency-prefix8-interleaved.json
 
 The first --batch-size prompts of --dataset (chat template) are decoded --repeats times by each configuration
-(target-only, and block verification at each K in --draft-lens), configurations alternating, at temperature 1
-with the same seeds; the first --skip-steps steps of each run are left out (row count still full, caches warm).
+(target-only, block verification at each K in --draft-lens, and SV with --sv-profile), configurations
+alternating, at temperature 1 with the same seeds; the first --skip-steps steps of each run are left out (row
+count still full, caches warm).
 Per configuration: decode tokens/s from the steps kept, block efficiency, mean seconds per call of each forward
 kind, and per step outside the forwards and in all; with --latency, the profile's figures in brackets (its
 cells include the processing of the logits, so a whole step is the comparable figure). Prints a table, saves
@@ -41,6 +42,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs per configuration and batch size")
     parser.add_argument("--skip-steps", type=int, default=2, help="first steps of each run left out")
     parser.add_argument("--latency", help="a `blockspec sv profile` JSON to compare the forwards with")
+    parser.add_argument("--sv-profile", help="with --latency: also SV (draft-only predictor, block rule, up to the "
+                        "largest --draft-lens), from this `blockspec sv calibrate` JSON")
     parser.add_argument("--out", default="results/step_costs.json")
     args = parser.parse_args()
 
@@ -49,7 +52,9 @@ def main() -> None:
     from blockspec.engine import SpeculativeDecoder
     from blockspec.models.hf import load_model
     from blockspec.sampling import SamplingParams
+    from blockspec.policy import SVPolicy
     from blockspec.sv.latency import LatencyProfile
+    from blockspec.sv.predictor import Profile
 
     target = load_model(args.target, dtype=args.dtype, progress=False)
     draft = load_model(args.draft, dtype=args.dtype, progress=False)
@@ -58,6 +63,11 @@ def main() -> None:
     decoders = {"target-only": SpeculativeDecoder(target, verifier="none")}
     decoders |= {f"block K={k}": SpeculativeDecoder(target, draft, verifier="block", draft_len=k)
                  for k in args.draft_lens}
+    if args.sv_profile and profile:
+        policy = SVPolicy(Profile.load(args.sv_profile), profile, method="block", max_draft=max(args.draft_lens),
+                          kind="draft")  # its history and calibration offsets carry over from run to run
+        decoders["SV draft"] = SpeculativeDecoder(target, draft, verifier="block", draft_len=max(args.draft_lens),
+                                                  policy=policy)
     prompts = [encode_prompt(target.tokenizer, p.text) for p in datasets.load(args.dataset, max(args.batch_sizes))]
     result = {"target": args.target, "draft": args.draft, "dtype": args.dtype, "dataset": args.dataset,
               "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(), "torch": torch.__version__,

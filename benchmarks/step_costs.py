@@ -51,8 +51,8 @@ def main() -> None:
     from blockspec.chat import encode_prompt
     from blockspec.engine import SpeculativeDecoder
     from blockspec.models.hf import load_model
-    from blockspec.sampling import SamplingParams
     from blockspec.policy import SVPolicy
+    from blockspec.sampling import SamplingParams
     from blockspec.sv.latency import LatencyProfile
     from blockspec.sv.predictor import Profile
 

@@ -10,8 +10,8 @@ import torch
 import lawkit
 from blockspec import SamplingParams, SpeculativeDecoder
 from blockspec import engine as engine_module
-from blockspec.policy import FixedLength
 from blockspec.models.hf import GROUPED_SDPA, PREFILL_TOKENS, HFModel, prefill_groups
+from blockspec.policy import FixedLength
 from tiny import EOS, exact_law_of_first_tokens, perturbed, tiny_model, tiny_tokenizer
 
 GREEDY = SamplingParams(temperature=0.0)

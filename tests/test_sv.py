@@ -200,7 +200,8 @@ def test_the_drafts_catch_up_forward_is_priced_at_the_tokens_it_reads(kind):
     assert policy.step_seconds(1, 1)(2) == pytest.approx(1.0, abs=1e-6)
     assert policy.draft_budget(1, 4) == 0
     assert policy.step_seconds(1, 4)(2) == pytest.approx(4.0, abs=1e-6)
-    assert latency.drafting(1, 3, 4) == pytest.approx(3.0, abs=1e-6) and latency.drafting(1, 0, 4) == 0.0
+    assert latency.drafting(1, 3, 4, False) == pytest.approx(3.0, abs=1e-6)
+    assert latency.drafting(1, 0, 4, True) == 0.0
 
 
 @pytest.mark.parametrize("kind", ["draft", "companion"])

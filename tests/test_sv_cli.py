@@ -109,7 +109,7 @@ def test_the_oracle_maximises_the_runs_pooled_goodput_not_each_steps():
         return float((1 + tau.clamp(max=w)).sum())
 
     def seconds(w):
-        return latency.target(2, 1 + w) + latency.drafting(2, w, replay.CATCH_UP)
+        return latency.target(2, 1 + w) + latency.drafting(2, w, replay.CATCH_UP, companion=False)
 
     def pooled(widths):
         return sum(emitted(tau, w) for tau, w in zip(taus, widths)) / sum(seconds(w) for w in widths)

@@ -149,16 +149,10 @@ class SVPolicy:
         """Predicted seconds of a step at this batch size that drafts, scores and verifies ``width`` tokens, when
         the draft has ``catch_up`` tokens to read first."""
         def seconds(width: int) -> float:
-            return self.sunk_seconds(batch, width, catch_up) + self.latency.target(batch, 1 + width)
+            latency = self.latency
+            return latency.drafting(batch, width, catch_up, self.needs_companion) + latency.target(batch, 1 + width)
 
         return seconds
-
-    def sunk_seconds(self, batch: int, positions: int, catch_up: int) -> float:
-        """Seconds spent on ``positions`` drafted tokens per row before the target's forward: drafting them and,
-        with a companion, scoring them."""
-        table = self.latency
-        companion = table.companion(batch, positions) if self.needs_companion and positions else 0.0
-        return table.drafting(batch, positions, catch_up) + companion
 
     def draft_budget(self, batch: int, catch_up: int) -> int:
         self._batch, self._catch_up, self._draft_features, self._predicted = batch, catch_up, [], {}
@@ -209,7 +203,7 @@ class SVPolicy:
         # sunk seconds are those of i positions, never of how far drafting went (which depends on x_i).
         batch, catch_up = self._batch, self._catch_up
         lengths = stopping_lengths(gains, num_draft, lambda width: self.latency.target(batch, 1 + width),
-                                   paid=lambda i: self.sunk_seconds(batch, i, catch_up))
+                                   paid=lambda i: self.latency.drafting(batch, i, catch_up, self.needs_companion))
         return lengths.to(num_draft.device)
 
     def expected(self) -> torch.Tensor:

@@ -45,10 +45,14 @@ class LatencyProfile:
     companion: LatencyTable | None  # same grid as the target; None without a companion
     meta: dict  # META_FIELDS
 
-    def drafting(self, batch: int, positions: int, catch_up: int) -> float:
-        """Seconds of drafting ``positions`` tokens per row: the first forward reads the ``catch_up`` tokens the
-        draft has not seen yet, each later one the token drafted before it."""
-        return 0.0 if positions == 0 else self.draft(batch, catch_up) + (positions - 1) * self.draft(batch, 1)
+    def drafting(self, batch: int, positions: int, catch_up: int, companion: bool) -> float:
+        """Seconds spent on ``positions`` drafted tokens per row before the target's forward: drafting them (the
+        first forward reads the ``catch_up`` tokens the draft has not seen yet, each later one the token drafted
+        before it) and, with ``companion``, scoring them."""
+        if positions == 0:
+            return 0.0
+        scoring = self.companion(batch, positions) if companion else 0.0
+        return self.draft(batch, catch_up) + (positions - 1) * self.draft(batch, 1) + scoring
 
     def check(self, target_name: str, draft_name: str, companion_name: str | None, dtype, device) -> None:
         """Raise ValueError naming the first field that differs from what the profile was measured for."""

@@ -49,10 +49,7 @@ def replay(recording: Recording, profile, latency, *, batch: int, method: str, f
             reach = torch.arange(max_draft)[None, :] < lengths[:, None]
             emitted += batch + (float(lengths.sum()) if realised else float((labels[chosen] * reach).sum()))
             width = int(lengths.max())
-            cost = target(batch, 1 + width) + latency.drafting(batch, drafted, CATCH_UP)
-            if companion and drafted:
-                cost += latency.companion(batch, drafted)
-            seconds += cost
+            seconds += target(batch, 1 + width) + latency.drafting(batch, drafted, CATCH_UP, companion)
             verified += float(lengths.sum())
             drafted_total += drafted * batch
         return Outcome(emitted, seconds, verified, drafted_total)
@@ -98,7 +95,7 @@ def oracle(taus: list[torch.Tensor], num_drafts: list[torch.Tensor], latency, ba
     takes the width maximising emitted - r * seconds; the pooled rate of those choices is the next r, until it
     stops growing (a per-step argmax of emitted / seconds is not the run's optimum)."""
     def seconds(w: int) -> float:
-        return latency.target(batch, 1 + w) + latency.drafting(batch, w, CATCH_UP)
+        return latency.target(batch, 1 + w) + latency.drafting(batch, w, CATCH_UP, companion=False)
 
     options = [[(float((1 + tau.clamp(max=w)).sum()), seconds(w)) for w in range(int(num_draft.max()) + 1)]
                for tau, num_draft in zip(taus, num_drafts)]  # (emitted, seconds) per width, per step

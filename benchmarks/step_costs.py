@@ -124,13 +124,15 @@ def _summary(name: str, batch: int, kept: list, profile) -> dict:
     """Seconds per call of each forward kind (a step's first draft forward, a catch-up, apart from the rest)
     against the profile's figure for the same (batch, tokens), calls per step, and the step outside its forwards."""
     calls = defaultdict(list)  # kind -> (seconds, profile's seconds) per call
+    predicted = []  # the profile's seconds per step (its cells include the processing of logits)
     for _, forwards in kept:
+        predicted.append(0.0)
         for i, (model, tokens, seconds) in enumerate(forwards):
             kind = f"{model} n={tokens}" + (" first" if model == "draft" and i == 0 else "")
-            calls[kind].append((seconds, getattr(profile, model)(batch, tokens) if profile else math.nan))
+            figure = getattr(profile, model)(batch, tokens) if profile else math.nan
+            calls[kind].append((seconds, figure))
+            predicted[-1] += figure
     step_s = statistics.fmean(stats.total_s for stats, _ in kept)
-    predicted = [sum(getattr(profile, model)(batch, tokens) for model, tokens, _ in forwards) if profile else math.nan
-                 for _, forwards in kept]  # the profile's cells include the processing of logits
     row_steps = sum(len(stats.rows) for stats, _ in kept)
     return {
         "config": name, "batch": batch, "steps": len(kept), "step_s": step_s,

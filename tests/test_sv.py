@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from unittest import mock
 
 import pytest
@@ -202,6 +203,26 @@ def test_the_drafts_catch_up_forward_is_priced_at_the_tokens_it_reads(kind):
     assert policy.step_seconds(1, 4)(2) == pytest.approx(4.0, abs=1e-6)
     assert latency.drafting(1, 3, 4, False) == pytest.approx(3.0, abs=1e-6)
     assert latency.drafting(1, 0, 4, True) == 0.0
+
+
+def test_a_draft_forward_already_run_is_paid_whatever_the_width():
+    """Deciding on position 2 after its draft forward has run, that forward is sunk: only the target's wider
+    forward weighs against position 2's gain. Here the forward (0.6 s) would outweigh the gain, the extra
+    verified token (0.1 s) does not, so drafting goes on; charging the forward again would stop it."""
+    latency = LatencyProfile(target=LatencyTable((1,), (1, 2, 3), ((1.0, 1.1, 1.2),)),
+                             draft=LatencyTable((1,), (1, 2), ((0.6, 0.6),)), companion=None, meta={})
+    policy = SVPolicy(hand_profile(), latency, method="block", max_draft=3, kind="draft")
+
+    def features(position):  # DRAFT_FEATURES: predicted gains sigmoid(1 - 0.5 log i): 0.731, then 0.658
+        return torch.tensor([[1.0, math.log(position), 0.0, 0.0, 0.0]])
+
+    assert policy.draft_budget(1, 1) == 3
+    assert policy.keep_drafting_given(features(1))
+    assert policy.draft_next(2)
+    assert policy.keep_drafting_given(features(2))
+    # the same decision priced as if no forward had run yet: (1 + 0.731 + 0.658) / 2.4 < (1 + 0.731) / 1.7
+    seconds = policy.step_seconds(1, 1)
+    assert (1 + 0.731 + 0.658) / seconds(2) < (1 + 0.731) / seconds(1)
 
 
 @pytest.mark.parametrize("kind", ["draft", "companion"])

@@ -115,6 +115,8 @@ class SVPolicy:
          whether the stopping rule over the draft-only gains of positions 1..i reaches i;
       4. after the companion has scored the block (``lengths``): the stopping rule over the ``kind``
          predictor's gains gives each row its verification length.
+    In 2 and 3 the draft forwards already run are paid whatever is decided: only what is still to come (the
+    next forward, the companion's scoring, the target's wider forward) weighs against position i's gain.
     ``kind`` is "companion" (draft + companion features) or "draft" (draft-only features, no companion).
 
     After each step (``observe``) each predictor's logit offset takes one gradient step of the cross-entropy it
@@ -139,26 +141,28 @@ class SVPolicy:
         self.history = self.prior.clone()  # predicted gain per position, recent steps
         self._draft_features: list[torch.Tensor] = []
         self._batch, self._catch_up = 1, 1
-        self._seconds: Callable[[int], float] = lambda width: 1.0
 
     @property
     def needs_companion(self) -> bool:
         return self.kind == "companion"
 
-    def step_seconds(self, batch: int, catch_up: int) -> Callable[[int], float]:
+    def step_seconds(self, batch: int, catch_up: int, drafted: int = 0) -> Callable[[int], float]:
         """Predicted seconds of a step at this batch size that drafts, scores and verifies ``width`` tokens, when
-        the draft has ``catch_up`` tokens to read first."""
+        the draft has ``catch_up`` tokens to read first and has already run the forwards of ``drafted``
+        positions: those are paid whatever the width, so a narrower width does not save them."""
         def seconds(width: int) -> float:
             latency = self.latency
-            return latency.drafting(batch, width, catch_up, self.needs_companion) + latency.target(batch, 1 + width)
+            scoring = latency.companion(batch, width) if self.needs_companion and width else 0.0
+            return (latency.drafting(batch, max(width, drafted), catch_up, companion=False) + scoring
+                    + latency.target(batch, 1 + width))
 
         return seconds
 
     def draft_budget(self, batch: int, catch_up: int) -> int:
         self._batch, self._catch_up, self._draft_features, self._predicted = batch, catch_up, [], {}
-        self._seconds = self.step_seconds(batch, catch_up)
+        seconds = self.step_seconds(batch, catch_up)
         emitted = torch.cat([torch.ones(1, dtype=torch.float64), 1 + self.history.cumsum(0)])
-        goodput = [float(emitted[w]) / self._seconds(w) for w in range(self.max_draft + 1)]
+        goodput = [float(emitted[w]) / seconds(w) for w in range(self.max_draft + 1)]
         if max(range(len(goodput)), key=goodput.__getitem__) == 0:
             # not speculating teaches nothing new: drift back towards the calibrated prior
             self.history = self.memory * self.history + (1 - self.memory) * self.expected()
@@ -170,7 +174,8 @@ class SVPolicy:
         decay = float(self.history[position - 1] / self.history[position - 2].clamp(min=1e-9))
         guess = torch.cat([gains, gains[:, -1:] * min(decay, 1.0)], dim=1)
         limit = torch.full((len(gains),), position, dtype=torch.long)
-        return int(stopping_lengths(guess, limit, self._seconds).max()) == position
+        seconds = self.step_seconds(self._batch, self._catch_up, drafted=position - 1)
+        return int(stopping_lengths(guess, limit, seconds).max()) == position
 
     def keep_drafting(self, position: int, probs: torch.Tensor, prefix: torch.Tensor) -> bool:
         return self.keep_drafting_given(draft_features(probs[:, None], prefix[:, None], first=position)[:, 0])
@@ -181,7 +186,8 @@ class SVPolicy:
         gains = self.predict("draft", torch.stack(self._draft_features, 1))
         position = len(self._draft_features)
         limit = torch.full((len(gains),), position, dtype=torch.long)
-        return int(stopping_lengths(gains, limit, self._seconds).max()) == position
+        seconds = self.step_seconds(self._batch, self._catch_up, drafted=position)
+        return int(stopping_lengths(gains, limit, seconds).max()) == position
 
     def lengths(self, draft_tokens, draft_probs, companion_probs, num_draft: torch.Tensor) -> torch.Tensor:
         features = torch.stack(self._draft_features[: draft_tokens.shape[1]], 1).to(draft_tokens.device)

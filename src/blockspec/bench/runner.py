@@ -169,11 +169,13 @@ MIN_PROMPTS = 5  # per dataset, before a bootstrap interval is trusted to stop a
 
 def gain_is_known(records_file: Path, precision: float) -> bool:
     """Whether every pooled paired analytic block-vs-token gain has a confidence half-width <= precision, with
-    at least MIN_PROMPTS prompts of every dataset behind it."""
+    at least MIN_PROMPTS prompts of every dataset at every temperature behind it (so a run resumed at a new
+    temperature is not stopped by the records of another)."""
     from .report import build_report, summary
 
     records = [r for r in rec.read(records_file) if r.batch_size == 1]
-    prompts = Counter(dataset for dataset, _ in {(r.dataset, r.prompt_id) for r in records if r.config == "block"})
+    prompts = Counter((t, dataset) for t, dataset, _ in
+                      {(r.temperature, r.dataset, r.prompt_id) for r in records if r.config == "block"})
     if not prompts or min(prompts.values()) < MIN_PROMPTS:
         return False
     rows = summary(build_report(records))["summary"]

@@ -376,9 +376,13 @@ def test_batch_comparisons_use_the_batches_every_configuration_ran():
     assert rows[("sv-block", 4)].speedup_vs_best_fixed.value == pytest.approx(expected)
 
 
-def test_batch_table_only_with_batched_or_sv_records_and_no_interval_from_one_batch_per_dataset():
+def test_batch_table_only_with_batched_sv_or_unpaired_records_and_no_interval_from_one_batch_per_dataset():
     rng = np.random.default_rng(22)
     assert build_report(synthetic(rng, prompts=4)).batch == ()
+    block_only = [r for r in synthetic(rng, prompts=4) if r.config != "token"]  # e.g. greedy, where both coincide
+    report = build_report(block_only)
+    assert {r.config for r in report.batch} == {"block", "target-only", "hf-assisted"}
+    assert report.rows and all(r.prompts == 0 for r in report.rows)  # no pairs for the token-vs-block table
     one_each = [r for r in batch_records(rng) if r.key[1].endswith("/0000")]
     rows = build_report(one_each).batch
     assert rows and all(r.tokens_per_s.lo is None for r in rows)  # one batch per dataset: no interval

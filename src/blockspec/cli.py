@@ -108,9 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Decode the same prompts with the same seeds through every configuration (interleaved, "
         "warm-up excluded), write one JSONL record per prompt (or batch) and configuration, then the report: block "
         "efficiency (1 + mean accepted per step) of token and block verification with bootstrap intervals, "
-        "the paired analytic gain, tokens/s and speedups, and plots; with batch sizes above 1 or SV "
-        "configurations, also a batch table (tokens/s of every configuration per batch size, speedups over "
-        "target-only and over the best fixed K, rejected fraction of verified tokens, verified tokens per "
+        "the paired analytic gain, tokens/s and speedups, and plots; with batch sizes above 1, SV "
+        "configurations, or only one of token and block (e.g. at temperature 0, where they coincide), also a "
+        "batch table (tokens/s of every configuration per batch size, speedups over target-only and over the "
+        "best fixed K, rejected fraction of verified tokens, verified tokens per "
         "emitted token) and a tokens/s vs batch size plot. At batch size B a run decodes B consecutive prompts "
         "of a dataset together; hf-assisted runs at batch size 1 only. Resumable: records already written are "
         "skipped, so an interrupted or time-boxed run continues where it stopped.",

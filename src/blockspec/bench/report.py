@@ -422,14 +422,17 @@ def _histograms(records: list[Record]) -> list[AcceptedHistogram]:
 
 def build_report(records: list[Record], config: ReportConfig = ReportConfig()) -> Report:
     """Tables for every dataset and one pooled over all datasets (label ``ALL``), plus histograms, from the
-    batch-1 records; and the batch table when there are batched or SV records.
+    batch-1 records; and the batch table when there are batched or SV records, or token or block records
+    without the other rule at the same (temperature, K, batch size), which the paired tables leave out.
 
     Unknown configurations are ignored with a warning; missing ones leave their columns empty (None).
     """
     known = [r for r in records if r.config in records_io.KNOWN_CONFIGS]
     if len(known) < len(records):
         log.warning("%d records with an unknown config are ignored", len(records) - len(known))
-    batch = tuple(_batch_rows(known, config)) if any(
+    fixed = {(r.config, r.temperature, r.draft_len, r.batch_size) for r in known if r.config in ("token", "block")}
+    unpaired = any(({"token": "block", "block": "token"}[c], *cell) not in fixed for c, *cell in fixed)
+    batch = tuple(_batch_rows(known, config)) if unpaired or any(
         r.batch_size > 1 or r.config in records_io.SV_CONFIGS for r in known) else ()
     paper = [r for r in known if r.batch_size == 1 and r.config in records_io.CONFIGS]
     datasets = tuple(sorted({r.dataset for r in paper}))
@@ -618,7 +621,7 @@ def _batch_cells(row: BatchRow) -> list[str]:
 
 
 def format_batch_table(report: Report) -> str:
-    """The batch table (markdown, with its convention), or "" without batched or SV records."""
+    """The batch table (markdown, with its convention), or "" when ``build_report`` made none."""
     if not report.batch:
         return ""
     cfg = report.config

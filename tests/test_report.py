@@ -388,6 +388,22 @@ def test_batch_table_only_with_batched_sv_or_unpaired_records_and_no_interval_fr
     assert rows and all(r.tokens_per_s.lo is None for r in rows)  # one batch per dataset: no interval
 
 
+def test_hf_assisted_in_the_batch_table_counts_prefill_on_both_sides():
+    """transformers does not report its prefill: its row compares whole wall times, target-only's included,
+    while the other rows compare decode times."""
+    records = []
+    for r in synthetic(np.random.default_rng(24), prompts=4):
+        if r.config == "token":  # block alone: the batch table is made
+            continue
+        if r.config == "target-only":  # 1.92 s in all, 0.5 s of it prefill
+            r = replace(r, prefill_time=0.5)
+        records.append(replace(r, prefill_time=None) if r.config == "hf-assisted" else r)
+    rows = {r.config: r for r in build_report(records, ReportConfig(n_boot=100)).batch}
+    assert rows["hf-assisted"].speedup_vs_target.value == pytest.approx((64 / 1.28) / (64 / 1.92))
+    assert rows["hf-assisted"].tokens_per_s.value == pytest.approx(64 / 1.28)
+    assert rows["target-only"].tokens_per_s.value == pytest.approx(64 / 1.42)
+
+
 def test_schema_1_records_still_load_and_report_as_before(tmp_path):
     records = synthetic(np.random.default_rng(23), prompts=6)
     path = tmp_path / "old.jsonl"

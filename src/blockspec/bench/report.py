@@ -17,7 +17,9 @@ second table, pooled over datasets, one row per (temperature, batch size, config
 batch (at B = 1, a prompt):
     tok/s       decode throughput: sum new_tokens / sum (wall_time - prefill_time) over the batches of a
                 configuration. The prompts' forwards are left out: at batch 64 with short generations they
-                would dominate, and serving overlaps them with other batches' decoding.
+                would dominate, and serving overlaps them with other batches' decoding. transformers'
+                assisted generation does not report its prefill: its tok/s and its x target-only (against
+                target-only's) use whole wall times, so that the comparison counts prefill on both sides.
     x best K    tok/s over that of the best fixed-K configuration (token or block, any K: the highest tok/s
                 on the batches all of them ran), re-selected inside every bootstrap resample.
     rejected    1 - accepted / verified: the fraction of verified drafted tokens the target rejected.
@@ -60,7 +62,9 @@ CONVENTION = (
 )
 BATCH_CONVENTION = (
     "Batch table, all datasets pooled: a unit is a batch of B consecutive prompts decoded in one generate call "
-    "(a prompt at B = 1); tok/s = sum new tokens / sum wall time over batches; x target-only and x best fixed K "
+    "(a prompt at B = 1); tok/s = sum new tokens / sum decode time (wall time less prefill) over batches, except "
+    "for hf-assisted, whose prefill is not reported: its tok/s and x target-only use whole wall times on both "
+    "sides; x target-only and x best fixed K "
     "are tok/s ratios on the batches both (all) configurations ran, the best fixed K (*) being the token or "
     "block K with the highest tok/s, re-selected in every resample; rejected = 1 - accepted / verified drafted "
     "tokens; verified (drafted) / emitted = verified (drafted) draft tokens per new token; BE = 1 + accepted per "
@@ -452,10 +456,12 @@ def build_report(records: list[Record], config: ReportConfig = ReportConfig()) -
 # ---------------------------------------------------------------------------------------------- batch table
 
 
-def _step_sums(record: Record) -> dict[str, float]:
-    """Per-unit sums of a record for the batch table."""
+def _step_sums(record: Record, decode: bool = True) -> dict[str, float]:
+    """Per-unit sums of a record for the batch table; "wall" is decode time, or with ``decode=False`` the whole
+    wall time (prefill included)."""
     return {
-        "new": float(record.new_tokens), "wall": float(record.wall_time - (record.prefill_time or 0.0)),
+        "new": float(record.new_tokens),
+        "wall": float(record.wall_time - (record.prefill_time or 0.0) if decode else record.wall_time),
         "accepted": float(sum(record.accepted)),
         "verified": float(sum(record.draft_lens)), "row_steps": float(len(record.accepted)),
         "drafted": float(sum(d * r for d, r in zip(record.drafted, record.rows))),
@@ -468,8 +474,8 @@ def _decode_rate(records: Iterable[Record]) -> float | None:
     return _ratio(sum(s["new"] for s in sums), sum(s["wall"] for s in sums))
 
 
-def _columns(cell: dict, units: list) -> dict[str, np.ndarray]:
-    sums = [_step_sums(cell[u]) for u in units]
+def _columns(cell: dict, units: list, decode: bool = True) -> dict[str, np.ndarray]:
+    sums = [_step_sums(cell[u], decode) for u in units]
     return {name: np.array([s[name] for s in sums], float) for name in (sums[0] if sums else ())}
 
 
@@ -495,13 +501,14 @@ def _batch_rows(records: list[Record], config: ReportConfig) -> list[BatchRow]:
             best = max((key for key in rates if rates[key] is not None), key=rates.get, default=None)
         for (name, k), cell in sorted(here.items(), key=lambda item: (order[item[0][0]], item[0][1])):
             units = sorted(cell)
-            columns = _columns(cell, units)
-            steps = name != "hf-assisted"  # hf-assisted records carry no per-step lists
+            steps = name != "hf-assisted"  # hf-assisted records carry neither per-step lists nor a prefill time
+            columns = _columns(cell, units, decode=steps)
             drafted_known = all(cell[u].rows for u in units) or name == "target-only"
             rows.append(BatchRow(
                 temperature=temperature, batch_size=batch_size, config=name, draft_len=k, batches=len(units),
                 tokens_per_s=_estimate(lambda s: s["new"] / s["wall"], columns, units, config),
-                speedup_vs_target=None if name == "target-only" else _paired_speedup(cell, [target], config),
+                speedup_vs_target=None if name == "target-only" else _paired_speedup(cell, [target], config,
+                                                                                     decode=steps),
                 best_fixed=(name, k) == best,
                 speedup_vs_best_fixed=(_paired_speedup(cell, list(fixed.values()), config)
                                        if name in records_io.SV_CONFIGS else None),
@@ -523,16 +530,17 @@ def _estimate(statistic: Callable, columns: dict, units: list, config: ReportCon
     return bootstrap(statistic, columns, _strata(units), config)
 
 
-def _paired_speedup(cell: dict, others: list[dict], config: ReportConfig) -> Estimate | None:
+def _paired_speedup(cell: dict, others: list[dict], config: ReportConfig, decode: bool = True) -> Estimate | None:
     """tok/s of ``cell`` over the best tok/s among ``others`` (each unit -> record), on the units all of them
-    ran, with the best re-chosen in every resample (so the selection is part of the interval)."""
+    ran, with the best re-chosen in every resample (so the selection is part of the interval); decode time, or
+    with ``decode=False`` whole wall times."""
     if not others or not all(others):
         return None
     units = sorted(set(cell).intersection(*others))
     if not units:
         return None
     columns = {f"{name}{i}": column for i, other in enumerate([cell, *others])
-               for name, column in _columns(other, units).items() if name in ("new", "wall")}
+               for name, column in _columns(other, units, decode).items() if name in ("new", "wall")}
     if any(column.sum() <= 0 for column in columns.values()):
         return None
 

@@ -226,9 +226,9 @@ def test_missing_configs_do_not_crash_and_show_dashes():
     assert row.speedup_block_vs_hf is None and row.speedup_block_vs_target is None
     line = [line for line in format_table(report).splitlines() if "token vs block" in line][0]
     assert "| - " in line
-    # only block, no token: the row exists with no pairs; only baselines: no spec rows at all
+    # only block, no token: no token-vs-block row (block goes to the batch table); only baselines: no rows
     only_block = build_report([r for r in records if r.config == "block"], ReportConfig(n_boot=100))
-    assert row_of(only_block).prompts == 0 and row_of(only_block).gain is None
+    assert only_block.rows == () and [r.config for r in only_block.batch] == ["block"]
     format_table(only_block), summary(only_block)
     baselines = [r for r in synthetic(np.random.default_rng(12), prompts=3) if r.config == "target-only"]
     assert build_report(baselines).rows == () and "target-only" in format_table(build_report(baselines))
@@ -382,7 +382,7 @@ def test_batch_table_only_with_batched_sv_or_unpaired_records_and_no_interval_fr
     block_only = [r for r in synthetic(rng, prompts=4) if r.config != "token"]  # e.g. greedy, where both coincide
     report = build_report(block_only)
     assert {r.config for r in report.batch} == {"block", "target-only", "hf-assisted"}
-    assert report.rows and all(r.prompts == 0 for r in report.rows)  # no pairs for the token-vs-block table
+    assert report.rows == ()  # no pairs for the token-vs-block table
     one_each = [r for r in batch_records(rng) if r.key[1].endswith("/0000")]
     rows = build_report(one_each).batch
     assert rows and all(r.tokens_per_s.lo is None for r in rows)  # one batch per dataset: no interval

@@ -446,7 +446,8 @@ def build_report(records: list[Record], config: ReportConfig = ReportConfig()) -
     rows, baselines = [], []
     for label, group in groups:
         cells = _cells(group)
-        spec_keys = sorted({(t, k, b) for (c, t, k, b) in cells if c in ("token", "block")})
+        # (T, K, B) where both rules ran; one rule alone (e.g. block at T=0) is in the batch table instead
+        spec_keys = sorted({(t, k, b) for (c, t, k, b) in cells if c == "token" and ("block", t, k, b) in cells})
         rows += [_spec_row(label, cells, t, k, b, config) for t, k, b in spec_keys]
         baselines += _baseline_rows(label, cells)
         log.info("%s: %d records, %d token/block rows", label, len(group), len(spec_keys))

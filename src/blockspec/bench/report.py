@@ -396,10 +396,20 @@ def _spec_row(
     )
 
 
+def _unpaired(cells: dict) -> set[tuple]:
+    """The (config, T, K, B) cells of token or block whose other rule did not run there (e.g. block at T=0)."""
+    other = {"token": "block", "block": "token"}
+    return {key for key in cells if key[0] in other and (other[key[0]], *key[1:]) not in cells}
+
+
 def _baseline_rows(label: str, cells: dict) -> list[BaselineRow]:
+    """target-only, hf-assisted, and token or block where the other rule did not run: tok/s (prefill
+    included) and the speedup over target-only."""
     rows = []
-    order = {"target-only": 0, "hf-assisted": 1}  # the reference first
-    baseline_cells = sorted((key for key in cells if key[0] in order), key=lambda key: (order[key[0]], key[1:]))
+    order = {"target-only": 0, "hf-assisted": 1, "token": 2, "block": 2}  # the reference first
+    alone = _unpaired(cells)
+    baseline_cells = sorted((key for key in cells if key[0] in ("target-only", "hf-assisted") or key in alone),
+                            key=lambda key: (order[key[0]], key[1:]))
     for config_name, temperature, draft_len, batch_size in baseline_cells:
         found = cells[(config_name, temperature, draft_len, batch_size)]
         units = _by_unit(found)
@@ -407,7 +417,7 @@ def _baseline_rows(label: str, cells: dict) -> list[BaselineRow]:
         rows.append(BaselineRow(
             dataset=label, config=config_name, temperature=temperature, draft_len=draft_len, batch_size=batch_size,
             prompts=len(units), tokens_per_s=_rate(units.values()),
-            speedup_vs_target=_speedup(units, target) if config_name == "hf-assisted" else None,
+            speedup_vs_target=None if config_name == "target-only" else _speedup(units, target),
         ))
     return rows
 
@@ -434,9 +444,7 @@ def build_report(records: list[Record], config: ReportConfig = ReportConfig()) -
     known = [r for r in records if r.config in records_io.KNOWN_CONFIGS]
     if len(known) < len(records):
         log.warning("%d records with an unknown config are ignored", len(records) - len(known))
-    fixed = {(r.config, r.temperature, r.draft_len, r.batch_size) for r in known if r.config in ("token", "block")}
-    unpaired = any(({"token": "block", "block": "token"}[c], *cell) not in fixed for c, *cell in fixed)
-    batch = tuple(_batch_rows(known, config)) if unpaired or any(
+    batch = tuple(_batch_rows(known, config)) if _unpaired(_cells(known)) or any(
         r.batch_size > 1 or r.config in records_io.SV_CONFIGS for r in known) else ()
     paper = [r for r in known if r.batch_size == 1 and r.config in records_io.CONFIGS]
     datasets = tuple(sorted({r.dataset for r in paper}))

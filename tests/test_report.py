@@ -231,6 +231,8 @@ def test_missing_configs_do_not_crash_and_show_dashes():
     assert only_block.rows == () and [r.config for r in only_block.batch] == ["block"]
     assert [(r.config, r.draft_len) for r in only_block.baselines] == [("block", K)] * 2  # "synth" and pooled
     assert summary(only_block)["fastest"][0]["config"] == "block"
+    only_token = build_report([r for r in records if r.config == "token"], ReportConfig(n_boot=100))
+    assert only_token.rows == () and [(r.config, r.draft_len) for r in only_token.baselines] == [("token", K)] * 2
     format_table(only_block), summary(only_block)
     baselines = [r for r in synthetic(np.random.default_rng(12), prompts=3) if r.config == "target-only"]
     assert build_report(baselines).rows == () and "target-only" in format_table(build_report(baselines))

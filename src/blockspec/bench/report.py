@@ -402,12 +402,11 @@ def _unpaired(cells: dict) -> set[tuple]:
     return {key for key in cells if key[0] in other and (other[key[0]], *key[1:]) not in cells}
 
 
-def _baseline_rows(label: str, cells: dict) -> list[BaselineRow]:
-    """target-only, hf-assisted, and token or block where the other rule did not run: tok/s (prefill
+def _baseline_rows(label: str, cells: dict, alone: set[tuple]) -> list[BaselineRow]:
+    """target-only, hf-assisted, and the token or block cells ``alone`` (``_unpaired``): tok/s (prefill
     included) and the speedup over target-only."""
     rows = []
     order = {"target-only": 0, "hf-assisted": 1, "token": 2, "block": 2}  # the reference first
-    alone = _unpaired(cells)
     baseline_cells = sorted((key for key in cells if key[0] in ("target-only", "hf-assisted") or key in alone),
                             key=lambda key: (order[key[0]], key[1:]))
     for config_name, temperature, draft_len, batch_size in baseline_cells:
@@ -454,10 +453,10 @@ def build_report(records: list[Record], config: ReportConfig = ReportConfig()) -
     rows, baselines = [], []
     for label, group in groups:
         cells = _cells(group)
-        # (T, K, B) where both rules ran; one rule alone (e.g. block at T=0) is in the batch table instead
-        spec_keys = sorted({(t, k, b) for (c, t, k, b) in cells if c == "token" and ("block", t, k, b) in cells})
+        alone = _unpaired(cells)  # one rule without the other (e.g. block at T=0): listed with the baselines
+        spec_keys = sorted(key[1:] for key in cells if key[0] == "token" and key not in alone)
         rows += [_spec_row(label, cells, t, k, b, config) for t, k, b in spec_keys]
-        baselines += _baseline_rows(label, cells)
+        baselines += _baseline_rows(label, cells, alone)
         log.info("%s: %d records, %d token/block rows", label, len(group), len(spec_keys))
     return Report(datasets, tuple(rows), tuple(baselines), tuple(_histograms(paper)), len(known), config, batch)
 
@@ -510,8 +509,8 @@ def _batch_rows(records: list[Record], config: ReportConfig) -> list[BatchRow]:
             best = max((key for key in rates if rates[key] is not None), key=rates.get, default=None)
         for (name, k), cell in sorted(here.items(), key=lambda item: (order[item[0][0]], item[0][1])):
             units = sorted(cell)
+            columns = _columns(cell, units)
             steps = name != "hf-assisted"  # hf-assisted records carry neither per-step lists nor a prefill time
-            columns = _columns(cell, units, decode=steps)
             drafted_known = all(cell[u].rows for u in units) or name == "target-only"
             rows.append(BatchRow(
                 temperature=temperature, batch_size=batch_size, config=name, draft_len=k, batches=len(units),

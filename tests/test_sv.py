@@ -225,6 +225,24 @@ def test_a_draft_forward_already_run_is_paid_whatever_the_width():
     assert (1 + 0.731 + 0.658) / seconds(2) < (1 + 0.731) / seconds(1)
 
 
+def test_the_companion_is_priced_at_what_it_reads_and_scores_every_token_sampled():
+    """The companion's forward reads the tokens it has not seen and every drafted token but the last, and it
+    scores every token sampled, so deciding on position i (i - 1 tokens sampled), no width below i - 1 saves
+    its scoring of them."""
+    latency = LatencyProfile(target=LatencyTable((1,), (1, 3), ((1.0, 1.0),)),
+                             draft=LatencyTable((1,), (1, 2), ((0.0, 0.0),)),
+                             companion=LatencyTable((1,), (1, 5), ((0.1, 0.5),)), meta={})
+    assert latency.scoring(1, 2, 2) == pytest.approx(0.3)  # 2 unseen tokens and x_1
+    assert latency.drafting(1, 2, 2, companion=True) == pytest.approx(0.3)
+    assert latency.scoring(1, 0, 2) == 0.0
+    policy = SVPolicy(hand_profile(), latency, method="block", max_draft=3, kind="companion")
+    assert policy.step_seconds(1, 2)(0) == pytest.approx(1.0)  # nothing drafted: nothing to score
+    deciding_on_3 = policy.step_seconds(1, 2, drafted=3, sampled=2)
+    assert [deciding_on_3(width) for width in (0, 2, 3)] == pytest.approx([1.3, 1.3, 1.4])
+    draft_only = SVPolicy(hand_profile(), latency, method="block", max_draft=3, kind="draft")
+    assert draft_only.step_seconds(1, 2, drafted=3, sampled=2)(3) == pytest.approx(1.0)
+
+
 @pytest.mark.parametrize("kind", ["draft", "companion"])
 def test_no_draft_forward_is_paid_when_the_latency_table_says_speculation_cannot_pay(kind):
     """Before drafting: a step whose best expected goodput is target-only drafts nothing (budget 0), rather than

@@ -115,8 +115,9 @@ class SVPolicy:
          whether the stopping rule over the draft-only gains of positions 1..i reaches i;
       4. after the companion has scored the block (``lengths``): the stopping rule over the ``kind``
          predictor's gains gives each row its verification length.
-    In 2 and 3 the draft forwards already run are paid whatever is decided: only what is still to come (the
-    next forward, the companion's scoring, the target's wider forward) weighs against position i's gain.
+    In 2 and 3 the draft forwards already run are paid whatever is decided, and so is the companion's scoring of
+    the tokens already sampled: only what is still to come (the next forward, scoring x_i, the target's wider
+    forward) weighs against position i's gain.
     ``kind`` is "companion" (draft + companion features) or "draft" (draft-only features, no companion).
 
     After each step (``observe``) each predictor's logit offset takes one gradient step of the cross-entropy it
@@ -146,13 +147,14 @@ class SVPolicy:
     def needs_companion(self) -> bool:
         return self.kind == "companion"
 
-    def step_seconds(self, batch: int, catch_up: int, drafted: int = 0) -> Callable[[int], float]:
+    def step_seconds(self, batch: int, catch_up: int, drafted: int = 0, sampled: int = 0) -> Callable[[int], float]:
         """Predicted seconds of a step at this batch size that drafts, scores and verifies ``width`` tokens, when
-        the draft has ``catch_up`` tokens to read first and has already run the forwards of ``drafted``
-        positions: those are paid whatever the width, so a narrower width does not save them."""
+        the draft has ``catch_up`` tokens to read first, has already run the forwards of ``drafted`` positions
+        and sampled ``sampled`` tokens: those forwards are paid whatever the width, and the companion scores
+        every token sampled, so a narrower width saves neither."""
         def seconds(width: int) -> float:
             latency = self.latency
-            scoring = latency.companion(batch, width) if self.needs_companion and width else 0.0
+            scoring = latency.scoring(batch, max(width, sampled), catch_up) if self.needs_companion else 0.0
             return (latency.drafting(batch, max(width, drafted), catch_up, companion=False) + scoring
                     + latency.target(batch, 1 + width))
 
@@ -174,7 +176,7 @@ class SVPolicy:
         decay = float(self.history[position - 1] / self.history[position - 2].clamp(min=1e-9))
         guess = torch.cat([gains, gains[:, -1:] * min(decay, 1.0)], dim=1)
         limit = torch.full((len(gains),), position, dtype=torch.long)
-        seconds = self.step_seconds(self._batch, self._catch_up, drafted=position - 1)
+        seconds = self.step_seconds(self._batch, self._catch_up, drafted=position - 1, sampled=position - 1)
         return int(stopping_lengths(guess, limit, seconds).max()) == position
 
     def keep_drafting(self, position: int, probs: torch.Tensor, prefix: torch.Tensor) -> bool:
@@ -186,7 +188,7 @@ class SVPolicy:
         gains = self.predict("draft", torch.stack(self._draft_features, 1))
         position = len(self._draft_features)
         limit = torch.full((len(gains),), position, dtype=torch.long)
-        seconds = self.step_seconds(self._batch, self._catch_up, drafted=position)
+        seconds = self.step_seconds(self._batch, self._catch_up, drafted=position, sampled=position - 1)
         return int(stopping_lengths(gains, limit, seconds).max()) == position
 
     def lengths(self, draft_tokens, draft_probs, companion_probs, num_draft: torch.Tensor) -> torch.Tensor:

@@ -51,8 +51,13 @@ class LatencyProfile:
         before it) and, with ``companion``, scoring them."""
         if positions == 0:
             return 0.0
-        scoring = self.companion(batch, positions) if companion else 0.0
+        scoring = self.scoring(batch, positions, catch_up) if companion else 0.0
         return self.draft(batch, catch_up) + (positions - 1) * self.draft(batch, 1) + scoring
+
+    def scoring(self, batch: int, positions: int, catch_up: int) -> float:
+        """Seconds of the companion's forward that scores ``positions`` drafted tokens per row: it reads the
+        ``catch_up`` tokens it has not seen and every drafted token but the last."""
+        return self.companion(batch, catch_up + positions - 1) if positions else 0.0
 
     def check(self, target_name: str, draft_name: str, companion_name: str | None, dtype, device) -> None:
         """Raise ValueError naming the first field that differs from what the profile was measured for."""

@@ -218,11 +218,23 @@ def test_a_draft_forward_already_run_is_paid_whatever_the_width():
 
     assert policy.draft_budget(1, 1) == 3
     assert policy.keep_drafting_given(features(1))
-    assert policy.draft_next(2)
-    assert policy.keep_drafting_given(features(2))
-    # the same decision priced as if no forward had run yet: (1 + 0.731 + 0.658) / 2.4 < (1 + 0.731) / 1.7
-    seconds = policy.step_seconds(1, 1)
-    assert (1 + 0.731 + 0.658) / seconds(2) < (1 + 0.731) / seconds(1)
+    # before the forward, position 2 (guessed 0.658) must pay for it: (1 + 0.731 + 0.658) / 2.4 < (1 + 0.731) / 1.7
+    assert not policy.draft_next(2, torch.zeros(1, dtype=torch.float64))
+    assert policy.keep_drafting_given(features(2))  # once it has run, it need not
+
+
+def test_draft_next_guesses_position_i_from_the_prefix_drafted_and_position_i_minus_1():
+    """Before its forward, position 2's gain is predicted with position 1's draft features, log 2 and the drafted
+    prefix's log-probability log q_1(x_1): an unlikely x_1 stops drafting, a likely one does not."""
+    latency = LatencyProfile(target=LatencyTable((1,), (1, 2, 3), ((1.0, 1.1, 1.2),)),
+                             draft=LatencyTable((1,), (1, 2), ((0.3, 0.3),)), companion=None, meta={})
+    first = torch.tensor([[1.0, 0.0, 0.0, 0.0, 0.0]])  # gain sigmoid(1) = 0.731
+    # position 2 pays if its gain exceeds 0.494: (1.731 + g) / 1.8 > 1.731 / 1.4
+    for log_q1, drafts in [(0.0, True), (math.log(0.05), False)]:  # guesses sigmoid(0.653 + 0.4 log_q1): 0.658, 0.367
+        policy = SVPolicy(hand_profile(), latency, method="block", max_draft=3, kind="draft")
+        assert policy.draft_budget(1, 1) == 3
+        assert policy.keep_drafting_given(first)
+        assert policy.draft_next(2, torch.tensor([log_q1], dtype=torch.float64)) == drafts
 
 
 def test_the_companion_is_priced_at_what_it_reads_and_scores_every_token_sampled():
@@ -320,7 +332,7 @@ def drive(make_policy, tables: lawkit.Tables, companion: lawkit.Tables, blocks: 
         prefix = torch.zeros(1, dtype=torch.float64)  # sum_{j<i} log q_j(x_j), clamped as in _propose
         drafted = 0
         for i in range(1, min(budget, DRAFT_LEN) + 1):
-            if i > 1 and not policy.draft_next(i):  # before the forward of position i
+            if i > 1 and not policy.draft_next(i, prefix):  # before the forward of position i
                 break
             probs = tables.draft_at(block[None, : i - 1])  # [1, V]: the draft's law at position i, before x_i
             if not policy.keep_drafting(i, probs, prefix):
@@ -554,8 +566,8 @@ class Recorded(SVPolicy):
         super().__init__(*args, **kwargs)
         self.declined = 0
 
-    def draft_next(self, position):
-        more = super().draft_next(position)
+    def draft_next(self, position, prefix):
+        more = super().draft_next(position, prefix)
         self.declined += not more
         return more
 

@@ -275,7 +275,7 @@ class SpeculativeDecoder:
         tokens, valid = left_pad(unseen)
         forward_s, prefix = 0.0, torch.zeros(batch, dtype=torch.float64, device=device)  # sum_{j<i} log q_j(x_j)
         for i in range(draft_len):
-            if i and not self.policy.draft_next(i + 1):  # before paying for the forward of position i + 1
+            if i and not self.policy.draft_next(i + 1, prefix):  # before paying for the forward of position i + 1
                 break
             t0 = time.perf_counter()
             logits = self.draft.forward(tokens.to(self.draft.device), valid.to(self.draft.device))[:, -1]

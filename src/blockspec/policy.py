@@ -12,6 +12,7 @@ not positive; a global argmax over L would be look-ahead (predictions for later 
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -88,7 +89,7 @@ class FixedLength:
     def draft_budget(self, batch: int, catch_up: int) -> int:
         return self.draft_len
 
-    def draft_next(self, position: int) -> bool:
+    def draft_next(self, position: int, prefix: torch.Tensor) -> bool:
         return True
 
     def keep_drafting(self, position: int, probs: torch.Tensor, prefix: torch.Tensor) -> bool:
@@ -109,8 +110,9 @@ class SVPolicy:
          latency table, whether speculating pays at all at this batch size, with the draft's first forward priced
          at the tokens it must catch up on (more after steps that did not draft);
       2. before the draft forward for position i > 1 (``draft_next``): whether the batch's plan, with the gains
-         of position i guessed from those of i - 1 and the history's decay between the two, would reach i; so
-         a stop rarely pays for a forward whose distribution then goes unused;
+         of position i predicted from its position, the drafted prefix's probability and position i - 1's draft
+         features in place of its own, would reach i; so a stop rarely pays for a forward whose distribution
+         then goes unused;
       3. after the draft's distribution at position i is known and before x_i is sampled (``keep_drafting``):
          whether the stopping rule over the draft-only gains of positions 1..i reaches i;
       4. after the companion has scored the block (``lengths``): the stopping rule over the ``kind``
@@ -171,11 +173,15 @@ class SVPolicy:
             return 0
         return self.max_draft
 
-    def draft_next(self, position: int) -> bool:
-        gains = self.predict("draft", torch.stack(self._draft_features, 1))
-        decay = float(self.history[position - 1] / self.history[position - 2].clamp(min=1e-9))
-        guess = torch.cat([gains, gains[:, -1:] * min(decay, 1.0)], dim=1)
-        limit = torch.full((len(gains),), position, dtype=torch.long)
+    def draft_next(self, position: int, prefix: torch.Tensor) -> bool:
+        known = torch.stack(self._draft_features, 1)  # [B, position - 1, F]
+        # Position i's draft distribution is not known yet: its entropy and top probability are guessed to be
+        # those of position i - 1; its position and the drafted prefix's probability (through x_{i-1}) are known.
+        guessed = known[:, -1].clone()
+        guessed[:, DRAFT_FEATURES.index("log_position")] = math.log(position)
+        guessed[:, DRAFT_FEATURES.index("log_prefix_prob")] = prefix.to(guessed)
+        guess = self.predict("draft", torch.cat([known, guessed[:, None]], dim=1))
+        limit = torch.full((len(guess),), position, dtype=torch.long)
         seconds = self.step_seconds(self._batch, self._catch_up, drafted=position - 1, sampled=position - 1)
         return int(stopping_lengths(guess, limit, seconds).max()) == position
 

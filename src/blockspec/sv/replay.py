@@ -18,6 +18,7 @@ import torch
 
 from ..policy import SVPolicy
 from .calibrate import Recording
+from .features import DRAFT_FEATURES
 
 CATCH_UP = 2  # tokens the draft's first forward of a step reads
 
@@ -75,7 +76,8 @@ def _sv_step(policy: SVPolicy, recording: Recording, chosen: torch.Tensor, kind:
     """One step of the real SVPolicy on recorded rows: (lengths [B], draft forwards run)."""
     budget = policy.draft_budget(len(chosen), CATCH_UP)
     drafted = forwards = 0
-    while drafted < budget and (drafted == 0 or policy.draft_next(drafted + 1)):
+    prefix = recording.draft[chosen, :, DRAFT_FEATURES.index("log_prefix_prob")]  # [B, K]: before each x_i
+    while drafted < budget and (drafted == 0 or policy.draft_next(drafted + 1, prefix[:, drafted])):
         forwards += 1  # a stop at keep_drafting still paid for the forward that decided it
         if not policy.keep_drafting_given(recording.draft[chosen, drafted]):
             break

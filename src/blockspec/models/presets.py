@@ -8,7 +8,12 @@ Glossary
                    <name>.gguf                the concatenated file, written once and hash-checked
                    <name>.gguf.verified.json  marker: size, sha256 and mtime of the verified file
                    hf-<dtype>/                the dequantised model saved with `save_pretrained` (safetensors),
-                                              tokenizer and generation config: later loads take seconds.
+                                              tokenizer and generation config: later loads take seconds. Its
+                                              marker records each file's size, sha256 and `fingerprint`; every
+                                              load checks the fingerprints, `verify` the full hashes.
+                 A write in progress is named `<name>.partial<pid>`; one left by a dead process (a killed first
+                 load) is deleted when the cache is next used.
+    fingerprint  a cheap content check of a file: its size, its safetensors header and 64 sampled blocks of 1 MiB.
 
 Install the packages with `bash scripts/install_models.sh` (pip extras cannot pass `--no-deps`, and the packages'
 own metadata pulls heavy unrelated dependencies). Packages are found through `importlib.metadata` (never imported:
@@ -25,6 +30,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import random
 import re
 import shutil
 import time
@@ -38,6 +44,11 @@ DEFAULT_CACHE = "~/.cache/blockspec"
 INSTALL_HINT = "bash scripts/install_models.sh"
 _READ_BLOCK = 8 << 20  # 8 MiB per read while copying and hashing
 _CONVERTED_MARKER = "blockspec-preset.json"  # written last in hf-<dtype>/: its presence means the copy is complete
+_PARTIAL = re.compile(r"\.(?:partial|tmp)(\d+)$")  # an unfinished write: <name>.partial<pid>, a marker's .tmp<pid>
+_FINGERPRINT_BLOCKS = 64
+_FINGERPRINT_BLOCK = 1 << 20  # 64 blocks of 1 MiB: a load reads 64 MiB per file to check it, whatever its size
+_FINGERPRINT_SEED = 0  # fixed: the same offsets at every load of a given file size
+_MAX_HEADER = 100 << 20  # safetensors' own limit on its JSON header; bounds the read of a corrupt length field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +166,36 @@ def preset_dir(preset: str | Preset, cache: str | os.PathLike | None = None) -> 
 
 def converted_dir(preset: str | Preset, dtype: Any, cache: str | os.PathLike | None = None) -> Path:
     return preset_dir(preset, cache) / f"hf-{_dtype_name(dtype)}"
+
+
+def remove_stale_partials(folder: Path) -> None:
+    """Delete what unfinished writes of dead processes left in ``folder``: a killed first load leaves a partial
+    GGUF or converted copy of up to a few gigabytes that nothing else would remove. A partial whose process is
+    alive is a write in progress and is kept. Process ids are this machine's: do not share a cache folder
+    between machines or containers that write to it at the same time."""
+    if not folder.is_dir():
+        return
+    for path in folder.iterdir():
+        match = _PARTIAL.search(path.name)
+        if match is None or _process_alive(int(match.group(1))):
+            continue
+        log.info("removing %s, left by an interrupted run (process %s is gone)", path, match.group(1))
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def _process_alive(pid: int) -> bool:
+    if os.name == "nt":  # os.kill would terminate the process there, not probe it: never treat one as dead
+        return True
+    try:
+        os.kill(pid, 0)  # signal 0 sends nothing: it only checks that the process exists
+    except (ProcessLookupError, OverflowError):  # no such process; a number beyond any pid
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
 
 
 def _distribution_files(dist_name: str) -> list[Path]:
@@ -278,12 +319,14 @@ def materialize(preset: str | Preset, *, cache: str | os.PathLike | None = None,
     """
     preset = get_preset(preset)
     gguf = _gguf_path(preset, cache)
+    remove_stale_partials(gguf.parent)
     if _marker_ok(preset, gguf):
         log.debug("preset %s: cached GGUF verified at %s", preset.name, gguf)
         return gguf
     if gguf.exists():  # e.g. a run killed between the rename and the marker: hash it rather than copy again
         log.info("preset %s: re-checking unmarked cached file %s", preset.name, gguf)
-        if gguf.stat().st_size == preset.size and _sha256_file(gguf, preset, progress) == preset.sha256:
+        label = f"{preset.name}: hashing"
+        if gguf.stat().st_size == preset.size and _sha256_file(gguf, label, progress) == preset.sha256:
             _write_marker(preset, gguf)
             return gguf
         log.warning("preset %s: cached file %s is wrong, rebuilding it", preset.name, gguf)
@@ -322,9 +365,9 @@ def materialize(preset: str | Preset, *, cache: str | os.PathLike | None = None,
     return gguf
 
 
-def _sha256_file(path: Path, preset: Preset, progress: bool) -> str:
+def _sha256_file(path: Path, label: str, progress: bool) -> str:
     digest = hashlib.sha256()
-    bar = _progress_bar(path.stat().st_size, f"{preset.name}: hashing", progress)
+    bar = _progress_bar(path.stat().st_size, label, progress)
     with open(path, "rb") as src:
         while block := src.read(_READ_BLOCK):
             digest.update(block)
@@ -335,15 +378,97 @@ def _sha256_file(path: Path, preset: Preset, progress: bool) -> str:
     return digest.hexdigest()
 
 
-# ------------------------------------------------------------------------------------------------ status
+# ---------------------------------------------------------------------------------- converted copies
 
 
-def _converted_ok(preset: Preset, out: Path) -> bool:
+def fingerprint(path: str | os.PathLike) -> str:
+    """A cheap content check of a file, made for safetensors files: sha256 over the file's size, its bytes up to
+    the end of the safetensors header (tensor names, dtypes, shapes, offsets) and 64 blocks of 1 MiB at offsets
+    drawn with a fixed seed. Reads at most about 64 MiB whatever the size, so every load can afford it; a file no
+    larger than that (config, tokenizer) is read whole. A planted, truncated or re-saved file fails it; a single
+    corrupted byte outside the sampled blocks only fails the full sha256 of ``verify``."""
+    path = Path(path)
+    size = path.stat().st_size
+    digest = hashlib.sha256(f"{size}\n".encode())
+    with open(path, "rb") as f:
+        length = f.read(8)  # safetensors: u64 little-endian length of the JSON header that follows
+        header_end = min(size, 8 + int.from_bytes(length, "little"), _MAX_HEADER) if len(length) == 8 else size
+        f.seek(0)
+        digest.update(f.read(header_end))
+        for offset in _sampled_offsets(header_end, size):
+            f.seek(offset)
+            digest.update(f.read(_FINGERPRINT_BLOCK))
+    return digest.hexdigest()
+
+
+def _sampled_offsets(start: int, size: int) -> list[int]:
+    """Offsets of the fingerprint's blocks in the bytes [start, size) after the header: all of them when they fit
+    in the sample, else 64 blocks drawn with the fixed seed (in file order, for sequential reads)."""
+    if size - start <= _FINGERPRINT_BLOCKS * _FINGERPRINT_BLOCK:
+        return list(range(start, size, _FINGERPRINT_BLOCK))
+    rng = random.Random(_FINGERPRINT_SEED)
+    return sorted(rng.randrange(start, size - _FINGERPRINT_BLOCK + 1) for _ in range(_FINGERPRINT_BLOCKS))
+
+
+def _copy_files(folder: Path) -> list[Path]:
+    return sorted(f for f in folder.iterdir() if f.is_file() and f.name != _CONVERTED_MARKER)
+
+
+def _write_converted_marker(folder: Path, preset: Preset, dtype_name: str) -> None:
+    """Mark ``folder`` complete, recording size, fingerprint and sha256 of each of its files (hashing the 3 GB of
+    the 1.5B model's bf16 copy once, at conversion, where dequantising took a minute anyway)."""
+    files = {f.name: {"size": f.stat().st_size, "fingerprint": fingerprint(f),
+                      "sha256": _sha256_file(f, f"{preset.name}: hashing {f.name}", False)}
+             for f in _copy_files(folder)}
+    marker = {"preset": preset.name, "sha256": preset.sha256, "dtype": dtype_name, "files": files}
+    (folder / _CONVERTED_MARKER).write_text(json.dumps(marker, indent=1))
+
+
+def _converted_marker(preset: Preset, out: Path) -> dict | None:
+    """The copy's marker if the copy is complete and current: made from this preset's GGUF (a copy of another GGUF
+    is stale) and recording its files' hashes (a copy written by an older blockspec has none and is rebuilt:
+    nothing known-good remains to check it against)."""
     try:
         marker = json.loads((out / _CONVERTED_MARKER).read_text())
     except (OSError, ValueError):
-        return False
-    return marker.get("sha256") == preset.sha256  # a copy made from another GGUF is stale
+        return None
+    return marker if marker.get("sha256") == preset.sha256 and isinstance(marker.get("files"), dict) else None
+
+
+def _changed_files(out: Path, recorded: dict, *, full: bool, progress: bool = False) -> list[str]:
+    """One line per file of the copy ``out`` that differs from its record: extra, missing, or different content
+    (by size and fingerprint, or with ``full`` by sha256)."""
+    problems = [f"{f}: not written by blockspec" for f in _copy_files(out) if f.name not in recorded]
+    for name, record in recorded.items():
+        path = out / name
+        if not path.is_file():
+            problems.append(f"{path}: missing")
+        elif full and _sha256_file(path, f"verifying {name}", progress) != record["sha256"]:
+            problems.append(f"{path}: sha256 differs from the one recorded when it was written")
+        elif not full and (path.stat().st_size != record["size"] or fingerprint(path) != record["fingerprint"]):
+            problems.append(f"{path}: content differs from the one written (size or fingerprint)")
+    return problems
+
+
+def verify(preset: str | Preset, *, cache: str | os.PathLike | None = None, progress: bool = True) -> list[str]:
+    """Full check of the preset's cache, reading every byte: the GGUF against the pinned sha256 and each converted
+    copy's files against the sha256 recorded when the copy was written. Returns one message per problem, naming
+    the file and the fix; empty when everything cached is intact (or nothing is cached). Deletes nothing."""
+    preset = get_preset(preset)
+    problems = []
+    gguf = _gguf_path(preset, cache)
+    if gguf.is_file() and _sha256_file(gguf, f"verifying {gguf.name}", progress) != preset.sha256:
+        problems.append(f"{gguf}: sha256 differs from the pinned {preset.sha256}; delete it and the next load "
+                        "rebuilds it from the installed packages")
+    for dtype_name in status(preset, cache=cache).converted:
+        out = converted_dir(preset, dtype_name, cache)
+        recorded = _converted_marker(preset, out)["files"]
+        problems += [f"{line}; delete {out} and the next load rebuilds it"
+                     for line in _changed_files(out, recorded, full=True, progress=progress)]
+    return problems
+
+
+# ------------------------------------------------------------------------------------------------ status
 
 
 def status(preset: str | Preset, *, cache: str | os.PathLike | None = None) -> PresetStatus:
@@ -351,7 +476,7 @@ def status(preset: str | Preset, *, cache: str | os.PathLike | None = None) -> P
     folder = preset_dir(preset, cache)
     converted = tuple(
         sorted(  # hf-<dtype> only: an interrupted save leaves hf-<dtype>.partial<pid>, never counted
-            d.name[3:] for d in folder.glob("hf-*") if d.name[3:] in _DTYPES.values() and _converted_ok(preset, d)
+            d.name[3:] for d in folder.glob("hf-*") if d.name[3:] in _DTYPES.values() and _converted_marker(preset, d)
         )
     ) if folder.is_dir() else ()
     missing = missing_packages(preset)
@@ -395,7 +520,8 @@ def load(
 
     First call per dtype: materialize the GGUF, dequantise it through transformers' GGUF loader (about a minute
     for the Qwen pair on 2 cores), then save a safetensors copy (with tokenizer and generation config) in
-    `hf-<dtype>/`. Later calls load that copy in seconds. The copy holds exactly the weights of a direct GGUF
+    `hf-<dtype>/`. Later calls check the copy's fingerprints and load it in seconds; a copy changed since it was
+    written raises ChecksumMismatchError naming the file. The copy holds exactly the weights of a direct GGUF
     load in the same dtype (transformers dequantises to float32 and then casts), so the two paths give the same
     model; each dtype gets its own copy so that float32 is never a cast of rounded bfloat16 weights.
     """
@@ -406,11 +532,20 @@ def load(
     dtype_name = _dtype_name(dtype)
     torch_dtype = getattr(torch, dtype_name)
     out = converted_dir(preset, dtype_name, cache)
-    if _converted_ok(preset, out):
+    remove_stale_partials(out.parent)
+    marker = _converted_marker(preset, out)
+    if marker is not None:
         t0 = time.perf_counter()
+        changed = _changed_files(out, marker["files"], full=False)
+        if changed:
+            raise ChecksumMismatchError(
+                f"preset {preset.name!r}: the cached {dtype_name} copy changed after it was written: "
+                f"{'; '.join(changed)}; delete {out} and the next load rebuilds it from the GGUF"
+            )
         model = AutoModelForCausalLM.from_pretrained(out, dtype=torch_dtype)
         tokenizer = AutoTokenizer.from_pretrained(out)
-        log.info("preset %s: loaded cached %s copy in %.1f s", preset.name, dtype_name, time.perf_counter() - t0)
+        log.info("preset %s: checked and loaded cached %s copy in %.1f s", preset.name, dtype_name,
+                 time.perf_counter() - t0)
         return model.eval(), tokenizer
 
     gguf = materialize(preset, cache=cache, progress=progress)
@@ -429,9 +564,7 @@ def load(
     try:
         model.save_pretrained(tmp)  # safetensors is the default format in transformers 5
         tokenizer.save_pretrained(tmp)
-        (tmp / _CONVERTED_MARKER).write_text(
-            json.dumps({"preset": preset.name, "sha256": preset.sha256, "dtype": dtype_name}, indent=1)
-        )
+        _write_converted_marker(tmp, preset, dtype_name)
         shutil.rmtree(out, ignore_errors=True)  # a stale or incomplete copy
         os.replace(tmp, out)
     finally:

@@ -6,7 +6,8 @@ S slots to every row; each slot records the position of the token in it, or -1 f
 token or padding). An explicit 4D attention mask lets a token see exactly the earlier non-hole slots of its
 row, and explicit position ids keep every row's positions contiguous, so holes cost nothing but memory until
 an occasional compaction squeezes them out. Rolling back is a mask update: free. Prompts are prefilled in
-groups of similar length (``prefill_groups``), so a batch's short prompts are not padded to its longest.
+groups of similar length (``prefill_groups``), so a batch's short prompts are not padded to its longest; a prompt
+longer than the prefill budget is prefilled in chunks, each attending to the ones before it through the cache.
 
 With that explicit mask, transformers' sdpa attention repeats each key/value head of a grouped-query model for
 its query heads whenever more than one token is scored: a copy of the whole cache in every layer of every
@@ -17,8 +18,10 @@ This module and ``presets`` are the only ones that import transformers; nothing 
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,9 +38,14 @@ PREFILL_TOKENS = 2048  # padded tokens per prefill forward: enough for efficient
 
 class HFModel:
     """Wraps an already-loaded transformers ``PreTrainedModel`` (and optionally its tokenizer). A model using sdpa
-    attention is switched to ``grouped_sdpa``, which computes the same attention without copying the cache."""
+    attention is switched to ``grouped_sdpa``, which computes the same attention without copying the cache.
 
-    def __init__(self, model, tokenizer=None, *, name: str | None = None):
+    ``on_prefill(done, total)``, if set, is called after each prefill forward with the prompt tokens prefilled so
+    far and the total: a long prompt on a slow CPU takes minutes, and a caller can show that it advances.
+    """
+
+    def __init__(self, model, tokenizer=None, *, name: str | None = None,
+                 on_prefill: Callable[[int, int], None] | None = None):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name or getattr(model, "name_or_path", None) or type(model).__name__
@@ -54,6 +62,7 @@ class HFModel:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.prefill_tokens = PREFILL_TOKENS
+        self.on_prefill = on_prefill
         self._layers: list[_SlotLayer] = []
         self._slot_pos = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # [B, T]: position or -1
         self._lengths = torch.zeros(0, dtype=torch.long, device=self.device)  # [B]
@@ -74,6 +83,7 @@ class HFModel:
         self._layers = [_SlotLayer() for _ in range(self.num_layers)]
         self._slot_pos = torch.full((batch, longest), -1, dtype=torch.long, device=self.device)
         self._lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long, device=self.device)
+        done, total = 0, sum(len(s) for s in sequences)
         for rows in prefill_groups([len(s) for s in sequences], self.prefill_tokens):
             tokens, valid = left_pad([sequences[b] for b in rows])
             tokens, valid, width = tokens.to(self.device), valid.to(self.device), tokens.shape[1]
@@ -82,7 +92,15 @@ class HFModel:
             part = [_SlotLayer() for _ in range(self.num_layers)]
             for layer in part:
                 layer.reserve(width)
-            self._call(part, tokens, slot_pos, positions, logits_to_keep=1)
+            # One forward per group, except for a row alone over the budget: its columns [start, end) go in chunks,
+            # each appended to `part` and attending to the slots before it, as a decoding forward does.
+            chunk = max(1, self.prefill_tokens // len(rows))
+            for start in range(0, width, chunk):
+                end = min(start + chunk, width)
+                self._call(part, tokens[:, start:end], slot_pos[:, :end], positions[:, start:end], logits_to_keep=1)
+                done += int(valid[:, start:end].sum())
+                if self.on_prefill is not None:
+                    self.on_prefill(done, total)
             rows = torch.tensor(rows, device=self.device)
             self._slot_pos[rows, longest - width:] = slot_pos  # right-aligned: every row's last token at the end
             for layer, filled in zip(self._layers, part):
@@ -294,21 +312,43 @@ def _eos_ids(model, tokenizer) -> tuple[int, ...]:
 # --- loading ------------------------------------------------------------------------------------------------
 
 DTYPES = ("bfloat16", "float16", "float32")
+DEVICE_TYPES = ("cpu", "cuda", "mps")
 
 
 def resolve_device(device: str) -> torch.device:
-    """``auto`` picks CUDA when present, else the CPU."""
+    """The torch device for ``device``: ``auto`` (CUDA when present, else the CPU), ``cpu``, ``cuda``, ``cuda:N``
+    or ``mps``. Raises ValueError for any other string and for a device this torch cannot use (CUDA on a CPU-only
+    build, a missing GPU index), so a caller can refuse it before loading anything."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):  # torch's message lists every backend it was built to name, usable or not
+        resolved = None
+    if resolved is None or resolved.type not in DEVICE_TYPES:
+        raise ValueError(f"unknown device {device!r}; use auto, cpu, cuda, cuda:N or mps")
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} requested but torch has no CUDA here (torch.cuda.is_available() is "
+                             "False); use --device cpu or auto")
+        count = torch.cuda.device_count()
+        if resolved.index is not None and resolved.index >= count:
+            raise ValueError(f"device {device!r} requested but torch sees {count} CUDA device(s), cuda:0 to "
+                             f"cuda:{count - 1}")
+    if resolved.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {device!r} requested but torch has no MPS here (torch.backends.mps.is_available() "
+                         "is False); use --device cpu or auto")
+    return resolved
 
 
 def load_model(name_or_path: str, *, dtype: str = "bfloat16", device: str = "cpu", progress: bool = True,
                allow_download: bool = False) -> HFModel:
     """Load a causal LM as an HFModel: a bundled preset name, a GGUF file, a local directory or a hub id.
 
-    Hub ids resolve from the local Hugging Face cache only (``local_files_only=True``): nothing is downloaded
-    unless ``allow_download=True``. GGUF files need the ``gguf`` and ``accelerate`` packages (the ``hf`` extra).
+    Hub ids resolve from the local Hugging Face cache only: a name that is none of these is refused with the
+    closest preset name, before any network access, unless ``allow_download=True`` lets a hub id be downloaded.
+    The dtype and the device are checked before anything loads. GGUF files need the ``gguf`` and ``accelerate``
+    packages (the ``hf`` extra).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -325,11 +365,32 @@ def load_model(name_or_path: str, *, dtype: str = "bfloat16", device: str = "cpu
         folder, file = os.path.split(os.path.abspath(name_or_path))
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch_dtype)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
-    else:
+    elif os.path.isdir(name_or_path) or allow_download or _in_hub_cache(name_or_path):
         local = not allow_download
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, local_files_only=local)
         tokenizer = _optional_tokenizer(name_or_path, local_files_only=local)
+    else:
+        raise ValueError(_unknown_model_message(name_or_path, presets.PRESETS))
     return HFModel(model.to(target_device), tokenizer, name=name_or_path)
+
+
+def _in_hub_cache(name: str) -> bool:
+    """Whether hub id ``name`` has a config in the local Hugging Face cache: a file-system look-up, no network."""
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return isinstance(try_to_load_from_cache(name, "config.json"), str)  # else None, or a "known absent" marker
+    except HFValidationError:  # not even shaped like a hub id (a mistyped path, ...)
+        return False
+
+
+def _unknown_model_message(name: str, preset_names) -> str:
+    close = difflib.get_close_matches(name.lower(), preset_names, n=1)
+    suggestion = f" (did you mean {close[0]!r}?)" if close else ""
+    return (f"unknown model {name!r}; presets: {', '.join(preset_names)}{suggestion}. Otherwise give a .gguf file, a "
+            "model folder, or a Hugging Face hub id already in the local Hugging Face cache; to download a hub id, "
+            "pass --allow-download (allow_download=True)")
 
 
 def _optional_tokenizer(name_or_path: str, *, local_files_only: bool) -> Any:

@@ -48,7 +48,9 @@ class Recording:
 
     @classmethod
     def load(cls, path) -> Recording:
-        return cls(**torch.load(path))
+        # weights_only: tensors and containers only, so a planted recording cannot run code, even where
+        # TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD makes full unpickling torch.load's default.
+        return cls(**torch.load(path, weights_only=True))
 
 
 class Recorder(FixedLength):

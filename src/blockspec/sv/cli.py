@@ -1,21 +1,27 @@
 """``blockspec sv profile``, ``blockspec sv calibrate`` and the SV options of ``blockspec generate``.
 
 Only argparse at import time: torch and the models load inside the commands, so ``--help`` stays instant.
-Profiles live by default in ~/.cache/blockspec/sv, named after the models (and the sampling, for the
-calibration profile), so ``generate --policy sv`` finds the ones measured for its configuration.
+Profiles live by default in ``sv_dir()`` (``sv/`` in the model cache: ~/.cache/blockspec/sv unless
+``BLOCKSPEC_CACHE`` says otherwise), named after the models (and the sampling, for the calibration profile), so
+``generate --policy sv`` finds the ones measured for its configuration.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 from pathlib import Path
 
+from ..models.presets import cache_root  # stdlib only: imports neither torch nor transformers
+
 DEFAULT_COMPANION = "prefix:8"
-SV_DIR = Path(os.environ.get("BLOCKSPEC_CACHE", Path.home() / ".cache" / "blockspec")) / "sv"
+
+
+def sv_dir() -> Path:
+    """Where profiles go by default: ``sv/`` in the model cache, read at each call (``presets.cache_root``)."""
+    return cache_root() / "sv"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,9 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "companions carried no measurable information for their cost (docs/benchmarks.md) "
                         "(default: %(default)s)")
     parser.add_argument("--sv-profile", type=Path, help="calibration profile (default: the one `blockspec sv calibrate` "
-                        f"saved for these models and sampling under {SV_DIR})")
+                        f"saved for these models and sampling under {sv_dir()})")
     parser.add_argument("--latency", type=Path, help="latency profile (default: the one `blockspec sv profile` saved "
-                        f"for these models under {SV_DIR})")
+                        f"for these models under {sv_dir()})")
 
 
 def add_parsers(sub, defaults: dict) -> None:
@@ -56,7 +62,7 @@ def add_parsers(sub, defaults: dict) -> None:
                          help="cached tokens per row while timing; the cost of attention grows with it, so match the "
                          "prompts you serve (default: %(default)s, a chat prompt and its answer so far)")
     profile.add_argument("--repeats", type=int, default=3, help="timed forwards per cell, median kept (default: %(default)s)")
-    profile.add_argument("--out", type=Path, help=f"output JSON (default: under {SV_DIR})")
+    profile.add_argument("--out", type=Path, help=f"output JSON (default: under {sv_dir()})")
     profile.set_defaults(run=run_profile)
 
     calibrate = sv_sub.add_parser("calibrate", help="record drafted positions and fit the acceptance predictors",
@@ -77,7 +83,7 @@ def add_parsers(sub, defaults: dict) -> None:
     calibrate.add_argument("--top-k", type=int, default=0, help="(default: %(default)s)")
     calibrate.add_argument("--top-p", type=float, default=1.0, help="(default: %(default)s)")
     calibrate.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
-    calibrate.add_argument("--out", type=Path, help=f"profile JSON (default: under {SV_DIR})")
+    calibrate.add_argument("--out", type=Path, help=f"profile JSON (default: under {sv_dir()})")
     calibrate.add_argument("--recording", type=Path, help="also save the recorded positions (torch file) for replay")
     calibrate.set_defaults(run=run_calibrate)
 
@@ -110,11 +116,11 @@ def sampling_key(sampling) -> dict:
 
 def profile_path(target: str, draft: str, companion: str | None, sampling: dict) -> Path:
     temperature = "T{temperature:g}-k{top_k}-p{top_p:g}".format(**sampling)
-    return SV_DIR / f"calibration-{_slug(target, draft, companion)}-{temperature}.json"
+    return sv_dir() / f"calibration-{_slug(target, draft, companion)}-{temperature}.json"
 
 
 def latency_path(target: str, draft: str, companion: str | None, dtype: str, device: str) -> Path:
-    return SV_DIR / f"latency-{_slug(target, draft, companion)}-{dtype}-{device}.json"
+    return sv_dir() / f"latency-{_slug(target, draft, companion)}-{dtype}-{device}.json"
 
 
 def _slug(*names) -> str:

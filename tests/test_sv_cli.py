@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 
+from blockspec import cli
+from blockspec.models import hf
 from blockspec.policy import LatencyTable
 from blockspec.sv import replay
 from blockspec.sv.latency import LatencyProfile
@@ -127,3 +129,26 @@ def test_missing_profiles_are_explained(tmp_path):
     out = run("generate", "--target", target, "--draft", target, "--dtype", "float32", "--policy", "sv", "hi",
               cache=tmp_path)
     assert out.returncode == 2 and "blockspec sv calibrate" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("command", ["profile", "calibrate"])
+@pytest.mark.parametrize("flag, expected", [([], False), (["--allow-download"], True)])
+def test_sv_commands_download_hub_models_only_when_allowed(command, flag, expected, monkeypatch):
+    calls = []
+
+    def fake_load_model(name, **kwargs):
+        calls.append(kwargs["allow_download"])
+        raise ValueError("stopped before measuring")
+
+    monkeypatch.setattr(hf, "load_model", fake_load_model)
+    assert cli.main(["sv", command, *flag, "--target", "some/model"]) == 2
+    assert calls == [expected]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch that cannot use CUDA")
+@pytest.mark.parametrize("command", ["profile", "calibrate"])
+def test_sv_commands_refuse_an_unusable_device_before_loading_a_model(command, monkeypatch, capsys):
+    monkeypatch.setattr(hf, "load_model", lambda name, **kwargs: pytest.fail(f"loaded {name}"))
+    assert cli.main(["sv", command, "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("blockspec: error: ") and "cuda" in err

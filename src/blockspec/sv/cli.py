@@ -40,6 +40,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"for these models under {sv_dir()})")
 
 
+ALLOW_DOWNLOAD_HELP = ("let hub ids that are not in the local Hugging Face cache be downloaded (default: never "
+                       "download)")
+
+
+def int_at_least(minimum: int):
+    """An argparse type: an integer >= ``minimum``, refused at parse time (before any model loads)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (time budgets, precisions)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
 def add_parsers(sub, defaults: dict) -> None:
     sv = sub.add_parser("sv", help="Speculative Verification: measure latency, calibrate the acceptance predictor",
                         description="Speculative Verification (Kim et al., arXiv 2509.24328) verifies, per row and "
@@ -55,13 +85,15 @@ def add_parsers(sub, defaults: dict) -> None:
                                 "probabilities; cells take turns so drift is shared; save the table.")
     _model_arguments(profile, defaults)
     profile.add_argument("--companion", default=DEFAULT_COMPANION, help="(default: %(default)s); 'none' for no companion")
-    profile.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 32, 64], help="(default: %(default)s)")
-    profile.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 5, 9],
+    profile.add_argument("--batch-sizes", type=int_at_least(1), nargs="+", default=[1, 4, 16, 32, 64],
+                         help="(default: %(default)s)")
+    profile.add_argument("--tokens", type=int_at_least(1), nargs="+", default=[1, 2, 3, 5, 9],
                          help="tokens per row in one forward (default: %(default)s)")
-    profile.add_argument("--context", type=int, default=160,
+    profile.add_argument("--context", type=int_at_least(1), default=160,
                          help="cached tokens per row while timing; the cost of attention grows with it, so match the "
                          "prompts you serve (default: %(default)s, a chat prompt and its answer so far)")
-    profile.add_argument("--repeats", type=int, default=3, help="timed forwards per cell, median kept (default: %(default)s)")
+    profile.add_argument("--repeats", type=int_at_least(1), default=3,
+                         help="timed forwards per cell, median kept (default: %(default)s)")
     profile.add_argument("--out", type=Path, help=f"output JSON (default: under {sv_dir()})")
     profile.set_defaults(run=run_profile)
 
@@ -75,12 +107,13 @@ def add_parsers(sub, defaults: dict) -> None:
     add_arguments(calibrate)
     calibrate.add_argument("--dataset", default="sharegpt",
                            help="calibration prompts; keep them disjoint from your evaluation sets (default: %(default)s)")
-    calibrate.add_argument("--prompts", type=int, default=24, help="(default: %(default)s)")
-    calibrate.add_argument("--max-new-tokens", type=int, default=64, help="(default: %(default)s)")
-    calibrate.add_argument("--draft-len", type=int, default=8, help="K drafted and recorded per step (default: %(default)s)")
-    calibrate.add_argument("--batch-size", type=int, default=4, help="(default: %(default)s)")
+    calibrate.add_argument("--prompts", type=int_at_least(1), default=24, help="(default: %(default)s)")
+    calibrate.add_argument("--max-new-tokens", type=int_at_least(1), default=64, help="(default: %(default)s)")
+    calibrate.add_argument("--draft-len", type=int_at_least(1), default=8,
+                           help="K drafted and recorded per step (default: %(default)s)")
+    calibrate.add_argument("--batch-size", type=int_at_least(1), default=4, help="(default: %(default)s)")
     calibrate.add_argument("--temperature", type=float, default=1.0, help="(default: %(default)s)")
-    calibrate.add_argument("--top-k", type=int, default=0, help="(default: %(default)s)")
+    calibrate.add_argument("--top-k", type=int_at_least(0), default=0, help="(default: %(default)s)")
     calibrate.add_argument("--top-p", type=float, default=1.0, help="(default: %(default)s)")
     calibrate.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     calibrate.add_argument("--out", type=Path, help=f"profile JSON (default: under {sv_dir()})")
@@ -95,9 +128,10 @@ def add_parsers(sub, defaults: dict) -> None:
     replay.add_argument("--recording", type=Path, required=True, help="recorded positions (torch file)")
     replay.add_argument("--sv-profile", type=Path, required=True, help="calibration profile")
     replay.add_argument("--latency", type=Path, required=True, help="latency profile")
-    replay.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 32, 64], help="(default: %(default)s)")
+    replay.add_argument("--batch-sizes", type=int_at_least(1), nargs="+", default=[1, 4, 16, 32, 64],
+                        help="(default: %(default)s)")
     replay.add_argument("--methods", nargs="+", default=["token", "block"], choices=["token", "block"])
-    replay.add_argument("--steps", type=int, default=300, help="replayed steps per batch size (default: %(default)s)")
+    replay.add_argument("--steps", type=int_at_least(1), default=300, help="replayed steps per batch size (default: %(default)s)")
     replay.add_argument("--out", type=Path, help="also write the results as JSON, and a plot beside it (.png)")
     replay.set_defaults(run=run_replay)
 
@@ -107,7 +141,8 @@ def _model_arguments(parser, defaults: dict) -> None:
     parser.add_argument("--draft", default=defaults["draft"], help="(default: %(default)s)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                         help="(default: %(default)s)")
-    parser.add_argument("--device", default="cpu", help="(default: %(default)s)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
+    parser.add_argument("--allow-download", action="store_true", help=ALLOW_DOWNLOAD_HELP)
 
 
 def sampling_key(sampling) -> dict:
@@ -155,11 +190,12 @@ def require_file(path: Path, command: str) -> Path:
 
 def run_profile(args) -> int:
     from ..models.companion import load_companion
-    from ..models.hf import load_model
+    from ..models.hf import load_model, resolve_device
     from .latency import measure_profile
 
-    target = load_model(args.target, dtype=args.dtype, device=args.device)
-    draft = load_model(args.draft, dtype=args.dtype, device=args.device)
+    resolve_device(args.device)  # a device torch cannot use is refused before the models load
+    target = load_model(args.target, dtype=args.dtype, device=args.device, allow_download=args.allow_download)
+    draft = load_model(args.draft, dtype=args.dtype, device=args.device, allow_download=args.allow_download)
     companion_name = None if args.companion == "none" else args.companion
     companion = load_companion(companion_name, target, dtype=args.dtype, device=args.device) if companion_name else None
     profile = measure_profile(target, draft, companion, batch_sizes=tuple(args.batch_sizes), tokens=tuple(args.tokens),
@@ -184,13 +220,14 @@ def run_calibrate(args) -> int:
     from ..chat import encode_prompt
     from ..engine import SpeculativeDecoder
     from ..models.companion import load_companion
-    from ..models.hf import load_model
+    from ..models.hf import load_model, resolve_device
     from ..sampling import SamplingParams
     from .calibrate import Recorder, fit_profile, record
 
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
-    target = load_model(args.target, dtype=args.dtype, device=args.device)
-    draft = load_model(args.draft, dtype=args.dtype, device=args.device)
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)  # values checked before the models load
+    resolve_device(args.device)
+    target = load_model(args.target, dtype=args.dtype, device=args.device, allow_download=args.allow_download)
+    draft = load_model(args.draft, dtype=args.dtype, device=args.device, allow_download=args.allow_download)
     companion = load_companion(args.companion, target, dtype=args.dtype, device=args.device)
     decoder = SpeculativeDecoder(target, draft, verifier="token", draft_len=args.draft_len,
                                  policy=Recorder(args.draft_len), companion=companion)

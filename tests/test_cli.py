@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
 from blockspec import cli
+from blockspec.models import hf
 from tiny import save_tiny
 
 
@@ -62,3 +65,127 @@ def test_models_and_env_print_machine_readable_reports():
     assert all(m["cache_state"] in {"converted", "gguf", "empty"} for m in models)
     env = json.loads(run("env", "--json").stdout)
     assert env["torch"].startswith("2.13") and env["torch_threads"] >= 1
+
+
+def test_generate_says_what_it_is_doing_before_the_first_token(tiny_pair):
+    """A long prompt printed nothing for minutes before its first token, which looked like a hang: generate now
+    names each model it loads and the prompt it prefills, on stderr, leaving stdout to the text alone."""
+    target, draft = tiny_pair
+    out = run("generate", "--target", target, "--draft", draft, "--dtype", "float32", "--max-new-tokens", "4",
+              "--temperature", "0", "abc de")
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.startswith(("loading ", "prefilling "))]  # and
+    # transformers' own weight-loading bars
+    assert lines[:2] == [f"loading target {target} (float32, cpu)", f"loading draft {draft} (float32, cpu)"]
+    assert len(lines) == 3 and re.fullmatch(r"prefilling \d+ prompt tokens", lines[2]), lines
+    assert "tokens/s" in out.stderr.splitlines()[-1]
+    assert "loading" not in out.stdout and "prefilling" not in out.stdout
+
+
+def test_generate_shows_prefill_progress_of_each_model_for_long_prompts(tiny_pair, monkeypatch, capsys):
+    target, draft = tiny_pair
+    monkeypatch.setattr(cli, "LONG_PROMPT", 4)  # the tiny models' context is far below the real threshold
+    monkeypatch.setattr(hf, "PREFILL_TOKENS", 3)  # several prefill forwards, so several reports
+    assert cli.main(["generate", "--target", target, "--draft", draft, "--dtype", "float32", "--max-new-tokens", "2",
+                     "--temperature", "0", "--no-chat", "abcdefghij"]) == 0
+    err = capsys.readouterr().err
+    for role in ("target", "draft"):
+        reports = re.findall(rf"prefilling {role}: (\d+)/(\d+) tokens", err)
+        assert len(reports) >= 2 and reports[-1][0] == reports[-1][1], err  # advances, then reaches the end
+
+
+class Stream(io.StringIO):
+    def __init__(self, terminal: bool):
+        super().__init__()
+        self.terminal = terminal
+
+    def isatty(self) -> bool:
+        return self.terminal
+
+
+def test_prefill_progress_is_shown_on_a_terminal_or_for_long_prompts_only():
+    quiet = Stream(terminal=False)
+    progress = cli.PrefillProgress("target", quiet)
+    for done in (0, 64, 128):
+        progress(done, 128)
+    assert quiet.getvalue() == ""  # a short prompt in a pipe: tests and scripts stay clean
+
+    log = Stream(terminal=False)
+    progress = cli.PrefillProgress("target", log)
+    for done in [*range(0, 5010, 64), 5010]:
+        progress(done, 5010)
+    lines = log.getvalue().splitlines()
+    assert 2 <= len(lines) <= 11 and lines[-1] == "prefilling target: 5010/5010 tokens (100%)"  # one per tenth
+
+    terminal = Stream(terminal=True)
+    progress = cli.PrefillProgress("draft", terminal)
+    for done in (0, 64, 128):
+        progress(done, 128)
+    text = terminal.getvalue()
+    assert text.count("\r") == 3 and text.endswith("\n") and "prefilling draft: 128/128 tokens" in text
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """Replaces load_model: records each call's keywords, returns a stand-in for every model but the one named
+    'stop', which ends the command."""
+    calls = []
+
+    def fake_load_model(name, **kwargs):
+        calls.append((name, kwargs))
+        if name == "stop":
+            raise ValueError("stopped before decoding")
+        return object()
+
+    monkeypatch.setattr(hf, "load_model", fake_load_model)
+    return calls
+
+
+@pytest.mark.parametrize("flag, expected", [([], False), (["--allow-download"], True)])
+def test_generate_downloads_hub_models_only_when_allowed(flag, expected, loads):
+    assert cli.main(["generate", *flag, "--target", "some/model", "--draft", "stop", "hi"]) == 2
+    assert [(name, kwargs["allow_download"]) for name, kwargs in loads] == [("some/model", expected),
+                                                                              ("stop", expected)]
+
+
+def test_bench_passes_allow_download_and_retry_failed_to_its_config(monkeypatch):
+    from blockspec.bench import runner
+
+    configs = []
+
+    def fake_run(config, **kwargs):
+        configs.append(config)
+        raise ValueError("stopped before decoding")
+
+    monkeypatch.setattr(runner, "run", fake_run)
+    assert cli.main(["bench", "--allow-download", "--retry-failed"]) == 2
+    assert cli.main(["bench"]) == 2
+    flagged, plain = configs
+    assert flagged.allow_download is True and flagged.retry_failed is True
+    # without the flags the preset's values hold (never download, keep failure records)
+    preset = runner.PRESETS["quick"]
+    assert (plain.allow_download, plain.retry_failed) == (preset.allow_download, preset.retry_failed) == (False, False)
+
+
+def test_models_verify_hashes_the_cache_and_fails_on_a_mismatch(monkeypatch, capsys):
+    from blockspec.models import presets
+
+    checked = []
+
+    def fake_verify(name, **kwargs):
+        checked.append(name)
+        return [f"/cache/{name}/hf-bfloat16/model.safetensors: sha256 differs"] if name == "smollm2-135m" else []
+
+    monkeypatch.setattr(presets, "verify", fake_verify)
+    assert cli.main(["models"]) == 0 and checked == []  # a plain listing hashes nothing
+    capsys.readouterr()
+    assert cli.main(["models", "--verify"]) == 2
+    out, err = capsys.readouterr()
+    assert checked == list(presets.PRESETS)
+    assert "mismatch: /cache/smollm2-135m/hf-bfloat16/model.safetensors: sha256 differs" in out
+    assert err.count("\n") == 1 and err.startswith("blockspec: error: 1 cached file(s) differ")
+    assert cli.main(["models", "--verify", "--json"]) == 2
+    listed = {m["name"]: m["mismatches"] for m in json.loads(capsys.readouterr().out)}
+    assert listed["smollm2-135m"] and not listed["qwen2.5-coder-1.5b"]
+    monkeypatch.setattr(presets, "verify", lambda name, **kwargs: [])
+    assert cli.main(["models", "--verify"]) == 0 and "verified" in capsys.readouterr().err

@@ -28,6 +28,13 @@ EXAMPLES = """examples:
   blockspec env             # versions, threads and device, for bug reports
 """
 
+EXIT_STATUS = """exit status:
+  0    done
+  2    bad input: an argument, path, device, model or profile that cannot be used (the message says which)
+  1    an unexpected error, likely a bug: please report it with `blockspec env` and the `--debug` traceback
+  130  interrupted (Ctrl-C)
+"""
+
 
 @dataclass(frozen=True)
 class GenerateConfig:
@@ -50,23 +57,59 @@ class GenerateConfig:
     sv_predictor: str = "draft"
     sv_profile: Path | None = None
     latency: Path | None = None
+    allow_download: bool = False
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a subcommand; any error ends as one line on stderr and an exit status (see EXIT_STATUS), or, with
+    --debug, as the usual traceback."""
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:
         return args.run(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as error:  # user-facing errors: no traceback
-        print(f"blockspec: error: {error}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("\nblockspec: interrupted", file=sys.stderr)  # starts a new line: a streamed text may be half printed
+        return 130
+    except Exception as error:
+        if args.debug:
+            raise
+        expected = _is_user_error(error)
+        message = " ".join(str(error).split())  # library and transformers messages may span lines
+        if not expected or not message:
+            message = f"{type(error).__name__}: {message}" if message else type(error).__name__
+        print(f"blockspec: error: {message} (run with --debug for the traceback)", file=sys.stderr)
+        return 2 if expected else 1
+
+
+def _is_user_error(error: Exception) -> bool:
+    """Errors that mean "this input cannot be used" (exit 2) rather than a bug (exit 1): bad values, missing or
+    unreadable files and models (transformers reports those as OSError), missing packages, unusable presets."""
+    from .models.presets import PresetError  # stdlib only: cheap, and only on the error path
+
+    return isinstance(error, (ValueError, OSError, ImportError, PresetError))
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors in one line (the usage of `generate` alone is a screen long), and --debug
+    accepted after any subcommand too, where a user adds it after reading the error's hint."""
+
+    def __init__(self, *args, top: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        # A subcommand's --debug defaults to SUPPRESS so that it never overwrites the top-level value.
+        self.add_argument("--debug", action="store_true", default=False if top else argparse.SUPPRESS,
+                          help="on an error, show the traceback instead of a one-line message")
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="blockspec", description="Lossless speculative decoding with token and block verification.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXAMPLES + "\n" + EXIT_STATUS, formatter_class=argparse.RawDescriptionHelpFormatter, top=True,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress (model loading, cache)")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
@@ -83,11 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--draft", default=DEFAULT_DRAFT, help="the small model that proposes tokens (default: %(default)s)")
     gen.add_argument("--verifier", default="block", choices=["block", "token", "greedy", "none"],
                      help="verification rule; 'none' decodes with the target alone (default: %(default)s)")
-    gen.add_argument("--draft-len", type=int, default=4, help="tokens drafted per step, K (default: %(default)s)")
+    gen.add_argument("--draft-len", type=sv_cli.int_at_least(1), default=4,
+                     help="tokens drafted per step, K (default: %(default)s)")
     gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default: %(default)s)")
-    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens, 0 = all (default: 0)")
+    gen.add_argument("--top-k", type=sv_cli.int_at_least(0), default=0,
+                     help="keep the k most likely tokens, 0 = all (default: 0)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus mass, 1 = all (default: 1.0)")
-    gen.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
+    gen.add_argument("--max-new-tokens", type=sv_cli.int_at_least(1), default=128, help="(default: %(default)s)")
     gen.add_argument("--seed", type=int, default=None, help="random seed; prompt i uses seed + i (default: random)")
     gen.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                      help="weights and activations; bf16 is about 2x faster than fp32 on CPU (default: %(default)s)")
@@ -100,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "verify per row only the drafted tokens predicted to pay for their cost, at most --draft-len "
                      "(needs `blockspec sv profile` and `blockspec sv calibrate` first) (default: %(default)s)")
     sv_cli.add_arguments(gen)
+    gen.add_argument("--allow-download", action="store_true", help=sv_cli.ALLOW_DOWNLOAD_HELP)
     gen.set_defaults(run=run_generate)
 
     bench = sub.add_parser(
@@ -128,8 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--target", help="target model (default: the preset's, the bundled 1.5B)")
     bench.add_argument("--draft", help="draft model (default: the preset's, the bundled 0.5B)")
     bench.add_argument("--datasets", nargs="+", help="prompt sets (see blockspec.bench.datasets.DATASETS)")
-    bench.add_argument("--prompts", type=int, dest="prompts_per_dataset", help="prompts per dataset")
-    bench.add_argument("--draft-lens", type=int, nargs="+", help="draft lengths K to compare")
+    bench.add_argument("--prompts", type=sv_cli.int_at_least(1), dest="prompts_per_dataset", help="prompts per dataset")
+    bench.add_argument("--draft-lens", type=sv_cli.int_at_least(1), nargs="+", help="draft lengths K to compare")
     bench.add_argument("--temperatures", type=float, nargs="+", help="sampling temperatures (0 = greedy)")
     bench.add_argument("--configs", nargs="+", choices=["target-only", "token", "block", "hf-assisted", "sv-draft",
                                                          "sv-token", "sv-block"],
@@ -137,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "predictor (token / block rule), sv-draft: with the draft-only predictor (block rule), each "
                        "drafting at most max(--draft-lens) tokens (default: the preset's; quick and paper: the "
                        "first four)")
-    bench.add_argument("--batch-sizes", type=int, nargs="+",
+    bench.add_argument("--batch-sizes", type=sv_cli.int_at_least(1), nargs="+",
                        help="prompts decoded together per run, e.g. 1 4 16 32 64 (default: the preset's; quick: 1)")
     bench.add_argument("--companion", help="SV companion: prefix:K (the target's first K layers) or a model sharing "
                        "the target's tokenizer (default: the same as `blockspec sv`)")
@@ -145,15 +191,20 @@ def build_parser() -> argparse.ArgumentParser:
                        "calibrate` saved for these models and each temperature)")
     bench.add_argument("--latency", type=Path, help="SV latency profile (default: the one `blockspec sv profile` saved "
                        "for these models, dtype and device)")
-    bench.add_argument("--max-new-tokens", type=int, help="new tokens per prompt")
-    bench.add_argument("--time-budget", type=float, help="seconds; stop scheduling runs after this (resume later)")
-    bench.add_argument("--precision", type=float,
+    bench.add_argument("--max-new-tokens", type=sv_cli.int_at_least(1), help="new tokens per prompt")
+    bench.add_argument("--time-budget", type=sv_cli.positive_float,
+                       help="seconds; stop scheduling runs after this (resume later)")
+    bench.add_argument("--precision", type=sv_cli.positive_float,
                        help="stop the batch-1 runs once the paired analytic block-vs-token gain is known to +- this "
                        "(paper: 0.01); batched runs go on")
     bench.add_argument("--seed", type=int, help="base seed: prompt i of a set uses seed + i in every configuration")
     bench.add_argument("--dtype", choices=["bfloat16", "float16", "float32"])
     bench.add_argument("--device", help="cpu, cuda, cuda:N or auto")
     bench.add_argument("--out", type=Path, help="output directory for records, report and plots")
+    # default None, not False: only the flags given override the preset
+    bench.add_argument("--allow-download", action="store_true", default=None, help=sv_cli.ALLOW_DOWNLOAD_HELP)
+    bench.add_argument("--retry-failed", action="store_true", default=None,
+                       help="rerun the runs a previous call recorded as failed (default: keep their failure records)")
     bench.set_defaults(run=run_bench)
 
     from .bench.alignment import AlignConfig  # stdlib-only at import: --help stays instant
@@ -184,15 +235,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the small model that proposes tokens (default: %(default)s)")
     align.add_argument("--datasets", nargs="+", default=list(align_defaults.datasets),
                        help="prompt sets (see blockspec.bench.datasets.DATASETS) (default: %(default)s)")
-    align.add_argument("--prompts", type=int, dest="prompts_per_dataset", default=align_defaults.prompts_per_dataset,
+    align.add_argument("--prompts", type=sv_cli.int_at_least(1), dest="prompts_per_dataset",
+                       default=align_defaults.prompts_per_dataset,
                        help="prompts per dataset (default: %(default)s)")
     align.add_argument("--draft-temperatures", type=float, nargs="+", default=list(align_defaults.draft_temperatures),
                        help="the draft's own sampling temperatures T_d; 0 = its argmax (default: %(default)s)")
     align.add_argument("--temperature", type=float, default=align_defaults.temperature,
                        help="the target's sampling temperature, > 0 (default: %(default)s)")
-    align.add_argument("--draft-len", type=int, default=align_defaults.draft_len,
+    align.add_argument("--draft-len", type=sv_cli.int_at_least(1), default=align_defaults.draft_len,
                        help="tokens drafted per step, K (default: %(default)s)")
-    align.add_argument("--max-new-tokens", type=int, default=align_defaults.max_new_tokens,
+    align.add_argument("--max-new-tokens", type=sv_cli.int_at_least(1), default=align_defaults.max_new_tokens,
                        help="new tokens per prompt (default: %(default)s)")
     align.add_argument("--seed", type=int, default=align_defaults.seed,
                        help="base seed: prompt n of a set uses seed + n at every T_d (default: %(default)s)")
@@ -202,13 +254,18 @@ def build_parser() -> argparse.ArgumentParser:
                        help="cpu, cuda, cuda:N or auto (default: %(default)s)")
     align.add_argument("--no-chat", dest="chat", action="store_false",
                        help="send the raw prompts instead of wrapping them in the model's chat template")
-    align.add_argument("--time-budget", type=float, help="seconds; stop scheduling runs after this (resume later)")
+    align.add_argument("--time-budget", type=sv_cli.positive_float,
+                       help="seconds; stop scheduling runs after this (resume later)")
     align.add_argument("--out", type=Path, default=align_defaults.out,
                        help="output directory for records, table, summary and plot (default: %(default)s)")
     align.set_defaults(run=run_align)
 
     models = sub.add_parser("models", help="list the bundled model presets, installed or not, and their cache state")
     models.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    models.add_argument("--verify", action="store_true",
+                        help="hash every cached file (each GGUF and converted copy) in full and report any mismatch; "
+                        "slow: about 1 s per GB cached, more on a slow disk (a load checks sizes and fingerprints "
+                        "only)")
     models.set_defaults(run=run_models)
 
     sv_cli.add_parsers(sub, {"target": DEFAULT_TARGET, "draft": DEFAULT_DRAFT})
@@ -227,6 +284,7 @@ def run_generate(args) -> int:
         top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed, dtype=args.dtype,
         device=args.device, chat=args.chat, stop=tuple(args.stop), policy=args.policy,
         companion=args.companion, sv_predictor=args.sv_predictor, sv_profile=args.sv_profile, latency=args.latency,
+        allow_download=args.allow_download,
     )
     return generate(config)
 
@@ -234,16 +292,24 @@ def run_generate(args) -> int:
 def generate(config: GenerateConfig) -> int:
     from .chat import encode_prompt
     from .engine import SpeculativeDecoder
-    from .models.hf import load_model
+    from .models.hf import load_model, resolve_device
     from .sampling import SamplingParams
 
-    sampling = SamplingParams(config.temperature, config.top_k, config.top_p)  # checks the values first
-    target = load_model(config.target, dtype=config.dtype, device=config.device)
-    draft = load_model(config.draft, dtype=config.dtype, device=config.device) if config.draft else None
+    # Everything that can be checked without a model is checked first: a bad value costs a second, not the minutes
+    # a large model takes to load.
+    sampling = SamplingParams(config.temperature, config.top_k, config.top_p)
+    device = resolve_device(config.device)
+    if config.policy == "sv" and config.verifier == "none":
+        raise ValueError("--policy sv needs a draft: use --verifier token, block or greedy")
+    models = {}
+    for role, name in (("target", config.target), ("draft", config.draft)):
+        if name:
+            _status(f"loading {role} {name} ({config.dtype}, {device})")
+            models[role] = load_model(name, dtype=config.dtype, device=config.device,
+                                      allow_download=config.allow_download)
+    target, draft = models["target"], models.get("draft")
     policy, companion = None, None
     if config.policy == "sv":
-        if config.verifier == "none":
-            raise ValueError("--policy sv needs a draft: use --verifier token, block or greedy")
         policy, companion = sv_cli.build_policy(config, target, sampling)
     decoder = SpeculativeDecoder(target, draft, verifier=config.verifier, draft_len=config.draft_len, policy=policy,
                                  companion=companion)
@@ -251,6 +317,12 @@ def generate(config: GenerateConfig) -> int:
         raise ValueError(f"{config.target} has no tokenizer: the CLI needs one to read and print text")
     ids = [encode_prompt(decoder.tokenizer, p, chat=config.chat) for p in config.prompts]
 
+    # Before the first token the models read the whole prompt, minutes for thousands of tokens on a CPU: say so.
+    total = sum(len(i) for i in ids)
+    _status(f"prefilling {total} prompt tokens" + (f" ({len(ids)} prompts)" if len(ids) > 1 else ""))
+    for role, model in (("target", target), ("draft", draft), ("companion", companion)):
+        if model is not None:
+            watch_prefill(model, PrefillProgress(role))
     stream = _Streamer(decoder.tokenizer) if len(ids) == 1 else None
     result = decoder.generate(ids, max_new_tokens=config.max_new_tokens, sampling=sampling, seed=config.seed,
                               stop_strings=config.stop, on_tokens=stream)
@@ -266,6 +338,47 @@ def generate(config: GenerateConfig) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _status(message: str) -> None:
+    """What generate is doing, on stderr: stdout carries the generated text alone."""
+    print(message, file=sys.stderr, flush=True)
+
+
+LONG_PROMPT = 512  # tokens: prefill progress is shown for prompts this long even when stderr is not a terminal
+
+
+class PrefillProgress:
+    """Prefill progress of one model, on stderr: rewritten in place on a terminal; elsewhere (a pipe, a log file)
+    one line per tenth of the prompt, and only for prompts of at least LONG_PROMPT tokens, so that short runs,
+    pipes and tests stay clean."""
+
+    def __init__(self, label: str, stream=None):
+        self.label, self.stream = label, stream
+        self.shown = -1  # the last tenth printed (not on a terminal)
+
+    def __call__(self, done_tokens: int, total_tokens: int) -> None:
+        stream = self.stream or sys.stderr
+        terminal = stream.isatty()
+        if not terminal and total_tokens < LONG_PROMPT:
+            return
+        line = f"prefilling {self.label}: {done_tokens}/{total_tokens} tokens ({100 * done_tokens // total_tokens}%)"
+        if terminal:
+            stream.write("\r" + line + ("\n" if done_tokens >= total_tokens else ""))
+        else:
+            tenth = 10 * done_tokens // max(total_tokens, 1)
+            if tenth == self.shown:
+                return
+            self.shown = tenth
+            stream.write(line + "\n")
+        stream.flush()
+
+
+def watch_prefill(model, progress: PrefillProgress) -> None:
+    """Route ``model``'s prefill progress to ``progress``, for models that report it (HFModel's ``on_prefill``,
+    called after each prefill forward as on_prefill(done_tokens, total_tokens)); other models prefill silently."""
+    if hasattr(model, "on_prefill"):
+        model.on_prefill = progress
 
 
 class _Streamer:
@@ -292,22 +405,29 @@ def run_bench(args) -> int:
     from dataclasses import replace
 
     from .bench import report, runner
+    from .models.hf import resolve_device
+    from .sampling import SamplingParams
 
     preset = runner.PRESETS[args.preset]
     overrides = {name: getattr(args, name) for name in (
         "target", "draft", "datasets", "prompts_per_dataset", "draft_lens", "temperatures", "configs",
         "max_new_tokens", "time_budget", "precision", "seed", "dtype", "device", "out", "batch_sizes", "companion",
-        "sv_profile", "latency") if getattr(args, name) is not None}
+        "sv_profile", "latency", "allow_download", "retry_failed") if getattr(args, name) is not None}
     for name in ("datasets", "draft_lens", "temperatures", "configs", "batch_sizes"):
         if name in overrides:
             overrides[name] = tuple(overrides[name])
     config = replace(preset, **overrides)
+    for temperature in config.temperatures:  # refused here, not after the models load
+        SamplingParams(temperature=temperature)
+    resolve_device(config.device)
     records_file = runner.run(config)
     return report.main(["--records", str(records_file), "--out", str(config.out)])
 
 
 def run_align(args) -> int:
     from .bench import alignment
+    from .models.hf import resolve_device
+    from .sampling import SamplingParams
 
     config = alignment.AlignConfig(
         target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, datasets=tuple(args.datasets),
@@ -315,6 +435,9 @@ def run_align(args) -> int:
         temperature=args.temperature, draft_len=args.draft_len, max_new_tokens=args.max_new_tokens, seed=args.seed,
         chat=args.chat, time_budget=args.time_budget, out=args.out,
     )
+    for temperature in (config.temperature, *config.draft_temperatures):  # refused here, not after the models load
+        SamplingParams(temperature=temperature)
+    resolve_device(config.device)
     records_file = alignment.run(config)
     return alignment.main(["--records", str(records_file), "--out", str(config.out)])
 
@@ -323,19 +446,34 @@ def run_models(args) -> int:
     from .models import presets
 
     rows = presets.status_all()
+    # one message per file that differs, naming it and the fix
+    problems = {s.name: presets.verify(s.name, progress=sys.stderr.isatty()) for s in rows} if args.verify else {}
     if args.json:
         print(json.dumps([
             {"name": s.name, "role": s.role, "installed": s.installed, "missing": list(s.missing),
-             "cache_state": s.cache_state, "converted": list(s.converted), "cache_dir": str(s.cache_dir)}
+             "cache_state": s.cache_state, "converted": list(s.converted), "cache_dir": str(s.cache_dir),
+             **({"mismatches": problems[s.name]} if args.verify else {})}
             for s in rows
         ], indent=1))
-        return 0
+        return _verified(problems)
     print(f"{'preset':<22} {'role':<7} {'installed':<10} {'cache':<10} cache directory")
     for s in rows:
         cache = s.cache_state + (f" ({', '.join(s.converted)})" if s.converted else "")
         print(f"{s.name:<22} {s.role:<7} {'yes' if s.installed else 'no':<10} {cache:<10} {s.cache_dir}")
     if not all(s.installed for s in rows):
         print(f"install the missing ones with: {presets.INSTALL_HINT}")
+    for problem in (p for found in problems.values() for p in found):
+        print(f"mismatch: {problem}")
+    return _verified(problems)
+
+
+def _verified(problems: dict[str, list[str]]) -> int:
+    """0, or, when `models --verify` found cached files that differ, the usual one-line error (exit 2)."""
+    count = sum(len(found) for found in problems.values())
+    if count:
+        raise ValueError(f"{count} cached file(s) differ from what was recorded: see the mismatch lines")
+    if problems:
+        print("verified: every cached file matches its recorded sha256", file=sys.stderr)
     return 0
 
 

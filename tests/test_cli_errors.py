@@ -1,0 +1,119 @@
+"""Every CLI error is one line on stderr and an exit status, never a traceback (unless --debug), and every value
+that can be checked without a model is checked before a model loads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockspec import cli
+from blockspec.models import hf
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """Replaces load_model: records each call, then stops the command (a model load is what these tests forbid or
+    only need to observe)."""
+    calls = []
+
+    def fake_load_model(name, **kwargs):
+        calls.append((name, kwargs))
+        raise AssertionError(f"loaded {name}")
+
+    monkeypatch.setattr(hf, "load_model", fake_load_model)
+    return calls
+
+
+def error_line(capsys) -> str:
+    """stderr, which must be exactly one line: the error and the --debug hint."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.count("\n") == 1 and err.startswith("blockspec: error: "), err
+    assert err.rstrip().endswith("(run with --debug for the traceback)")
+    return err
+
+
+def test_a_model_path_that_does_not_exist_is_one_line_not_a_traceback(tmp_path, capsys):
+    missing = str(tmp_path / "no-such-model")
+    assert cli.main(["generate", "--target", missing, "--verifier", "none", "hello"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    *status, last = err.splitlines()
+    assert last.startswith("blockspec: error: ") and missing in last
+    assert status == [f"loading target {missing} (bfloat16, cpu)"]  # what it was doing when it failed
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch that cannot use CUDA")
+def test_a_device_torch_cannot_use_is_refused_before_loading_a_model(loads, capsys):
+    assert cli.main(["generate", "--device", "cuda", "hello"]) == 2
+    assert "cuda" in error_line(capsys) and loads == []
+
+
+def test_bench_out_pointing_at_a_file_fails_before_loading_a_model(tmp_path, loads, capsys):
+    taken = tmp_path / "results.txt"
+    taken.write_text("not a directory\n")
+    assert cli.main(["bench", "--out", str(taken)]) == 2
+    assert str(taken) in error_line(capsys) and loads == []
+
+
+def test_a_temperature_too_small_to_sample_from_is_refused_before_loading_a_model(loads, capsys):
+    assert cli.main(["generate", "--temperature", "1e-9", "hello"]) == 2
+    assert "temperature" in error_line(capsys) and loads == []
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--max-new-tokens", "0", "hello"],
+    ["generate", "--draft-len", "0", "hello"],
+    ["bench", "--draft-lens", "4", "0"],
+    ["bench", "--time-budget", "0"],
+    ["align", "--max-new-tokens", "0"],
+    ["sv", "calibrate", "--draft-len", "0"],
+])
+def test_counts_below_one_are_refused_in_one_line_before_loading_a_model(argv, loads, capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and loads == []
+    assert err.count("\n") == 1 and "error: argument --" in err and "got 0" in err, err
+
+
+def test_an_unexpected_exception_is_one_line_with_its_type_and_exit_1(monkeypatch, capsys):
+    def broken(args):
+        raise KeyError("shape")
+
+    monkeypatch.setattr(cli, "run_env", broken)
+    assert cli.main(["env"]) == 1
+    assert error_line(capsys) == "blockspec: error: KeyError: 'shape' (run with --debug for the traceback)\n"
+
+
+def test_a_multi_line_message_is_folded_into_one_line(monkeypatch, capsys):
+    def fails(args):
+        raise OSError("no model here.\nCheck the path\n  or the hub id.")
+
+    monkeypatch.setattr(cli, "run_env", fails)
+    assert cli.main(["env"]) == 2
+    assert "no model here. Check the path or the hub id." in error_line(capsys)
+
+
+@pytest.mark.parametrize("argv", [["--debug", "env"], ["env", "--debug"]])
+def test_debug_shows_the_traceback_wherever_it_is_given(argv, monkeypatch, capsys):
+    def broken(args):
+        raise KeyError("shape")
+
+    monkeypatch.setattr(cli, "run_env", broken)
+    with pytest.raises(KeyError):
+        cli.main(argv)
+    assert capsys.readouterr().err == ""
+
+
+def test_ctrl_c_exits_130_with_one_line(monkeypatch, capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "run_env", interrupted)
+    try:
+        code = cli.main(["env"])
+    except KeyboardInterrupt:  # caught here so that it fails this test instead of stopping pytest
+        pytest.fail("Ctrl-C escaped main() as a traceback")
+    assert code == 130
+    assert capsys.readouterr().err.strip() == "blockspec: interrupted"

@@ -172,16 +172,29 @@ def test_partials_left_by_a_killed_load_are_removed_and_a_live_ones_kept(fake_in
 
 
 @pytest.fixture
-def converted_copy(fake_install, tmp_path):
-    """A complete float32 converted copy of the fake preset: a tiny transformers model where `load` keeps its copy,
-    marked as `load` marks it. Returns (preset, cache, copy folder)."""
-    from tiny import save_tiny
+def small_blocks(monkeypatch):
+    """Fingerprint blocks of 256 bytes, so that a tiny model's weights (about 90 kB) are sampled, not read whole,
+    as a real model's are. Request it before `converted_copy`, which then records fingerprints of that kind."""
+    monkeypatch.setattr(presets, "_FINGERPRINT_BLOCK", 256, raising=False)
 
+
+@pytest.fixture
+def converted_copy(fake_install, monkeypatch):
+    """The fake preset loaded once in float32 by `load`, which writes and marks its converted copy; a tiny
+    transformers model stands in for what its GGUF holds. Returns (preset, cache, copy folder)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tiny import tiny_model, tiny_tokenizer
+
+    def from_gguf(original, build):
+        return lambda *args, **kwargs: build() if "gguf_file" in kwargs else original(*args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_gguf(AutoModelForCausalLM.from_pretrained,
+                                                                           tiny_model))
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", from_gguf(AutoTokenizer.from_pretrained, tiny_tokenizer))
     preset, cache, _ = fake_install
-    out = presets.converted_dir(preset, "float32", cache)
-    save_tiny(out)
-    presets._write_converted_marker(out, preset, "float32")
-    return preset, cache, out
+    presets.load(preset, dtype="float32", cache=cache, progress=False)
+    return preset, cache, presets.converted_dir(preset, "float32", cache)
 
 
 def _flip_byte(path: Path, offset: int) -> None:
@@ -205,28 +218,27 @@ def test_an_intact_converted_copy_loads(converted_copy):
 
 
 @pytest.mark.parametrize("where", ["header", "sampled block"])
-def test_a_corrupted_converted_copy_is_refused_not_loaded(converted_copy, monkeypatch, where):
+def test_a_corrupted_converted_copy_is_refused_not_loaded(small_blocks, converted_copy, where):
     preset, cache, out = converted_copy
     weights = out / "model.safetensors"
-    # Small blocks, so that the tiny file (about 90 kB) is sampled rather than read whole, as a 3 GB one is.
-    monkeypatch.setattr(presets, "_FINGERPRINT_BLOCK", 256)
-    presets._write_converted_marker(out, preset, "float32")
-    start, size = _header_end(weights), weights.stat().st_size
-    offsets = presets._sampled_offsets(start, size)
-    assert len(offsets) == 64 and size - start > 64 * 256  # really a sample
-    _flip_byte(weights, 20 if where == "header" else offsets[10] + 100)  # 20: inside the header's JSON
+    if where == "header":
+        _flip_byte(weights, 20)  # inside the header's JSON
+    else:
+        start, size = _header_end(weights), weights.stat().st_size
+        offsets = presets._sampled_offsets(start, size)
+        assert len(offsets) == 64 and size - start > 64 * 256  # really a sample
+        _flip_byte(weights, offsets[10] + 100)
     with pytest.raises(ChecksumMismatchError, match=rf"{re.escape(str(weights))}.*delete {re.escape(str(out))}"):
         presets.load(preset, dtype="float32", cache=cache, progress=False)
     assert presets.verify(preset, cache=cache, progress=False)
 
 
-def test_a_byte_outside_the_sample_escapes_the_fingerprint_but_not_verify(converted_copy, monkeypatch):
+def test_a_byte_outside_the_sample_escapes_the_fingerprint_but_not_verify(small_blocks, converted_copy):
     preset, cache, out = converted_copy
     weights = out / "model.safetensors"
-    monkeypatch.setattr(presets, "_FINGERPRINT_BLOCK", 256)
-    presets._write_converted_marker(out, preset, "float32")
     before = presets.fingerprint(weights)
-    sampled = {o + i for o in presets._sampled_offsets(_header_end(weights), weights.stat().st_size) for i in range(256)}
+    offsets = presets._sampled_offsets(_header_end(weights), weights.stat().st_size)
+    sampled = {offset + i for offset in offsets for i in range(256)}
     _flip_byte(weights, next(o for o in range(weights.stat().st_size - 1, 0, -1) if o not in sampled))
     assert presets.fingerprint(weights) == before
     problems = presets.verify(preset, cache=cache, progress=False)
@@ -324,9 +336,11 @@ def test_real_smollm2_loads_and_runs_one_forward(tmp_path, monkeypatch):
     assert first.generation_config.eos_token_id == tokenizer.eos_token_id == 2  # <|im_end|>
 
     weights = presets.converted_dir("smollm2-135m", "float32") / "model.safetensors"
+    _flip_byte(weights, 20)  # inside the header's JSON
+    with pytest.raises(ChecksumMismatchError, match="model.safetensors"):
+        presets.load("smollm2-135m", dtype="float32", progress=False)
+    _flip_byte(weights, 20)  # flipped back: the next case corrupts one byte only
     sampled = presets._sampled_offsets(_header_end(weights), weights.stat().st_size)[0] + 12345
-    for offset in (20, sampled):  # 20: inside the header's JSON
-        _flip_byte(weights, offset)
-        with pytest.raises(ChecksumMismatchError, match="model.safetensors"):
-            presets.load("smollm2-135m", dtype="float32", progress=False)
-        _flip_byte(weights, offset)  # flipped back: the next case corrupts one byte only
+    _flip_byte(weights, sampled)
+    with pytest.raises(ChecksumMismatchError, match="model.safetensors"):
+        presets.load("smollm2-135m", dtype="float32", progress=False)

@@ -21,21 +21,11 @@ import sys
 import time
 from pathlib import Path
 
+from blockspec import machine  # stdlib only: imports neither torch nor transformers
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 QWEN = ["qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"]
-
-
-def _busy_seconds() -> float:
-    """CPU seconds spent busy by the whole machine so far (all cores), from /proc/stat."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def _own_seconds() -> float:
-    t = os.times()
-    return t.user + t.system
 
 
 def _wait_quiet(max_wait: float, threshold: float = 0.3) -> float:
@@ -45,9 +35,9 @@ def _wait_quiet(max_wait: float, threshold: float = 0.3) -> float:
     Returns the cores used by others in the last sample."""
     deadline = time.monotonic() + max_wait
     while True:
-        b0, t0 = _busy_seconds(), time.monotonic()
+        start = machine.cpu_clock()
         time.sleep(2.0)
-        others = (_busy_seconds() - b0) / (time.monotonic() - t0)
+        others = machine.others_load(start, machine.cpu_clock())["others_cores"]
         if others < threshold or time.monotonic() > deadline:
             return round(others, 2)
 
@@ -85,7 +75,7 @@ def _forward_phase(name: str, dtype: str, kv: int, lens: list[int], reps: int) -
     vocab = model.config.vocab_size
     prompt = torch.randint(0, 1000, (1, kv), generator=gen)  # token ids far below any padded tail of the vocab
     out = {"preset": name, "dtype": dtype, "threads": torch.get_num_threads(), "kv": kv, "ms": {}}
-    busy0, own0, wall0 = _busy_seconds(), _own_seconds(), time.monotonic()
+    start = machine.cpu_clock()
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
         model(prompt, past_key_values=cache, use_cache=True)  # prefill once; every timed forward is cropped back
@@ -102,8 +92,7 @@ def _forward_phase(name: str, dtype: str, kv: int, lens: list[int], reps: int) -
             assert logits.shape == (1, s, vocab) or logits.shape[-1] >= vocab
             out["ms"][str(s)] = round(1000 * sorted(times)[len(times) // 2], 1)
     # Cores used by other processes while timing: the figure is only trustworthy when this is near 0.
-    wall = time.monotonic() - wall0
-    out["others_cores"] = round(max(0.0, (_busy_seconds() - busy0) - (_own_seconds() - own0)) / wall, 2)
+    out["others_cores"] = round(machine.others_load(start, machine.cpu_clock())["others_cores"], 2)
     return out
 
 

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 from ..cli import DEFAULT_DRAFT, DEFAULT_TARGET
-from .records import append
+from .records import append, refuse_other_settings
 
 if TYPE_CHECKING:  # numpy and the report load only when a report is made: `blockspec --help` stays instant
     from .report import Estimate, ReportConfig
@@ -222,11 +222,7 @@ def _check_compatible(existing: list[AlignRecord], config: AlignConfig) -> None:
               "base_seed": config.seed, "max_new_tokens": config.max_new_tokens}
     for record in existing:
         found = {**{name: record.meta.get(name) for name in COMPATIBLE}, "max_new_tokens": record.max_new_tokens}
-        differ = {name: (found[name], wanted[name]) for name in wanted if found[name] != wanted[name]}
-        if differ:
-            raise ValueError(f"{config.out / RECORDS} holds runs with other settings "
-                             f"({', '.join(f'{k}: {a!r} there, {b!r} here' for k, (a, b) in differ.items())}): "
-                             "use another --out")
+        refuse_other_settings(config.out / RECORDS, found, wanted)
 
 
 class _Executor:

@@ -9,19 +9,32 @@ makes one record: ``prompt_id`` is the batch's first prompt (``prompt_ids`` list
 (``rows[s]`` of them in step s), so ``accepted`` and ``draft_lens`` hold one entry per row-step while
 ``drafted`` and ``rows`` hold one entry per step. At B = 1 every list has one entry per step, as in schema 1.
 
+A run that raised makes a record too, with ``status`` FAILED and its ``error`` ("TypeError: message"), no
+measurement (``new_tokens`` 0, empty lists): a resume skips it unless asked to retry, and every reader leaves it
+out of its figures (``Record.ok``).
+
 Schema 2 added ``drafted``, ``rows``, ``prompt_ids`` and ``finish_reasons`` (and the SV configurations);
-schema-1 records still load, with those fields empty.
+schema 3 added ``status`` and ``error``, and the machine's state in ``meta`` (``cpu_flags``, ``threads``, and
+``others_cpu_s`` / ``others_cores``: the CPU time other processes used while the run was timed, see
+``blockspec.machine``). Older records still load, with the new fields at their defaults.
+
+The settings a run directory was made with are stored beside its records (the runner's ``config.json``);
+``refuse_other_settings`` is the check that a resume does not pool another experiment's runs under the same keys.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-SCHEMA = 2
-READABLE_SCHEMAS = (1, 2)  # schema 1 lacks the fields added in 2: they load with their (empty) defaults
+log = logging.getLogger(__name__)
+
+SCHEMA = 3
+READABLE_SCHEMAS = (1, 2, 3)  # older schemas lack the fields added later: they load with their defaults
+OK, FAILED = "ok", "failed"  # Record.status
 CONFIGS = ("target-only", "token", "block", "hf-assisted")  # the default comparison (no profiles needed)
 SV_CONFIGS = ("sv-draft", "sv-token", "sv-block")  # Speculative Verification: draft-only / companion predictor
 KNOWN_CONFIGS = CONFIGS + SV_CONFIGS
@@ -52,34 +65,78 @@ class Record:
     rows: list[int] = field(default_factory=list)  # rows active per step
     prompt_ids: list[str] = field(default_factory=list)  # every prompt of the batch, in row order
     finish_reasons: list[str] = field(default_factory=list)  # per row
+    # schema 3
+    status: str = OK  # OK or FAILED (the run raised: no measurement)
+    error: str | None = None  # of a failed run: "<exception type>: <message>"
 
     @property
     def key(self) -> tuple:
         return (self.dataset, self.prompt_id, self.config, self.draft_len, self.temperature, self.batch_size)
 
+    @property
+    def ok(self) -> bool:
+        """Whether the run completed: only such records carry figures."""
+        return self.status == OK
+
 
 def append(path: Path, record) -> None:
-    """Append one record (any dataclass) as a JSON line; a truncated last line (an interrupted write) is first
-    closed with a newline, so it stays a single unreadable line instead of swallowing this record too."""
+    """Append one record (any dataclass) as a JSON line. A last line without its newline is an interrupted write
+    when it does not parse: it is cut off (its run has no record, so a resume redoes it), and so never becomes an
+    unreadable line in the middle of the file; one that parses is closed with a newline."""
     path.parent.mkdir(parents=True, exist_ok=True)
     line = json.dumps(asdict(record)) + "\n"
     if path.exists() and path.stat().st_size > 0:
-        with path.open("rb") as existing:
+        with path.open("rb+") as existing:
             existing.seek(-1, 2)
             if existing.read(1) != b"\n":
-                line = "\n" + line
+                existing.seek(0)
+                text = existing.read()
+                start = text.rfind(b"\n") + 1  # the last line's first byte
+                try:
+                    json.loads(text[start:])
+                    line = "\n" + line
+                except ValueError:  # JSONDecodeError, or bytes cut inside a UTF-8 character
+                    log.warning("%s: dropping its truncated last line (an interrupted write)", path)
+                    existing.truncate(start)
     with path.open("a") as out:
         out.write(line)
 
 
 def read(path: Path) -> Iterator[Record]:
-    """Records of a JSONL file; a truncated last line (an interrupted run) is skipped."""
-    with path.open() as lines:
-        for line in lines:
-            try:
-                data = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if data.get("schema") not in READABLE_SCHEMAS:
-                raise ValueError(f"{path}: record schema {data.get('schema')} is not one of {READABLE_SCHEMAS}")
+    """Records of a JSONL file. A truncated last line (an interrupted run) is skipped; any other line that is
+    not a JSON object is skipped with a warning naming the file and line (its run has no record: a resume
+    redoes it); a JSON object that is not a record, or of an unknown schema, raises ValueError."""
+    lines = Path(path).read_text(errors="replace").splitlines()
+    last = max((n for n, line in enumerate(lines) if line.strip()), default=-1)
+    for n, line in enumerate(lines):
+        if not line.strip():
+            continue
+        where = f"{path}:{n + 1}"
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as error:
+            if n == last:
+                log.info("%s: truncated last line (an interrupted run) skipped", where)
+            else:
+                log.warning("%s: not a JSON line (%s): skipped", where, error)
+            continue
+        if not isinstance(data, dict):
+            log.warning("%s: not a record but a JSON %s: skipped", where, type(data).__name__)
+            continue
+        if data.get("schema") not in READABLE_SCHEMAS:
+            raise ValueError(f"{where}: record schema {data.get('schema')} is not one of {READABLE_SCHEMAS}")
+        try:
             yield Record(**data)
+        except TypeError as error:  # missing or unknown fields
+            raise ValueError(f"{where}: not a benchmark record ({error})") from None
+
+
+def refuse_other_settings(where: Path, found: dict, wanted: dict) -> None:
+    """Raise ValueError naming every setting in ``wanted`` (this call's) whose value differs from ``found`` (the
+    one stored with the runs in ``where``): records of other models, seeds or lengths would otherwise be
+    skipped as done, or pooled with these, under the same keys."""
+    differ = {name: (found.get(name), value) for name, value in wanted.items() if found.get(name) != value}
+    if differ:
+        raise ValueError(f"{where} holds runs with other settings "
+                         f"({', '.join(f'{k}: {a!r} there, {b!r} here' for k, (a, b) in differ.items())}): "
+                         "use another --out")

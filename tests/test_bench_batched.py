@@ -15,6 +15,7 @@ from blockspec.policy import LatencyTable
 from blockspec.sv.features import COMPANION_FEATURES, DRAFT_FEATURES
 from blockspec.sv.latency import LatencyProfile
 from blockspec.sv.predictor import Predictor, Profile
+from test_bench import quiet_machine  # noqa: F401  (autouse: the speeds checked here are all kept)
 from tiny import save_tiny
 
 COMPANION = "prefix:1"  # the tiny target has 2 layers
@@ -105,7 +106,7 @@ def sv_config(tmp_path_factory):
     hand_latency(target, draft).save(root / "latency.json")
     return runner.BenchConfig(
         target=target, draft=draft, dtype="float32", datasets=("lm1b",), prompts_per_dataset=4, draft_lens=(2, 3),
-        temperatures=(1.0,), max_new_tokens=6, chat=False, batch_sizes=(1, 2), out=root / "out",
+        temperatures=(1.0,), max_new_tokens=6, batch_sizes=(1, 2), out=root / "out",  # chat as `blockspec bench`
         configs=("target-only", "token", "block", "sv-block", "sv-draft"), companion=COMPANION,
         sv_profile=root / "calibration.json", latency=root / "latency.json",
     )

@@ -411,7 +411,7 @@ def test_hf_assisted_in_the_batch_table_counts_prefill_on_both_sides():
 def test_schema_1_records_still_load_and_report_as_before(tmp_path):
     records = synthetic(np.random.default_rng(23), prompts=6)
     path = tmp_path / "old.jsonl"
-    new_fields = ("drafted", "rows", "prompt_ids", "finish_reasons")
+    new_fields = ("drafted", "rows", "prompt_ids", "finish_reasons", "status", "error")
     with path.open("w") as out:
         for record in records:  # as the schema-1 runner wrote them
             data = {k: v for k, v in dataclasses.asdict(record).items() if k not in new_fields}
@@ -421,6 +421,60 @@ def test_schema_1_records_still_load_and_report_as_before(tmp_path):
     old, new = build_report(loaded, ReportConfig(n_boot=100)), build_report(records, ReportConfig(n_boot=100))
     assert old.rows == new.rows and old.baselines == new.baselines and old.batch == ()
     assert format_table(old) == format_table(new) and "batch" not in summary(old)
-    path.write_text(json.dumps({**dataclasses.asdict(records[0]), "schema": 3}) + "\n")
-    with pytest.raises(ValueError, match="record schema 3"):
+    path.write_text(json.dumps({k: v for k, v in dataclasses.asdict(records[0]).items() if k not in ("status", "error")}
+                               | {"schema": 2}) + "\n")
+    assert list(records_io.read(path))[0].ok  # schema 2: no status, so a completed run
+    path.write_text(json.dumps({**dataclasses.asdict(records[0]), "schema": 4}) + "\n")
+    with pytest.raises(ValueError, match="record schema 4"):
         list(records_io.read(path))
+
+
+def test_the_report_lists_failed_runs_and_leaves_out_the_speedups_of_a_prompt_whose_baseline_failed():
+    records = synthetic(np.random.default_rng(24), prompts=10)
+    target = [r for r in records if r.config == "target-only"]
+    records[records.index(target[0])] = replace(target[0], new_tokens=0, wall_time=0.0, status=records_io.FAILED,
+                                                error="RuntimeError: out of memory")
+    built = build_report(records, ReportConfig(n_boot=100))
+    rest = [r for r in records if r.prompt_id != target[0].prompt_id]
+    rate = lambda config: (sum(r.new_tokens for r in rest if r.config == config)  # noqa: E731
+                           / sum(r.wall_time for r in rest if r.config == config))
+    assert row_of(built).speedup_block_vs_target == pytest.approx(rate("block") / rate("target-only"))
+    assert row_of(built).prompts == 10  # the failed baseline takes nothing else away
+    table = format_table(built)
+    assert "1 failed runs" in table and "RuntimeError: out of memory" in table
+    assert f"target-only failed on {target[0].prompt_id} (T=1, B=1): the speedups over target-only leave" in table
+    (failed,) = json.loads(json.dumps(summary(built)))["left_out"]["failed"]
+    assert failed["prompt_id"] == target[0].prompt_id and failed["error"] == "RuntimeError: out of memory"
+
+
+def test_runs_measured_under_contention_are_left_out_of_the_speeds_and_counted():
+    from blockspec.bench.report import MAX_OTHERS_CORES
+
+    records = synthetic(np.random.default_rng(25), prompts=10)
+    quiet = build_report(records, ReportConfig(n_boot=100))
+    target = [r for r in records if r.config == "target-only"]
+    for n, record in enumerate(target[:6]):  # five read 10x slow with others busy; one sits on the threshold
+        others = MAX_OTHERS_CORES if n == 5 else 1.0
+        records[records.index(record)] = replace(record, wall_time=record.wall_time * (1 if n == 5 else 10),
+                                                 meta={"others_cores": others})
+    built = build_report(records, ReportConfig(n_boot=100))
+    assert [b.tokens_per_s for b in built.baselines if b.config == "target-only"] == [pytest.approx(64 / 1.92)] * 2
+    kept = {r.prompt_id for r in target[5:]}
+    block = sum(r.new_tokens for r in records if r.config == "block" and r.prompt_id in kept) / sum(
+        r.wall_time for r in records if r.config == "block" and r.prompt_id in kept)
+    assert row_of(built).speedup_block_vs_target == pytest.approx(block / (64 / 1.92))
+    assert row_of(built).be_block == row_of(quiet).be_block  # accepted lengths do not depend on timing
+    assert f"5 runs measured while other processes used more than {MAX_OTHERS_CORES} CPU-seconds" in format_table(built)
+    left_out = json.loads(json.dumps(summary(built)))["left_out"]
+    assert len(left_out["contended"]) == 5 and left_out["max_others_cores"] == MAX_OTHERS_CORES
+
+
+def test_records_of_different_machine_kinds_or_thread_counts_are_never_pooled():
+    records = synthetic(np.random.default_rng(26), prompts=4)
+    same = [replace(r, meta={"cpu_flags": ["avx2"], "threads": 2}) for r in records]
+    assert summary(build_report(same, ReportConfig(n_boot=10)))["machine"] == {"cpu_flags": ["avx2"], "threads": 2}
+    for other in ({"cpu_flags": ["avx2", "avx512f"], "threads": 2}, {"cpu_flags": ["avx2"], "threads": 4},
+                  {"threads": 2}):
+        mixed = same[:-1] + [replace(same[-1], meta=other)]
+        with pytest.raises(ValueError, match="records from 2 machine kinds or thread counts"):
+            build_report(mixed)

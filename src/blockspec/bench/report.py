@@ -25,6 +25,14 @@ batch (at B = 1, a prompt):
     rejected    1 - accepted / verified: the fraction of verified drafted tokens the target rejected.
     verified / emitted, drafted / emitted   drafted tokens the target verified (drafted) per new token.
 
+Runs left out (listed in a section of the report and under "left_out" in the JSON summary):
+    failed      runs that raised (``Record.ok`` is false): left out of every figure, so a prompt whose
+                target-only (or hf-assisted) run failed has no speedup over it; the report names such prompts.
+    contended   runs timed while other processes used more than MAX_OTHERS_CORES CPU-seconds per wall second
+                (``others_cores`` in the record's meta): left out of tok/s and of every speedup, kept in the
+                block efficiencies (accepted lengths do not depend on timing).
+Records from different machine kinds (CPU flags) or thread counts are never pooled: ``build_report`` refuses them.
+
 Confidence intervals are percentile bootstrap intervals over prompts, paired (one resample picks the same
 prompts for every configuration compared), stratified by dataset (each dataset keeps its prompt count), with
 an explicit seeded ``numpy.random.Generator``. Speedups compare tok/s on the prompts both configurations ran.
@@ -53,6 +61,10 @@ from blockspec.bench.records import Record
 log = logging.getLogger(__name__)
 
 ALL = "all"  # dataset label of the summary rows, pooled over every dataset
+# Other processes using more CPU than this (CPU-seconds per wall second of a run, 1.0 = a whole core) make a run's
+# speed untrustworthy: on 2 shared cores, a quarter of a core taken away already shows in its tok/s.
+MAX_OTHERS_CORES = 0.25
+BASELINES = ("target-only", "hf-assisted")  # the configurations speedups are taken over
 CONVENTION = (
     "BE = block efficiency = 1 + mean accepted draft tokens per target forward, pooled over all steps of all "
     "prompts of a configuration; gain = BE block / BE token - 1 with a {conf:.0f}% percentile bootstrap CI that "
@@ -164,6 +176,14 @@ class BatchRow:
 
 
 @dataclass(frozen=True)
+class LeftOut:
+    """Runs the figures leave out, and why; each a dict of its key fields and the reason's detail."""
+
+    failed: tuple[dict, ...] = ()  # raised ("error"), and not rerun successfully: in no figure
+    contended: tuple[dict, ...] = ()  # others used > MAX_OTHERS_CORES ("others_cores"): in no tok/s or speedup
+
+
+@dataclass(frozen=True)
 class Report:
     datasets: tuple[str, ...]
     rows: tuple[Row, ...]  # per dataset, then the ALL rows
@@ -172,6 +192,8 @@ class Report:
     n_records: int
     config: ReportConfig
     batch: tuple[BatchRow, ...] = ()  # only when there are batched or SV records
+    left_out: LeftOut = LeftOut()
+    machine: dict | None = None  # {"cpu_flags", "threads"} of every record (None in records older than schema 3)
 
     def rows_of(self, dataset: str) -> list[Row]:
         return [row for row in self.rows if row.dataset == dataset]
@@ -242,19 +264,27 @@ def _by_unit(records: Iterable[Record]) -> dict[tuple[str, str], Record]:
     return units
 
 
+def _timed(record: Record) -> bool:
+    """Whether the record's wall clock can be trusted: no more than MAX_OTHERS_CORES used by other processes
+    while it ran (records without the measurement, older than schema 3, are taken as they are)."""
+    others = record.meta.get("others_cores")
+    return others is None or others <= MAX_OTHERS_CORES
+
+
 def _ratio(numerator: float, denominator: float) -> float | None:
     return numerator / denominator if denominator > 0 else None
 
 
 def _rate(records: Iterable[Record]) -> float | None:
-    """tokens/s = sum new_tokens / sum wall_time (a pooled rate, not a mean of per-prompt rates)."""
-    records = list(records)
+    """tokens/s = sum new_tokens / sum wall_time (a pooled rate, not a mean of per-prompt rates) of the timed
+    records."""
+    records = [r for r in records if _timed(r)]
     return _ratio(sum(r.new_tokens for r in records), sum(r.wall_time for r in records))
 
 
 def _speedup(fast: dict, slow: dict) -> float | None:
-    """tok/s of ``fast`` over tok/s of ``slow`` on the prompts both ran (prompt mix changes tok/s)."""
-    common = fast.keys() & slow.keys()
+    """tok/s of ``fast`` over tok/s of ``slow`` on the prompts both ran, timed (prompt mix changes tok/s)."""
+    common = {u for u in fast.keys() & slow.keys() if _timed(fast[u]) and _timed(slow[u])}
     if not common:
         return None
     fast_rate, slow_rate = _rate(fast[u] for u in common), _rate(slow[u] for u in common)
@@ -318,14 +348,13 @@ def analytic_columns(token: list[Record], block: list[Record], strata: np.ndarra
     )
 
 
-def speed_columns(
-    token: dict, block: dict, target: dict, hf: dict, strata: np.ndarray, config: ReportConfig
-) -> dict:
-    """tok/s of each rule, speedups over target-only and hf-assisted, and block over token with a CI.
+def speed_columns(token: dict, block: dict, target: dict, hf: dict, config: ReportConfig) -> dict:
+    """tok/s of each rule, speedups over target-only and hf-assisted, and block over token with a CI, from the
+    timed records.
 
     Each argument maps a prompt unit to its record; ``token`` and ``block`` hold the same prompts (paired).
     """
-    units = list(token)
+    units = [u for u in token if _timed(token[u]) and _timed(block[u])]
     columns = {
         "new_t": np.array([token[u].new_tokens for u in units], float),
         "wall_t": np.array([token[u].wall_time for u in units], float),
@@ -335,11 +364,11 @@ def speed_columns(
     block_vs_token = None
     if columns["wall_t"].sum() > 0 and columns["wall_b"].sum() > 0 and columns["new_t"].sum() > 0:
         block_vs_token = bootstrap(
-            lambda s: (s["new_b"] / s["wall_b"]) / (s["new_t"] / s["wall_t"]), columns, strata, config
+            lambda s: (s["new_b"] / s["wall_b"]) / (s["new_t"] / s["wall_t"]), columns, _strata(units), config
         )
     return dict(
-        tokens_per_s_token=_rate(token.values()),
-        tokens_per_s_block=_rate(block.values()),
+        tokens_per_s_token=_rate(token[u] for u in units),
+        tokens_per_s_block=_rate(block[u] for u in units),
         speedup_token_vs_target=_speedup(token, target),
         speedup_block_vs_target=_speedup(block, target),
         speedup_token_vs_hf=_speedup(token, hf),
@@ -392,7 +421,7 @@ def _spec_row(
         **efficiency_columns(token_list, block_list, strata, config),
         **analytic_columns(token_list, block_list, strata, config),
         **speed_columns(token, block, _target_cell(cells, temperature, batch_size),
-                        _hf_cell(cells, temperature, draft_len, batch_size), strata, config),
+                        _hf_cell(cells, temperature, draft_len, batch_size), config),
     )
 
 
@@ -438,11 +467,16 @@ def build_report(records: list[Record], config: ReportConfig = ReportConfig()) -
     batch-1 records; and the batch table when there are batched or SV records, or token or block records
     without the other rule at the same (temperature, K, batch size), which the paired tables leave out.
 
-    Unknown configurations are ignored with a warning; missing ones leave their columns empty (None).
+    Unknown configurations are ignored with a warning; missing ones leave their columns empty (None). Failed
+    runs are left out of every figure, contended ones out of tok/s and speedups (``LeftOut``). Raises ValueError
+    for records of more than one machine kind or thread count.
     """
     known = [r for r in records if r.config in records_io.KNOWN_CONFIGS]
     if len(known) < len(records):
         log.warning("%d records with an unknown config are ignored", len(records) - len(known))
+    machine = _one_machine(known)
+    left_out = _left_out(known)
+    n_records, known = len(known), [r for r in known if r.ok]
     batch = tuple(_batch_rows(known, config)) if _unpaired(_cells(known)) or any(
         r.batch_size > 1 or r.config in records_io.SV_CONFIGS for r in known) else ()
     paper = [r for r in known if r.batch_size == 1 and r.config in records_io.CONFIGS]
@@ -458,7 +492,38 @@ def build_report(records: list[Record], config: ReportConfig = ReportConfig()) -
         rows += [_spec_row(label, cells, t, k, b, config) for t, k, b in spec_keys]
         baselines += _baseline_rows(label, cells, alone)
         log.info("%s: %d records, %d token/block rows", label, len(group), len(spec_keys))
-    return Report(datasets, tuple(rows), tuple(baselines), tuple(_histograms(paper)), len(known), config, batch)
+    return Report(datasets, tuple(rows), tuple(baselines), tuple(_histograms(paper)), n_records, config, batch,
+                  left_out, machine)
+
+
+def _one_machine(records: list[Record]) -> dict | None:
+    """The machine kind and thread count all ``records`` ran with; ValueError if they differ (tok/s from two
+    kinds of CPU or two thread counts are not comparable, and pooling them would blur both)."""
+    kinds = {(tuple(r.meta["cpu_flags"]) if "cpu_flags" in r.meta else None, r.meta.get("threads")) for r in records}
+    if len(kinds) > 1:
+        found = "; ".join(f"CPU flags {' '.join(flags) if flags else '(none)'} with {threads} threads"
+                          if flags is not None else f"CPU flags unrecorded (schema < 3) with {threads} threads"
+                          for flags, threads in sorted(kinds, key=str))
+        raise ValueError(f"records from {len(kinds)} machine kinds or thread counts ({found}): their speeds are "
+                         "not comparable; report each machine's records separately")
+    flags, threads = kinds.pop() if kinds else (None, None)
+    return None if flags is None else {"cpu_flags": list(flags), "threads": threads}
+
+
+def _key_fields(record: Record) -> dict:
+    return dict(dataset=record.dataset, prompt_id=record.prompt_id, config=record.config, draft_len=record.draft_len,
+                temperature=record.temperature, batch_size=record.batch_size)
+
+
+def _left_out(records: list[Record]) -> LeftOut:
+    """Failed runs whose run has no successful record (the last error of each), and contended runs."""
+    done = {r.key for r in records if r.ok}
+    failed = {r.key: r for r in records if not r.ok and r.key not in done}  # a retry's error replaces the first
+    return LeftOut(
+        failed=tuple(dict(_key_fields(r), error=r.error) for r in failed.values()),
+        contended=tuple(dict(_key_fields(r), others_cores=r.meta["others_cores"]) for r in records
+                        if r.ok and not _timed(r)),
+    )
 
 
 # ---------------------------------------------------------------------------------------------- batch table
@@ -502,7 +567,8 @@ def _batch_rows(records: list[Record], config: ReportConfig) -> list[BatchRow]:
         target = here.get(("target-only", 0), {})
         fixed = {key: cell for key, cell in here.items() if key[0] in records_io.FIXED_CONFIGS}
         # units every fixed-K configuration ran: where their tok/s are compared and the best one is chosen
-        fixed_units = sorted(set.intersection(*(set(c) for c in fixed.values()))) if fixed else []
+        fixed_units = sorted(u for u in set.intersection(*(set(c) for c in fixed.values()))
+                             if all(_timed(c[u]) for c in fixed.values())) if fixed else []
         best = None
         if fixed_units:
             rates = {key: _decode_rate(cell[u] for u in fixed_units) for key, cell in fixed.items()}
@@ -510,11 +576,12 @@ def _batch_rows(records: list[Record], config: ReportConfig) -> list[BatchRow]:
         for (name, k), cell in sorted(here.items(), key=lambda item: (order[item[0][0]], item[0][1])):
             units = sorted(cell)
             columns = _columns(cell, units)
+            timed = [u for u in units if _timed(cell[u])]
             steps = name != "hf-assisted"  # hf-assisted records carry neither per-step lists nor a prefill time
             drafted_known = all(cell[u].rows for u in units) or name == "target-only"
             rows.append(BatchRow(
                 temperature=temperature, batch_size=batch_size, config=name, draft_len=k, batches=len(units),
-                tokens_per_s=_estimate(lambda s: s["new"] / s["wall"], columns, units, config),
+                tokens_per_s=_estimate(lambda s: s["new"] / s["wall"], _columns(cell, timed), timed, config),
                 speedup_vs_target=None if name == "target-only" else _paired_speedup(cell, [target], config,
                                                                                      decode=steps),
                 best_fixed=(name, k) == best,
@@ -540,11 +607,11 @@ def _estimate(statistic: Callable, columns: dict, units: list, config: ReportCon
 
 def _paired_speedup(cell: dict, others: list[dict], config: ReportConfig, decode: bool = True) -> Estimate | None:
     """tok/s of ``cell`` over the best tok/s among ``others`` (each unit -> record), on the units all of them
-    ran, with the best re-chosen in every resample (so the selection is part of the interval); decode time, or
-    with ``decode=False`` whole wall times."""
+    ran, timed, with the best re-chosen in every resample (so the selection is part of the interval); decode
+    time, or with ``decode=False`` whole wall times."""
     if not others or not all(others):
         return None
-    units = sorted(set(cell).intersection(*others))
+    units = sorted(u for u in set(cell).intersection(*others) if all(_timed(c[u]) for c in (cell, *others)))
     if not units:
         return None
     columns = {f"{name}{i}": column for i, other in enumerate([cell, *others])
@@ -647,10 +714,39 @@ def format_batch_table(report: Report) -> str:
         f"{_markdown(BATCH_HEADER, body)}"
 
 
+def _run_name(run: dict) -> str:
+    return f"{run['prompt_id']} {run['config']} K={run['draft_len']} T={run['temperature']:g} B={run['batch_size']}"
+
+
+def format_left_out(left_out: LeftOut) -> str:
+    """The report's section on the runs its figures leave out, or "" when there are none."""
+    lines = []
+    if left_out.failed:
+        lines.append(f"- {len(left_out.failed)} failed runs, in no figure (a resume reruns them only when asked "
+                     "to retry failed runs):")
+        lines += [f"    - {_run_name(run)}: {run['error']}" for run in left_out.failed]
+        lines += [f"- {run['config']} failed on {run['prompt_id']} (T={run['temperature']:g}, B={run['batch_size']}): "
+                  f"the speedups over {run['config']} leave that prompt out" for run in left_out.failed
+                  if run["config"] in BASELINES]
+    if left_out.contended:
+        lines.append(f"- {len(left_out.contended)} runs measured while other processes used more than "
+                     f"{MAX_OTHERS_CORES} CPU-seconds per wall second: left out of tok/s and speedups, kept in the "
+                     "block efficiencies:")
+        lines += [f"    - {_run_name(run)}: others used {run['others_cores']:.2f}" for run in left_out.contended]
+    return "## runs left out\n\n" + "\n".join(lines) if lines else ""
+
+
 def format_table(report: Report) -> str:
-    """Markdown tables: one per dataset, then the summary pooled over datasets; the convention on top."""
+    """Markdown tables: one per dataset, then the summary pooled over datasets; the convention and the machine on
+    top, then the runs left out, if any."""
     cfg = report.config
     parts = [CONVENTION.format(conf=100 * cfg.confidence, n_boot=cfg.n_boot, seed=cfg.seed) + "."]
+    if report.machine:
+        flags = " ".join(report.machine["cpu_flags"]) or "none of AVX2, AVX-512, AMX"
+        parts.append(f"Machine: CPU flags {flags}; {report.machine['threads']} threads.")
+    left_out = format_left_out(report.left_out)
+    if left_out:
+        parts.append(left_out)
     for label in (*report.datasets, ALL):
         body = [_baseline_cells(b) for b in report.baselines if b.dataset == label]
         body += [_spec_cells(r) for r in report.rows_of(label)]
@@ -687,6 +783,9 @@ def summary(report: Report) -> dict:
         "n_boot": cfg.n_boot,
         "seed": cfg.seed,
         "records": report.n_records,
+        "machine": report.machine,
+        "left_out": {"failed": list(report.left_out.failed), "contended": list(report.left_out.contended),
+                     "max_others_cores": MAX_OTHERS_CORES},
         "datasets": list(report.datasets),
         "summary": [asdict(row) for row in report.rows_of(ALL)],
         "baselines": [asdict(b) for b in report.baselines if b.dataset == ALL],

@@ -5,6 +5,20 @@ For each dataset and temperature, prompt by prompt (or batch by batch), every co
 size) is warmed up once just before its first run, outside the records. Records go to ``<out>/records.jsonl``
 as they are made; a rerun skips what is there, and ``time_budget`` stops scheduling new runs once spent.
 
+Failures: a run that raises (an ``Exception``: Ctrl-C still stops the bench) is recorded as failed, with its
+error, and the bench goes on; a resume does not retry failed runs unless ``retry_failed``.
+
+Resuming: ``<out>/config.json`` holds the settings of the run directory (every BenchConfig field, the CPU flags
+and the thread count, ``blockspec.machine.facts``). A resume whose settings differ is refused, naming the fields,
+except for RESUMABLE: the fields that only steer how much runs, and the lists that only select which runs are
+planned (each run is recorded under its own key: dataset, prompt, configuration, K, temperature, batch size), so
+they may grow (or shrink) between calls. A directory with records but no config.json (from an older blockspec)
+can be reported but not resumed. Both checks, and the one that ``out`` is a directory, come before any model
+loads.
+
+Machine state: each record's meta holds the CPU flags, the thread count and the CPU time other processes used
+while the run was timed (``others_cpu_s``, ``others_cores``); the report leaves contended runs out of its speeds.
+
 Batch sizes: at batch size B a run decodes B consecutive prompts of one dataset together in one ``generate``
 call (row b of batch j, i.e. prompt j*B + b, uses seed + j*B + b: the seed of a prompt does not depend on B).
 Only whole batches run: every dataset needs at least max(batch_sizes) prompts (else ValueError), and the last
@@ -22,17 +36,19 @@ those commands save them for these models, sampling, dtype and device.
 
 from __future__ import annotations
 
+import json
 import logging
 import platform
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
+from .. import machine
 from ..sv.cli import DEFAULT_COMPANION
 from . import records as rec
 
@@ -62,6 +78,8 @@ class BenchConfig:
     companion: str = DEFAULT_COMPANION  # SV companion: prefix:K or a model sharing the target's tokenizer
     sv_profile: Path | None = None  # SV calibration profile; None = `blockspec sv calibrate`'s, per temperature
     latency: Path | None = None  # SV latency profile; None = `blockspec sv profile`'s for these models and device
+    retry_failed: bool = False  # rerun the runs recorded as failed (a resume skips them otherwise)
+    allow_download: bool = False  # let load_model fetch hub ids missing from the local cache
 
     def __post_init__(self):
         unknown = sorted(set(self.configs) - set(rec.KNOWN_CONFIGS))
@@ -164,6 +182,45 @@ def plan(config: BenchConfig, prompts: dict[str, list[tuple[str, list[int]]]]) -
     return runs
 
 
+RECORDS, CONFIG = "records.jsonl", "config.json"
+# BenchConfig fields a resume may change: they steer how much runs (budget, precision, retries, downloads, where),
+# or only select which runs are planned, each recorded under its own key (nested prompt samples: more prompts
+# add prompts, the first ones keep their seeds). Every other field, and the machine's facts, must match.
+RESUMABLE = ("time_budget", "precision", "retry_failed", "allow_download", "out", "datasets", "prompts_per_dataset",
+             "draft_lens", "temperatures", "configs", "batch_sizes")
+
+
+def settings(config: BenchConfig) -> dict:
+    """What ``<out>/config.json`` holds: every field of ``config`` and the machine's facts, as JSON values."""
+    return json.loads(json.dumps({**asdict(config), **machine.facts()}, default=str))
+
+
+def prepare_out(config: BenchConfig) -> list[rec.Record]:
+    """Check ``config.out`` before any model loads, store this call's settings there, and return the records
+    already in it. Raises ValueError when ``out`` is not a directory, or holds records of other settings or of
+    an older blockspec (no stored settings)."""
+    out = config.out
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file: --out must be a directory (a new one, or a bench's to resume)")
+    existing = list(rec.read(out / RECORDS)) if (out / RECORDS).exists() else []
+    wanted = settings(config)
+    if existing:
+        if not (out / CONFIG).exists():
+            raise ValueError(f"{out} holds records but no {CONFIG}: created by an older blockspec: use a new --out "
+                             "(its records can still be reported: python -m blockspec.bench.report)")
+        try:
+            found = json.loads((out / CONFIG).read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{out / CONFIG} is unreadable ({error}): use a new --out") from None
+        rec.refuse_other_settings(out, found, {k: v for k, v in wanted.items() if k not in RESUMABLE})
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # e.g. a parent is a file
+        raise ValueError(f"cannot make the output directory {out}: {error}") from None
+    (out / CONFIG).write_text(json.dumps(wanted, indent=1) + "\n")
+    return existing
+
+
 MIN_PROMPTS = 5  # per dataset, before a bootstrap interval is trusted to stop a run
 
 
@@ -173,7 +230,7 @@ def gain_is_known(records_file: Path, precision: float) -> bool:
     temperature is not stopped by the records of another)."""
     from .report import build_report, summary
 
-    records = [r for r in rec.read(records_file) if r.batch_size == 1]
+    records = [r for r in rec.read(records_file) if r.batch_size == 1 and r.ok]
     prompts = Counter((t, dataset) for t, dataset, _ in
                       {(r.temperature, r.dataset, r.prompt_id) for r in records if r.config == "block"})
     if not prompts or min(prompts.values()) < MIN_PROMPTS:
@@ -190,10 +247,15 @@ def run(config: BenchConfig, *, progress: bool = True) -> Path:
     from ..models.hf import load_model
     from . import datasets
 
-    records_file = config.out / "records.jsonl"
-    done = {r.key for r in rec.read(records_file)} if records_file.exists() else set()
-    target = load_model(config.target, dtype=config.dtype, device=config.device)
-    draft = load_model(config.draft, dtype=config.dtype, device=config.device)
+    existing = prepare_out(config)
+    records_file = config.out / RECORDS
+    done = {r.key for r in existing if r.ok or not config.retry_failed}
+    failed = {r.key for r in existing if not r.ok} - {r.key for r in existing if r.ok}
+    if failed and not config.retry_failed:
+        log.warning("%d runs failed before and are not retried (retry_failed reruns them)", len(failed))
+    target = load_model(config.target, dtype=config.dtype, device=config.device,
+                        allow_download=config.allow_download)
+    draft = load_model(config.draft, dtype=config.dtype, device=config.device, allow_download=config.allow_download)
     prompts = {
         name: [(p.id, encode_prompt(target.tokenizer, p.text, chat=config.chat))
                for p in datasets.load(name, n=config.prompts_per_dataset, seed=config.seed)]
@@ -222,7 +284,12 @@ def run(config: BenchConfig, *, progress: bool = True) -> Path:
             skipped += 1
             bar.update(1)
             continue
-        rec.append(records_file, executor(item))
+        try:
+            record = executor(item)
+        except Exception as error:  # one failing run must not end the bench (Ctrl-C is no Exception: it stops it)
+            log.error("run %s failed: %s: %s", item.key, type(error).__name__, error, exc_info=True)
+            record = executor.failed(item, error)
+        rec.append(records_file, record)
         executed += 1
         bar.update(1)
     bar.close()
@@ -238,7 +305,7 @@ class Executor:
         self.sv = _SVSetup(target, config) if set(config.configs) & set(rec.SV_CONFIGS) else None
         self.meta = {
             "target": config.target, "draft": config.draft, "dtype": config.dtype, "device": config.device,
-            "threads": torch.get_num_threads(), "machine": platform.platform(), "processor": platform.processor(),
+            **machine.facts(), "machine": platform.platform(), "processor": platform.processor(),
             "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
                          "transformers": __import__("transformers").__version__},
         }
@@ -248,15 +315,25 @@ class Executor:
         variant = (item.config, item.draft_len, item.temperature, item.batch_size)
         if variant in self.warm:
             return
-        self.warm.add(variant)
         prompt = tuple(self.target.tokenizer("Hello")["input_ids"])
         copies = {"prompt_ids": ("warm-up",) * item.batch_size, "prompts": (prompt,) * item.batch_size}
         self._generate(replace(item, dataset="warm-up", seed=0, **copies), 8)
+        self.warm.add(variant)  # only once it went: a variant whose warm-up raised warms up before its next run
 
     def __call__(self, item: Run) -> rec.Record:
         self.warm_up(item)
+        start = machine.cpu_clock()
         result = self._generate(item, self.config.max_new_tokens)
-        meta = {**self.meta, "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        return self._record(item, result, machine.others_load(start, machine.cpu_clock()))
+
+    def failed(self, item: Run, error: Exception) -> rec.Record:
+        """The record of a run that raised ``error``: no measurement."""
+        return self._record(item, {"new_tokens": 0, "wall_time": 0.0, "prefill_time": None, "status": rec.FAILED,
+                                   "error": f"{type(error).__name__}: {error}"})
+
+    def _record(self, item: Run, result: dict, load: dict | None = None) -> rec.Record:
+        """A record of ``result`` (Record fields), with the CPU ``load`` of other processes in its meta."""
+        meta = {**self.meta, **(load or {}), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         if item.config in rec.SV_CONFIGS:
             meta.update(self.sv.meta(item))
         return rec.Record(

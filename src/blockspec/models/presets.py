@@ -415,8 +415,8 @@ def _copy_files(folder: Path) -> list[Path]:
 
 
 def _write_converted_marker(folder: Path, preset: Preset, dtype_name: str) -> None:
-    """Mark ``folder`` complete, recording size, fingerprint and sha256 of each of its files (hashing the 3 GB of
-    the 1.5B model's bf16 copy once, at conversion, where dequantising took a minute anyway)."""
+    """Mark ``folder`` complete, recording size, fingerprint and sha256 of each of its files (the full hash reads
+    the whole copy once, at conversion, where dequantising took a minute anyway)."""
     files = {f.name: {"size": f.stat().st_size, "fingerprint": fingerprint(f),
                       "sha256": _sha256_file(f, f"{preset.name}: hashing {f.name}", False)}
              for f in _copy_files(folder)}

@@ -441,7 +441,7 @@ def test_the_report_lists_failed_runs_and_leaves_out_the_speedups_of_a_prompt_wh
     assert row_of(built).speedup_block_vs_target == pytest.approx(rate("block") / rate("target-only"))
     assert row_of(built).prompts == 10  # the failed baseline takes nothing else away
     table = format_table(built)
-    assert "1 failed runs" in table and "RuntimeError: out of memory" in table
+    assert "failed runs (1)" in table and "RuntimeError: out of memory" in table
     assert f"target-only failed on {target[0].prompt_id} (T=1, B=1): the speedups over target-only leave" in table
     (failed,) = json.loads(json.dumps(summary(built)))["left_out"]["failed"]
     assert failed["prompt_id"] == target[0].prompt_id and failed["error"] == "RuntimeError: out of memory"

@@ -722,7 +722,7 @@ def format_left_out(left_out: LeftOut) -> str:
     """The report's section on the runs its figures leave out, or "" when there are none."""
     lines = []
     if left_out.failed:
-        lines.append(f"- {len(left_out.failed)} failed runs, in no figure (a resume reruns them only when asked "
+        lines.append(f"- failed runs ({len(left_out.failed)}), in no figure (a resume reruns them only when asked "
                      "to retry failed runs):")
         lines += [f"    - {_run_name(run)}: {run['error']}" for run in left_out.failed]
         lines += [f"- {run['config']} failed on {run['prompt_id']} (T={run['temperature']:g}, B={run['batch_size']}): "

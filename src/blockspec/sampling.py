@@ -7,11 +7,16 @@ from. Everything here runs in float32 whatever the model's dtype.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from numbers import Real
 
 import torch
 
 from .verify.base import row_chunks
+
+
+MIN_TEMPERATURE = 1e-4  # below it logits / temperature overflow float32 (inf, then NaN): use 0 for greedy
 
 
 @dataclass(frozen=True)
@@ -21,16 +26,32 @@ class SamplingParams:
     top_p: float = 1.0  # keep the smallest most-likely set with at least this mass (1: all)
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            raise ValueError(f"top_k must be an int >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if not is_number(self.temperature) or not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature
+                                                     < math.inf):
+            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got "
+                             f"{self.temperature!r}: use 0 for greedy decoding")
+        if not (is_int(self.top_k) and self.top_k >= 0):
+            raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
+        if not (is_number(self.top_p) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def is_int(value) -> bool:
+    """An integer, not a bool (True would pass as 1) nor a float."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    """A real number, not a bool."""
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+class NonFiniteLogitsError(ValueError):
+    """A model returned NaN or inf logits: sampling from them would emit garbage that looks like output."""
 
 
 # Options that change the next-token law depending on the generated text in ways the engine does not apply to
@@ -59,15 +80,19 @@ def process(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     Temperature 0 gives the one-hot argmax (ties to the lowest id). top-p keeps every token whose probability
     is at least that of the last token of the smallest most-likely prefix reaching ``top_p`` (so exact ties
     at the boundary are all kept: a deterministic rule, the same for both models).
+    Raises NonFiniteLogitsError if any logit is NaN or +-inf (a -inf row entry is fine where a finite one is
+    left): argmax and softmax would otherwise turn such rows into confident garbage.
     """
     shape = logits.shape
     logits = logits.reshape(-1, shape[-1])
     if params.greedy:
+        _check_finite(logits)
         probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
         return probs.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0).reshape(shape)
     probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     for rows in row_chunks(*logits.shape):
         scaled = logits[rows].float() / params.temperature  # a new tensor: the caller's logits stay intact
+        _check_finite(scaled)
         if 0 < params.top_k < scaled.shape[-1]:
             kth = scaled.topk(params.top_k, dim=-1).values[:, -1:]
             scaled.masked_fill_(scaled < kth, float("-inf"))
@@ -75,6 +100,16 @@ def process(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         if params.top_p < 1:
             probs[rows] = _top_p(probs[rows], params.top_p)
     return probs.reshape(shape)
+
+
+def _check_finite(logits: torch.Tensor) -> None:
+    """One reduction per row: the row maximum is NaN if any entry is (max propagates NaN), +inf if any entry
+    is, and -inf only if every entry is; a finite maximum leaves -inf entries (masked tokens) harmless."""
+    peaks = logits.amax(-1)
+    if not bool(torch.isfinite(peaks).all()):
+        bad = (~torch.isfinite(peaks)).nonzero().flatten().tolist()
+        raise NonFiniteLogitsError(f"non-finite logits (NaN or inf) in {len(bad)} of {len(peaks)} rows (first: row "
+                                   f"{bad[0]}, maximum {float(peaks[bad[0]])})")
 
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -3,9 +3,10 @@
 features   exact (float64, every drafted block of V=3, K=3 context-dependent toy tables): the gains' expectation
            is E[tau] when verifying the first L tokens, also conditionally on a drafted prefix; column i of every
            feature function ignores x_i and everything after it (what makes a policy built on them a stopping rule)
-exact law  the REAL SVPolicy driven as the engine drives it (draft_budget, draft_next, keep_drafting position by
-           position, lengths after the companion), its verified length per block fed to lawkit.speculative_law:
-           lossless to 1e-12; look-ahead variants (A_i decides x_i) and a global-argmax variant must fail
+exact law  the REAL SVPolicy driven through the engine's own drafting loop (blockspec.drafting.draft_block: draft_budget,
+           draft_next, keep_drafting position by position; then lengths after the companion), its verified length
+           per block fed to lawkit.speculative_law: lossless to 1e-12; look-ahead variants (A_i decides x_i), a
+           global-argmax variant and a drafting loop that asks keep_drafting after sampling x_i must fail
 predictor  Predictor.fit recovers logistic weights within 5 standard errors; the monotone weight stays >= 0;
            Profile round trip, refusal of other models / sampling, broken files and missing predictors
 engine     SVPolicy inside SpeculativeDecoder on tiny models with a target-prefix companion: greedy output equals
@@ -29,6 +30,7 @@ import torch
 import lawkit
 from blockspec import SamplingParams, SpeculativeDecoder
 from blockspec import policy as policy_module
+from blockspec.drafting import draft_block
 from blockspec.models.companion import target_prefix
 from blockspec.models.hf import HFModel
 from blockspec.policy import LatencyTable, SVPolicy, stopping_lengths
@@ -322,28 +324,40 @@ class GlobalArgmax(SVPolicy):
             return super().lengths(*args)
 
 
-def drive(make_policy, tables: lawkit.Tables, companion: lawkit.Tables, blocks: torch.Tensor):
-    """The verified length of each block (batch 1, a fresh policy per block: one step from the same state), with
-    the calls SpeculativeDecoder.generate / _propose / _score make. Returns (lengths [N], budgets, drafted)."""
+def sampled_before_asking(policy, limit, next_probs, choose, vocab):
+    """BROKEN drafting loop: x_i is sampled before keep_drafting is asked, and the prefix it is shown includes
+    log draft(x_i), so whether x_i is kept depends on x_i itself. Otherwise as blockspec.drafting.draft_block."""
+    drafted, probs = torch.zeros(len(limit), 0, dtype=torch.long), []
+    prefix = torch.zeros(len(limit), dtype=torch.float64)
+    for i in range(1, int(limit.max()) + 1):
+        if i > 1 and not policy.draft_next(i, prefix):
+            break
+        step_probs = next_probs(drafted, limit >= i)
+        token = choose(i, step_probs)
+        prefix = prefix + step_probs.gather(1, token[:, None]).squeeze(1).double().clamp(min=1e-6).log()
+        if not policy.keep_drafting(i, step_probs, prefix):  # THE BREAK: asked after x_i, shown log draft(x_i)
+            break
+        drafted = torch.cat([drafted, token[:, None]], dim=1)
+        probs.append(step_probs[:, None])
+    return drafted, torch.cat(probs, dim=1) if probs else torch.zeros(len(limit), 0, vocab)
+
+
+def drive(make_policy, tables: lawkit.Tables, companion: lawkit.Tables, blocks: torch.Tensor, drafting=draft_block):
+    """The verified length of each block (batch 1, a fresh policy per block: one step from the same state),
+    drafted through ``drafting`` (the engine's own loop by default) with table look-ups for the draft's forwards
+    and the block's tokens for its samples, then the companion's scoring and ``lengths`` as
+    SpeculativeDecoder._plan does. Returns (lengths [N], budgets, drafted)."""
     lengths, budgets, drafted_counts = [], [], []
     for block in blocks:
         policy = make_policy()
         budget = policy.draft_budget(1, 1)
-        prefix = torch.zeros(1, dtype=torch.float64)  # sum_{j<i} log q_j(x_j), clamped as in _propose
-        drafted = 0
-        for i in range(1, min(budget, DRAFT_LEN) + 1):
-            if i > 1 and not policy.draft_next(i, prefix):  # before the forward of position i
-                break
-            probs = tables.draft_at(block[None, : i - 1])  # [1, V]: the draft's law at position i, before x_i
-            if not policy.keep_drafting(i, probs, prefix):
-                break
-            prefix = prefix + probs[0, block[i - 1]].clamp(min=1e-6).log()
-            drafted = i
+        tokens, draft_probs = drafting(policy, torch.tensor([min(budget, DRAFT_LEN)]),
+                                       lambda drafted, _: tables.draft_at(drafted),  # [1, V]: the law at position i
+                                       lambda i, _: block[None, i - 1], VOCAB)
+        drafted = tokens.shape[1]
         if drafted == 0:  # as SpeculativeDecoder._plan: nothing drafted, nothing verified, lengths not asked
             length = 0
         else:
-            tokens = block[None, :drafted]
-            draft_probs = torch.stack([tables.draft_at(tokens[:, :j]) for j in range(drafted)], dim=1)
             length = int(policy.lengths(tokens, draft_probs, companion_along(companion, tokens),
                                         torch.tensor([drafted]))[0])
         lengths.append(length)
@@ -352,7 +366,8 @@ def drive(make_policy, tables: lawkit.Tables, companion: lawkit.Tables, blocks: 
     return torch.tensor(lengths, dtype=torch.long), budgets, drafted_counts
 
 
-def policy_law_errors(policy_class, method: str, kind: str = "companion", latency=TOY_LATENCY, offset: float = 0.0):
+def policy_law_errors(policy_class, method: str, kind: str = "companion", latency=TOY_LATENCY, offset: float = 0.0,
+                      drafting=draft_block):
     """Max joint-law error per toy table, the lengths used, and the number of blocks whose drafting stopped early.
     ``offset``: the policy starts from learnt logit offsets (+offset for the draft predictor, -offset for the
     other) and the history they give, as after earlier steps."""
@@ -370,7 +385,7 @@ def policy_law_errors(policy_class, method: str, kind: str = "companion", latenc
 
         def step(blocks, draft_probs, target_probs):
             nonlocal early_stops
-            lengths, budgets, drafted = drive(make, tables, companion, blocks)
+            lengths, budgets, drafted = drive(make, tables, companion, blocks, drafting)
             lengths_seen.update(lengths.tolist())
             early_stops += sum(d < b for b, d in zip(budgets, drafted))
             return (accepted_length_law(blocks, draft_probs, target_probs, method, lengths),
@@ -409,6 +424,14 @@ def test_sv_policies_that_let_x_i_decide_on_itself_are_biased(policy_class, meth
     errors, _, _ = policy_law_errors(policy_class, method)
     print(f"{policy_class.__name__} {method}: max joint-law error {max(errors):.2g}")
     assert max(errors) > 1e-4, errors
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("kind", ["companion", "draft"])
+def test_a_drafting_loop_that_lets_x_i_decide_whether_it_is_drafted_is_biased(kind, method):
+    errors, _, early_stops = policy_law_errors(SVPolicy, method, kind, drafting=sampled_before_asking)
+    print(f"drafting loop asking after x_i, {kind} {method}: max joint-law error {max(errors):.2g}")
+    assert early_stops > 0 and max(errors) > 1e-4, errors
 
 
 def test_toy_goodput_is_not_concave_so_argmax_and_stopping_rule_differ():

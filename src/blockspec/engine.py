@@ -9,6 +9,7 @@ so comparisons are fair.
 from __future__ import annotations
 
 import logging
+import operator
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -16,9 +17,10 @@ from typing import Callable, Sequence
 
 import torch
 
+from .drafting import draft_block
 from .models.base import LanguageModel, left_pad
 from .policy import FixedLength
-from .sampling import SamplingParams, check_unsupported, process, sample
+from .sampling import NonFiniteLogitsError, SamplingParams, check_unsupported, is_int, process, sample
 from .sv.features import as_probs, overlap
 from .verify import VERIFIERS, Randomness, expected_accepted
 from .verify.base import draw_exponentials, drafted_mask
@@ -87,9 +89,14 @@ class SpeculativeDecoder:
     HFModel). ``verifier``: "block" (Sun et al. 2024, the default), "token" (standard speculative sampling),
     "greedy" (temperature 0 only) or "none" (target-only decoding, no draft needed). At temperature 0 the
     greedy rule is used whatever ``verifier`` says: token and block verification coincide with it there.
-    ``policy`` decides how many tokens each step drafts and verifies (default ``FixedLength(draft_len)``; see
+    ``policy`` decides how many tokens each step drafts and verifies (default ``FixedLength(draft_len)``; with a
+    policy, its ``max_draft`` is the most a step drafts and ``draft_len`` is not used; see
     ``blockspec.policy.SVPolicy`` for Speculative Verification); ``companion`` is the model an SV policy
     scores drafted blocks with (``blockspec.models.companion``).
+
+    Target, draft and companion must be distinct adapter objects (each keeps its own KV cache); one transformers
+    model wrapped twice is fine. The target defines the vocabulary (its logits, cut to its tokenizer's length):
+    a draft or companion with fewer logits is refused, since the target's other tokens could never be emitted.
     """
 
     def __init__(self, target, draft=None, *, verifier: str = "block", draft_len: int = 4, policy=None,
@@ -98,19 +105,30 @@ class SpeculativeDecoder:
             raise ValueError(f"verifier must be one of {VERIFIER_CHOICES}, got {verifier!r}")
         if verifier != "none" and draft is None:
             raise ValueError(f"verifier={verifier!r} needs a draft model (or use verifier='none')")
-        if verifier != "none" and not (isinstance(draft_len, int) and draft_len >= 1):
+        if verifier != "none" and policy is None and not (is_int(draft_len) and draft_len >= 1):
             raise ValueError(f"draft_len must be an int >= 1, got {draft_len!r}")
-        self.target = as_model(target)
-        self.draft = as_model(draft) if verifier != "none" else None
-        self.verifier = verifier
-        self.draft_len = draft_len if verifier != "none" else 0
         if policy is not None and verifier == "none":
             raise ValueError("a length policy needs a draft: verifier='none' decodes with the target alone")
-        self.policy = policy if policy is not None else FixedLength(self.draft_len)
+        method = getattr(policy, "method", None)
+        if method in ("token", "block") and verifier in ("token", "block") and method != verifier:
+            raise ValueError(f"the length policy was built for the {method} rule but verifier={verifier!r}: its "
+                             "predicted gains would be those of another rule")
+        self.target = as_model(target)
+        self.draft = as_model(draft) if verifier != "none" else None
+        self.companion = as_model(companion) if companion is not None and self.draft is not None else None
+        _refuse_shared_adapters(self.target, self.draft, self.companion)
+        self.verifier = verifier
+        self.policy = policy if policy is not None else FixedLength(draft_len if verifier != "none" else 0)
+        self.draft_len = self.policy.max_draft if verifier != "none" else 0  # the widest step: what _draw draws for
+        context = self.target.max_length
+        if context is not None and self.draft_len >= context:
+            raise ValueError(f"draft_len {self.draft_len} is not below the target's context of {context} tokens")
         if self.policy.needs_companion and companion is None:
             raise ValueError("this length policy needs a companion model (companion=...)")
-        self.companion = as_model(companion) if companion is not None and self.draft is not None else None
-        self.vocab = min(common_vocabulary(self.target, self.draft), common_vocabulary(self.target, self.companion))
+        self.vocab = target_vocabulary(self.target)
+        for role, model in (("draft", self.draft), ("companion", self.companion)):
+            if model is not None:
+                check_shared_vocabulary(self.target, model, self.vocab, role)
 
     @property
     def tokenizer(self):
@@ -133,7 +151,11 @@ class SpeculativeDecoder:
         """Generate up to ``max_new_tokens`` new tokens for each prompt (strings need a tokenizer).
 
         ``seed``: one int (row b then uses seed + b) or one per prompt; each row draws from its own stream, so
-        its output does not depend on its neighbours (beyond floating-point differences of batched forwards).
+        its output law does not depend on its neighbours. Its tokens do not either in float32; in bfloat16 or
+        float16 a batched forward rounds differently from a forward of the row alone, so a row's tokens can
+        differ between the two (the law is the target's in both), and under a length policy such as SV the
+        batch shares one verification width (which changes speed, not the law).
+        ``stop_strings``: a list of strings; a row ends right after the first of them appears in its text.
         ``expected=True`` records, per step and row, the exact expected accepted length under both the token
         and the block rule for the same draft (computed outside the timed region). ``on_tokens(i, tokens)``
         is called as tokens of prompt i are committed (for streaming). ``draft_sampling``: the draft's own
@@ -141,7 +163,7 @@ class SpeculativeDecoder:
         actually sampled from, so any choice stays lossless and only changes the acceptance rate.
         """
         check_unsupported(options)
-        if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+        if not (is_int(max_new_tokens) and max_new_tokens >= 1):
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         if self.verifier == "greedy" and not sampling.greedy:
             raise ValueError("verifier='greedy' needs temperature 0; use 'block' or 'token' to sample")
@@ -149,6 +171,7 @@ class SpeculativeDecoder:
             raise ValueError("draft_sampling needs a sampled target: at temperature 0 the draft proposes its argmax")
         draft_sampling = draft_sampling or sampling
         sequences = self._encode(prompts)
+        self._check_context(sequences, max_new_tokens)
         generators = [torch.Generator().manual_seed(s) for s in _row_seeds(seed, len(sequences))]
         stop = _Stopper(self, stop_on_eos, stop_strings, max_new_tokens)
         verify = VERIFIERS["greedy" if sampling.greedy else ("token" if self.verifier == "none" else self.verifier)]
@@ -157,7 +180,8 @@ class SpeculativeDecoder:
         start = time.perf_counter()
         models = [m for m in (self.target, self.draft, self.companion) if m is not None]
         for model in models:  # the last prompt token stays pending: every step scores [pending, drafts]
-            model.prefill([s[:-1] for s in sequences])
+            # a prompt longer than a draft's (or companion's) context leaves that model's row empty: it never drafts
+            model.prefill([s[:-1] if model is self.target or _room(model, s) > 0 else [] for s in sequences])
         prefill_s, untimed = time.perf_counter() - start, 0.0
         generated: list[list[int]] = [[] for _ in sequences]
         reasons: list[str | None] = [None] * len(sequences)
@@ -175,7 +199,7 @@ class SpeculativeDecoder:
                                drafted_mask(num_draft.to(device), draft_tokens.shape[1])], dim=1)
             logits = self.target.forward(torch.cat([pending, draft_tokens], 1), valid)
             forward_s += time.perf_counter() - t1
-            target_probs = process(logits[..., :self.vocab], sampling)  # [B, K+1, V]
+            target_probs = self._process(self.target, logits, sampling)  # [B, K+1, V]
             t2 = time.perf_counter()
             randomness = None if sampling.greedy else Randomness(verify_u[:, :draft_tokens.shape[1]], exponentials)
             out = verify(draft_tokens, draft_probs, target_probs, num_draft=num_draft.to(device),
@@ -249,60 +273,95 @@ class SpeculativeDecoder:
     def _plan(self, contexts: list[list[int]], room: torch.Tensor, sampling: SamplingParams,
               draft_sampling: SamplingParams, draft_u):
         """Draft, let the companion score, and let the policy pick each row's verification length (at most
-        ``room``: the step's last token is the target's own). Returns (draft tokens [B, W] and probs [B, W, V]
-        cut to the widest verified row W, verification lengths [B], tokens drafted, forward seconds)."""
+        ``room``: the step's last token is the target's own; and at most what fits in every model's context).
+        Returns (draft tokens [B, W] and probs [B, W, V] cut to the widest verified row W, verification lengths
+        [B], tokens drafted, forward seconds)."""
         # What the draft has not seen yet: 1 token, 2 after a fully accepted step, more after steps that did not draft
         seen = self.draft.lengths.tolist() if self.draft is not None else [len(c) for c in contexts]
         unseen = [c[n:] for c, n in zip(contexts, seen)]
-        num_draft = room.clamp(max=self.policy.draft_budget(len(contexts), max(map(len, unseen))))
-        draft_tokens, draft_probs, forward_s = self._propose(unseen, int(num_draft.max()), draft_sampling, draft_u)
+        limit = room.minimum(torch.tensor([self._draft_room(c) for c in contexts])).clamp(min=0)
+        catch_up = max((len(u) for u, n in zip(unseen, limit.tolist()) if n > 0), default=1)
+        limit = limit.clamp(max=self.policy.draft_budget(len(contexts), catch_up))
+        draft_tokens, draft_probs, forward_s = self._propose(unseen, limit, draft_sampling, draft_u)
         drafted = draft_tokens.shape[1]
-        num_draft = num_draft.clamp(max=drafted)
+        num_draft = limit.to(draft_tokens.device).clamp(max=drafted)
         if drafted:
-            companion_probs, companion_s = self._score(contexts, draft_tokens, sampling)
+            companion_probs, companion_s = self._score(contexts, draft_tokens, num_draft, sampling)
             num_draft = self.policy.lengths(draft_tokens, draft_probs, companion_probs, num_draft)
             forward_s += companion_s
         width = int(num_draft.max())
-        draft_probs = None if draft_probs is None else draft_probs[:, :width]
+        draft_probs = None if draft_sampling.greedy else draft_probs[:, :width]
         return draft_tokens[:, :width], draft_probs, num_draft, drafted, forward_s
 
-    def _propose(self, unseen: list[list[int]], draft_len: int, sampling: SamplingParams, uniforms):
-        """Draft up to ``draft_len`` tokens per row after the ``unseen`` tokens the draft reads first, fewer if the
-        policy stops drafting: (tokens [B, K], probs [B, K, V] or None when greedy, forward seconds)."""
-        batch, device = len(unseen), self.target.device
-        drafted = [torch.zeros(batch, 0, dtype=torch.long, device=device)]
-        probs = [torch.zeros(batch, 0, self.vocab, device=device)]
-        tokens, valid = left_pad(unseen)
-        forward_s, prefix = 0.0, torch.zeros(batch, dtype=torch.float64, device=device)  # sum_{j<i} log q_j(x_j)
-        for i in range(draft_len):
-            if i and not self.policy.draft_next(i + 1, prefix):  # before paying for the forward of position i + 1
-                break
+    def _draft_room(self, context: list[int]) -> int:
+        """Tokens a row may draft before some model's context is full: the target scores [pending, x_1..x_k]
+        at positions len - 1 .. len - 1 + k; the draft and the companion read x_1..x_{k-1} after the context."""
+        return min([_room(self.target, context) - 1] + [_room(m, context) for m in (self.draft, self.companion)
+                                                          if m is not None])
+
+    def _propose(self, unseen: list[list[int]], limit: torch.Tensor, sampling: SamplingParams, uniforms):
+        """Draft up to ``limit[b]`` tokens in row b after the ``unseen`` tokens the draft reads first, fewer if the
+        policy stops drafting: (tokens [B, K], probs [B, K, V], forward seconds)."""
+        forward_s, device = 0.0, self.target.device
+
+        def next_probs(drafted: torch.Tensor, drafting: torch.Tensor) -> torch.Tensor:
+            nonlocal forward_s
+            if drafted.shape[1] == 0:  # the first forward reads what the draft has not seen, in drafting rows only
+                tokens, valid = left_pad([u if d else [] for u, d in zip(unseen, drafting.tolist())])
+            else:
+                tokens, valid = drafted[:, -1:], drafting[:, None]
             t0 = time.perf_counter()
             logits = self.draft.forward(tokens.to(self.draft.device), valid.to(self.draft.device))[:, -1]
             forward_s += time.perf_counter() - t0
-            step_probs = process(logits[:, :self.vocab].to(device), sampling)  # [B, V]
-            if not self.policy.keep_drafting(i + 1, step_probs, prefix):  # decided before x_i is sampled
-                break
-            token = step_probs.argmax(-1) if uniforms is None else sample(step_probs, uniforms[:, i])
-            prefix += step_probs.gather(1, token[:, None]).squeeze(1).double().clamp(min=1e-6).log()
-            drafted.append(token[:, None])
-            probs.append(step_probs[:, None])
-            tokens, valid = token[:, None], torch.ones(batch, 1, dtype=torch.bool)
-        draft_probs = None if sampling.greedy else torch.cat(probs, dim=1)
-        return torch.cat(drafted, dim=1), draft_probs, forward_s
+            return self._process(self.draft, logits.to(device), sampling)  # [B, V]
 
-    def _score(self, contexts: list[list[int]], draft_tokens: torch.Tensor, sampling: SamplingParams):
+        def choose(position: int, probs: torch.Tensor) -> torch.Tensor:
+            return probs.argmax(-1) if uniforms is None else sample(probs, uniforms[:, position - 1])
+
+        tokens, probs = draft_block(self.policy, limit.to(device), next_probs, choose, self.vocab)
+        return tokens, probs, forward_s
+
+    def _score(self, contexts: list[list[int]], draft_tokens: torch.Tensor, num_draft: torch.Tensor,
+               sampling: SamplingParams):
         """The companion's processed distributions at the K drafted positions [B, K, V] (one forward over what it
-        has not seen plus x_1..x_{K-1}) and the forward's seconds; (None, 0) when the policy needs no companion."""
+        has not seen plus x_1..x_{K-1}; a row reads only its own ``num_draft[b]`` drafts, the rest are holes) and
+        the forward's seconds; (None, 0) when the policy needs no companion."""
         drafted = draft_tokens.shape[1]
         if self.companion is None or not self.policy.needs_companion:
             return None, 0.0
-        drafts = draft_tokens[:, : drafted - 1].tolist()
-        tokens, valid = left_pad([c[n:] + d for c, n, d in zip(contexts, self.companion.lengths.tolist(), drafts)])
+        seen = self.companion.lengths.tolist()
+        rows = [c[n:] + d for c, n, d in zip(contexts, seen, draft_tokens[:, : drafted - 1].tolist())]
+        tokens, valid = left_pad(rows)
+        # The last K - 1 columns hold x_1..x_{K-1}. A row drafting k < K tokens reads its context and x_1..x_{k-1}
+        # (x_j sits in column j - 1 of those), nothing at all if it drafts none.
+        num_draft = num_draft.cpu()
+        if drafted > 1:
+            valid[:, -(drafted - 1):] &= torch.arange(drafted - 1)[None] < (num_draft[:, None] - 1)
+        valid[num_draft == 0] = False
         t0 = time.perf_counter()
         logits = self.companion.forward(tokens.to(self.companion.device), valid.to(self.companion.device))
         seconds = time.perf_counter() - t0
-        return process(logits[:, -drafted:, :self.vocab].to(self.target.device), sampling), seconds
+        return self._process(self.companion, logits[:, -drafted:].to(self.target.device), sampling), seconds
+
+    def _process(self, model: LanguageModel, logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+        """``process`` over the shared vocabulary, naming the model whose logits are not finite."""
+        try:
+            return process(logits[..., :self.vocab], sampling)
+        except NonFiniteLogitsError as error:
+            role = {id(self.target): "target", id(self.draft): "draft", id(self.companion): "companion"}[id(model)]
+            raise NonFiniteLogitsError(
+                f"the {role} model ({_name(model)}) returned {error}: a float16 overflow or a broken checkpoint? "
+                "Try another dtype (bfloat16 or float32)") from None
+
+    def _check_context(self, sequences: list[list[int]], max_new_tokens: int) -> None:
+        """Refuse, before any forward, a row that cannot fit in the target's context with its new tokens."""
+        context = self.target.max_length
+        for b, prompt in enumerate(sequences):
+            if context is not None and len(prompt) + max_new_tokens > context:
+                raise ValueError(
+                    f"prompt {b} has {len(prompt)} tokens and max_new_tokens is {max_new_tokens}: {len(prompt)} + "
+                    f"{max_new_tokens} = {len(prompt) + max_new_tokens} exceeds the context of {context} tokens of "
+                    f"the target ({_name(self.target)}); shorten the prompt or lower max_new_tokens")
 
     def _encode(self, prompts) -> list[list[int]]:
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or len(prompts) == 0:
@@ -313,7 +372,7 @@ class SpeculativeDecoder:
                 if self.tokenizer is None:
                     raise ValueError("string prompts need a tokenizer: pass token ids, or models with tokenizers")
                 prompt = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-            prompt = [int(t) for t in prompt]
+            prompt = [_token_id(t, b) for t in prompt]
             if not prompt:
                 raise ValueError(f"prompt {b} is empty: give at least one token (for example the BOS token)")
             if not all(0 <= t < self.vocab for t in prompt):
@@ -323,13 +382,26 @@ class SpeculativeDecoder:
 
 
 class _Stopper:
-    """Where a row ends: at its first EOS (kept), at the end of a stop string, or at max_new_tokens."""
+    """Where a row ends: at its first EOS (kept), at the end of a stop string, or at max_new_tokens.
+
+    Stop strings are looked for in the text of a window: the new tokens and, before them, as many generated
+    tokens as the longest stop string has UTF-8 bytes, plus 3 (a token carries at least one byte, and the
+    window's first character may be cut: a UTF-8 character spans at most 4 bytes). A stop string that ends in
+    the new tokens lies inside that window, so a step decodes a bounded number of tokens however long the row.
+    """
 
     def __init__(self, decoder: SpeculativeDecoder, stop_on_eos: bool, stop_strings: Sequence[str], limit: int):
+        if isinstance(stop_strings, str) or not all(isinstance(s, str) for s in stop_strings):
+            raise TypeError(f"stop_strings must be a list of strings, got {stop_strings!r} (a single stop string: "
+                            f"[{stop_strings!r}])" if isinstance(stop_strings, str) else
+                            f"stop_strings must be a list of strings, got {stop_strings!r}")
+        if any(s == "" for s in stop_strings):
+            raise ValueError("stop_strings holds an empty string, which would end every row after one token")
         if stop_strings and decoder.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer to decode the generated text")
         self.eos = set(decoder.target.eos_token_ids) if stop_on_eos else set()
         self.stop_strings, self.limit, self.tokenizer = tuple(stop_strings), limit, decoder.tokenizer
+        self.window = max((len(s.encode("utf-8")) for s in stop_strings), default=0) + 3
 
     def cut(self, generated: list[int], new: list[int]) -> tuple[list[int], str | None]:
         """The part of ``new`` that is kept, and why the row finished (None if it goes on)."""
@@ -339,8 +411,9 @@ class _Stopper:
                 new, reason = new[: n + 1], "eos"
                 break
         if self.stop_strings:
+            before = generated[-self.window:]
             for n in range(1, len(new) + 1):  # the shortest prefix whose text completes a stop string
-                text = self.tokenizer.decode(generated + new[:n])
+                text = self.tokenizer.decode(before + new[:n])
                 if any(s in text for s in self.stop_strings):
                     new, reason = new[:n], "stop"
                     break
@@ -358,33 +431,71 @@ def as_model(model) -> LanguageModel:
     return HFModel(model)
 
 
-def common_vocabulary(target: LanguageModel, draft: LanguageModel | None) -> int:
-    """Ids both models can produce: their real vocabulary when embedding tables are padded differently.
+def target_vocabulary(target: LanguageModel) -> int:
+    """The ids the target can emit: its logits, less any padding rows beyond its tokenizer (embedding tables
+    are often padded to a multiple of 64 or 128)."""
+    if target.tokenizer is None:
+        return target.vocab_size
+    return min(target.vocab_size, len(target.tokenizer))
 
-    Draft and target must share the tokenizer; without tokenizers, their logit sizes are compared instead.
-    """
-    sizes = [target.vocab_size]
-    if target.tokenizer is not None:
-        sizes.append(len(target.tokenizer))
-    if draft is not None:
-        sizes.append(draft.vocab_size)
-        if target.tokenizer is not None and draft.tokenizer is not None:
-            if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
-                raise ValueError("draft and target tokenizers differ: speculative decoding needs a shared vocabulary")
-        elif draft.vocab_size != target.vocab_size:
-            raise ValueError(
-                f"draft has {draft.vocab_size} logits and target {target.vocab_size}, and without tokenizers "
-                "blockspec cannot check they share a vocabulary"
-            )
-    return min(sizes)
+
+def check_shared_vocabulary(target: LanguageModel, model: LanguageModel, vocab: int, role: str) -> None:
+    """Refuse a draft or companion that does not cover the target's ``vocab`` ids or has another tokenizer:
+    the target's law would silently lose the ids it cannot propose or score."""
+    if target.tokenizer is not None and model.tokenizer is not None:
+        if target.tokenizer.get_vocab() != model.tokenizer.get_vocab():
+            raise ValueError(f"{role} and target tokenizers differ: speculative decoding needs a shared vocabulary")
+    elif model.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"{role} has {model.vocab_size} logits and target {target.vocab_size}, and without tokenizers "
+            "blockspec cannot check they share a vocabulary"
+        )
+    if model.vocab_size < vocab:
+        raise ValueError(
+            f"the {role} model ({_name(model)}) has {model.vocab_size} logits but the target's vocabulary has {vocab} "
+            f"tokens: ids {model.vocab_size}..{vocab - 1} could never be emitted; use a {role} with the target's "
+            "vocabulary"
+        )
+
+
+def _refuse_shared_adapters(*models: LanguageModel | None) -> None:
+    """One adapter object in two roles would share one KV cache between them: each role's forwards would
+    corrupt the other's. (The same transformers model wrapped in two adapters is fine: two caches.)"""
+    present = [m for m in models if m is not None]
+    if len({id(m) for m in present}) < len(present):
+        raise ValueError("target, draft and companion must be different model objects (each keeps its own KV "
+                         "cache); to draft with the target's own weights, wrap them again: HFModel(model)")
+
+
+def _room(model: LanguageModel, context: list[int]) -> int:
+    """Tokens ``model`` can still take after ``context`` before its context length (a large number if none)."""
+    return (model.max_length if model.max_length is not None else 1 << 62) - len(context) + 1
+
+
+def _name(model: LanguageModel) -> str:
+    return getattr(model, "name", None) or type(model).__name__
+
+
+def _token_id(token, row: int) -> int:
+    """An int token id (Python, NumPy or 0-d torch integer); a float, str or bool would be silently converted."""
+    if isinstance(token, bool):
+        raise TypeError(f"prompt {row} holds a bool ({token!r}), not a token id")
+    try:
+        return operator.index(token)
+    except TypeError:
+        raise TypeError(f"prompt {row} holds {token!r} ({type(token).__name__}): token ids must be ints") from None
 
 
 def _row_seeds(seed, batch: int) -> list[int]:
     if seed is None:
         return [secrets.randbits(63) for _ in range(batch)]
-    if isinstance(seed, int):
-        return [seed + b for b in range(batch)]
-    seeds = [int(s) for s in seed]
+    if isinstance(seed, (str, bytes, bool)) or not (hasattr(seed, "__index__") or isinstance(seed, Sequence)):
+        raise TypeError(f"seed must be an int or one int per prompt, got {seed!r} ({type(seed).__name__})")
+    if hasattr(seed, "__index__"):
+        return [operator.index(seed) + b for b in range(batch)]
+    if any(isinstance(s, bool) or not hasattr(s, "__index__") for s in seed):
+        raise TypeError(f"seed must be an int or one int per prompt, got {seed!r}")
+    seeds = [operator.index(s) for s in seed]
     if len(seeds) != batch:
         raise ValueError(f"seed must be an int or one int per prompt ({batch}), got {len(seeds)}")
     return seeds

@@ -86,6 +86,10 @@ class FixedLength:
     def __init__(self, draft_len: int):
         self.draft_len = draft_len
 
+    @property
+    def max_draft(self) -> int:
+        return self.draft_len
+
     def draft_budget(self, batch: int, catch_up: int) -> int:
         return self.draft_len
 

@@ -65,7 +65,7 @@ def load_companion(
 ) -> HFModel:
     """``prefix:K`` is the target's first K layers (``target_prefix``); anything else is loaded by ``load_model``
     (a preset, a GGUF file, a directory or a hub id) and must share the target's tokenizer."""
-    from ..engine import common_vocabulary
+    from ..engine import check_shared_vocabulary, target_vocabulary
 
     target = _as_hf(target)
     if spec.startswith("prefix:"):
@@ -76,7 +76,7 @@ def load_companion(
         return target_prefix(target, layers)
     companion = load_model(spec, dtype=dtype, device=device, progress=progress)
     try:
-        common_vocabulary(target, companion)
+        check_shared_vocabulary(target, companion, target_vocabulary(target), "companion")
     except ValueError as error:
         raise ValueError(f"companion {spec!r} must share the target's tokenizer ({error})") from error
     return companion

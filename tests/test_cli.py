@@ -12,7 +12,7 @@ import pytest
 
 from blockspec import cli
 from blockspec.models import hf
-from tiny import save_tiny
+from tiny import save_tiny, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -158,10 +158,10 @@ def test_bench_passes_allow_download_and_retry_failed_to_its_config(monkeypatch)
         raise ValueError("stopped before decoding")
 
     monkeypatch.setattr(runner, "run", fake_run)
-    assert cli.main(["bench", "--allow-download", "--retry-failed"]) == 2
+    assert cli.main(["bench", "--allow-download", "--retry-failed", "--no-chat"]) == 2
     assert cli.main(["bench"]) == 2
     flagged, plain = configs
-    assert flagged.allow_download is True and flagged.retry_failed is True
+    assert flagged.allow_download is True and flagged.retry_failed is True and flagged.chat is False
     # without the flags the preset's values hold (never download, keep failure records)
     preset = runner.PRESETS["quick"]
     assert (plain.allow_download, plain.retry_failed) == (preset.allow_download, preset.retry_failed) == (False, False)
@@ -189,3 +189,22 @@ def test_models_verify_hashes_the_cache_and_fails_on_a_mismatch(monkeypatch, cap
     assert listed["smollm2-135m"] and not listed["qwen2.5-coder-1.5b"]
     monkeypatch.setattr(presets, "verify", lambda name, **kwargs: [])
     assert cli.main(["models", "--verify"]) == 0 and "verified" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flag", "expected"), [([], False), (["--allow-download"], True)])
+def test_align_and_hub_companions_download_only_when_allowed(flag, expected, monkeypatch, tmp_path):
+    """align loaded its models, and every SV command its hub-id companion, without passing allow_download."""
+    from blockspec.models import companion
+
+    loads = []
+
+    def fake_load(name, **kwargs):
+        loads.append((name, kwargs["allow_download"]))
+        raise ValueError("stopped before loading")
+
+    monkeypatch.setattr(hf, "load_model", fake_load)  # alignment imports it when it runs
+    assert cli.main(["align", *flag, "--out", str(tmp_path), "--target", "some/model"]) == 2
+    monkeypatch.setattr(companion, "load_model", fake_load)
+    with pytest.raises(ValueError, match="stopped before loading"):
+        companion.load_companion("some/companion", tiny_model(), allow_download=expected)
+    assert loads == [("some/model", expected), ("some/companion", expected)]

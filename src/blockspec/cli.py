@@ -203,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", type=Path, help="output directory for records, report and plots")
     # default None, not False: only the flags given override the preset
     bench.add_argument("--allow-download", action="store_true", default=None, help=sv_cli.ALLOW_DOWNLOAD_HELP)
+    bench.add_argument("--no-chat", dest="chat", action="store_false", default=None,
+                       help="send the raw prompts instead of wrapping them in the model's chat template")
     bench.add_argument("--retry-failed", action="store_true", default=None,
                        help="rerun the runs a previous call recorded as failed (default: keep their failure records)")
     bench.set_defaults(run=run_bench)
@@ -254,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="cpu, cuda, cuda:N or auto (default: %(default)s)")
     align.add_argument("--no-chat", dest="chat", action="store_false",
                        help="send the raw prompts instead of wrapping them in the model's chat template")
+    align.add_argument("--allow-download", action="store_true", help=sv_cli.ALLOW_DOWNLOAD_HELP)
     align.add_argument("--time-budget", type=sv_cli.positive_float,
                        help="seconds; stop scheduling runs after this (resume later)")
     align.add_argument("--out", type=Path, default=align_defaults.out,
@@ -412,7 +415,7 @@ def run_bench(args) -> int:
     overrides = {name: getattr(args, name) for name in (
         "target", "draft", "datasets", "prompts_per_dataset", "draft_lens", "temperatures", "configs",
         "max_new_tokens", "time_budget", "precision", "seed", "dtype", "device", "out", "batch_sizes", "companion",
-        "sv_profile", "latency", "allow_download", "retry_failed") if getattr(args, name) is not None}
+        "sv_profile", "latency", "allow_download", "retry_failed", "chat") if getattr(args, name) is not None}
     for name in ("datasets", "draft_lens", "temperatures", "configs", "batch_sizes"):
         if name in overrides:
             overrides[name] = tuple(overrides[name])
@@ -433,7 +436,7 @@ def run_align(args) -> int:
         target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, datasets=tuple(args.datasets),
         prompts_per_dataset=args.prompts_per_dataset, draft_temperatures=tuple(args.draft_temperatures),
         temperature=args.temperature, draft_len=args.draft_len, max_new_tokens=args.max_new_tokens, seed=args.seed,
-        chat=args.chat, time_budget=args.time_budget, out=args.out,
+        chat=args.chat, time_budget=args.time_budget, out=args.out, allow_download=args.allow_download,
     )
     for temperature in (config.temperature, *config.draft_temperatures):  # refused here, not after the models load
         SamplingParams(temperature=temperature)

@@ -77,6 +77,7 @@ class AlignConfig:
     chat: bool = True
     time_budget: float | None = None  # seconds; None = run the whole plan
     out: Path = Path("results/align")
+    allow_download: bool = False  # let load_model fetch hub ids missing from the local cache
 
     def __post_init__(self):
         if not self.temperature > 0:
@@ -239,8 +240,8 @@ class _Executor:
         if models is None:
             from ..models.hf import load_model
 
-            models = (load_model(config.target, dtype=config.dtype, device=config.device),
-                      load_model(config.draft, dtype=config.dtype, device=config.device))
+            models = tuple(load_model(name, dtype=config.dtype, device=config.device,
+                                      allow_download=config.allow_download) for name in (config.target, config.draft))
         self.config = config
         self.decoder = SpeculativeDecoder(*models, verifier="block", draft_len=config.draft_len)
         self.meta = {

@@ -399,7 +399,8 @@ class _SVSetup:
         self.latency, self.latency_path = LatencyProfile.load(path), str(path)
         self.latency.check(config.target, config.draft, config.companion, config.dtype, target.device)
         needs_companion = bool({"sv-token", "sv-block"} & set(config.configs))
-        self.companion = load_companion(config.companion, target, dtype=config.dtype, device=config.device) \
+        self.companion = load_companion(config.companion, target, dtype=config.dtype, device=config.device,
+                                        allow_download=config.allow_download) \
             if needs_companion else None
 
     def policy(self, item: Run):

@@ -61,10 +61,12 @@ def target_prefix(target, layers: int) -> HFModel:
 
 
 def load_companion(
-    spec: str, target, *, dtype: str = "bfloat16", device: str = "cpu", progress: bool = True
+    spec: str, target, *, dtype: str = "bfloat16", device: str = "cpu", progress: bool = True,
+    allow_download: bool = False,
 ) -> HFModel:
     """``prefix:K`` is the target's first K layers (``target_prefix``); anything else is loaded by ``load_model``
-    (a preset, a GGUF file, a directory or a hub id) and must share the target's tokenizer."""
+    (a preset, a GGUF file, a directory or a hub id: downloaded only with ``allow_download``) and must share the
+    target's tokenizer."""
     from ..engine import check_shared_vocabulary, target_vocabulary
 
     target = _as_hf(target)
@@ -74,7 +76,7 @@ def load_companion(
         except ValueError:
             raise ValueError(f"a target-prefix companion is written prefix:K (K an integer), got {spec!r}") from None
         return target_prefix(target, layers)
-    companion = load_model(spec, dtype=dtype, device=device, progress=progress)
+    companion = load_model(spec, dtype=dtype, device=device, progress=progress, allow_download=allow_download)
     try:
         check_shared_vocabulary(target, companion, target_vocabulary(target), "companion")
     except ValueError as error:

@@ -178,7 +178,8 @@ def build_policy(config, target, sampling):
     latency.check(config.target, config.draft, config.companion, config.dtype, target.device)
     method = "token" if config.verifier == "token" else "block"  # greedy: the token rule's gains
     policy = SVPolicy(profile, latency, method=method, max_draft=config.draft_len, kind=config.sv_predictor)
-    companion = load_companion(companion_name, target, dtype=config.dtype, device=config.device) if companion_name else None
+    companion = load_companion(companion_name, target, dtype=config.dtype, device=config.device,
+                               allow_download=config.allow_download) if companion_name else None
     return policy, companion
 
 
@@ -197,7 +198,8 @@ def run_profile(args) -> int:
     target = load_model(args.target, dtype=args.dtype, device=args.device, allow_download=args.allow_download)
     draft = load_model(args.draft, dtype=args.dtype, device=args.device, allow_download=args.allow_download)
     companion_name = None if args.companion == "none" else args.companion
-    companion = load_companion(companion_name, target, dtype=args.dtype, device=args.device) if companion_name else None
+    companion = load_companion(companion_name, target, dtype=args.dtype, device=args.device,
+                               allow_download=args.allow_download) if companion_name else None
     profile = measure_profile(target, draft, companion, batch_sizes=tuple(args.batch_sizes), tokens=tuple(args.tokens),
                               context=args.context, repeats=args.repeats)
     # the names the other commands look the profile up by: what the user typed
@@ -228,7 +230,8 @@ def run_calibrate(args) -> int:
     resolve_device(args.device)
     target = load_model(args.target, dtype=args.dtype, device=args.device, allow_download=args.allow_download)
     draft = load_model(args.draft, dtype=args.dtype, device=args.device, allow_download=args.allow_download)
-    companion = load_companion(args.companion, target, dtype=args.dtype, device=args.device)
+    companion = load_companion(args.companion, target, dtype=args.dtype, device=args.device,
+                               allow_download=args.allow_download)
     decoder = SpeculativeDecoder(target, draft, verifier="token", draft_len=args.draft_len,
                                  policy=Recorder(args.draft_len), companion=companion)
     prompts = load_prompts(args.dataset, args.prompts, seed=args.seed)

@@ -83,16 +83,15 @@ def process(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     Raises NonFiniteLogitsError if any logit is NaN or +-inf (a -inf row entry is fine where a finite one is
     left): argmax and softmax would otherwise turn such rows into confident garbage.
     """
+    _check_finite(logits, params)
     shape = logits.shape
     logits = logits.reshape(-1, shape[-1])
     if params.greedy:
-        _check_finite(logits)
         probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
         return probs.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0).reshape(shape)
     probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     for rows in row_chunks(*logits.shape):
         scaled = logits[rows].float() / params.temperature  # a new tensor: the caller's logits stay intact
-        _check_finite(scaled)
         if 0 < params.top_k < scaled.shape[-1]:
             kth = scaled.topk(params.top_k, dim=-1).values[:, -1:]
             scaled.masked_fill_(scaled < kth, float("-inf"))
@@ -102,14 +101,18 @@ def process(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs.reshape(shape)
 
 
-def _check_finite(logits: torch.Tensor) -> None:
-    """One reduction per row: the row maximum is NaN if any entry is (max propagates NaN), +inf if any entry
-    is, and -inf only if every entry is; a finite maximum leaves -inf entries (masked tokens) harmless."""
-    peaks = logits.amax(-1)
-    if not bool(torch.isfinite(peaks).all()):
-        bad = (~torch.isfinite(peaks)).nonzero().flatten().tolist()
-        raise NonFiniteLogitsError(f"non-finite logits (NaN or inf) in {len(bad)} of {len(peaks)} rows (first: row "
-                                   f"{bad[0]}, maximum {float(peaks[bad[0]])})")
+def _check_finite(logits: torch.Tensor, params: SamplingParams) -> None:
+    """One reduction over ``logits`` [..., V]: a row's maximum is NaN if any entry is (max propagates NaN), +inf
+    if any entry is, and -inf only if every entry is; a finite maximum leaves -inf entries (masked tokens)
+    harmless. Divided by the temperature, it also catches the row whose logits / temperature would overflow."""
+    peaks = logits.amax(-1).float()
+    if not params.greedy:
+        peaks = peaks / params.temperature
+    bad = ~torch.isfinite(peaks)
+    if bool(bad.any()):
+        first = tuple(bad.nonzero()[0].tolist())
+        raise NonFiniteLogitsError(f"non-finite logits (NaN or inf) at {int(bad.sum())} of {bad.numel()} positions "
+                                   f"(first at index {first} of {tuple(peaks.shape)}, maximum {float(peaks[first])})")
 
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -126,6 +126,10 @@ def test_numpy_and_torch_integers_are_accepted_as_seeds_and_token_ids(pair):
     plain = decoder.generate(PROMPTS, max_new_tokens=6, seed=5).sequences
     assert decoder.generate([np.array(p) for p in PROMPTS], max_new_tokens=6, seed=np.int64(5)).sequences == plain
     assert decoder.generate([torch.tensor(p) for p in PROMPTS], max_new_tokens=6, seed=[5, 6]).sequences == plain
+    for seeds in (np.array([5, 6]), torch.tensor([5, 6]), torch.tensor(5)):
+        assert decoder.generate(PROMPTS, max_new_tokens=6, seed=seeds).sequences == plain
+    with pytest.raises(ValueError, match="one int per prompt"):
+        decoder.generate(PROMPTS, max_new_tokens=6, seed=torch.tensor([5]))  # one seed in a list is not a base seed
 
 
 def test_one_transformers_model_as_target_and_draft_gets_two_caches(pair):

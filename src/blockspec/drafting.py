@@ -20,7 +20,8 @@ from typing import Callable
 import torch
 
 # next_probs(drafted [B, i-1] int64, drafting [B] bool) -> the draft's processed distribution at position i
-#   [B, V] float32 (rows where ``drafting`` is False are not read and their row is ignored)
+#   [B, V] float32. Rows where ``drafting`` is False read nothing: theirs is the output of a hole, finite but no
+#   draft distribution; verification never reads it (a length policy is shown it with the other rows).
 NextProbs = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # choose(i, probs [B, V]) -> x_i [B] int64: sampled (or the argmax when greedy; a given block in exact tests)
 Choose = Callable[[int, torch.Tensor], torch.Tensor]

@@ -153,8 +153,9 @@ class SpeculativeDecoder:
         ``seed``: one int (row b then uses seed + b) or one per prompt; each row draws from its own stream, so
         its output law does not depend on its neighbours. Its tokens do not either in float32; in bfloat16 or
         float16 a batched forward rounds differently from a forward of the row alone, so a row's tokens can
-        differ between the two (the law is the target's in both), and under a length policy such as SV the
-        batch shares one verification width (which changes speed, not the law).
+        differ between the two (the law is the target's in both); under a length policy such as SV the batch
+        shares one verification width, so how many of a row's drafts are verified, hence its tokens, depend on
+        its neighbours even in float32 (its law does not).
         ``stop_strings``: a list of strings; a row ends right after the first of them appears in its text.
         ``expected=True`` records, per step and row, the exact expected accepted length under both the token
         and the block rule for the same draft (computed outside the timed region). ``on_tokens(i, tokens)``
@@ -274,8 +275,8 @@ class SpeculativeDecoder:
               draft_sampling: SamplingParams, draft_u):
         """Draft, let the companion score, and let the policy pick each row's verification length (at most
         ``room``: the step's last token is the target's own; and at most what fits in every model's context).
-        Returns (draft tokens [B, W] and probs [B, W, V] cut to the widest verified row W, verification lengths
-        [B], tokens drafted, forward seconds)."""
+        Returns (draft tokens [B, W] and probs [B, W, V] (None for a greedy draft) cut to the widest verified row
+        W, verification lengths [B], tokens drafted, forward seconds)."""
         # What the draft has not seen yet: 1 token, 2 after a fully accepted step, more after steps that did not draft
         seen = self.draft.lengths.tolist() if self.draft is not None else [len(c) for c in contexts]
         unseen = [c[n:] for c, n in zip(contexts, seen)]
@@ -329,15 +330,16 @@ class SpeculativeDecoder:
         drafted = draft_tokens.shape[1]
         if self.companion is None or not self.policy.needs_companion:
             return None, 0.0
-        seen = self.companion.lengths.tolist()
-        rows = [c[n:] + d for c, n, d in zip(contexts, seen, draft_tokens[:, : drafted - 1].tolist())]
-        tokens, valid = left_pad(rows)
-        # The last K - 1 columns hold x_1..x_{K-1}. A row drafting k < K tokens reads its context and x_1..x_{k-1}
-        # (x_j sits in column j - 1 of those), nothing at all if it drafts none.
+        # A row drafting none reads nothing (what it has not seen waits, as in the draft); the others read their
+        # unseen context and x_1..x_{K-1}, of which a row drafting k < K tokens keeps x_1..x_{k-1}: the last K - 1
+        # columns hold x_1..x_{K-1} (x_j in column j - 1 of those), the rest are holes.
         num_draft = num_draft.cpu()
+        seen = self.companion.lengths.tolist()
+        rows = [c[n:] + d if k else [] for c, n, d, k in
+                zip(contexts, seen, draft_tokens[:, : drafted - 1].tolist(), num_draft.tolist())]
+        tokens, valid = left_pad(rows)
         if drafted > 1:
             valid[:, -(drafted - 1):] &= torch.arange(drafted - 1)[None] < (num_draft[:, None] - 1)
-        valid[num_draft == 0] = False
         t0 = time.perf_counter()
         logits = self.companion.forward(tokens.to(self.companion.device), valid.to(self.companion.device))
         seconds = time.perf_counter() - t0
@@ -489,9 +491,12 @@ def _token_id(token, row: int) -> int:
 def _row_seeds(seed, batch: int) -> list[int]:
     if seed is None:
         return [secrets.randbits(63) for _ in range(batch)]
-    if isinstance(seed, (str, bytes, bool)) or not (hasattr(seed, "__index__") or isinstance(seed, Sequence)):
+    # an int, a NumPy integer or a 0-d array or tensor is one seed; a list, an array or a tensor holds one per prompt
+    scalar = not hasattr(seed, "__iter__") or getattr(seed, "ndim", None) == 0
+    usable = hasattr(seed, "__index__") if scalar else hasattr(seed, "__iter__")
+    if isinstance(seed, (str, bytes, bool)) or not usable:
         raise TypeError(f"seed must be an int or one int per prompt, got {seed!r} ({type(seed).__name__})")
-    if hasattr(seed, "__index__"):
+    if scalar:
         return [operator.index(seed) + b for b in range(batch)]
     if any(isinstance(s, bool) or not hasattr(s, "__index__") for s in seed):
         raise TypeError(f"seed must be an int or one int per prompt, got {seed!r}")

@@ -447,6 +447,21 @@ def test_the_report_lists_failed_runs_and_leaves_out_the_speedups_of_a_prompt_wh
     assert failed["prompt_id"] == target[0].prompt_id and failed["error"] == "RuntimeError: out of memory"
 
 
+def test_a_report_that_lists_failed_runs_exits_1_so_scripts_see_them(tmp_path, capsys):
+    """A bench whose every run failed (a float16 overflow, out of memory) used to exit 0 like a complete one."""
+    from blockspec.bench import report
+
+    records = synthetic(np.random.default_rng(24), prompts=3)
+    path = tmp_path / "records.jsonl"
+    for record in records:
+        records_io.append(path, record)
+    assert report.main(["--records", str(path), "--no-plots"]) == 0
+    records_io.append(path, replace(records[0], status=records_io.FAILED, error="RuntimeError: out of memory",
+                                    prompt_id="extra/0", new_tokens=0, wall_time=0.0))
+    assert report.main(["--records", str(path), "--no-plots"]) == 1
+    assert "1 runs failed (listed in the report with their errors)" in capsys.readouterr().err
+
+
 def test_runs_measured_under_contention_are_left_out_of_the_speeds_and_counted():
     from blockspec.bench.report import MAX_OTHERS_CORES
 

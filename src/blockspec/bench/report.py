@@ -985,17 +985,22 @@ def run_tool(tool: ReportTool, argv: list[str] | None = None) -> int:
     name = tool.prog.rsplit(".", 1)[-1]
     try:
         loaded = [record for path in args.records for record in tool.read(path)]
-    except (FileNotFoundError, ValueError, TypeError) as error:
+        if not loaded:
+            raise ValueError("no records")
+        report = tool.build_report(loaded, ReportConfig(n_boot=args.n_boot, confidence=args.confidence,
+                                                        seed=args.seed))
+    except (FileNotFoundError, ValueError, TypeError) as error:  # e.g. records of two machine kinds
         print(f"{name}: error: {error}", file=sys.stderr)
         return 2
-    if not loaded:
-        print(f"{name}: error: no records", file=sys.stderr)
-        return 2
-    report = tool.build_report(loaded, ReportConfig(n_boot=args.n_boot, confidence=args.confidence, seed=args.seed))
     if args.out:
         tool.render(report, args.out, plots=not args.no_plots)
     print(tool.format_table(report))
-    print(json.dumps(tool.summary(report)))
+    summary = tool.summary(report)
+    print(json.dumps(summary))
+    failed = summary.get("left_out", {}).get("failed", [])
+    if failed:  # the figures are complete only without them: a script must see it
+        print(f"{name}: {len(failed)} runs failed (listed in the report with their errors)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -103,7 +103,7 @@ PRESETS = {
         prompts_per_dataset=20, draft_lens=(2, 4, 6, 8), temperatures=(1.0, 0.0), max_new_tokens=128,
         time_budget=3 * 3600.0, precision=0.01,
     ),
-    # Speculative Verification (issue #5): target-only, token and block at K in {2, 4, 8}, and SV with the
+    # Speculative Verification: target-only, token and block at K in {2, 4, 8}, and SV with the
     # draft-only and the companion predictor (at most 8 drafted tokens), at batch sizes 1 to 64, on prompt
     # sets disjoint from `blockspec sv calibrate`'s default (sharegpt). Hours here: resumable, 3 h per call.
     "sv": BenchConfig(
@@ -287,7 +287,8 @@ def run(config: BenchConfig, *, progress: bool = True) -> Path:
         try:
             record = executor(item)
         except Exception as error:  # one failing run must not end the bench (Ctrl-C is no Exception: it stops it)
-            log.error("run %s failed: %s: %s", item.key, type(error).__name__, error, exc_info=True)
+            log.error("run %s failed: %s: %s", item.key, type(error).__name__, error)
+            log.debug("the failed run's traceback", exc_info=True)
             record = executor.failed(item, error)
         rec.append(records_file, record)
         executed += 1

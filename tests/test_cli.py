@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import re
@@ -188,7 +189,12 @@ def test_models_verify_hashes_the_cache_and_fails_on_a_mismatch(monkeypatch, cap
     listed = {m["name"]: m["mismatches"] for m in json.loads(capsys.readouterr().out)}
     assert listed["smollm2-135m"] and not listed["qwen2.5-coder-1.5b"]
     monkeypatch.setattr(presets, "verify", lambda name, **kwargs: [])
-    assert cli.main(["models", "--verify"]) == 0 and "verified" in capsys.readouterr().err
+    rows = [dataclasses.replace(s, gguf_verified=False, converted=()) for s in presets.status_all()]
+    monkeypatch.setattr(presets, "status_all", lambda: rows)
+    assert cli.main(["models", "--verify"]) == 0 and "verified: nothing is cached yet" in capsys.readouterr().err
+    rows[0] = dataclasses.replace(rows[0], converted=("bfloat16",))
+    assert cli.main(["models", "--verify"]) == 0
+    assert f"verified: the cached files of {rows[0].name} match" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("flag", "expected"), [([], False), (["--allow-download"], True)])

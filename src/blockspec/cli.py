@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
         "generate", help="generate text with speculative decoding, streamed as tokens are accepted",
         description="Generate text with speculative decoding. The output law is exactly the target's: the "
         "draft only changes the speed. Models: a bundled preset name (see `blockspec models`), a GGUF file, "
-        "a local directory or a hub id (resolved offline with HF_HUB_OFFLINE=1).",
+        "a local directory or a hub id already in the local Hugging Face cache (see --allow-download).",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     gen.add_argument("prompts", nargs="*", help="prompt texts (default: read one prompt from stdin)")
@@ -458,7 +458,7 @@ def run_models(args) -> int:
              **({"mismatches": problems[s.name]} if args.verify else {})}
             for s in rows
         ], indent=1))
-        return _verified(problems)
+        return _verified(problems, rows)
     print(f"{'preset':<22} {'role':<7} {'installed':<10} {'cache':<10} cache directory")
     for s in rows:
         cache = s.cache_state + (f" ({', '.join(s.converted)})" if s.converted else "")
@@ -467,16 +467,18 @@ def run_models(args) -> int:
         print(f"install the missing ones with: {presets.INSTALL_HINT}")
     for problem in (p for found in problems.values() for p in found):
         print(f"mismatch: {problem}")
-    return _verified(problems)
+    return _verified(problems, rows)
 
 
-def _verified(problems: dict[str, list[str]]) -> int:
+def _verified(problems: dict[str, list[str]], rows) -> int:
     """0, or, when `models --verify` found cached files that differ, the usual one-line error (exit 2)."""
     count = sum(len(found) for found in problems.values())
     if count:
         raise ValueError(f"{count} cached file(s) differ from what was recorded: see the mismatch lines")
     if problems:
-        print("verified: every cached file matches its recorded sha256", file=sys.stderr)
+        cached = [s.name for s in rows if s.cache_state != "empty"]
+        print(f"verified: the cached files of {', '.join(cached)} match their recorded sha256" if cached else
+              "verified: nothing is cached yet", file=sys.stderr)
     return 0
 
 

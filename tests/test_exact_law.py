@@ -16,7 +16,7 @@ import torch
 import lawkit
 from blockspec.verify import accepted_length_law, expected_accepted, final_distributions
 
-# Every V in {2, 3, 4} with K in {1, 2, 3}, and K = 4 for V = 2 (issue 2).
+# Every V in {2, 3, 4} with K in {1, 2, 3}, and K = 4 for V = 2.
 CASES = [(v, k) for v in (2, 3, 4) for k in (1, 2, 3)] + [(2, 4)]
 SEEDS = (0, 1)
 LOSSLESS = 1e-12

@@ -1,4 +1,4 @@
-"""Alignment sweep: how the block-vs-token gain depends on draft quality (issue #4, item 7).
+"""Alignment sweep: how the block-vs-token gain depends on draft quality.
 
 The draft samples at its own temperature T_d (``generate(draft_sampling=...)``) while the target keeps T.
 Verification sees the distribution the draft actually sampled from, so every T_d is lossless: T_d only

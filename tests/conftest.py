@@ -1,5 +1,22 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 # Make tests/lawkit.py importable as `lawkit` from every test module.
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def the_users_model_cache_gains_no_test_copies():
+    """The tests once left 9.1 GB of float32 copies in the user's model cache. They may reuse (or make) the
+    bfloat16 copies the main job makes anyway; anything else goes to a temporary cache."""
+    from blockspec.models import presets
+
+    def copies() -> set[Path]:
+        return {p for p in presets.cache_root().glob("*/hf-*") if p.name != "hf-bfloat16"}
+
+    before = copies()
+    yield
+    added = copies() - before
+    assert not added, f"the tests wrote into the user's model cache: {sorted(map(str, added))}"

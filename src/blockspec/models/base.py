@@ -30,7 +30,8 @@ class LanguageModel(Protocol):
 
     def forward(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Append ``tokens`` [B, S] to each row (slots where ``valid`` [B, S] is False are skipped: they take no
-        position and are never attended to) and return their logits [B, S, vocab_size]."""
+        position and are never attended to) and return their logits [B, S, vocab_size]. The logits of skipped
+        slots are never used but must be finite: the engine checks every logit it is handed for NaN and inf."""
 
     def rollback(self, lengths: torch.Tensor) -> None:
         """Cut each row back to its first ``lengths[b]`` tokens (never more than it has)."""

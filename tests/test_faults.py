@@ -204,11 +204,14 @@ def test_a_row_near_its_context_end_does_not_make_its_neighbours_draft_past_thei
     assert together.sequences == alone
 
 
-def test_rows_cut_by_a_shorter_draft_context_give_the_same_tokens_alone_and_batched(pair):
+@pytest.mark.parametrize("scored", [False, True], ids=["draft", "draft-and-companion"])
+def test_rows_cut_by_a_shorter_draft_context_give_the_same_tokens_alone_and_batched(pair, scored):
     """The draft's context (9) is shorter than the target's (12): the 6-token prompts draft less and less, then
-    steps go without drafts; the 3-token ones draft freely. Float32: the same tokens alone and batched."""
+    steps go without drafts; the 3-token ones draft freely. Float32: the same tokens alone and batched. With a
+    companion of the same context scoring every draft, rows of every verified length share its forwards."""
     target, draft = pair
-    decoder = SpeculativeDecoder(with_context(target, 12), with_context(draft, 9), draft_len=2)
+    scoring = {"policy": Scored(2), "companion": with_context(target, 9)} if scored else {"draft_len": 2}
+    decoder = SpeculativeDecoder(with_context(target, 12), with_context(draft, 9), **scoring)
     alone, together = alone_and_batched(decoder, [[1, 2, 3], [4, 5, 6, 7, 8, 9]] * 4, max_new_tokens=6)
     assert together.sequences == alone
     long_rows = [k for step in together.stats for b, k in zip(step.rows, step.draft_len) if b % 2]

@@ -296,8 +296,10 @@ class SpeculativeDecoder:
 
     def _draft_room(self, context: list[int]) -> int:
         """Tokens a row may draft before some model's context is full: the target scores [pending, x_1..x_k]
-        at positions len - 1 .. len - 1 + k; the draft and the companion read x_1..x_{k-1} after the context."""
-        return min([_room(self.target, context) - 1] + [_room(m, context) for m in (self.draft, self.companion)
+        at positions len - 1 .. len - 1 + k; the draft and the companion (if the policy scores with it) read
+        x_1..x_{k-1} after the context."""
+        scorer = self.companion if self.policy.needs_companion else None
+        return min([_room(self.target, context) - 1] + [_room(m, context) for m in (self.draft, scorer)
                                                           if m is not None])
 
     def _propose(self, unseen: list[list[int]], limit: torch.Tensor, sampling: SamplingParams, uniforms):

@@ -79,6 +79,13 @@ class Record:
         return self.status == OK
 
 
+def still_failed(records) -> dict[tuple, Record]:
+    """The runs whose records are all failures, by key, each with its last failure (a retry's error replaces the
+    first); a run with a successful record is done, whatever failed before it."""
+    done = {r.key for r in records if r.ok}
+    return {r.key: r for r in records if not r.ok and r.key not in done}
+
+
 def append(path: Path, record) -> None:
     """Append one record (any dataclass) as a JSON line. A last line without its newline is an interrupted write
     when it does not parse: it is cut off (its run has no record, so a resume redoes it), and so never becomes an

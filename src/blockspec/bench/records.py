@@ -36,8 +36,9 @@ SCHEMA = 3
 READABLE_SCHEMAS = (1, 2, 3)  # older schemas lack the fields added later: they load with their defaults
 OK, FAILED = "ok", "failed"  # Record.status
 CONFIGS = ("target-only", "token", "block", "hf-assisted")  # the default comparison (no profiles needed)
+HF_CONFIGS = ("hf-assisted", "hf-lookup")  # transformers' generate: batch 1, no per-step lists, no prefill time
 SV_CONFIGS = ("sv-draft", "sv-token", "sv-block")  # Speculative Verification: draft-only / companion predictor
-KNOWN_CONFIGS = CONFIGS + SV_CONFIGS
+KNOWN_CONFIGS = CONFIGS + ("hf-lookup",) + SV_CONFIGS
 FIXED_CONFIGS = ("token", "block")  # fixed-K speculative decoding: one run per K
 
 
@@ -46,7 +47,7 @@ class Record:
     dataset: str  # prompt set name, e.g. "gsm8k"
     prompt_id: str  # stable id of the prompt within its set, e.g. "gsm8k/0042" (a batch: its first prompt)
     config: str  # one of KNOWN_CONFIGS
-    draft_len: int  # K (0 for target-only; the assistant's own schedule for hf-assisted; the max for SV)
+    draft_len: int  # K (0 for target-only and hf-lookup; hf-assisted: the assistant's own schedule; SV: the max)
     temperature: float
     batch_size: int
     seed: int  # row b of the batch uses seed + b

@@ -18,8 +18,9 @@ batch (at B = 1, a prompt):
     tok/s       decode throughput: sum new_tokens / sum (wall_time - prefill_time) over the batches of a
                 configuration. The prompts' forwards are left out: at batch 64 with short generations they
                 would dominate, and serving overlaps them with other batches' decoding. transformers'
-                assisted generation does not report its prefill: its tok/s and its x target-only (against
-                target-only's) use whole wall times, so that the comparison counts prefill on both sides.
+                assisted generation and prompt lookup (hf-assisted, hf-lookup) do not report their prefill: their
+                tok/s and x target-only (against target-only's) use whole wall times, so that the comparison
+                counts prefill on both sides.
     x best K    tok/s over that of the best fixed-K configuration (token or block, any K: the highest tok/s
                 on the batches all of them ran), re-selected inside every bootstrap resample.
     rejected    1 - accepted / verified: the fraction of verified drafted tokens the target rejected.
@@ -75,8 +76,8 @@ CONVENTION = (
 BATCH_CONVENTION = (
     "Batch table, all datasets pooled: a unit is a batch of B consecutive prompts decoded in one generate call "
     "(a prompt at B = 1); tok/s = sum new tokens / sum decode time (wall time less prefill) over batches, except "
-    "for hf-assisted, whose prefill is not reported: its tok/s and x target-only use whole wall times on both "
-    "sides; x target-only and x best fixed K "
+    "for hf-assisted and hf-lookup, whose prefill is not reported: their tok/s and x target-only use whole wall "
+    "times on both sides; x target-only and x best fixed K "
     "are tok/s ratios on the batches both (all) configurations ran, the best fixed K (*) being the token or "
     "block K with the highest tok/s, re-selected in every resample; rejected = 1 - accepted / verified drafted "
     "tokens; verified (drafted) / emitted = verified (drafted) draft tokens per new token; BE = 1 + accepted per "
@@ -134,7 +135,7 @@ class Row:
 
 @dataclass(frozen=True)
 class BaselineRow:
-    """target-only or hf-assisted at one (dataset, temperature, K, batch size)."""
+    """target-only, hf-assisted or hf-lookup at one (dataset, temperature, K, batch size)."""
 
     dataset: str
     config: str
@@ -432,11 +433,12 @@ def _unpaired(cells: dict) -> set[tuple]:
 
 
 def _baseline_rows(label: str, cells: dict, alone: set[tuple]) -> list[BaselineRow]:
-    """target-only, hf-assisted, and the token or block cells ``alone`` (``_unpaired``): tok/s (prefill
+    """target-only, hf-assisted, hf-lookup, and the token or block cells ``alone`` (``_unpaired``): tok/s (prefill
     included) and the speedup over target-only."""
     rows = []
-    order = {"target-only": 0, "hf-assisted": 1, "token": 2, "block": 2}  # the reference first
-    baseline_cells = sorted((key for key in cells if key[0] in ("target-only", "hf-assisted") or key in alone),
+    order = {"target-only": 0, "hf-assisted": 1, "hf-lookup": 1, "token": 2, "block": 2}  # the reference first
+    baseline_cells = sorted((key for key in cells if key[0] in ("target-only", *records_io.HF_CONFIGS)
+                             or key in alone),
                             key=lambda key: (order[key[0]], key[1:]))
     for config_name, temperature, draft_len, batch_size in baseline_cells:
         found = cells[(config_name, temperature, draft_len, batch_size)]
@@ -479,7 +481,7 @@ def build_report(records: list[Record], config: ReportConfig = ReportConfig()) -
     n_records, known = len(known), [r for r in known if r.ok]
     batch = tuple(_batch_rows(known, config)) if _unpaired(_cells(known)) or any(
         r.batch_size > 1 or r.config in records_io.SV_CONFIGS for r in known) else ()
-    paper = [r for r in known if r.batch_size == 1 and r.config in records_io.CONFIGS]
+    paper = [r for r in known if r.batch_size == 1 and r.config not in records_io.SV_CONFIGS]
     datasets = tuple(sorted({r.dataset for r in paper}))
     groups = [(dataset, [r for r in paper if r.dataset == dataset]) for dataset in datasets]
     if datasets:
@@ -557,8 +559,8 @@ def _strata(units: list) -> np.ndarray:
 def _batch_rows(records: list[Record], config: ReportConfig) -> list[BatchRow]:
     """The batch table: every configuration at every (temperature, batch size), pooled over datasets."""
     cells = {key: _by_unit(found) for key, found in _cells(records).items()}  # (config, T, K, B) -> unit -> record
-    order = {name: i for i, name in enumerate(("target-only", "token", "block", "hf-assisted", "sv-draft", "sv-token",
-                                                "sv-block"))}
+    order = {name: i for i, name in enumerate(("target-only", "token", "block", "hf-assisted", "hf-lookup", "sv-draft",
+                                                "sv-token", "sv-block"))}
     rows = []
     for temperature, batch_size in sorted({(t, b) for (_, t, _, b) in cells}):
         here = {(c, k): cell for (c, t, k, b), cell in cells.items() if (t, b) == (temperature, batch_size)}
@@ -575,7 +577,7 @@ def _batch_rows(records: list[Record], config: ReportConfig) -> list[BatchRow]:
             units = sorted(cell)
             columns = _columns(cell, units)
             timed = [u for u in units if _timed(cell[u])]
-            steps = name != "hf-assisted"  # hf-assisted records carry neither per-step lists nor a prefill time
+            steps = name not in records_io.HF_CONFIGS  # their records carry neither per-step lists nor a prefill time
             drafted_known = all(cell[u].rows for u in units) or name == "target-only"
             rows.append(BatchRow(
                 temperature=temperature, batch_size=batch_size, config=name, draft_len=k, batches=len(units),
@@ -890,8 +892,8 @@ def plot_batch(report: Report, path: Path) -> Path:
     """tok/s vs batch size per configuration (and K), one panel per temperature, pooled over datasets."""
     temperatures = sorted({row.temperature for row in report.batch})
     figure, axes = new_figure(len(temperatures), "tokens/s vs batch size (all datasets pooled)")
-    style = {"target-only": ("o-", "black"), "hf-assisted": ("x", "grey"), "sv-draft": ("D-", "C3"),
-             "sv-token": ("^-", "C4"), "sv-block": ("v-", "C5")}
+    style = {"target-only": ("o-", "black"), "hf-assisted": ("x", "grey"), "hf-lookup": ("+", "grey"),
+             "sv-draft": ("D-", "C3"), "sv-token": ("^-", "C4"), "sv-block": ("v-", "C5")}
     for ax, temperature in zip(axes, temperatures):
         rows = [r for r in report.batch if r.temperature == temperature]
         ks = sorted({r.draft_len for r in rows if r.config in records_io.FIXED_CONFIGS})

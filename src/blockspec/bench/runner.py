@@ -23,11 +23,14 @@ Batch sizes: at batch size B a run decodes B consecutive prompts of one dataset 
 call (row b of batch j, i.e. prompt j*B + b, uses seed + j*B + b: the seed of a prompt does not depend on B).
 Only whole batches run: every dataset needs at least max(batch_sizes) prompts (else ValueError), and the last
 len % B prompts of a dataset are left out at batch size B (logged). Round j runs batch j of every batch size
-(smallest first), so a time-boxed run covers every batch size early. hf-assisted is batch 1 only (transformers'
-assisted generation takes one row): it is left out of the plan at B > 1.
+(smallest first), so a time-boxed run covers every batch size early. hf-assisted and hf-lookup are batch 1 only
+(transformers' assisted generation takes one row): they are left out of the plan at B > 1.
 
 Configurations: target-only; token and block at each K of ``draft_lens`` (fixed-K speculative decoding);
-hf-assisted; and Speculative Verification, once per batch with at most max(draft_lens) drafted tokens:
+transformers' own speculative decoding, each timed as one ``generate`` call: hf-assisted (the draft model, with
+transformers' default assistant schedule) and hf-lookup (prompt lookup decoding, no draft model: up to 10 drafted
+tokens copied from the context after a match of its last 2 tokens, ``LOOKUP``, stored in the meta of every hf-lookup
+record); and Speculative Verification, once per batch with at most max(draft_lens) drafted tokens:
 sv-token / sv-block (SVPolicy with the companion predictor, token / block rule) and sv-draft (SVPolicy with the
 draft-only predictor, block rule, no companion forward). SV needs a calibration profile per temperature and a
 latency profile (``blockspec sv calibrate`` / ``blockspec sv profile``); by default they are read from where
@@ -53,6 +56,10 @@ from ..sv.cli import DEFAULT_COMPANION
 from . import records as rec
 
 log = logging.getLogger(__name__)
+
+# hf-lookup's settings: transformers' prompt lookup drafts up to 10 tokens that followed the first earlier match of
+# the context's last 2 tokens (else of its last token); 2 is transformers' default, pinned so the records stay true.
+LOOKUP = {"prompt_lookup_num_tokens": 10, "max_matching_ngram_size": 2}
 
 
 @dataclass(frozen=True)
@@ -121,7 +128,7 @@ class Run:
     prompt_ids: tuple[str, ...]
     prompts: tuple[tuple[int, ...], ...] = field(repr=False)  # token ids, one tuple per row
     config: str
-    draft_len: int  # K; the max drafted length for SV; 0 for target-only and hf-assisted
+    draft_len: int  # K; the max drafted length for SV; 0 for target-only, hf-assisted and hf-lookup
     temperature: float
     seed: int  # row b uses seed + b
     round: int = 0  # batch index within its dataset and batch size; runs are interleaved round by round
@@ -175,7 +182,7 @@ def plan(config: BenchConfig, prompts: dict[str, list[tuple[str, list[int]]]]) -
                 seed = config.seed + first  # prompt i uses seed + i in every configuration and at every B
                 for temperature in config.temperatures:
                     for name in config.configs:
-                        if name == "hf-assisted" and batch_size > 1:
+                        if name in rec.HF_CONFIGS and batch_size > 1:
                             continue  # transformers' assisted generation decodes one row
                         runs.extend(Run(dataset, ids, rows, name, k, temperature, seed, n)
                                     for k in draft_lens_of(config, name))
@@ -337,6 +344,8 @@ class Executor:
         meta = {**self.meta, **(load or {}), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         if item.config in rec.SV_CONFIGS:
             meta.update(self.sv.meta(item))
+        if item.config == "hf-lookup":
+            meta["prompt_lookup"] = dict(LOOKUP)
         return rec.Record(
             dataset=item.dataset, prompt_id=item.prompt_id, config=item.config, draft_len=item.draft_len,
             temperature=item.temperature, batch_size=item.batch_size, seed=item.seed,
@@ -360,6 +369,8 @@ class Executor:
         sampling = SamplingParams(temperature=item.temperature)
         if item.config == "hf-assisted":
             return run_assisted(self.target, self.draft, list(item.prompts[0]), sampling, max_new_tokens, item.seed)
+        if item.config == "hf-lookup":
+            return run_lookup(self.target, list(item.prompts[0]), sampling, max_new_tokens, item.seed)
         decoder = self._decoder(item)
         result = decoder.generate([list(p) for p in item.prompts], max_new_tokens=max_new_tokens, sampling=sampling,
                                   seed=item.seed, expected=item.config in rec.FIXED_CONFIGS)
@@ -420,15 +431,27 @@ class _SVSetup:
 
 def run_assisted(target, draft, prompt: list[int], sampling, max_new_tokens: int, seed: int) -> dict:
     """transformers' own assisted generation (its default assistant schedule) on the same models and sampling."""
+    return _hf_generate(target, prompt, sampling, max_new_tokens, seed, assistant_model=draft.model)
+
+
+def run_lookup(target, prompt: list[int], sampling, max_new_tokens: int, seed: int) -> dict:
+    """transformers' prompt lookup decoding (``LOOKUP``) on the target and the same sampling: drafts copied from
+    the context, verified by the target (greedy: kept while they equal its argmax; sampled: while they equal its
+    samples, which keeps its distribution)."""
+    return _hf_generate(target, prompt, sampling, max_new_tokens, seed, **LOOKUP)
+
+
+def _hf_generate(target, prompt: list[int], sampling, max_new_tokens: int, seed: int, **drafting) -> dict:
+    """One row through the target's transformers ``generate`` with ``drafting`` options, as Record fields."""
     torch.manual_seed(seed)  # transformers samples from the global generator (top_k=0 disables its default 50)
     ids = torch.tensor([prompt], device=target.device)
     options = {"do_sample": False} if sampling.greedy else {
         "do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k,
         "top_p": sampling.top_p}
     start = time.perf_counter()
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft.model,
-                                max_new_tokens=max_new_tokens, eos_token_id=list(target.eos_token_ids),
-                                pad_token_id=target.eos_token_ids[0], **options)
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                eos_token_id=list(target.eos_token_ids), pad_token_id=target.eos_token_ids[0],
+                                **drafting, **options)
     new = out[0, len(prompt):].tolist()
     reason = "eos" if new and new[-1] in target.eos_token_ids else "length"
     return {"new_tokens": len(new), "wall_time": time.perf_counter() - start, "prefill_time": None,

@@ -200,3 +200,11 @@ def detection_power(law: torch.Tensor, wrong_law: torch.Tensor, samples: int, al
 def max_abs_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max())
 
+
+
+def first_tokens_counts(decoder, prompt: list[int], vocab: int, length: int, samples: int, **generate) -> torch.Tensor:
+    """How often ``decoder`` generated each sequence of ``length`` first tokens after ``prompt`` over ``samples``
+    rows (row b seeded b), as a [V] * length table of counts (float64) to compare with the exact law."""
+    result = decoder.generate([prompt] * samples, max_new_tokens=length, seed=0, stop_on_eos=False, **generate)
+    index = torch.tensor([sum(t * vocab ** (length - 1 - j) for j, t in enumerate(s)) for s in result.sequences])
+    return torch.bincount(index, minlength=vocab**length).reshape([vocab] * length).double()

@@ -16,6 +16,15 @@ from blockspec.models import hf
 from tiny import save_tiny, tiny_model
 
 
+@pytest.fixture(scope="module", autouse=True)
+def probes_in_a_temporary_cache(tmp_path_factory):
+    """generate's defaults measure the machine and the models' step latency once and cache them: for the tiny
+    models of these tests, in a cache of their own rather than the user's."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("BLOCKSPEC_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
@@ -36,8 +45,9 @@ def test_help_is_instant_and_shows_examples():
 
 def test_generate_defaults_come_from_one_place():
     args = cli.build_parser().parse_args(["generate", "hi"])
-    assert (args.target, args.draft, args.verifier, args.draft_len) == ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "block", 4)
-    assert (args.temperature, args.top_k, args.top_p, args.dtype, args.chat) == (1.0, 0, 1.0, "bfloat16", True)
+    assert (args.target, args.draft, args.verifier, args.draft_len) == ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "block", None)
+    assert (args.temperature, args.top_k, args.top_p, args.dtype, args.chat) == (1.0, 0, 1.0, "auto", True)
+    assert (args.policy, args.draft_quant, args.target_quant) == ("auto", "auto", "none")
 
 
 def test_generate_end_to_end_on_tiny_models(tiny_pair):

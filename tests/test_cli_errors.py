@@ -35,7 +35,7 @@ def error_line(capsys) -> str:
 
 def test_a_model_path_that_does_not_exist_is_one_line_not_a_traceback(tmp_path, capsys):
     missing = str(tmp_path / "no-such-model")
-    assert cli.main(["generate", "--target", missing, "--verifier", "none", "hello"]) == 2
+    assert cli.main(["generate", "--target", missing, "--verifier", "none", "--dtype", "bfloat16", "hello"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
     *status, last = err.splitlines()

@@ -10,9 +10,10 @@ import json
 import logging
 import platform
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from .models import DTYPES, QUANTS
 from .sv import cli as sv_cli
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
@@ -42,7 +43,7 @@ class GenerateConfig:
     target: str
     draft: str | None
     verifier: str
-    draft_len: int
+    draft_len: int | None  # None: the policy's default
     temperature: float
     top_k: int
     top_p: float
@@ -52,7 +53,9 @@ class GenerateConfig:
     device: str
     chat: bool
     stop: tuple[str, ...]
-    policy: str = "fixed"
+    policy: str = "auto"
+    draft_quant: str = "auto"  # "auto", "none" or one of QUANTS
+    target_quant: str = "none"
     companion: str | None = None
     sv_predictor: str = "draft"
     sv_profile: Path | None = None
@@ -126,22 +129,34 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--draft", default=DEFAULT_DRAFT, help="the small model that proposes tokens (default: %(default)s)")
     gen.add_argument("--verifier", default="block", choices=["block", "token", "greedy", "none"],
                      help="verification rule; 'none' decodes with the target alone (default: %(default)s)")
-    gen.add_argument("--draft-len", type=sv_cli.int_at_least(1), default=4,
-                     help="tokens drafted per step, K (default: %(default)s)")
+    gen.add_argument("--draft-len", type=sv_cli.int_at_least(1), default=None,
+                     help="tokens drafted per step, K, with --policy fixed (default: 4); the most a step drafts with "
+                     "--policy auto (default: 8) or sv (default: 4)")
     gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default: %(default)s)")
     gen.add_argument("--top-k", type=sv_cli.int_at_least(0), default=0,
                      help="keep the k most likely tokens, 0 = all (default: 0)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus mass, 1 = all (default: 1.0)")
     gen.add_argument("--max-new-tokens", type=sv_cli.int_at_least(1), default=128, help="(default: %(default)s)")
     gen.add_argument("--seed", type=int, default=None, help="random seed; prompt i uses seed + i (default: random)")
-    gen.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                     help="weights and activations; bf16 is about 2x faster than fp32 on CPU (default: %(default)s)")
+    gen.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                     help="weights and activations; auto: what a probe measured fastest on this machine (cached; "
+                     "`blockspec env` shows it) (default: %(default)s)")
+    gen.add_argument("--draft-quant", default="auto", choices=["auto", "none", *QUANTS],
+                     help="quantize the draft's linear layers (CPU): a cheaper draft forward, the same output law; "
+                     "auto: int8 where the probe measured it faster (not with --policy sv, whose profiles are "
+                     "measured unquantized) (default: %(default)s)")
+    gen.add_argument("--target-quant", default="none", choices=["none", *QUANTS],
+                     help="quantize the target too (CPU): a different, faster model, whose law is then the one kept; "
+                     "compare against --verifier none with the same flag (default: %(default)s)")
     gen.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
     gen.add_argument("--no-chat", dest="chat", action="store_false",
                      help="send the raw prompt instead of wrapping it in the model's chat template")
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop a row after this text (repeatable)")
-    gen.add_argument("--policy", default="fixed", choices=["fixed", "sv"],
-                     help="fixed: draft and verify --draft-len tokens every step; sv: Speculative Verification, "
+    gen.add_argument("--policy", default="auto", choices=["auto", "fixed", "sv"],
+                     help="auto: each step drafts the length with the most expected tokens per second, from this "
+                     "machine's measured step latency (measured once, cached) and the acceptance seen so far, or "
+                     "decodes with the target alone where speculation cannot pay; "
+                     "fixed: draft and verify --draft-len tokens every step; sv: Speculative Verification, "
                      "verify per row only the drafted tokens predicted to pay for their cost, at most --draft-len "
                      "(needs `blockspec sv profile` and `blockspec sv calibrate` first) (default: %(default)s)")
     sv_cli.add_arguments(gen)
@@ -177,8 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts", type=sv_cli.int_at_least(1), dest="prompts_per_dataset", help="prompts per dataset")
     bench.add_argument("--draft-lens", type=sv_cli.int_at_least(1), nargs="+", help="draft lengths K to compare")
     bench.add_argument("--temperatures", type=float, nargs="+", help="sampling temperatures (0 = greedy)")
-    bench.add_argument("--configs", nargs="+", choices=["target-only", "token", "block", "hf-assisted", "sv-draft",
-                                                         "sv-token", "sv-block"],
+    bench.add_argument("--configs", nargs="+", choices=["target-only", "token", "block", "hf-assisted", "hf-lookup",
+                                                         "sv-draft", "sv-token", "sv-block"],
                        help="configurations to run; sv-token / sv-block: Speculative Verification with the companion "
                        "predictor (token / block rule), sv-draft: with the draft-only predictor (block rule), each "
                        "drafting at most max(--draft-lens) tokens (default: the preset's; quick and paper: the "
@@ -273,7 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv_cli.add_parsers(sub, {"target": DEFAULT_TARGET, "draft": DEFAULT_DRAFT})
 
-    env = sub.add_parser("env", help="versions, threads and device, to paste into a bug report")
+    env = sub.add_parser("env", help="versions, threads, device, CPU flags and the arithmetic chosen for this machine, "
+                         "to paste into a bug report")
     env.add_argument("--json", action="store_true", help="print JSON instead of lines")
     env.set_defaults(run=run_env)
     return parser
@@ -287,7 +303,7 @@ def run_generate(args) -> int:
         top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed, dtype=args.dtype,
         device=args.device, chat=args.chat, stop=tuple(args.stop), policy=args.policy,
         companion=args.companion, sv_predictor=args.sv_predictor, sv_profile=args.sv_profile, latency=args.latency,
-        allow_download=args.allow_download,
+        allow_download=args.allow_download, draft_quant=args.draft_quant, target_quant=args.target_quant,
     )
     return generate(config)
 
@@ -304,17 +320,25 @@ def generate(config: GenerateConfig) -> int:
     device = resolve_device(config.device)
     if config.policy == "sv" and config.verifier == "none":
         raise ValueError("--policy sv needs a draft: use --verifier token, block or greedy")
+    if config.draft_len is None:  # the most a step drafts under auto; the length itself under fixed and sv
+        config = replace(config, draft_len=8 if config.policy == "auto" else 4)
+    config = _resolve_arithmetic(config, device)
     models = {}
-    for role, name in (("target", config.target), ("draft", config.draft)):
+    for role, name, quant in (("target", config.target, config.target_quant), ("draft", config.draft, config.draft_quant)):
         if name:
-            _status(f"loading {role} {name} ({config.dtype}, {device})")
-            models[role] = load_model(name, dtype=config.dtype, device=config.device,
+            quant = None if quant == "none" else quant
+            _status(f"loading {role} {name} ({quant or config.dtype}, {device})")
+            models[role] = load_model(name, dtype=config.dtype, device=config.device, quant=quant,
                                       allow_download=config.allow_download)
     target, draft = models["target"], models.get("draft")
-    policy, companion = None, None
+    policy, companion, verifier = None, None, config.verifier
     if config.policy == "sv":
         policy, companion = sv_cli.build_policy(config, target, sampling)
-    decoder = SpeculativeDecoder(target, draft, verifier=config.verifier, draft_len=config.draft_len, policy=policy,
+    elif config.policy == "auto" and draft is not None:
+        policy = _adaptive_policy(config, target, draft)
+        if policy is None:
+            draft, verifier = None, "none"
+    decoder = SpeculativeDecoder(target, draft, verifier=verifier, draft_len=config.draft_len, policy=policy,
                                  companion=companion)
     if decoder.tokenizer is None:
         raise ValueError(f"{config.target} has no tokenizer: the CLI needs one to read and print text")
@@ -335,12 +359,53 @@ def generate(config: GenerateConfig) -> int:
         for i, text in enumerate(result.texts):
             print(f"--- prompt {i}\n{text}")
     print(
-        f"[{config.verifier}, {config.policy} K={decoder.draft_len}] {result.new_tokens} tokens in {result.wall_time:.1f} s = "
+        f"[{verifier}, {config.policy} K={decoder.draft_len}, {_drafted_per_step(result)} drafted per step] "
+        f"{result.new_tokens} tokens in "
+        f"{result.wall_time:.1f} s = "
         f"{result.tokens_per_second:.2f} tokens/s; acceptance length (1 + accepted/steps) "
         f"{result.block_efficiency:.2f}; acceptance rate (accepted/drafted) {result.acceptance_rate:.2f}",
         file=sys.stderr,
     )
     return 0
+
+
+def _resolve_arithmetic(config: GenerateConfig, device) -> GenerateConfig:
+    """``config`` with ``dtype="auto"`` and ``draft_quant="auto"`` replaced by what this machine runs fastest
+    (``blockspec.auto``: a probe measured once per machine and cached)."""
+    from .auto import choose_arithmetic
+
+    if config.dtype != "auto" and (config.draft_quant != "auto" or config.draft is None):
+        return config
+    arithmetic = choose_arithmetic(device)
+    _status(f"arithmetic: {arithmetic.reason}")
+    # SV's latency and calibration profiles are measured on the unquantized draft
+    quant = arithmetic.draft_quant if config.policy != "sv" else None
+    return replace(config, dtype=arithmetic.dtype if config.dtype == "auto" else config.dtype,
+                   draft_quant=(quant or "none") if config.draft_quant == "auto" else config.draft_quant)
+
+
+def _adaptive_policy(config: GenerateConfig, target, draft):
+    """``policy.AdaptiveLength`` over this machine's measured step latency, or None (after saying so) where no
+    draft length is expected to beat the target alone."""
+    from .auto import latency_probe
+    from .policy import AdaptiveLength
+
+    batch = len(config.prompts)
+    _status("step latency of these models on this machine (measured on the first run, then cached)")
+    latency = latency_probe(target, draft, batch)
+    policy = AdaptiveLength(latency, max_draft=config.draft_len)
+    if policy.best_length(batch) == 0:
+        step, wider = latency.target(batch, 1), latency.target(batch, 2)
+        _status(f"speculation cannot pay here: a target step costs {1e3 * step:.0f} ms and verifying one drafted "
+                f"token {1e3 * wider:.0f} ms on this machine, so decoding with the target alone (--policy fixed "
+                "speculates anyway; --target-quant int8 makes verification cheaper)")
+        return None
+    return policy
+
+
+def _drafted_per_step(result) -> str:
+    """Mean drafted tokens verified per row and step."""
+    return f"{sum(sum(s.draft_len) for s in result.stats) / max(result.row_steps, 1):.1f}"
 
 
 def _status(message: str) -> None:
@@ -488,7 +553,8 @@ def run_env(args) -> int:
 
     import torch
 
-    from . import __version__
+    from . import __version__, machine
+    from .auto import choose_arithmetic, native_bf16
 
     def version(package: str) -> str:
         try:
@@ -502,6 +568,8 @@ def run_env(args) -> int:
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
+        "cpu_flags": " ".join(machine.cpu_flags()) or "none of avx2, avx512*, amx*",
+        "native_bf16": native_bf16(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.is_available(),
@@ -509,6 +577,9 @@ def run_env(args) -> int:
         **{package: version(package) for package in ("transformers", "accelerate", "gguf", "safetensors")},
         "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", ""),
     }
+    arithmetic = choose_arithmetic("cuda" if torch.cuda.is_available() else "cpu")  # probes once per machine
+    info |= {"auto_dtype": arithmetic.dtype, "auto_draft_quant": arithmetic.draft_quant or "none",
+             "auto_reason": arithmetic.reason}
     if args.json:
         print(json.dumps(info, indent=1))
     else:

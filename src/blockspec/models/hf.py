@@ -29,6 +29,8 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .base import left_pad
+from . import DTYPES, QUANTS
+from .quant import quantize
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,8 @@ class HFModel:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name or getattr(model, "name_or_path", None) or type(model).__name__
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        head = model.get_output_embeddings()  # an int8 (quantized) head has out_features but no weight tensor
+        self.vocab_size = int(getattr(head, "out_features", None) or head.weight.shape[0])
         config = model.config.get_text_config(decoder=True)
         if model.config._attn_implementation == "sdpa":
             model.set_attn_implementation(GROUPED_SDPA)
@@ -311,7 +314,6 @@ def _eos_ids(model, tokenizer) -> tuple[int, ...]:
 
 # --- loading ------------------------------------------------------------------------------------------------
 
-DTYPES = ("bfloat16", "float16", "float32")
 DEVICE_TYPES = ("cpu", "cuda", "mps")
 
 
@@ -342,13 +344,14 @@ def resolve_device(device: str) -> torch.device:
 
 
 def load_model(name_or_path: str, *, dtype: str = "bfloat16", device: str = "cpu", progress: bool = True,
-               allow_download: bool = False) -> HFModel:
+               allow_download: bool = False, quant: str | None = None) -> HFModel:
     """Load a causal LM as an HFModel: a bundled preset name, a GGUF file, a local directory or a hub id.
 
     Hub ids resolve from the local Hugging Face cache only: a name that is none of these is refused with the
     closest preset name, before any network access, unless ``allow_download=True`` lets a hub id be downloaded.
     The dtype and the device are checked before anything loads. GGUF files need the ``gguf`` and ``accelerate``
-    packages (the ``hf`` extra).
+    packages (the ``hf`` extra). ``quant="int8"`` quantizes the loaded model's linear layers (``models.quant``: for
+    a draft on the CPU; the rest of the model then runs in float32).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -357,6 +360,8 @@ def load_model(name_or_path: str, *, dtype: str = "bfloat16", device: str = "cpu
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     torch_dtype, target_device = getattr(torch, dtype), resolve_device(device)
+    if quant is not None and (quant not in QUANTS or target_device.type != "cpu"):
+        raise ValueError(f"quant must be one of {QUANTS}, on the CPU only; got {quant!r} on {target_device}")
     if name_or_path in presets.PRESETS:
         model, tokenizer = presets.load(name_or_path, dtype=dtype, progress=progress)
     elif name_or_path.endswith(".gguf"):
@@ -371,7 +376,8 @@ def load_model(name_or_path: str, *, dtype: str = "bfloat16", device: str = "cpu
         tokenizer = _optional_tokenizer(name_or_path, local_files_only=local)
     else:
         raise ValueError(_unknown_model_message(name_or_path, presets.PRESETS))
-    return HFModel(model.to(target_device), tokenizer, name=name_or_path)
+    model = model.to(target_device) if quant is None else quantize(model, quant)
+    return HFModel(model, tokenizer, name=name_or_path if quant is None else f"{name_or_path} ({quant})")
 
 
 def _in_hub_cache(name: str) -> bool:

@@ -127,7 +127,7 @@ def measure_profile(
             times = {cell: [] for cell in cells}
             for _ in range(1 + repeats):  # the first round warms up (allocation, kernel selection) and is not kept
                 for (name, n), step in cells.items():
-                    times[name, n].append(_step_seconds(models[name][0], step.to(models[name][0].device),
+                    times[name, n].append(step_seconds(models[name][0], step.to(models[name][0].device),
                                                         last_only=name == "draft"))
                     bar.update()
             for name, (_, grid) in models.items():
@@ -147,7 +147,7 @@ def measure_profile(
     return LatencyProfile(tables["target"], tables["draft"], tables.get("companion"), meta)
 
 
-def _step_seconds(model, step: torch.Tensor, last_only: bool) -> float:
+def step_seconds(model, step: torch.Tensor, last_only: bool) -> float:
     """Wall time of ``model.forward(step)`` [B, n] and the processing of its logits (the last position's alone,
     and a token sampled from it, if ``last_only``), rolling back to the prefilled rows afterwards."""
     prefilled, valid = model.lengths.clone(), torch.ones_like(step, dtype=torch.bool)

@@ -11,6 +11,7 @@ _EXPORTS = {
     "GenerationResult": "engine",
     "SpeculativeDecoder": "engine",
     "StepStats": "engine",
+    "PromptLookup": "lookup",
     "SamplingParams": "sampling",
 }
 

@@ -3,7 +3,8 @@
 Every row of the batch keeps its own token sequence, its own random stream and its own cache positions, so
 rows of different lengths accept different numbers of tokens each step and leave the batch when they finish.
 ``verifier="none"`` runs plain target-only decoding through the same loop (a step with zero drafted tokens),
-so comparisons are fair.
+so comparisons are fair. With ``lookup=PromptLookup()`` rows whose context repeats itself draft by prompt lookup
+(``blockspec.lookup``) instead of with the draft model, or without any draft model.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from .drafting import draft_block
+from .drafting import PAD, draft_block
+from .lookup import LookupState, PromptLookup
 from .models.base import LanguageModel, left_pad
 from .policy import FixedLength
 from .sampling import NonFiniteLogitsError, SamplingParams, check_unsupported, is_int, process, sample
@@ -43,10 +45,11 @@ class StepStats:
     verify_s: float
     total_s: float  # the whole step, bookkeeping included
     forward_s: float  # model forwards alone (draft, companion and target)
-    drafted: int = 0  # tokens drafted per row (a length policy may verify fewer)
+    drafted: int = 0  # positions the draft model drafted (a length policy may verify fewer; lookup runs no forward)
     expected_token: list[float] | None = None  # E[tau | this draft] under each rule, outside the timed region
     expected_block: list[float] | None = None
     overlap: list[float] | None = None  # mean over verified positions of sum_v min(draft, target), per row
+    lookup: list[bool] | None = None  # per row: its draft was a prompt lookup proposal (None without lookup)
 
 
 @dataclass
@@ -81,6 +84,12 @@ class GenerationResult:
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.wall_time if self.wall_time else float("nan")
 
+    @property
+    def lookup_rate(self) -> float:
+        """Fraction of row steps whose draft was a prompt lookup proposal (nan without lookup)."""
+        flags = [f for s in self.stats if s.lookup is not None for f in s.lookup]
+        return sum(flags) / len(flags) if flags else float("nan")
+
 
 class SpeculativeDecoder:
     """Lossless speculative decoding of ``target`` with proposals from ``draft``.
@@ -94,32 +103,53 @@ class SpeculativeDecoder:
     ``blockspec.policy.SVPolicy`` for Speculative Verification); ``companion`` is the model an SV policy
     scores drafted blocks with (``blockspec.models.companion``).
 
+    ``lookup`` (a ``blockspec.lookup.PromptLookup``) drafts by prompt lookup: each step, a row whose context's last
+    n-gram occurred before proposes what followed it, with no forward. Without ``draft`` a row with no match makes
+    a plain target step; with ``draft`` it drafts with the model in the same step, and lookup rows are holes in the
+    draft's forward (its cache catches up on their tokens the next time they draft with it). A proposal's law is
+    one-hot at its tokens, and the verifier is handed exactly that: ``draft_probs=None`` (which the verifiers read
+    as one-hot) when no row of the step drafted with the model, else the model's rows with one-hot rows for the
+    lookup rows in the step's [B, K, V] tensor. Only the fixed length policy combines with lookup for now.
+
     Target, draft and companion must be distinct adapter objects (each keeps its own KV cache); one transformers
     model wrapped twice is fine. The target defines the vocabulary (its logits, cut to its tokenizer's length):
     a draft or companion with fewer logits is refused, since the target's other tokens could never be emitted.
     """
 
     def __init__(self, target, draft=None, *, verifier: str = "block", draft_len: int = 4, policy=None,
-                 companion=None):
+                 companion=None, lookup: PromptLookup | None = None):
         if verifier not in VERIFIER_CHOICES:
             raise ValueError(f"verifier must be one of {VERIFIER_CHOICES}, got {verifier!r}")
-        if verifier != "none" and draft is None:
-            raise ValueError(f"verifier={verifier!r} needs a draft model (or use verifier='none')")
+        if verifier != "none" and draft is None and lookup is None:
+            raise ValueError(f"verifier={verifier!r} needs a draft model or prompt lookup (lookup=PromptLookup()), "
+                             "or use verifier='none'")
         if verifier != "none" and policy is None and not (is_int(draft_len) and draft_len >= 1):
             raise ValueError(f"draft_len must be an int >= 1, got {draft_len!r}")
-        if policy is not None and verifier == "none":
-            raise ValueError("a length policy needs a draft: verifier='none' decodes with the target alone")
+        if policy is not None and (verifier == "none" or draft is None):
+            raise ValueError("a length policy needs a draft model: verifier='none' decodes with the target alone, "
+                             "and prompt lookup without a draft takes its lengths from its own settings")
+        if lookup is not None:
+            if not isinstance(lookup, PromptLookup):
+                raise TypeError(f"lookup must be a PromptLookup, got {type(lookup).__name__}")
+            if verifier == "none":
+                raise ValueError("prompt lookup drafts tokens for verification: use verifier 'block', 'token' or "
+                                 "'greedy' with it (verifier='none' decodes with the target alone)")
+            if policy is not None and type(policy) is not FixedLength:  # subclasses too: they may learn from drafts
+                raise ValueError(f"prompt lookup combines only with the fixed length policy for now, not with "
+                                 f"{type(policy).__name__}: an adaptive or SV policy models the draft model's drafts")
         method = getattr(policy, "method", None)
         if method in ("token", "block") and verifier in ("token", "block") and method != verifier:
             raise ValueError(f"the length policy was built for the {method} rule but verifier={verifier!r}: its "
                              "predicted gains would be those of another rule")
         self.target = as_model(target)
-        self.draft = as_model(draft) if verifier != "none" else None
+        self.draft = as_model(draft) if verifier != "none" and draft is not None else None
         self.companion = as_model(companion) if companion is not None and self.draft is not None else None
         _refuse_shared_adapters(self.target, self.draft, self.companion)
         self.verifier = verifier
-        self.policy = policy if policy is not None else FixedLength(draft_len if verifier != "none" else 0)
-        self.draft_len = self.policy.max_draft if verifier != "none" else 0  # the widest step: what _draw draws for
+        self.policy = policy if policy is not None else FixedLength(draft_len if self.draft is not None else 0)
+        self.lookup = lookup
+        # the widest step, what _draw draws for: the model's drafts or the longest lookup proposal
+        self.draft_len = max(self.policy.max_draft if self.draft is not None else 0, lookup.max_len if lookup else 0)
         context = self.target.max_length
         if context is not None and self.draft_len >= context:
             raise ValueError(f"draft_len {self.draft_len} is not below the target's context of {context} tokens")
@@ -174,6 +204,7 @@ class SpeculativeDecoder:
         sequences = self._encode(prompts)
         self._check_context(sequences, max_new_tokens)
         generators = [torch.Generator().manual_seed(s) for s in _row_seeds(seed, len(sequences))]
+        lookup = LookupState(self.lookup, len(sequences)) if self.lookup is not None else None  # fresh per call
         stop = _Stopper(self, stop_on_eos, stop_strings, max_new_tokens)
         verify = VERIFIERS["greedy" if sampling.greedy else ("token" if self.verifier == "none" else self.verifier)]
 
@@ -192,8 +223,9 @@ class SpeculativeDecoder:
             t0 = time.perf_counter()
             remaining = torch.tensor([max_new_tokens - len(generated[i]) for i in active])
             draft_u, verify_u, exponentials = self._draw([generators[i] for i in active], sampling)
-            draft_tokens, draft_probs, num_draft, drafted, forward_s = self._plan(
-                [sequences[i] + generated[i] for i in active], remaining.sub(1), sampling, draft_sampling, draft_u)
+            draft_tokens, draft_probs, num_draft, drafted, looked_up, forward_s = self._plan(
+                active, [sequences[i] + generated[i] for i in active], remaining.sub(1), sampling, draft_sampling,
+                draft_u, lookup)
             t1 = time.perf_counter()
             pending = torch.tensor([(sequences[i] + generated[i])[-1] for i in active], device=device)[:, None]
             valid = torch.cat([torch.ones_like(pending, dtype=torch.bool),
@@ -209,12 +241,14 @@ class SpeculativeDecoder:
 
             self.policy.observe(active, draft_tokens, draft_probs, target_probs, num_draft, out.num_accepted)
             tau = out.num_accepted.cpu()
+            if lookup is not None:  # a prompt's next proposal length follows what was accepted of this one
+                lookup.observe(active, num_draft.cpu().masked_fill(~looked_up, 0).tolist(), tau.tolist())
             emitted, finished = self._commit(out.tokens, tau, active, generated, reasons, stop, on_tokens)
             self._roll_back([len(sequences[i]) + len(generated[i]) - 1 for i in active], finished, models)
             step = StepStats(
                 rows=list(active), draft_len=num_draft.tolist(), accepted=tau.tolist(), emitted=emitted,
                 draft_s=t1 - t0, target_s=t2 - t1, verify_s=t3 - t2, total_s=time.perf_counter() - t0,
-                forward_s=forward_s, drafted=drafted,
+                forward_s=forward_s, drafted=drafted, lookup=looked_up.tolist() if lookup is not None else None,
             )
             if expected:  # bookkeeping outside the timed region: taken off the wall clock as well
                 t4 = time.perf_counter()
@@ -271,17 +305,23 @@ class SpeculativeDecoder:
         device = self.target.device
         return draft_u.to(device), verify_u.to(device), exponentials.to(device)
 
-    def _plan(self, contexts: list[list[int]], room: torch.Tensor, sampling: SamplingParams,
-              draft_sampling: SamplingParams, draft_u):
+    def _plan(self, rows: list[int], contexts: list[list[int]], room: torch.Tensor, sampling: SamplingParams,
+              draft_sampling: SamplingParams, draft_u, lookup: LookupState | None):
         """Draft, let the companion score, and let the policy pick each row's verification length (at most
         ``room``: the step's last token is the target's own; and at most what fits in every model's context).
-        Returns (draft tokens [B, W] and probs [B, W, V] (None for a greedy draft) cut to the widest verified row
-        W, verification lengths [B], tokens drafted, forward seconds)."""
+        With ``lookup`` (``rows`` = the rows' prompt indices) a row with a lookup proposal verifies it and does
+        not draft with the model. Returns (draft tokens [B, W] and probs [B, W, V] (None for a one-hot draft) cut
+        to the widest verified row W, verification lengths [B], positions the model drafted, which rows used
+        lookup [B] bool, forward seconds)."""
         # What the draft has not seen yet: 1 token, 2 after a fully accepted step, more after steps that did not draft
         seen = self.draft.lengths.tolist() if self.draft is not None else [len(c) for c in contexts]
         unseen = [c[n:] for c, n in zip(contexts, seen)]
         limit = room.minimum(torch.tensor([self._draft_room(c) for c in contexts])).clamp(min=0)
+        proposals = lookup.propose(rows, contexts, limit.tolist()) if lookup is not None else [[] for _ in rows]
+        looked_up = torch.tensor([len(p) > 0 for p in proposals], dtype=torch.bool)  # [B]
+        limit = limit.masked_fill(looked_up, 0)  # lookup rows are holes in the draft's forward
         catch_up = max((len(u) for u, n in zip(unseen, limit.tolist()) if n > 0), default=1)
+        # without a draft model the policy is FixedLength(0): no row drafts with a model
         limit = limit.clamp(max=self.policy.draft_budget(len(contexts), catch_up))
         draft_tokens, draft_probs, forward_s = self._propose(unseen, limit, draft_sampling, draft_u)
         drafted = draft_tokens.shape[1]
@@ -291,8 +331,10 @@ class SpeculativeDecoder:
             num_draft = self.policy.lengths(draft_tokens, draft_probs, companion_probs, num_draft)
             forward_s += companion_s
         width = int(num_draft.max())
-        draft_probs = None if draft_sampling.greedy else draft_probs[:, :width]
-        return draft_tokens[:, :width], draft_probs, num_draft, drafted, forward_s
+        draft_tokens, draft_probs = draft_tokens[:, :width], None if draft_sampling.greedy else draft_probs[:, :width]
+        if looked_up.any():
+            draft_tokens, draft_probs, num_draft = _with_proposals(proposals, draft_tokens, draft_probs, num_draft)
+        return draft_tokens, draft_probs, num_draft, drafted, looked_up, forward_s
 
     def _draft_room(self, context: list[int]) -> int:
         """Tokens a row may draft before some model's context is full: the target scores [pending, x_1..x_k]
@@ -506,6 +548,35 @@ def _row_seeds(seed, batch: int) -> list[int]:
     if len(seeds) != batch:
         raise ValueError(f"seed must be an int or one int per prompt ({batch}), got {len(seeds)}")
     return seeds
+
+
+def _with_proposals(proposals: list[list[int]], draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                    num_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The step's drafts (tokens [B, W'], probs [B, W', V] or None, num_draft [B]) with every row that has a
+    lookup proposal verifying it instead: (tokens [B, W], probs [B, W, V] or None, num_draft [B]).
+
+    A proposal was drafted with probability 1, so its law is one-hot at its tokens. When no row drafted with the
+    model (W' = 0) or the model's draft was greedy, ``None`` says one-hot for every row; otherwise the lookup rows
+    of the model's tensor are made one-hot (positions past a row's own draft are never verified: zeros there,
+    and one-hot at PAD in lookup rows). ``None`` for a mixed step would stay lossless (accepting x with
+    probability target(x), else drawing from the target without x, is exact whatever drafted x) but would accept
+    the model's tokens less often than min(1, target(x) / draft(x)).
+    """
+    device = num_draft.device
+    lengths = torch.tensor([len(p) for p in proposals], device=device)
+    looked_up = lengths > 0  # [B]
+    num_draft = torch.where(looked_up, lengths, num_draft)
+    width = int(num_draft.max())
+    proposed = torch.tensor([p + [PAD] * (width - len(p)) for p in proposals], dtype=torch.long, device=device)
+    model_tokens = torch.nn.functional.pad(draft_tokens, (0, width - draft_tokens.shape[1]), value=PAD)
+    tokens = torch.where(looked_up[:, None], proposed, model_tokens)  # [B, W]
+    if draft_probs is None or draft_probs.shape[1] == 0:
+        return tokens, None, num_draft
+    probs = torch.nn.functional.pad(draft_probs, (0, 0, 0, width - draft_probs.shape[1]))  # [B, W, V], a copy
+    rows = looked_up.nonzero()  # [R, 1]
+    probs[rows[:, 0]] = 0.0
+    probs[rows, torch.arange(width, device=device), tokens[rows[:, 0]]] = 1.0  # [R, W] entries, one per position
+    return tokens, probs, num_draft
 
 
 def _with_expected(step: StepStats, draft_tokens, draft_probs, target_probs, num_draft) -> StepStats:

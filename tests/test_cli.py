@@ -62,6 +62,19 @@ def test_generate_end_to_end_on_tiny_models(tiny_pair):
     assert two.returncode == 0 and "--- prompt 0" in two.stdout and "--- prompt 1" in two.stdout
 
 
+@pytest.mark.parametrize("drafter", ["lookup", "lookup+model"])
+def test_generate_with_prompt_lookup_gives_the_greedy_text_of_the_target(tiny_pair, drafter):
+    target, draft = tiny_pair
+    common = ["--target", target, "--draft", draft, "--dtype", "float32", "--max-new-tokens", "16", "--temperature",
+              "0", "--no-chat", "abc abc abc abc"]
+    spec, plain = run("generate", "--drafter", drafter, *common), run("generate", "--verifier", "none", *common)
+    assert spec.returncode == plain.returncode == 0, spec.stderr + plain.stderr
+    assert spec.stdout == plain.stdout and spec.stdout.strip()
+    assert "[block, fixed K=" in spec.stderr
+    refused = run("generate", "--drafter", drafter, "--policy", "sv", *common)
+    assert refused.returncode == 2 and "--drafter" in refused.stderr
+
+
 def test_generate_reports_bad_input_without_a_traceback(tiny_pair):
     target, draft = tiny_pair
     bad = run("generate", "--target", target, "--draft", draft, "--top-p", "0", "hello")
@@ -82,8 +95,8 @@ def test_generate_says_what_it_is_doing_before_the_first_token(tiny_pair):
     """A long prompt printed nothing for minutes before its first token, which looked like a hang: generate now
     names each model it loads and the prompt it prefills, on stderr, leaving stdout to the text alone."""
     target, draft = tiny_pair
-    out = run("generate", "--target", target, "--draft", draft, "--dtype", "float32", "--max-new-tokens", "4",
-              "--temperature", "0", "abc de")
+    out = run("generate", "--target", target, "--draft", draft, "--dtype", "float32", "--draft-quant", "none",
+              "--max-new-tokens", "4", "--temperature", "0", "abc de")
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stderr.splitlines() if line.startswith(("loading ", "prefilling "))]  # and
     # transformers' own weight-loading bars
@@ -97,8 +110,8 @@ def test_generate_shows_prefill_progress_of_each_model_for_long_prompts(tiny_pai
     target, draft = tiny_pair
     monkeypatch.setattr(cli, "LONG_PROMPT", 4)  # the tiny models' context is far below the real threshold
     monkeypatch.setattr(hf, "PREFILL_TOKENS", 3)  # several prefill forwards, so several reports
-    assert cli.main(["generate", "--target", target, "--draft", draft, "--dtype", "float32", "--max-new-tokens", "2",
-                     "--temperature", "0", "--no-chat", "abcdefghij"]) == 0
+    assert cli.main(["generate", "--target", target, "--draft", draft, "--dtype", "float32", "--policy", "fixed",
+                     "--max-new-tokens", "2", "--temperature", "0", "--no-chat", "abcdefghij"]) == 0
     err = capsys.readouterr().err
     for role in ("target", "draft"):
         reports = re.findall(rf"prefilling {role}: (\d+)/(\d+) tokens", err)

@@ -18,6 +18,7 @@ from .sv import cli as sv_cli
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
+DRAFTERS = ("model", "lookup", "lookup+model")
 
 EXAMPLES = """examples:
   blockspec generate "Write a Python function that reverses a string."
@@ -54,6 +55,7 @@ class GenerateConfig:
     chat: bool
     stop: tuple[str, ...]
     policy: str = "auto"
+    drafter: str = "model"  # one of DRAFTERS
     draft_quant: str = "auto"  # "auto", "none" or one of QUANTS
     target_quant: str = "none"
     companion: str | None = None
@@ -129,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--draft", default=DEFAULT_DRAFT, help="the small model that proposes tokens (default: %(default)s)")
     gen.add_argument("--verifier", default="block", choices=["block", "token", "greedy", "none"],
                      help="verification rule; 'none' decodes with the target alone (default: %(default)s)")
+    gen.add_argument("--drafter", default="model", choices=DRAFTERS,
+                     help="who proposes tokens: the draft model; prompt lookup (the tokens that followed the last "
+                     "earlier occurrence of the context's last 1-3 tokens, no forward: pays when the answer repeats "
+                     "the prompt, as in code editing); or lookup where it matches and the model elsewhere. Lookup "
+                     "uses the fixed policy (default: %(default)s)")
     gen.add_argument("--draft-len", type=sv_cli.int_at_least(1), default=None,
                      help="tokens drafted per step, K, with --policy fixed (default: 4); the most a step drafts with "
                      "--policy auto (default: 8) or sv (default: 4)")
@@ -298,7 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
 def run_generate(args) -> int:
     prompts = tuple(args.prompts) or (sys.stdin.read(),)
     config = GenerateConfig(
-        prompts=prompts, target=args.target, draft=None if args.verifier == "none" else args.draft,
+        prompts=prompts, target=args.target,
+        draft=None if args.verifier == "none" or args.drafter == "lookup" else args.draft, drafter=args.drafter,
         verifier=args.verifier, draft_len=args.draft_len, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed, dtype=args.dtype,
         device=args.device, chat=args.chat, stop=tuple(args.stop), policy=args.policy,
@@ -311,6 +319,7 @@ def run_generate(args) -> int:
 def generate(config: GenerateConfig) -> int:
     from .chat import encode_prompt
     from .engine import SpeculativeDecoder
+    from .lookup import PromptLookup
     from .models.hf import load_model, resolve_device
     from .sampling import SamplingParams
 
@@ -320,6 +329,10 @@ def generate(config: GenerateConfig) -> int:
     device = resolve_device(config.device)
     if config.policy == "sv" and config.verifier == "none":
         raise ValueError("--policy sv needs a draft: use --verifier token, block or greedy")
+    if config.drafter != "model":
+        if config.policy == "sv" or config.verifier == "none":
+            raise ValueError(f"--drafter {config.drafter} needs --policy fixed or auto and a verifier other than none")
+        config = replace(config, policy="fixed")  # the lengths of lookup proposals adapt on their own
     if config.draft_len is None:  # the most a step drafts under auto; the length itself under fixed and sv
         config = replace(config, draft_len=8 if config.policy == "auto" else 4)
     config = _resolve_arithmetic(config, device)
@@ -338,8 +351,9 @@ def generate(config: GenerateConfig) -> int:
         policy = _adaptive_policy(config, target, draft)
         if policy is None:
             draft, verifier = None, "none"
+    lookup = PromptLookup() if config.drafter != "model" else None
     decoder = SpeculativeDecoder(target, draft, verifier=verifier, draft_len=config.draft_len, policy=policy,
-                                 companion=companion)
+                                 companion=companion, lookup=lookup)
     if decoder.tokenizer is None:
         raise ValueError(f"{config.target} has no tokenizer: the CLI needs one to read and print text")
     ids = [encode_prompt(decoder.tokenizer, p, chat=config.chat) for p in config.prompts]

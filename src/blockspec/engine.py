@@ -573,9 +573,7 @@ def _with_proposals(proposals: list[list[int]], draft_tokens: torch.Tensor, draf
     if draft_probs is None or draft_probs.shape[1] == 0:
         return tokens, None, num_draft
     probs = torch.nn.functional.pad(draft_probs, (0, 0, 0, width - draft_probs.shape[1]))  # [B, W, V], a copy
-    rows = looked_up.nonzero()  # [R, 1]
-    probs[rows[:, 0]] = 0.0
-    probs[rows, torch.arange(width, device=device), tokens[rows[:, 0]]] = 1.0  # [R, W] entries, one per position
+    probs[looked_up] = as_probs(tokens[looked_up], None, probs.shape[-1])
     return tokens, probs, num_draft
 
 

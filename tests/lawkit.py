@@ -201,7 +201,6 @@ def max_abs_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max())
 
 
-
 def first_tokens_counts(decoder, prompt: list[int], vocab: int, length: int, samples: int, **generate) -> torch.Tensor:
     """How often ``decoder`` generated each sequence of ``length`` first tokens after ``prompt`` over ``samples``
     rows (row b seeded b), as a [V] * length table of counts (float64) to compare with the exact law."""

@@ -20,6 +20,7 @@ alone on the other (docs/benchmarks.md).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -116,9 +117,9 @@ def _measure(repeats: int = 5) -> dict:
                                    for _ in range(PROBE_MATRICES)])
     for layer in layers:
         layer.weight.normal_(generator=generator)
-    variants = {"bfloat16": [l.bfloat16() for l in _copies(layers)], "float32": list(layers)}
+    variants = {"bfloat16": list(copy.deepcopy(layers).bfloat16()), "float32": list(layers)}
     try:
-        variants["int8"] = list(quantize(torch.nn.Sequential(*_copies(layers)), "int8"))
+        variants["int8"] = list(quantize(copy.deepcopy(layers), "int8"))
     except RuntimeError as error:  # a torch without the int8 kernels: the float dtypes still decide
         log.info("int8 probe skipped: %s", error)
     inputs = {(name, n): torch.randn(n, PROBE_SHAPE[1], generator=generator,
@@ -133,15 +134,6 @@ def _measure(repeats: int = 5) -> dict:
             times[name, n].append(time.perf_counter() - start)
     return {name: {str(n): round(1e3 * statistics.median(times[name, n][1:]), 3) for n in PROBE_TOKENS}
             for name in variants}
-
-
-def _copies(layers: torch.nn.Sequential) -> list[torch.nn.Linear]:
-    copies = []
-    for layer in layers:
-        copy = torch.nn.Linear(layer.in_features, layer.out_features, bias=False)
-        copy.weight.data.copy_(layer.weight.data)
-        copies.append(copy)
-    return copies
 
 
 def latency_probe(target, draft, batch: int, *, refresh: bool = False):

@@ -19,7 +19,8 @@ from typing import Callable
 import torch
 
 from .sampling import is_int
-from .sv.features import DRAFT_FEATURES, as_probs, companion_features, draft_features, gains as exact_gains, overlap
+from .sv.features import (DRAFT_FEATURES, as_probs, companion_features, draft_features, gains as exact_gains,
+                          overlap)
 
 
 @dataclass(frozen=True)

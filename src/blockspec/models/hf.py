@@ -28,8 +28,8 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .base import left_pad
 from . import DTYPES, QUANTS
+from .base import left_pad
 from .quant import quantize
 
 log = logging.getLogger(__name__)

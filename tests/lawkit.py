@@ -151,7 +151,15 @@ def sample_emissions(
         if bool(missing.any()):
             context = sequences[missing, :j]
             sequences[missing, j] = torch.multinomial(tables.target_at(context), 1, generator=generator).squeeze(1)
-    index = (sequences * vocab ** torch.arange(length - 1, -1, -1)).sum(-1)
+    return joint_counts(sequences, vocab)
+
+
+def joint_counts(sequences, vocab: int) -> torch.Tensor:
+    """How often each sequence occurs among ``sequences`` (a [N, L] tensor or N lists of L token ids), as a
+    [V] * L table of counts (float64) to compare with an exact joint law."""
+    sequences = torch.as_tensor(sequences, dtype=torch.long)  # [N, L]
+    length = sequences.shape[1]
+    index = (sequences * vocab ** torch.arange(length - 1, -1, -1)).sum(-1)  # [N]: the sequence in base V
     return torch.bincount(index, minlength=vocab**length).reshape([vocab] * length).to(torch.float64)
 
 
@@ -205,5 +213,4 @@ def first_tokens_counts(decoder, prompt: list[int], vocab: int, length: int, sam
     """How often ``decoder`` generated each sequence of ``length`` first tokens after ``prompt`` over ``samples``
     rows (row b seeded b), as a [V] * length table of counts (float64) to compare with the exact law."""
     result = decoder.generate([prompt] * samples, max_new_tokens=length, seed=0, stop_on_eos=False, **generate)
-    index = torch.tensor([sum(t * vocab ** (length - 1 - j) for j, t in enumerate(s)) for s in result.sequences])
-    return torch.bincount(index, minlength=vocab**length).reshape([vocab] * length).double()
+    return joint_counts(result.sequences, vocab)

@@ -241,9 +241,7 @@ def test_law_of_the_first_tokens_when_a_rows_drafting_is_cut_by_its_context(monk
         result = decoder.generate([long, short] * samples, max_new_tokens=length, seed=0, stop_on_eos=False)
         outcome = {}
         for prompt, start in ((long, 0), (short, 1)):
-            index = torch.tensor([sum(t * vocab ** (length - 1 - j) for j, t in enumerate(s))
-                                  for s in result.sequences[start::2]])
-            counts = torch.bincount(index, minlength=vocab**length).reshape([vocab] * length).double()
+            counts = lawkit.joint_counts(result.sequences[start::2], vocab)
             outcome[tuple(prompt)] = lawkit.chi_square(counts, laws[tuple(prompt)])
         return outcome, result
 

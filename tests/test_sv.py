@@ -707,8 +707,7 @@ def test_law_of_the_first_tokens_with_sv_is_the_targets(method, latency):
     decoder = SpeculativeDecoder(target, draft, verifier=method, draft_len=2, policy=policy,
                                  companion=target_prefix(HFModel(target), 1))
     result = decoder.generate([[1, 2, 3]] * samples, max_new_tokens=length, seed=0, stop_on_eos=False)
-    index = torch.tensor([sum(t * vocab ** (length - 1 - j) for j, t in enumerate(s)) for s in result.sequences])
-    observed = torch.bincount(index, minlength=vocab**length).reshape([vocab] * length).double()
+    observed = lawkit.joint_counts(result.sequences, vocab)
     test = lawkit.chi_square(observed, law)
     verified = {k for s in result.stats for k in s.draft_len}
     drafted = [s.drafted for s in result.stats]

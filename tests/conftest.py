@@ -20,3 +20,16 @@ def the_users_model_cache_gains_no_test_copies():
     yield
     added = copies() - before
     assert not added, f"the tests wrote into the user's model cache: {sorted(map(str, added))}"
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny forwards gain nothing from intra-op threads and lose a lot when the cores are shared (a 6000-row
+    generate: 2 s on one thread, 12-16 s on two busy cores). A module opts in with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

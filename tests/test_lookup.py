@@ -16,8 +16,9 @@ from blockspec.lookup import LookupState
 from blockspec.models.hf import HFModel
 from blockspec.policy import FixedLength, SVPolicy
 from test_engine import reference_greedy
-from test_sv import one_thread  # noqa: F401 (autouse: tiny forwards of thousands of rows run faster on one thread)
 from tiny import exact_law_of_first_tokens, perturbed, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # thousands of tiny rows: faster on one thread
 
 GREEDY = SamplingParams(temperature=0.0)
 # Prompts that repeat themselves (lookup fires at once), a short one and ones that do not (it fires later, if at all)

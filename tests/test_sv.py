@@ -47,14 +47,7 @@ from blockspec.sv.predictor import MONOTONE, Predictor, Profile, feature_names
 from blockspec.verify import accepted_length_law, expected_accepted, final_distributions
 from tiny import exact_law_of_first_tokens, perturbed, tiny_model
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny forwards gain nothing from intra-op threads and lose a lot when the cores are shared (a 6000-row
-    generate: 2 s on one thread, 12-16 s on two busy cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 VOCAB, DRAFT_LEN = 3, 3

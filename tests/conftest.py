@@ -10,11 +10,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 @pytest.fixture(autouse=True, scope="session")
 def the_users_model_cache_gains_no_test_copies():
     """The tests once left 9.1 GB of float32 copies in the user's model cache. They may reuse (or make) the
-    bfloat16 copies the main job makes anyway; anything else goes to a temporary cache."""
+    bfloat16 copies the main job makes anyway; anything else, the machine's arithmetic probe and the models'
+    latency probes included, goes to a temporary cache."""
     from blockspec.models import presets
 
     def copies() -> set[Path]:
-        return {p for p in presets.cache_root().glob("*/hf-*") if p.name != "hf-bfloat16"}
+        root = presets.cache_root()
+        return ({p for p in root.glob("*/hf-*") if p.name != "hf-bfloat16"}
+                | set(root.glob("machine/*")) | set(root.glob("sv/*")))
 
     before = copies()
     yield

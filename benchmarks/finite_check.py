@@ -1,6 +1,6 @@
 """What the per-step check for NaN or inf logits costs on the bundled pair, against the step it guards.
 
-    python benchmarks/finite_check.py --batch-sizes 1 64 --out docs/finite-check.json
+    python benchmarks/finite_check.py --batch-sizes 1 64 --out benchmarks/results/finite-check.json
 
 Every step the engine checks the target's logits [B, K+1, V] and, at each of the K drafted positions, the
 draft's logits [B, V] (``blockspec.sampling._check_finite``: one row-maximum reduction). Here, per batch size:

@@ -1,7 +1,7 @@
 """Forward cost by arithmetic: each model variant (dtype, int8 quantization) timed at batch 1 for n new tokens
 over a prefilled cache, variants taking turns call by call so the machine's drift is shared by all.
 
-    python benchmarks/forward_costs.py --out docs/forward-costs-avx2.json
+    python benchmarks/forward_costs.py --out benchmarks/results/forward-costs-avx2.json
     python benchmarks/forward_costs.py --variants qwen2.5-coder-0.5b:bfloat16 qwen2.5-coder-0.5b:bfloat16:int8
 
 A variant is MODEL:DTYPE[:QUANT]. A cell is what a decoding step pays for one forward: ``forward`` of n tokens

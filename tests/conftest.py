@@ -36,3 +36,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def probes_in_a_temporary_cache(tmp_path_factory):
+    """generate's and bench's defaults measure the machine and the models' step latency once and cache them: for
+    the tiny models of the tests, in a cache of their own rather than the user's. A module opts in with
+    ``pytestmark = pytest.mark.usefixtures("probes_in_a_temporary_cache")``."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("BLOCKSPEC_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield

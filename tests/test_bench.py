@@ -9,9 +9,10 @@ from dataclasses import replace
 
 import pytest
 
-from blockspec import machine
+from blockspec import auto, machine
 from blockspec.bench import records as rec
 from blockspec.bench import runner
+from test_auto import CHEAP_VERIFICATION, profile
 from tiny import save_tiny
 
 
@@ -22,6 +23,18 @@ def quiet_machine():
     would drop it from the speeds the tests check."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(machine, "busy_seconds", machine.own_seconds)
+        yield
+
+
+pytestmark = pytest.mark.usefixtures("probes_in_a_temporary_cache")
+# What the arithmetic probe measures here, in ms per pass: int8 well ahead, so `auto` drafts with an int8 draft
+PROBE = {"bfloat16": {"1": 30.0, "4": 60.0}, "float32": {"1": 20.0, "4": 30.0}, "int8": {"1": 5.0, "4": 6.0}}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def an_int8_machine():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(auto, "cpu_probe", lambda refresh=False: PROBE)
         yield
 
 
@@ -38,17 +51,17 @@ def tiny_config(tmp_path_factory):
 def test_plan_interleaves_configurations_prompt_by_prompt_with_one_seed_per_prompt():
     config = runner.BenchConfig(draft_lens=(2, 4), temperatures=(1.0, 0.0), seed=7)
     runs = runner.plan(config, {"a": [("a/0", [1]), ("a/1", [2])], "b": [("b/0", [3])]})
-    first = [(r.prompt_id, r.config, r.draft_len) for r in runs[:6]]
+    first = [(r.prompt_id, r.config, r.draft_len) for r in runs[:7]]
     assert first == [("a/0", "target-only", 0), ("a/0", "token", 2), ("a/0", "token", 4), ("a/0", "block", 2),
-                     ("a/0", "block", 4), ("a/0", "hf-assisted", 0)]
-    assert len(runs) == 6 * 3 * 2 and len({r.key for r in runs}) == len(runs)
+                     ("a/0", "block", 4), ("a/0", "hf-assisted", 0), ("a/0", "auto", 4)]
+    assert len(runs) == 7 * 3 * 2 and len({r.key for r in runs}) == len(runs)
     assert {r.seed for r in runs if r.prompt_id == "a/1"} == {8}
 
 
 def test_runner_writes_one_record_per_prompt_and_configuration_and_resumes(tiny_config):
     records_file = runner.run(tiny_config, progress=False)
     records = list(rec.read(records_file))
-    assert len(records) == 2 * (1 + 2 + 2 + 1)
+    assert len(records) == 2 * (1 + 2 + 2 + 1 + 1)
     for record in records:
         assert record.new_tokens == 6 or record.finish_reason == "eos"
         assert record.wall_time > 0 and record.meta["dtype"] == "float32" and record.meta["threads"] >= 1
@@ -63,7 +76,7 @@ def test_a_spent_time_budget_stops_scheduling_and_a_rerun_completes(tiny_config,
     boxed = replace(tiny_config, out=tmp_path, time_budget=0.0)
     assert len(list(rec.read(runner.run(boxed, progress=False)))) == 1  # the first run, then the budget is spent
     complete = runner.run(replace(boxed, time_budget=None), progress=False)
-    assert len(list(rec.read(complete))) == 12
+    assert len(list(rec.read(complete))) == 14
 
 
 def test_bench_command_prints_the_report_and_writes_plots(tiny_config, tmp_path):
@@ -75,7 +88,7 @@ def test_bench_command_prints_the_report_and_writes_plots(tiny_config, tmp_path)
     )
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert summary["records"] == 4 and "summary" in summary
+    assert summary["records"] == 5 and "summary" in summary
     assert "1 + mean accepted" in out.stdout
     for name in ("records.jsonl", "report.md", "block_efficiency_vs_k.png", "speedup_vs_k.png", "accepted_hist.png"):
         assert (tmp_path / name).stat().st_size > 0
@@ -143,3 +156,44 @@ def test_hf_lookup_records_state_its_settings(tiny_config, tmp_path):
         assert record.meta["prompt_lookup"] == {"prompt_lookup_num_tokens": 10, "max_matching_ngram_size": 2}
         assert (record.draft_len, record.batch_size, record.prefill_time, record.accepted) == (0, 1, None, [])
         assert record.wall_time > 0 and (record.new_tokens == 6 or record.finish_reason == "eos")
+
+
+# --- blockspec's defaults and the int8 draft --------------------------------------------------------------------
+
+DEFAULTS = ("target-only", "block", "block-int8", "auto", "lookup", "lookup+model", "hf-assisted", "hf-lookup")
+
+
+def test_the_int8_draft_and_blockspecs_defaults_run_beside_transformers(tiny_config, tmp_path, monkeypatch):
+    """block-int8 drafts with the int8 draft at each K; auto and lookup+model with the draft the machine's probe
+    chose (int8 here) and their own lengths (at most max K, from step latency measured as cheap); lookup with no
+    draft model. The batch table lists every configuration with its speedup over transformers' counterpart."""
+    from blockspec.bench.report import build_report
+
+    monkeypatch.setattr(auto, "latency_probe", lambda target, draft, batch: profile(CHEAP_VERIFICATION, draft_ms=2))
+
+    config = replace(tiny_config, out=tmp_path, configs=DEFAULTS, temperatures=(1.0, 0.0))
+    records = list(rec.read(runner.run(config, progress=False)))
+    assert len(records) == 2 * 2 * (1 + 2 + 2 + 1 + 1 + 1 + 1 + 1) and all(r.ok for r in records)
+    quant = {(r.config, r.meta.get("draft_quant", "-")) for r in records}
+    assert quant == {("target-only", "-"), ("lookup", "-"), ("hf-lookup", "-"), ("block", None),
+                     ("hf-assisted", None), ("block-int8", "int8"), ("auto", "int8"), ("lookup+model", "int8")}
+    assert {r.draft_len for r in records if r.config in ("auto", "lookup+model")} == {3}
+    assert {r.draft_len for r in records if r.config == "lookup"} == {0}
+    assert any(k > 0 for r in records if r.config == "lookup" for k in r.draft_lens)  # it looked up
+    assert any(k > 0 for r in records if r.config == "auto" for k in r.draft_lens)  # it speculated
+    assert all(r.meta["dtype"] == "float32" for r in records)
+    rows = {(row.config, row.temperature, row.draft_len): row for row in build_report(records).batch}
+    assert {name for name, _, _ in rows} == set(DEFAULTS)
+    for name in ("block-int8", "auto", "lookup", "lookup+model"):
+        assert rows[(name, 1.0, 3 if name != "lookup" else 0)].speedup_vs_hf is not None, name
+    assert rows[("target-only", 1.0, 0)].speedup_vs_hf is None
+
+
+def test_where_speculation_cannot_pay_auto_decodes_alone_and_lookup_model_looks_up_alone(tiny_config, tmp_path,
+                                                                                         monkeypatch):
+    monkeypatch.setattr(auto, "adaptive_policy", lambda target, draft, batch, max_draft: None)
+    config = replace(tiny_config, out=tmp_path, configs=("auto", "lookup+model"), temperatures=(0.0,))
+    records = list(rec.read(runner.run(config, progress=False)))
+    assert len(records) == 4 and all(r.ok for r in records)
+    assert all(k == 0 for r in records if r.config == "auto" for k in r.draft_lens)
+    assert any(k > 0 for r in records if r.config == "lookup+model" for k in r.draft_lens)

@@ -16,13 +16,7 @@ from blockspec.models import hf
 from tiny import save_tiny, tiny_model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def probes_in_a_temporary_cache(tmp_path_factory):
-    """generate's defaults measure the machine and the models' step latency once and cache them: for the tiny
-    models of these tests, in a cache of their own rather than the user's."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("BLOCKSPEC_CACHE", str(tmp_path_factory.mktemp("cache")))
-        yield
+pytestmark = pytest.mark.usefixtures("probes_in_a_temporary_cache")
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +64,8 @@ def test_generate_with_prompt_lookup_gives_the_greedy_text_of_the_target(tiny_pa
     spec, plain = run("generate", "--drafter", drafter, *common), run("generate", "--verifier", "none", *common)
     assert spec.returncode == plain.returncode == 0, spec.stderr + plain.stderr
     assert spec.stdout == plain.stdout and spec.stdout.strip()
-    assert "[block, fixed K=" in spec.stderr
+    # lookup alone takes its lengths from its own settings; lookup+model's model rows follow the default policy
+    assert ("[block, fixed K=" if drafter == "lookup" else "[block, auto K=") in spec.stderr
     refused = run("generate", "--drafter", drafter, "--policy", "sv", *common)
     assert refused.returncode == 2 and "--drafter" in refused.stderr
 

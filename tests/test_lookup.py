@@ -14,7 +14,8 @@ from blockspec import PromptLookup, SamplingParams, SpeculativeDecoder
 from blockspec import engine as engine_module
 from blockspec.lookup import LookupState
 from blockspec.models.hf import HFModel
-from blockspec.policy import FixedLength, SVPolicy
+from blockspec.policy import AdaptiveLength, FixedLength, SVPolicy
+from test_auto import profile
 from test_engine import reference_greedy
 from tiny import exact_law_of_first_tokens, perturbed, tiny_model
 
@@ -186,19 +187,24 @@ def model_rows_kept(with_proposals, vocab: int):
 
 
 @pytest.mark.parametrize("verifier", ["token", "block"])
-@pytest.mark.parametrize("mode", ["lookup", "lookup+model"])
+@pytest.mark.parametrize("mode", ["lookup", "lookup+model", "lookup+adaptive"])
 def test_law_of_the_first_tokens_is_the_targets(mode, verifier, monkeypatch):
     """Chi-square of the joint law of the first 3 tokens (6**3 outcomes) against the exact target law, for two
     prompts in one batch: one whose last 2-gram occurred before (lookup proposes [1, 1] at the first step, each
     token with target probability about 1/2), one with no match at the first step (a model draft, or a plain
     target step without a draft model); later steps look up in some rows and not in others. The same test on
-    engines that verify lookup rows against a smoothed law, or against the model's rows of a mixed step, fails."""
+    engines that verify lookup rows against a smoothed law, or against the model's rows of a mixed step, fails.
+    "lookup+adaptive": the model rows' lengths come from AdaptiveLength, which learns from earlier steps."""
     vocab, length, samples = 6, 3, 3000
     target = tiny_model(vocab=vocab, sharpness=5.0)
-    draft = perturbed(target, scale=0.6, seed=1) if mode == "lookup+model" else None
+    draft = perturbed(target, scale=0.6, seed=1) if mode != "lookup" else None
     prompts = [[1, 3, 1, 1, 3], [1, 2, 3]]
     laws = [exact_law_of_first_tokens(target, p, length) for p in prompts]
-    decoder = SpeculativeDecoder(target, draft, verifier=verifier, draft_len=2, lookup=PromptLookup())
+    policy = None
+    if mode == "lookup+adaptive":  # latency under which the prior's K is 1 and what the steps teach moves it
+        policy = AdaptiveLength(profile([100, 150, 200, 250, 300], draft_ms=10), max_draft=4, memory=0.5)
+    first_k = policy.best_length(2 * samples) if policy else 2
+    decoder = SpeculativeDecoder(target, draft, verifier=verifier, draft_len=2, policy=policy, lookup=PromptLookup())
 
     def tests():
         result = decoder.generate([p for p in prompts for _ in range(samples)], max_new_tokens=length, seed=0,
@@ -213,7 +219,9 @@ def test_law_of_the_first_tokens_is_the_targets(mode, verifier, monkeypatch):
     assert all(test.passed for test in passed), f"{mode}, {verifier}: {passed}"
     first = result.stats[0]  # lookup in the first prompt's rows, not in the second's, in one step
     assert first.lookup == [True] * samples + [False] * samples
-    assert set(first.draft_len[samples:]) == ({2} if draft is not None else {0})
+    assert set(first.draft_len[samples:]) == ({first_k} if draft is not None else {0})
+    if policy is not None:
+        assert 0 < first_k < 4 and policy.best_length(2 * samples) != first_k  # it learnt from the model rows
     used = lookup_steps(result)
     assert len(used) > samples and any(a == k for k, a in used) and any(a < k for k, a in used)
 
@@ -304,6 +312,27 @@ def test_a_row_does_not_depend_on_its_neighbours_and_proposals_outrun_the_models
     assert 0 < together.lookup_rate < 1
 
 
+class Observed(FixedLength):
+    """Records what each step's ``observe`` is handed."""
+
+    def __init__(self, draft_len: int):
+        super().__init__(draft_len)
+        self.seen: list[list[int]] = []
+
+    def observe(self, rows, draft_tokens, draft_probs, target_probs, num_draft, accepted) -> None:
+        self.seen.append(num_draft.tolist())
+
+
+def test_the_policy_observes_the_model_rows_only(pair):
+    """A length policy models its draft model: lookup rows reach its ``observe`` as verifying nothing."""
+    target, draft = pair
+    policy = Observed(2)
+    result = SpeculativeDecoder(target, draft, policy=policy, lookup=PromptLookup()).generate(
+        PROMPTS, max_new_tokens=20, seed=0)
+    assert any(any(s.lookup) and not all(s.lookup) for s in result.stats)  # mixed steps happened
+    assert policy.seen == [[0 if used else k for used, k in zip(s.lookup, s.draft_len)] for s in result.stats]
+
+
 def test_without_lookup_nothing_is_recorded(pair):
     result = SpeculativeDecoder(*pair, draft_len=2).generate(PROMPTS[:2], max_new_tokens=5, seed=0)
     assert all(s.lookup is None for s in result.stats)
@@ -313,7 +342,7 @@ def test_without_lookup_nothing_is_recorded(pair):
 def test_bad_decoder_arguments_get_clear_errors(pair):
     target, draft = pair
     sv = SVPolicy.__new__(SVPolicy)  # refused for its type: its settings do not matter
-    with pytest.raises(ValueError, match="only with the fixed length policy for now, not with SVPolicy"):
+    with pytest.raises(ValueError, match="FixedLength and its subclasses .AdaptiveLength., not with SVPolicy"):
         SpeculativeDecoder(target, draft, policy=sv, lookup=PromptLookup())
     assert SpeculativeDecoder(target, draft, policy=FixedLength(3), lookup=PromptLookup()).draft_len == 10
     with pytest.raises(ValueError, match="use verifier 'block', 'token' or 'greedy'"):

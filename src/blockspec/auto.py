@@ -15,7 +15,8 @@ alone on the other (docs/benchmarks.md).
    bfloat16 where supported, else float16; no quantization.
 2. ``latency_probe(target, draft, batch)``: the models' own step latency at this batch size (a short
    ``sv.latency.measure_profile``, cached per models, dtype, device and thread count), which
-   ``policy.AdaptiveLength`` turns into a draft length each step, 0 where speculation cannot pay.
+   ``policy.AdaptiveLength`` turns into a draft length each step; ``adaptive_policy`` is that policy, or None
+   where speculation cannot pay at all.
 """
 
 from __future__ import annotations
@@ -134,6 +135,15 @@ def _measure(repeats: int = 5) -> dict:
             times[name, n].append(time.perf_counter() - start)
     return {name: {str(n): round(1e3 * statistics.median(times[name, n][1:]), 3) for n in PROBE_TOKENS}
             for name in variants}
+
+
+def adaptive_policy(target, draft, batch: int, max_draft: int):
+    """The default length policy: ``policy.AdaptiveLength`` over ``latency_probe``, or None where even its prior
+    acceptance cannot pay for one drafted token on this machine (then decode with the target alone)."""
+    from .policy import AdaptiveLength
+
+    policy = AdaptiveLength(latency_probe(target, draft, batch), max_draft=max_draft)
+    return policy if policy.best_length(batch) > 0 else None
 
 
 def latency_probe(target, draft, batch: int, *, refresh: bool = False):

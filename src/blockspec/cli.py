@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from .bench.records import CONFIGS, KNOWN_CONFIGS
 from .models import DTYPES, QUANTS
 from .sv import cli as sv_cli
 
@@ -134,8 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--drafter", default="model", choices=DRAFTERS,
                      help="who proposes tokens: the draft model; prompt lookup (the tokens that followed the last "
                      "earlier occurrence of the context's last 1-3 tokens, no forward: pays when the answer repeats "
-                     "the prompt, as in code editing); or lookup where it matches and the model elsewhere. Lookup "
-                     "uses the fixed policy (default: %(default)s)")
+                     "the prompt, as in code editing); or lookup where it matches and the model elsewhere (its "
+                     "lengths set by --policy auto or fixed). Lookup proposals adapt their own length "
+                     "(default: %(default)s)")
     gen.add_argument("--draft-len", type=sv_cli.int_at_least(1), default=None,
                      help="tokens drafted per step, K, with --policy fixed (default: 4); the most a step drafts with "
                      "--policy auto (default: 8) or sv (default: 4)")
@@ -199,12 +201,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts", type=sv_cli.int_at_least(1), dest="prompts_per_dataset", help="prompts per dataset")
     bench.add_argument("--draft-lens", type=sv_cli.int_at_least(1), nargs="+", help="draft lengths K to compare")
     bench.add_argument("--temperatures", type=float, nargs="+", help="sampling temperatures (0 = greedy)")
-    bench.add_argument("--configs", nargs="+", choices=["target-only", "token", "block", "hf-assisted", "hf-lookup",
-                                                         "sv-draft", "sv-token", "sv-block"],
-                       help="configurations to run; sv-token / sv-block: Speculative Verification with the companion "
-                       "predictor (token / block rule), sv-draft: with the draft-only predictor (block rule), each "
-                       "drafting at most max(--draft-lens) tokens (default: the preset's; quick and paper: the "
-                       "first four)")
+    bench.add_argument("--configs", nargs="+", choices=KNOWN_CONFIGS, metavar="CONFIG",
+                       help="configurations to run, any of " + ", ".join(KNOWN_CONFIGS) + "; token, block and "
+                       "block-int8 (the draft quantized to int8) at each K; auto: what `generate` runs by default; "
+                       "lookup: prompt lookup alone; lookup+model: lookup, else auto's draft; hf-assisted / "
+                       "hf-lookup: transformers' assisted generation / prompt lookup; sv-token / sv-block: "
+                       "Speculative Verification with the companion predictor (token / block rule), sv-draft: with "
+                       "the draft-only predictor (block rule); auto, lookup+model and SV draft at most "
+                       "max(--draft-lens) tokens (default: the preset's; quick and paper: "
+                       + " ".join(CONFIGS) + ")")
     bench.add_argument("--batch-sizes", type=sv_cli.int_at_least(1), nargs="+",
                        help="prompts decoded together per run, e.g. 1 4 16 32 64 (default: the preset's; quick: 1)")
     bench.add_argument("--companion", help="SV companion: prefix:K (the target's first K layers) or a model sharing "
@@ -220,7 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="stop the batch-1 runs once the paired analytic block-vs-token gain is known to +- this "
                        "(paper: 0.01); batched runs go on")
     bench.add_argument("--seed", type=int, help="base seed: prompt i of a set uses seed + i in every configuration")
-    bench.add_argument("--dtype", choices=["bfloat16", "float16", "float32"])
+    bench.add_argument("--dtype", choices=["auto", *DTYPES],
+                       help="auto: what a probe measured fastest on this machine, as for generate (default: auto)")
+    bench.add_argument("--target-quant", choices=QUANTS,
+                       help="quantize the target (CPU); every configuration, target-only included, decodes it")
     bench.add_argument("--device", help="cpu, cuda, cuda:N or auto")
     bench.add_argument("--out", type=Path, help="output directory for records, report and plots")
     # default None, not False: only the flags given override the preset
@@ -332,7 +340,8 @@ def generate(config: GenerateConfig) -> int:
     if config.drafter != "model":
         if config.policy == "sv" or config.verifier == "none":
             raise ValueError(f"--drafter {config.drafter} needs --policy fixed or auto and a verifier other than none")
-        config = replace(config, policy="fixed")  # the lengths of lookup proposals adapt on their own
+        if config.drafter == "lookup":  # no draft model: the lengths of lookup proposals adapt on their own
+            config = replace(config, policy="fixed")
     if config.draft_len is None:  # the most a step drafts under auto; the length itself under fixed and sv
         config = replace(config, draft_len=8 if config.policy == "auto" else 4)
     config = _resolve_arithmetic(config, device)
@@ -350,7 +359,7 @@ def generate(config: GenerateConfig) -> int:
     elif config.policy == "auto" and draft is not None:
         policy = _adaptive_policy(config, target, draft)
         if policy is None:
-            draft, verifier = None, "none"
+            draft, verifier = None, verifier if config.drafter == "lookup+model" else "none"
     lookup = PromptLookup() if config.drafter != "model" else None
     decoder = SpeculativeDecoder(target, draft, verifier=verifier, draft_len=config.draft_len, policy=policy,
                                  companion=companion, lookup=lookup)
@@ -401,18 +410,19 @@ def _resolve_arithmetic(config: GenerateConfig, device) -> GenerateConfig:
 def _adaptive_policy(config: GenerateConfig, target, draft):
     """``policy.AdaptiveLength`` over this machine's measured step latency, or None (after saying so) where no
     draft length is expected to beat the target alone."""
-    from .auto import latency_probe
-    from .policy import AdaptiveLength
+    from .auto import adaptive_policy, latency_probe
 
     batch = len(config.prompts)
     _status("step latency of these models on this machine (measured on the first run, then cached)")
-    latency = latency_probe(target, draft, batch)
-    policy = AdaptiveLength(latency, max_draft=config.draft_len)
-    if policy.best_length(batch) == 0:
+    policy = adaptive_policy(target, draft, batch, config.draft_len)
+    if policy is None:
+        latency = latency_probe(target, draft, batch)  # cached by now
         step, wider = latency.target(batch, 1), latency.target(batch, 2)
         _status(f"speculation cannot pay here: a target step costs {1e3 * step:.0f} ms and verifying one drafted "
-                f"token {1e3 * wider:.0f} ms on this machine, so decoding with the target alone (--policy fixed "
-                "speculates anyway; --target-quant int8 makes verification cheaper)")
+                f"token {1e3 * wider:.0f} ms on this machine, so "
+                + ("drafting by prompt lookup alone" if config.drafter == "lookup+model" else
+                   "decoding with the target alone")
+                + " (--policy fixed speculates anyway; --target-quant int8 makes verification cheaper)")
         return None
     return policy
 
@@ -493,8 +503,9 @@ def run_bench(args) -> int:
     preset = runner.PRESETS[args.preset]
     overrides = {name: getattr(args, name) for name in (
         "target", "draft", "datasets", "prompts_per_dataset", "draft_lens", "temperatures", "configs",
-        "max_new_tokens", "time_budget", "precision", "seed", "dtype", "device", "out", "batch_sizes", "companion",
-        "sv_profile", "latency", "allow_download", "retry_failed", "chat") if getattr(args, name) is not None}
+        "max_new_tokens", "time_budget", "precision", "seed", "dtype", "target_quant", "device", "out", "batch_sizes",
+        "companion", "sv_profile", "latency", "allow_download", "retry_failed", "chat")
+        if getattr(args, name) is not None}
     for name in ("datasets", "draft_lens", "temperatures", "configs", "batch_sizes"):
         if name in overrides:
             overrides[name] = tuple(overrides[name])

@@ -109,7 +109,8 @@ class SpeculativeDecoder:
     draft's forward (its cache catches up on their tokens the next time they draft with it). A proposal's law is
     one-hot at its tokens, and the verifier is handed exactly that: ``draft_probs=None`` (which the verifiers read
     as one-hot) when no row of the step drafted with the model, else the model's rows with one-hot rows for the
-    lookup rows in the step's [B, K, V] tensor. Only the fixed length policy combines with lookup for now.
+    lookup rows in the step's [B, K, V] tensor. Lookup combines with ``FixedLength`` and ``AdaptiveLength``: the
+    policy sets the model rows' lengths and observes only them.
 
     Target, draft and companion must be distinct adapter objects (each keeps its own KV cache); one transformers
     model wrapped twice is fine. The target defines the vocabulary (its logits, cut to its tokenizer's length):
@@ -134,9 +135,10 @@ class SpeculativeDecoder:
             if verifier == "none":
                 raise ValueError("prompt lookup drafts tokens for verification: use verifier 'block', 'token' or "
                                  "'greedy' with it (verifier='none' decodes with the target alone)")
-            if policy is not None and type(policy) is not FixedLength:  # subclasses too: they may learn from drafts
-                raise ValueError(f"prompt lookup combines only with the fixed length policy for now, not with "
-                                 f"{type(policy).__name__}: an adaptive or SV policy models the draft model's drafts")
+            if policy is not None and not isinstance(policy, FixedLength):
+                raise ValueError(f"prompt lookup combines only with FixedLength and its subclasses (AdaptiveLength), "
+                                 f"not with {type(policy).__name__}: its per-position predictions model the draft "
+                                 "model's drafts")
         method = getattr(policy, "method", None)
         if method in ("token", "block") and verifier in ("token", "block") and method != verifier:
             raise ValueError(f"the length policy was built for the {method} rule but verifier={verifier!r}: its "
@@ -239,7 +241,9 @@ class SpeculativeDecoder:
                          randomness=randomness, validate=False)
             t3 = time.perf_counter()
 
-            self.policy.observe(active, draft_tokens, draft_probs, target_probs, num_draft, out.num_accepted)
+            # the policy learns from the model's drafts only: a lookup row's acceptance says nothing about them
+            model_rows = num_draft.masked_fill(looked_up.to(num_draft.device), 0)
+            self.policy.observe(active, draft_tokens, draft_probs, target_probs, model_rows, out.num_accepted)
             tau = out.num_accepted.cpu()
             if lookup is not None:  # a prompt's next proposal length follows what was accepted of this one
                 lookup.observe(active, num_draft.cpu().masked_fill(~looked_up, 0).tolist(), tau.tolist())

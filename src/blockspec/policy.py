@@ -105,7 +105,8 @@ class FixedLength:
         return num_draft
 
     def observe(self, rows, draft_tokens, draft_probs, target_probs, num_draft, accepted) -> None:
-        pass
+        """After verification: ``num_draft`` [B] counts the positions of each row that the draft model drafted and
+        the target verified (0 for a row whose draft was a prompt lookup proposal)."""
 
 
 class AdaptiveLength(FixedLength):

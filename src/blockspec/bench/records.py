@@ -35,11 +35,15 @@ log = logging.getLogger(__name__)
 SCHEMA = 3
 READABLE_SCHEMAS = (1, 2, 3)  # older schemas lack the fields added later: they load with their defaults
 OK, FAILED = "ok", "failed"  # Record.status
-CONFIGS = ("target-only", "token", "block", "hf-assisted")  # the default comparison (no profiles needed)
 HF_CONFIGS = ("hf-assisted", "hf-lookup")  # transformers' generate: batch 1, no per-step lists, no prefill time
 SV_CONFIGS = ("sv-draft", "sv-token", "sv-block")  # Speculative Verification: draft-only / companion predictor
-KNOWN_CONFIGS = CONFIGS + ("hf-lookup",) + SV_CONFIGS
-FIXED_CONFIGS = ("token", "block")  # fixed-K speculative decoding: one run per K
+FIXED_CONFIGS = ("token", "block", "block-int8")  # fixed-K speculative decoding: one run per K
+# blockspec's own defaults, each deciding its lengths: the length `generate` picks (AdaptiveLength over the draft
+# the machine's probe chose), prompt lookup alone, and lookup with that model draft where nothing matches
+ADAPTIVE_CONFIGS = ("auto", "lookup", "lookup+model")
+CONFIGS = ("target-only", "token", "block", "hf-assisted", "auto")  # the default comparison (no profiles needed)
+KNOWN_CONFIGS = ("target-only", "token", "block", "block-int8", "hf-assisted", "hf-lookup") + ADAPTIVE_CONFIGS \
+    + SV_CONFIGS
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,9 @@ class Record:
     dataset: str  # prompt set name, e.g. "gsm8k"
     prompt_id: str  # stable id of the prompt within its set, e.g. "gsm8k/0042" (a batch: its first prompt)
     config: str  # one of KNOWN_CONFIGS
-    draft_len: int  # K (0 for target-only and hf-lookup; hf-assisted: the assistant's own schedule; SV: the max)
+    # K (0 for target-only, lookup and hf-lookup; hf-assisted: the assistant's own schedule; SV, auto and
+    # lookup+model: the most the model drafts)
+    draft_len: int
     temperature: float
     batch_size: int
     seed: int  # row b of the batch uses seed + b

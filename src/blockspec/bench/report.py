@@ -66,6 +66,8 @@ ALL = "all"  # dataset label of the summary rows, pooled over every dataset
 # speed untrustworthy: on 2 shared cores, a quarter of a core taken away already shows in its tok/s.
 MAX_OTHERS_CORES = 0.25
 BASELINES = ("target-only", "hf-assisted")  # the configurations speedups are taken over
+# configurations only the batch table shows (it lists every configuration; the paper table compares token and block)
+BATCH_TABLE_ONLY = records_io.SV_CONFIGS + records_io.ADAPTIVE_CONFIGS + ("block-int8",)
 CONVENTION = (
     "BE = block efficiency = 1 + mean accepted draft tokens per target forward, pooled over all steps of all "
     "prompts of a configuration; gain = BE block / BE token - 1 with a {conf:.0f}% percentile bootstrap CI that "
@@ -77,12 +79,13 @@ BATCH_CONVENTION = (
     "Batch table, all datasets pooled: a unit is a batch of B consecutive prompts decoded in one generate call "
     "(a prompt at B = 1); tok/s = sum new tokens / sum decode time (wall time less prefill) over batches, except "
     "for hf-assisted and hf-lookup, whose prefill is not reported: their tok/s and x target-only use whole wall "
-    "times on both sides; x target-only and x best fixed K "
-    "are tok/s ratios on the batches both (all) configurations ran, the best fixed K (*) being the token or "
-    "block K with the highest tok/s, re-selected in every resample; rejected = 1 - accepted / verified drafted "
-    "tokens; verified (drafted) / emitted = verified (drafted) draft tokens per new token; BE = 1 + accepted per "
-    "row-step; {conf:.0f}% percentile bootstrap CIs over batches, stratified by dataset (given once every "
-    "dataset has 2 batches), {n_boot} resamples, seed {seed}"
+    "times on both sides; x transformers = whole wall tok/s over transformers' counterpart (hf-lookup for lookup "
+    "and lookup+model, hf-assisted for the others), prefill included on both sides; x target-only, x best fixed "
+    "K and x transformers are tok/s ratios on the batches both (all) configurations ran, the best fixed K (*) "
+    "being the token or block K with the highest tok/s, re-selected in every resample; rejected = 1 - accepted / "
+    "verified drafted tokens; verified (drafted) / emitted = verified (drafted) draft tokens per new token; BE = "
+    "1 + accepted per row-step; {conf:.0f}% percentile bootstrap CIs over batches, stratified by dataset (given "
+    "once every dataset has 2 batches), {n_boot} resamples, seed {seed}"
 )
 
 
@@ -170,6 +173,8 @@ class BatchRow:
     speedup_vs_target: Estimate | None  # None for target-only itself or when target-only is missing
     best_fixed: bool  # the token / block K with the highest tok/s at this (temperature, batch size)
     speedup_vs_best_fixed: Estimate | None  # for the SV configurations
+    # over transformers' counterpart (hf-lookup for lookup and lookup+model, else hf-assisted), whole wall times
+    speedup_vs_hf: Estimate | None
     rejected: Estimate | None  # 1 - accepted / verified (None when nothing was verified)
     verified_per_emitted: Estimate | None
     drafted_per_emitted: float | None  # None for records without the per-step drafted counts (schema 1)
@@ -480,7 +485,7 @@ def build_report(records: list[Record], config: ReportConfig = ReportConfig()) -
     left_out = _left_out(known)
     n_records, known = len(known), [r for r in known if r.ok]
     batch = tuple(_batch_rows(known, config)) if _unpaired(_cells(known)) or any(
-        r.batch_size > 1 or r.config in records_io.SV_CONFIGS for r in known) else ()
+        r.batch_size > 1 or r.config in BATCH_TABLE_ONLY for r in known) else ()
     paper = [r for r in known if r.batch_size == 1 and r.config not in records_io.SV_CONFIGS]
     datasets = tuple(sorted({r.dataset for r in paper}))
     groups = [(dataset, [r for r in paper if r.dataset == dataset]) for dataset in datasets]
@@ -559,8 +564,7 @@ def _strata(units: list) -> np.ndarray:
 def _batch_rows(records: list[Record], config: ReportConfig) -> list[BatchRow]:
     """The batch table: every configuration at every (temperature, batch size), pooled over datasets."""
     cells = {key: _by_unit(found) for key, found in _cells(records).items()}  # (config, T, K, B) -> unit -> record
-    order = {name: i for i, name in enumerate(("target-only", "token", "block", "hf-assisted", "hf-lookup", "sv-draft",
-                                                "sv-token", "sv-block"))}
+    order = {name: i for i, name in enumerate(records_io.KNOWN_CONFIGS)}
     rows = []
     for temperature, batch_size in sorted({(t, b) for (_, t, _, b) in cells}):
         here = {(c, k): cell for (c, t, k, b), cell in cells.items() if (t, b) == (temperature, batch_size)}
@@ -587,6 +591,9 @@ def _batch_rows(records: list[Record], config: ReportConfig) -> list[BatchRow]:
                 best_fixed=(name, k) == best,
                 speedup_vs_best_fixed=(_paired_speedup(cell, list(fixed.values()), config)
                                        if name in records_io.SV_CONFIGS else None),
+                speedup_vs_hf=(None if name in ("target-only", *records_io.HF_CONFIGS) else _paired_speedup(
+                    cell, [here.get(("hf-lookup" if name.startswith("lookup") else "hf-assisted", 0), {})], config,
+                    decode=False)),
                 rejected=_estimate(lambda s: 1 - s["accepted"] / s["verified"], columns, units, config,
                                    when=steps and columns["verified"].sum() > 0),
                 verified_per_emitted=_estimate(lambda s: s["verified"] / s["new"], columns, units, config, when=steps),
@@ -688,6 +695,7 @@ def _markdown(header: tuple[str, ...], body: list[list[str]]) -> str:
 
 BATCH_HEADER = (
     "T", "B", "config", "K", "batches", "tok/s (CI)", "x target-only (CI)", "x best fixed K (CI)",
+    "x transformers (CI)",
     "rejected / verified (CI)", "verified / emitted (CI)", "drafted / emitted", "BE",
 )
 
@@ -697,7 +705,7 @@ def _batch_cells(row: BatchRow) -> list[str]:
         f"{row.temperature:g}", str(row.batch_size), row.config + (" *" if row.best_fixed else ""), str(row.draft_len),
         str(row.batches), _interval(row.tokens_per_s, ".2f"),
         "1.000x" if row.config == "target-only" else _times(row.speedup_vs_target),
-        "1.000x" if row.best_fixed else _times(row.speedup_vs_best_fixed),
+        "1.000x" if row.best_fixed else _times(row.speedup_vs_best_fixed), _times(row.speedup_vs_hf),
         _percent(row.rejected).replace("+", ""), _interval(row.verified_per_emitted),
         _num(row.drafted_per_emitted), _num(row.block_efficiency),
     ]
@@ -893,7 +901,8 @@ def plot_batch(report: Report, path: Path) -> Path:
     temperatures = sorted({row.temperature for row in report.batch})
     figure, axes = new_figure(len(temperatures), "tokens/s vs batch size (all datasets pooled)")
     style = {"target-only": ("o-", "black"), "hf-assisted": ("x", "grey"), "hf-lookup": ("+", "grey"),
-             "sv-draft": ("D-", "C3"), "sv-token": ("^-", "C4"), "sv-block": ("v-", "C5")}
+             "sv-draft": ("D-", "C3"), "sv-token": ("^-", "C4"), "sv-block": ("v-", "C5"), "auto": ("*-", "C7"),
+             "lookup": ("P-", "darkgreen"), "lookup+model": ("X-", "darkred")}
     for ax, temperature in zip(axes, temperatures):
         rows = [r for r in report.batch if r.temperature == temperature]
         ks = sorted({r.draft_len for r in rows if r.config in records_io.FIXED_CONFIGS})
@@ -903,10 +912,11 @@ def plot_batch(report: Report, path: Path) -> Path:
             if not line:
                 continue
             if name in records_io.FIXED_CONFIGS:  # one colour per K; token dashed, block solid
-                fmt, color = ("o--" if name == "token" else "s-"), FIXED_COLORS[ks.index(k) % len(FIXED_COLORS)]
+                fmt = {"token": "o--", "block": "s-", "block-int8": "s:"}[name]
+                color = FIXED_COLORS[ks.index(k) % len(FIXED_COLORS)]
                 label = f"{name} K={k}"
             else:
-                (fmt, color), label = style[name], name + (f" (K<={k})" if name in records_io.SV_CONFIGS else "")
+                (fmt, color), label = style[name], name + (f" (K<={k})" if k else "")
             xs, ys = zip(*line)
             ax.plot(xs, ys, fmt, color=color, label=label, lw=2 if name in records_io.SV_CONFIGS else 1)
         sizes = sorted({r.batch_size for r in rows})

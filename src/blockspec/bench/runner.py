@@ -30,11 +30,19 @@ Configurations: target-only; token and block at each K of ``draft_lens`` (fixed-
 transformers' own speculative decoding, each timed as one ``generate`` call: hf-assisted (the draft model, with
 transformers' default assistant schedule) and hf-lookup (prompt lookup decoding, no draft model: up to 10 drafted
 tokens copied from the context after a match of its last 2 tokens, ``LOOKUP``, stored in the meta of every hf-lookup
-record); and Speculative Verification, once per batch with at most max(draft_lens) drafted tokens:
+record); block-int8 (block at each K with the draft quantized to int8, ``models.quant``); blockspec's defaults,
+which set their own lengths: auto (what ``blockspec generate`` runs: ``auto.adaptive_policy`` over the draft the
+machine's probe chose, at most max(draft_lens) drafted tokens, or the target alone where speculation cannot pay),
+lookup (``PromptLookup`` proposals, no draft model) and lookup+model (lookup where the context matches, auto's
+draft elsewhere); and Speculative Verification, once per batch with at most max(draft_lens) drafted tokens:
 sv-token / sv-block (SVPolicy with the companion predictor, token / block rule) and sv-draft (SVPolicy with the
 draft-only predictor, block rule, no companion forward). SV needs a calibration profile per temperature and a
 latency profile (``blockspec sv calibrate`` / ``blockspec sv profile``); by default they are read from where
 those commands save them for these models, sampling, dtype and device.
+
+``dtype="auto"`` (the default) is what ``auto.choose_arithmetic`` measured fastest on this machine; each record's
+meta holds the dtype used and the draft's quantization. ``target_quant="int8"`` benchmarks a quantized target
+(every configuration, target-only included, decodes that same target).
 """
 
 from __future__ import annotations
@@ -66,7 +74,8 @@ LOOKUP = {"prompt_lookup_num_tokens": 10, "max_matching_ngram_size": 2}
 class BenchConfig:
     target: str = "qwen2.5-coder-1.5b"
     draft: str = "qwen2.5-coder-0.5b"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # or a dtype name; auto: what auto.choose_arithmetic measured fastest here
+    target_quant: str | None = None  # "int8": every configuration decodes the quantized target (models.quant)
     device: str = "cpu"
     datasets: tuple[str, ...] = ("gsm8k", "humaneval", "sharegpt")
     prompts_per_dataset: int = 2
@@ -146,13 +155,25 @@ class Run:
         return (self.dataset, self.prompt_id, self.config, self.draft_len, self.temperature, self.batch_size)
 
 
+AUTO_DRAFT = ("auto", "lookup+model")  # draft with the model auto.choose_arithmetic picked (int8 or not)
+NO_DRAFT = ("target-only", "lookup", "hf-lookup")
+
+
 def draft_lens_of(config: BenchConfig, name: str) -> tuple[int, ...]:
-    """The K values a configuration runs at: every K for fixed-K SD, the largest for SV, none (0) otherwise."""
+    """The K values a configuration runs at: every K for fixed-K SD, the largest for SV and the model-drafting
+    defaults (their most), none (0) otherwise."""
     if name in rec.FIXED_CONFIGS:
         return config.draft_lens
-    if name in rec.SV_CONFIGS:
+    if name in rec.SV_CONFIGS or name in AUTO_DRAFT:
         return (max(config.draft_lens),)
     return (0,)
+
+
+def draft_quant_of(name: str, arithmetic) -> str | None:
+    """How the draft of configuration ``name`` is quantized, given the machine's ``auto.Arithmetic``."""
+    if name == "block-int8":
+        return "int8"
+    return arithmetic.draft_quant if name in AUTO_DRAFT else None
 
 
 def plan(config: BenchConfig, prompts: dict[str, list[tuple[str, list[int]]]]) -> list[Run]:
@@ -250,8 +271,9 @@ def gain_is_known(records_file: Path, precision: float) -> bool:
 
 def run(config: BenchConfig, *, progress: bool = True) -> Path:
     """Run (or resume) the plan of ``config``; returns the records file."""
+    from ..auto import choose_arithmetic
     from ..chat import encode_prompt
-    from ..models.hf import load_model
+    from ..models.hf import load_model, resolve_device
     from . import datasets
 
     existing = prepare_out(config)
@@ -260,9 +282,16 @@ def run(config: BenchConfig, *, progress: bool = True) -> Path:
     failed = rec.still_failed(existing)
     if failed and not config.retry_failed:
         log.warning("%d runs failed before and are not retried (retry_failed reruns them)", len(failed))
-    target = load_model(config.target, dtype=config.dtype, device=config.device,
+    arithmetic = None
+    if config.dtype == "auto" or set(config.configs) & set(AUTO_DRAFT):
+        arithmetic = choose_arithmetic(resolve_device(config.device))
+        log.info("arithmetic: %s", arithmetic.reason)
+    dtype = arithmetic.dtype if config.dtype == "auto" else config.dtype
+    target = load_model(config.target, dtype=dtype, device=config.device, quant=config.target_quant,
                         allow_download=config.allow_download)
-    draft = load_model(config.draft, dtype=config.dtype, device=config.device, allow_download=config.allow_download)
+    drafts = {quant: load_model(config.draft, dtype=dtype, device=config.device, quant=quant,
+                                allow_download=config.allow_download)
+              for quant in {draft_quant_of(name, arithmetic) for name in config.configs if name not in NO_DRAFT}}
     prompts = {
         name: [(p.id, encode_prompt(target.tokenizer, p.text, chat=config.chat))
                for p in datasets.load(name, n=config.prompts_per_dataset, seed=config.seed)]
@@ -273,7 +302,7 @@ def run(config: BenchConfig, *, progress: bool = True) -> Path:
     if not todo:
         return records_file
 
-    executor = Executor(target, draft, config)
+    executor = Executor(target, drafts, config, dtype, arithmetic)
     start, executed, skipped, precise = time.perf_counter(), 0, 0, False
     bar = _progress(len(todo), progress)
     for n, item in enumerate(todo):
@@ -305,14 +334,16 @@ def run(config: BenchConfig, *, progress: bool = True) -> Path:
 
 
 class Executor:
-    """Runs one planned generation and turns it into a Record; warms each variant up before its first run."""
+    """Runs one planned generation and turns it into a Record; warms each variant up before its first run.
+    ``drafts`` maps each draft quantization the configurations use (None: unquantized) to its loaded model."""
 
-    def __init__(self, target, draft, config: BenchConfig):
-        self.target, self.draft, self.config = target, draft, config
+    def __init__(self, target, drafts: dict, config: BenchConfig, dtype: str, arithmetic=None):
+        self.target, self.drafts, self.config, self.arithmetic = target, drafts, config, arithmetic
         self.warm: set[tuple] = set()
-        self.sv = _SVSetup(target, config) if set(config.configs) & set(rec.SV_CONFIGS) else None
+        self.sv = _SVSetup(target, config, dtype) if set(config.configs) & set(rec.SV_CONFIGS) else None
         self.meta = {
-            "target": config.target, "draft": config.draft, "dtype": config.dtype, "device": config.device,
+            "target": config.target, "draft": config.draft, "dtype": dtype, "target_quant": config.target_quant,
+            "device": config.device,
             **machine.facts(), "machine": platform.platform(), "processor": platform.processor(),
             "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
                          "transformers": __import__("transformers").__version__},
@@ -346,6 +377,8 @@ class Executor:
             meta.update(self.sv.meta(item))
         if item.config == "hf-lookup":
             meta["prompt_lookup"] = dict(LOOKUP)
+        if item.config not in NO_DRAFT:
+            meta["draft_quant"] = draft_quant_of(item.config, self.arithmetic)
         return rec.Record(
             dataset=item.dataset, prompt_id=item.prompt_id, config=item.config, draft_len=item.draft_len,
             temperature=item.temperature, batch_size=item.batch_size, seed=item.seed,
@@ -353,14 +386,25 @@ class Executor:
         )
 
     def _decoder(self, item: Run):
+        from ..auto import adaptive_policy
         from ..engine import SpeculativeDecoder
+        from ..lookup import PromptLookup
 
+        draft = None if item.config in NO_DRAFT else self.drafts[draft_quant_of(item.config, self.arithmetic)]
         if item.config == "target-only":
             return SpeculativeDecoder(self.target, verifier="none")
         if item.config in rec.FIXED_CONFIGS:
-            return SpeculativeDecoder(self.target, self.draft, verifier=item.config, draft_len=item.draft_len)
+            return SpeculativeDecoder(self.target, draft, verifier=item.config.removesuffix("-int8"),
+                                      draft_len=item.draft_len)
+        if item.config in rec.ADAPTIVE_CONFIGS:  # as `blockspec generate` decides, with a fresh policy per run
+            policy = adaptive_policy(self.target, draft, item.batch_size, item.draft_len) if draft is not None else None
+            lookup = PromptLookup() if item.config != "auto" else None
+            if policy is None and lookup is None:  # speculation cannot pay here: the target alone
+                return SpeculativeDecoder(self.target, verifier="none")
+            draft = draft if policy is not None else None  # lookup alone where the model's drafts cannot pay
+            return SpeculativeDecoder(self.target, draft, verifier="block", policy=policy, lookup=lookup)
         policy, companion, method = self.sv.policy(item)  # a fresh policy: no history across runs
-        return SpeculativeDecoder(self.target, self.draft, verifier=method, draft_len=item.draft_len, policy=policy,
+        return SpeculativeDecoder(self.target, draft, verifier=method, draft_len=item.draft_len, policy=policy,
                                   companion=companion)
 
     def _generate(self, item: Run, max_new_tokens: int) -> dict:
@@ -368,7 +412,8 @@ class Executor:
 
         sampling = SamplingParams(temperature=item.temperature)
         if item.config == "hf-assisted":
-            return run_assisted(self.target, self.draft, list(item.prompts[0]), sampling, max_new_tokens, item.seed)
+            return run_assisted(self.target, self.drafts[None], list(item.prompts[0]), sampling, max_new_tokens,
+                                item.seed)
         if item.config == "hf-lookup":
             return run_lookup(self.target, list(item.prompts[0]), sampling, max_new_tokens, item.seed)
         decoder = self._decoder(item)
@@ -391,7 +436,7 @@ class _SVSetup:
 
     SPEC = {"sv-token": ("token", "companion"), "sv-block": ("block", "companion"), "sv-draft": ("block", "draft")}
 
-    def __init__(self, target, config: BenchConfig):
+    def __init__(self, target, config: BenchConfig, dtype: str):
         from ..models.companion import load_companion
         from ..sampling import SamplingParams
         from ..sv import cli as sv_cli
@@ -407,11 +452,11 @@ class _SVSetup:
             profile.check(target=config.target, draft=config.draft, companion=config.companion, sampling=sampling)
             self.profiles[temperature], self.paths[temperature] = profile, str(path)
         path = sv_cli.require_file(config.latency or sv_cli.latency_path(
-            config.target, config.draft, config.companion, config.dtype, str(target.device)), "sv profile")
+            config.target, config.draft, config.companion, dtype, str(target.device)), "sv profile")
         self.latency, self.latency_path = LatencyProfile.load(path), str(path)
-        self.latency.check(config.target, config.draft, config.companion, config.dtype, target.device)
+        self.latency.check(config.target, config.draft, config.companion, dtype, target.device)
         needs_companion = bool({"sv-token", "sv-block"} & set(config.configs))
-        self.companion = load_companion(config.companion, target, dtype=config.dtype, device=config.device,
+        self.companion = load_companion(config.companion, target, dtype=dtype, device=config.device,
                                         allow_download=config.allow_download) \
             if needs_companion else None
 

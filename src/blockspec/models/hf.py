@@ -11,20 +11,24 @@ longer than the prefill budget is prefilled in chunks, each attending to the one
 
 With that explicit mask, transformers' sdpa attention repeats each key/value head of a grouped-query model for
 its query heads whenever more than one token is scored: a copy of the whole cache in every layer of every
-verification forward. HFModel switches sdpa models to ``grouped_sdpa`` below, which attends in place instead.
+verification forward. During its own forwards HFModel switches sdpa models to ``grouped_sdpa`` below, which
+attends in place instead; between them the caller's model is as the caller left it (its own ``generate`` runs
+transformers' kernels). Attention the explicit mask cannot express (flash kernels, short sliding windows) is refused.
 
 This module and ``presets`` are the only ones that import transformers; nothing imports this module eagerly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -39,8 +43,10 @@ PREFILL_TOKENS = 2048  # padded tokens per prefill forward: enough for efficient
 
 
 class HFModel:
-    """Wraps an already-loaded transformers ``PreTrainedModel`` (and optionally its tokenizer). A model using sdpa
-    attention is switched to ``grouped_sdpa``, which computes the same attention without copying the cache.
+    """Wraps an already-loaded transformers ``PreTrainedModel`` (and optionally its tokenizer), without changing it:
+    only for the duration of HFModel's own forwards is the model in eval mode and, if it uses sdpa attention, on
+    ``grouped_sdpa``, which computes the same attention without copying the cache. Raises ValueError for a model
+    whose attention the slot mask cannot express (``_unsupported_attention``).
 
     ``on_prefill(done, total)``, if set, is called after each prefill forward with the prompt tokens prefilled so
     far and the total: a long prompt on a slow CPU takes minutes, and a caller can show that it advances.
@@ -48,17 +54,21 @@ class HFModel:
 
     def __init__(self, model, tokenizer=None, *, name: str | None = None,
                  on_prefill: Callable[[int, int], None] | None = None):
-        self.model = model.eval()
+        self.model = model
         self.tokenizer = tokenizer
         self.name = name or getattr(model, "name_or_path", None) or type(model).__name__
         head = model.get_output_embeddings()  # an int8 (quantized) head has out_features but no weight tensor
         self.vocab_size = int(getattr(head, "out_features", None) or head.weight.shape[0])
         config = model.config.get_text_config(decoder=True)
-        if model.config._attn_implementation == "sdpa":
-            model.set_attn_implementation(GROUPED_SDPA)
-        windowed = sorted({t for t in getattr(config, "layer_types", None) or () if t != "full_attention"})
-        if windowed:  # the explicit slot mask below would silently give these layers full attention
-            raise ValueError(f"{type(model).__name__}: attention layers of type {windowed} are not supported yet")
+        reason = _unsupported_attention(config)
+        if reason:
+            raise ValueError(f"{self.name}: {reason}")
+        # What `_own_settings` switches per forward, listed once: every module, and every config a module reads its
+        # attention implementation from (a target-prefix companion's layers read the target's); no config for a
+        # model whose attention does not dispatch on it, where set_attn_implementation would switch none either.
+        self._modules = tuple(model.modules())
+        configs = {id(c): c for m in self._modules if isinstance(c := getattr(m, "config", None), PreTrainedConfig)}
+        self._configs = tuple(configs.values()) if model._can_set_attn_implementation() else ()
         self.max_length = getattr(config, "max_position_embeddings", None)
         self.num_layers = int(config.num_hidden_layers)
         self.eos_token_ids = _eos_ids(model, tokenizer)
@@ -146,14 +156,33 @@ class HFModel:
               logits_to_keep: int) -> torch.Tensor:
         """The model's forward of ``tokens`` [B, S] at ``positions``, appended to ``layers``; ``slot_pos`` [B, T+S]
         covers the cached slots and the new ones."""
-        return self.model(
-            input_ids=tokens,
-            attention_mask=_slot_mask(slot_pos, tokens.shape[1], self.dtype),
-            position_ids=positions.clamp(min=0),  # a hole's position is irrelevant: nobody attends to it
-            past_key_values=Cache(layers=layers),
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-        ).logits
+        with self._own_settings():
+            return self.model(
+                input_ids=tokens,
+                attention_mask=_slot_mask(slot_pos, tokens.shape[1], self.dtype),
+                position_ids=positions.clamp(min=0),  # a hole's position is irrelevant: nobody attends to it
+                past_key_values=Cache(layers=layers),
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+            ).logits
+
+    @contextlib.contextmanager
+    def _own_settings(self) -> Iterator[None]:
+        """Eval mode, and ``grouped_sdpa`` for configs on sdpa, while the block runs; then (also after an error) the
+        caller's flags and implementations are back. Flags are set one by one, so a mix of train and eval returns."""
+        training = [module for module in self._modules if module.training]
+        sdpa = [config for config in self._configs if config._attn_implementation == "sdpa"]
+        for module in training:
+            module.training = False
+        for config in sdpa:  # the attribute set_attn_implementation writes, minus checks a model on sdpa passes
+            config._attn_implementation_internal = GROUPED_SDPA
+        try:
+            yield
+        finally:
+            for module in training:
+                module.training = True
+            for config in sdpa:
+                config._attn_implementation_internal = "sdpa"
 
     def _make_room(self, new: int) -> None:
         """Compact when holes are at least half the slots or the buffers are full; grow only if still needed."""
@@ -203,6 +232,35 @@ def _register_grouped_sdpa() -> None:
 
 
 _register_grouped_sdpa()
+
+# The attention implementations known to apply the explicit 4D slot mask: in transformers 5.23 eager and sdpa add it
+# to the scores. Flash kernels (flash_attention_2/3/4, hub kernels such as kernels-community/flash-attn2) read a 2D
+# padding mask instead; paged|eager needs continuous batching's cache; flex_attention adds a 4D mask in a score_mod,
+# but its compiled CPU kernel aborted the process on the slot mask (torch 2.13).
+MASKED_ATTENTION = ("eager", "sdpa", GROUPED_SDPA)
+
+
+def _unsupported_attention(config) -> str | None:
+    """Why the slot mask cannot give the decoder of text config ``config`` its attention, or None if it can."""
+    implementation = config._attn_implementation
+    if implementation not in MASKED_ATTENTION:
+        return (f"attention implementation {implementation!r} is not supported: the slot cache needs one known to "
+                f"apply an explicit 4D attention mask ({', '.join(MASKED_ATTENTION)}); load the model with "
+                "attn_implementation='sdpa'")
+    layer_types = getattr(config, "layer_types", None)
+    other = sorted({t for t in layer_types or () if t not in ("full_attention", "sliding_attention")})
+    if other:
+        return f"attention layers of type {other} are not supported: the slot cache holds full and sliding attention"
+    # A window counts where the config switches it on (Qwen2 configs carry one with use_sliding_window=False), on
+    # layers that slide (every layer of a config without layer types), and only if a row can outgrow it.
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    reach = getattr(config, "max_position_embeddings", None)
+    slides = layer_types is None or "sliding_attention" in layer_types
+    if window is not None and slides and (reach is None or window < reach):
+        limit = "the model's unstated context" if reach is None else f"the context of {reach}"
+        return (f"sliding_attention over a window of {window} tokens, shorter than {limit}, is not supported: the "
+                "slot mask would silently give it full attention")
+    return None
 
 
 def _slot_mask(slot_pos: torch.Tensor, new: int, dtype: torch.dtype) -> torch.Tensor:

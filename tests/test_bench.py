@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -89,6 +90,9 @@ def test_bench_command_prints_the_report_and_writes_plots(tiny_config, tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["records"] == 5 and "summary" in summary
+    # stderr is no terminal here: one line per finished run instead of a progress bar
+    runs = re.findall(r"bench run (\d+)/5: lm1b/\S+ (\S+) K=\d+ T=1 B=1: \d+ tokens in [\d.]+ s", out.stderr)
+    assert [int(n) for n, _ in runs] == [1, 2, 3, 4, 5] and "bench runs:" not in out.stderr
     assert "1 + mean accepted" in out.stdout
     for name in ("records.jsonl", "report.md", "block_efficiency_vs_k.png", "speedup_vs_k.png", "accepted_hist.png"):
         assert (tmp_path / name).stat().st_size > 0

@@ -35,6 +35,8 @@ def test_help_is_instant_and_shows_examples():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "blockspec generate" in out and out.strip().endswith("False")
     assert "--draft-len" in run("generate", "--help").stdout
+    module = subprocess.run([sys.executable, "-m", "blockspec", "env", "--json"], capture_output=True, text=True)
+    assert module.returncode == 0 and json.loads(module.stdout)["torch_threads"] >= 1  # python -m blockspec works
 
 
 def test_generate_defaults_come_from_one_place():

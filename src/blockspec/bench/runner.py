@@ -304,7 +304,7 @@ def run(config: BenchConfig, *, progress: bool = True) -> Path:
 
     executor = Executor(target, drafts, config, dtype, arithmetic)
     start, executed, skipped, precise = time.perf_counter(), 0, 0, False
-    bar = _progress(len(todo), progress)
+    bar = _Progress(len(todo), progress)
     for n, item in enumerate(todo):
         # Budget checked before each run; the first always goes, so every resumed call makes progress.
         if config.time_budget is not None and executed and time.perf_counter() - start > config.time_budget:
@@ -328,7 +328,7 @@ def run(config: BenchConfig, *, progress: bool = True) -> Path:
             record = executor.failed(item, error)
         rec.append(records_file, record)
         executed += 1
-        bar.update(1)
+        bar.update(1, record)
     bar.close()
     return records_file
 
@@ -503,7 +503,25 @@ def _hf_generate(target, prompt: list[int], sampling, max_new_tokens: int, seed:
             "finish_reason": reason, "finish_reasons": [reason]}
 
 
-def _progress(total: int, enabled: bool):
-    from tqdm.auto import tqdm
+class _Progress:
+    """Progress on stderr: a bar in a terminal; elsewhere (a log file) one line per finished run."""
 
-    return tqdm(total=total, desc="bench runs", unit="run", disable=not enabled, file=sys.stderr)
+    def __init__(self, total: int, enabled: bool):
+        from tqdm.auto import tqdm
+
+        self.total, self.done = total, 0
+        self.lines = enabled and not sys.stderr.isatty()
+        self.bar = tqdm(total=total, desc="bench runs", unit="run", disable=not enabled or self.lines,
+                        file=sys.stderr)
+
+    def update(self, n: int, record: rec.Record | None = None) -> None:
+        self.done += n
+        self.bar.update(n)
+        if self.lines and record is not None:
+            outcome = (f"{record.new_tokens} tokens in {record.wall_time:.1f} s" if record.ok
+                       else f"failed: {record.error}")
+            print(f"bench run {self.done}/{self.total}: {record.prompt_id} {record.config} K={record.draft_len} "
+                  f"T={record.temperature:g} B={record.batch_size}: {outcome}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        self.bar.close()

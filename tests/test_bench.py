@@ -13,7 +13,7 @@ import pytest
 from blockspec import auto, machine
 from blockspec.bench import records as rec
 from blockspec.bench import runner
-from test_auto import CHEAP_VERIFICATION, profile
+from test_auto import CHEAP_VERIFICATION, LINEAR_VERIFICATION, profile
 from tiny import save_tiny
 
 
@@ -195,7 +195,7 @@ def test_the_int8_draft_and_blockspecs_defaults_run_beside_transformers(tiny_con
 
 def test_where_speculation_cannot_pay_auto_decodes_alone_and_lookup_model_looks_up_alone(tiny_config, tmp_path,
                                                                                          monkeypatch):
-    monkeypatch.setattr(auto, "adaptive_policy", lambda target, draft, batch, max_draft: None)
+    monkeypatch.setattr(auto, "latency_probe", lambda target, draft, batch: profile(LINEAR_VERIFICATION, draft_ms=2))
     config = replace(tiny_config, out=tmp_path, configs=("auto", "lookup+model"), temperatures=(0.0,))
     records = list(rec.read(runner.run(config, progress=False)))
     assert len(records) == 4 and all(r.ok for r in records)

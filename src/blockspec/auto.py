@@ -137,12 +137,13 @@ def _measure(repeats: int = 5) -> dict:
             for name in variants}
 
 
-def adaptive_policy(target, draft, batch: int, max_draft: int):
-    """The default length policy: ``policy.AdaptiveLength`` over ``latency_probe``, or None where even its prior
-    acceptance cannot pay for one drafted token on this machine (then decode with the target alone)."""
+def adaptive_policy(latency, batch: int, max_draft: int):
+    """The default length policy: ``policy.AdaptiveLength`` over ``latency`` (``latency_probe``'s), or None where
+    even its prior acceptance cannot pay for one drafted token on this machine (then decode with the target
+    alone)."""
     from .policy import AdaptiveLength
 
-    policy = AdaptiveLength(latency_probe(target, draft, batch), max_draft=max_draft)
+    policy = AdaptiveLength(latency, max_draft=max_draft)
     return policy if policy.best_length(batch) > 0 else None
 
 

@@ -280,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="new tokens per prompt (default: %(default)s)")
     align.add_argument("--seed", type=int, default=align_defaults.seed,
                        help="base seed: prompt n of a set uses seed + n at every T_d (default: %(default)s)")
-    align.add_argument("--dtype", default=align_defaults.dtype, choices=["bfloat16", "float16", "float32"],
+    align.add_argument("--dtype", default=align_defaults.dtype, choices=DTYPES,
                        help="(default: %(default)s)")
     align.add_argument("--device", default=align_defaults.device,
                        help="cpu, cuda, cuda:N or auto (default: %(default)s)")
@@ -414,9 +414,9 @@ def _adaptive_policy(config: GenerateConfig, target, draft):
 
     batch = len(config.prompts)
     _status("step latency of these models on this machine (measured on the first run, then cached)")
-    policy = adaptive_policy(target, draft, batch, config.draft_len)
+    latency = latency_probe(target, draft, batch)
+    policy = adaptive_policy(latency, batch, config.draft_len)
     if policy is None:
-        latency = latency_probe(target, draft, batch)  # cached by now
         step, wider = latency.target(batch, 1), latency.target(batch, 2)
         _status(f"speculation cannot pay here: a target step costs {1e3 * step:.0f} ms and verifying one drafted "
                 f"token {1e3 * wider:.0f} ms on this machine, so "

@@ -386,7 +386,7 @@ class Executor:
         )
 
     def _decoder(self, item: Run):
-        from ..auto import adaptive_policy
+        from ..auto import adaptive_policy, latency_probe
         from ..engine import SpeculativeDecoder
         from ..lookup import PromptLookup
 
@@ -397,7 +397,8 @@ class Executor:
             return SpeculativeDecoder(self.target, draft, verifier=item.config.removesuffix("-int8"),
                                       draft_len=item.draft_len)
         if item.config in rec.ADAPTIVE_CONFIGS:  # as `blockspec generate` decides, with a fresh policy per run
-            policy = adaptive_policy(self.target, draft, item.batch_size, item.draft_len) if draft is not None else None
+            policy = None if draft is None else adaptive_policy(
+                latency_probe(self.target, draft, item.batch_size), item.batch_size, item.draft_len)
             lookup = PromptLookup() if item.config != "auto" else None
             if policy is None and lookup is None:  # speculation cannot pay here: the target alone
                 return SpeculativeDecoder(self.target, verifier="none")

@@ -128,7 +128,7 @@ def measure_profile(
             for _ in range(1 + repeats):  # the first round warms up (allocation, kernel selection) and is not kept
                 for (name, n), step in cells.items():
                     times[name, n].append(step_seconds(models[name][0], step.to(models[name][0].device),
-                                                        last_only=name == "draft"))
+                                                       last_only=name == "draft"))
                     bar.update()
             for name, (_, grid) in models.items():
                 # finer than microseconds is timer noise

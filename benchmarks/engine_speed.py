@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from blockspec import SamplingParams, SpeculativeDecoder
-    from blockspec.chat import encode_prompt
+    from blockspec.models.chat import encode_prompt
     from blockspec import machine
     from blockspec.auto import latency_probe
     from blockspec.models.hf import load_model

@@ -38,7 +38,7 @@ def main() -> None:
 
     from blockspec import machine
     from blockspec.models.hf import load_model
-    from blockspec.sv.latency import step_seconds
+    from blockspec.auto import step_seconds
 
     models = {}
     for variant in args.variants:

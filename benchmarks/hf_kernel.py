@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from blockspec import SamplingParams, machine
     from blockspec.bench.runner import _hf_generate
-    from blockspec.chat import encode_prompt
+    from blockspec.models.chat import encode_prompt
     from blockspec.models.hf import GROUPED_SDPA, load_model
 
     target, draft = load_model(args.target, dtype=args.dtype), load_model(args.draft, dtype=args.dtype)

@@ -90,7 +90,7 @@ def forwards(model, attentions: dict[str, str], args) -> list[dict]:
 
 def prefill(model, args) -> dict:
     from blockspec.bench import datasets
-    from blockspec.chat import encode_prompt
+    from blockspec.models.chat import encode_prompt
 
     prompts = [encode_prompt(model.tokenizer, p.text) for p in datasets.load(args.dataset, args.prefill_batch)]
     lengths = [len(p) for p in prompts]

@@ -48,13 +48,13 @@ def main() -> None:
     args = parser.parse_args()
 
     from blockspec.bench import datasets
-    from blockspec.chat import encode_prompt
+    from blockspec.models.chat import encode_prompt
     from blockspec.engine import SpeculativeDecoder
     from blockspec.models.hf import load_model
     from blockspec.policy import SVPolicy
     from blockspec.sampling import SamplingParams
-    from blockspec.sv.latency import LatencyProfile
-    from blockspec.sv.predictor import Profile
+    from blockspec.policy.latency import LatencyProfile
+    from blockspec.policy.predictor import Profile
 
     target = load_model(args.target, dtype=args.dtype, progress=False)
     draft = load_model(args.draft, dtype=args.dtype, progress=False)
@@ -65,7 +65,7 @@ def main() -> None:
                  for k in args.draft_lens}
     if args.sv_profile and profile:
         policy = SVPolicy(Profile.load(args.sv_profile), profile, method="block", max_draft=max(args.draft_lens),
-                          kind="draft")  # its history and calibration offsets carry over from run to run
+                          kind="draft", carry_over=True)  # history and offsets carry over from run to run
         decoders["SV draft"] = SpeculativeDecoder(target, draft, verifier="block", draft_len=max(args.draft_lens),
                                                   policy=policy)
     prompts = [encode_prompt(target.tokenizer, p.text) for p in datasets.load(args.dataset, max(args.batch_sizes))]

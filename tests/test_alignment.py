@@ -10,7 +10,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from blockspec import SamplingParams, SpeculativeDecoder, cli
+from blockspec import SamplingParams, SpeculativeDecoder
+from blockspec.cli import commands as cli
+from blockspec import defaults as blockspec_defaults
 from blockspec.bench import alignment
 from blockspec.bench.alignment import ALL, AlignConfig, AlignRecord, build_report, format_table, summary
 from blockspec.bench.report import ReportConfig
@@ -197,7 +199,8 @@ def test_align_help_explains_the_measurement_and_defaults_come_from_the_config()
     parser = cli.build_parser()
     args = parser.parse_args(["align"])
     defaults = AlignConfig()
-    assert (args.target, args.draft) == (cli.DEFAULT_TARGET, cli.DEFAULT_DRAFT)
+    assert (args.target, args.draft) == (defaults.target, defaults.draft)
+    assert (defaults.target, defaults.draft) == (blockspec_defaults.TARGET, blockspec_defaults.DRAFT)
     assert tuple(args.draft_temperatures) == defaults.draft_temperatures == (0.4, 0.7, 1.0, 1.5, 2.0)
     assert (args.temperature, args.draft_len, args.max_new_tokens, args.prompts_per_dataset) == (1.0, 4, 64, 4)
     assert tuple(args.datasets) == ("gsm8k", "humaneval", "sharegpt") and args.out == defaults.out

@@ -14,7 +14,7 @@ from blockspec import engine as engine_module
 from blockspec.models.hf import HFModel, load_model
 from blockspec.models.quant import quantize
 from blockspec.policy import AdaptiveLength, LatencyTable
-from blockspec.sv.latency import LatencyProfile
+from blockspec.policy.latency import LatencyProfile
 from test_engine import off_by_one, reference_greedy
 from tiny import exact_law_of_first_tokens, perturbed, save_tiny, tiny_model
 

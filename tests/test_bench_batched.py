@@ -12,9 +12,9 @@ from blockspec.bench import records as rec
 from blockspec.bench import runner
 from blockspec.bench.report import build_report, format_table, render, summary
 from blockspec.policy import LatencyTable
-from blockspec.sv.features import COMPANION_FEATURES, DRAFT_FEATURES
-from blockspec.sv.latency import LatencyProfile
-from blockspec.sv.predictor import Predictor, Profile
+from blockspec.policy.features import COMPANION_FEATURES, DRAFT_FEATURES
+from blockspec.policy.latency import LatencyProfile
+from blockspec.policy.predictor import Predictor, Profile
 from test_bench import quiet_machine  # noqa: F401  (autouse: the speeds checked here are all kept)
 from tiny import save_tiny
 

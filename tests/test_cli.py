@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from blockspec import cli
+from blockspec.cli import commands as cli
 from blockspec.models import hf
 from tiny import save_tiny, tiny_model
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockspec import cli
+from blockspec.cli import commands as cli
 from blockspec.models import hf
 
 

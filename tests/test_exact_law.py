@@ -2,7 +2,7 @@
 randomness through its closed forms, and compare the law of the emitted tokens with the target's own law.
 
 The library's closed forms (accepted_length_law, final_distributions) are what the real verifiers sample from;
-they are checked here against a plain, loop-by-loop reference of ALGORITHMS.md, and that reference, with one
+they are checked here against a plain, loop-by-loop reference of docs/algorithms.md, and that reference, with one
 deliberate mistake each, shows the three plausible-but-wrong block rules are NOT lossless on the same harness.
 """
 
@@ -35,7 +35,7 @@ def library_step(method: str) -> lawkit.StepLaw:
 def reference_step(
     method: str, *, stop_at_first_failure=False, unscaled_residual=False, cap_at_end=False
 ) -> lawkit.StepLaw:
-    """ALGORITHMS.md transcribed one block and one scalar at a time, with switches for the three known mistakes."""
+    """docs/algorithms.md transcribed one block and one scalar at a time, with switches for the three known mistakes."""
 
     def one_block(x: list[int], draft: torch.Tensor, target: torch.Tensor):
         draft_len, vocab = len(x), target.shape[-1]
@@ -128,7 +128,7 @@ MISTAKES = ["stop_at_first_failure", "unscaled_residual", "cap_at_end"]
 @pytest.mark.parametrize(("vocab", "draft_len"), [(3, 2), (3, 3), (4, 2), (4, 3)])
 def test_plausible_block_mistakes_are_not_lossless(mistake, vocab, draft_len):
     """Each mistake breaks the law on every V >= 3, K >= 2 case of the grid (on some table: a mistake can be
-    exact on a given table, e.g. the unscaled residual on about half the V = 3 tables, see ALGORITHMS.md)."""
+    exact on a given table, e.g. the unscaled residual on about half the V = 3 tables, see docs/algorithms.md)."""
     errors = []
     for seed in range(4):
         tables = lawkit.random_tables(vocab, draft_len, seed=100 * vocab + 10 * draft_len + seed)
@@ -164,7 +164,7 @@ def draft_weighted_means(tables: lawkit.Tables, draft_len: int, draft_probs_over
 
 
 def test_toy_example_expected_accepted():
-    """ALGORITHMS.md: V = {a, b}, target (1/3, 2/3), draft (2/3, 1/3), K = 2: 10/9 tokens (token), 11/9 (block)."""
+    """docs/algorithms.md: V = {a, b}, target (1/3, 2/3), draft (2/3, 1/3), K = 2: 10/9 tokens (token), 11/9 (block)."""
     target = torch.tensor([1 / 3, 2 / 3], dtype=torch.float64)
     draft = torch.tensor([2 / 3, 1 / 3], dtype=torch.float64)
     context_free = lawkit.Tables(2, [target.expand(2**L, 2) for L in range(3)], [draft.expand(2**L, 2) for L in range(3)])
@@ -184,7 +184,7 @@ def test_block_is_never_worse_than_token_on_average_over_drafts(vocab, draft_len
 
 
 def test_block_can_be_worse_than_token_for_a_given_draft():
-    """The optimality is over drafts, not per drafted block (ALGORITHMS.md): such blocks exist and are common."""
+    """The optimality is over drafts, not per drafted block (docs/algorithms.md): such blocks exist and are common."""
     tables = lawkit.random_tables(3, 3, seed=21)
     _, per_block = draft_weighted_means(tables, 3)
     worse = (per_block["block"] < per_block["token"] - 1e-9).float().mean()

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from blockspec.models.hf import HFModel
-from blockspec.sv.latency import DRAFT_TOKENS, META_FIELDS, LatencyProfile, measure_profile
+from blockspec.auto import measure_profile
+from blockspec.policy.latency import DRAFT_TOKENS, META_FIELDS, LatencyProfile
 from tiny import tiny_model
 
 BATCH_SIZES, TOKENS = (1, 3), (1, 2, 4)

@@ -342,8 +342,13 @@ def test_without_lookup_nothing_is_recorded(pair):
 def test_bad_decoder_arguments_get_clear_errors(pair):
     target, draft = pair
     sv = SVPolicy.__new__(SVPolicy)  # refused for its type: its settings do not matter
+    sv.kind, sv.max_draft = "draft", 4
     with pytest.raises(ValueError, match="FixedLength and its subclasses .AdaptiveLength., not with SVPolicy"):
         SpeculativeDecoder(target, draft, policy=sv, lookup=PromptLookup())
+    with pytest.raises(ValueError, match="FixedLength and its subclasses .AdaptiveLength., not with sv"):
+        SpeculativeDecoder(target, draft, policy="sv", lookup=PromptLookup())
+    with pytest.raises(TypeError, match="lacks some of the hooks of blockspec.policy.LengthPolicy"):
+        SpeculativeDecoder(target, draft, policy=object())
     assert SpeculativeDecoder(target, draft, policy=FixedLength(3), lookup=PromptLookup()).draft_len == 10
     with pytest.raises(ValueError, match="use verifier 'block', 'token' or 'greedy'"):
         SpeculativeDecoder(target, None, verifier="none", lookup=PromptLookup())

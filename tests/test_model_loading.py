@@ -177,7 +177,7 @@ def test_chunked_prefill_gives_the_logits_of_one_forward():
 
 
 def test_recording_round_trips(tmp_path):
-    from blockspec.sv.calibrate import Recording
+    from blockspec.bench.calibrate import Recording
 
     recording = Recording(
         prompt=torch.tensor([0, 1]), num_draft=torch.tensor([2, 1]), accepted=torch.tensor([1, 0]),
@@ -207,7 +207,7 @@ class _Payload:
 def test_recording_with_pickled_code_is_refused(tmp_path, monkeypatch):
     import pickle
 
-    from blockspec.sv.calibrate import Recording
+    from blockspec.bench.calibrate import Recording
 
     ran = tmp_path / "payload-ran"
     torch.save({"prompt": _Payload(str(ran))}, tmp_path / "evil.pt")
@@ -218,7 +218,7 @@ def test_recording_with_pickled_code_is_refused(tmp_path, monkeypatch):
 
 
 def test_sv_profiles_follow_the_cache_variable_set_after_import(tmp_path, monkeypatch):
-    from blockspec.sv import cli as sv_cli
+    from blockspec.policy import profiles as sv_cli
 
     sampling = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
     monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path))

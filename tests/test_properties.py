@@ -1,6 +1,6 @@
 """Golden and property tests of the verifiers (see STYLE.md, "Tests, by kind").
 
-golden      hand-made probabilities whose outcome is fixed, checked by hand against ALGORITHMS.md
+golden      hand-made probabilities whose outcome is fixed, checked by hand against docs/algorithms.md
 format      tokens [B, K+1] int64 left-aligned and -1 padded, the accepted prefix is the draft's, tau bounds
 support     a token the target gives probability 0 is never emitted
 purity      same seed -> same output; explicit Randomness -> a pure function (no generator, no global RNG)
@@ -118,7 +118,7 @@ def test_golden_target_gives_zero_to_first_draft_token(method):
 
 
 def _hand_case():
-    """V = 3, K = 2; rows differ only in x_2. Hand computation (ALGORITHMS.md notation, 1-based positions):
+    """V = 3, K = 2; rows differ only in x_2. Hand computation (docs/algorithms.md notation, 1-based positions):
 
         target_0 = (1/4, 1/2, 1/4), draft_0 = (1/2, 1/4, 1/4), x_1 = 0: ratio_1 = 1/2, a_1 = 1/2, w_1 = 1/2
         target_1 = (.6, .4, 0),     draft_1 = (.2, .2, .6)
@@ -152,7 +152,7 @@ def test_golden_hand_computed_closed_forms():
                                torch.tensor([[1, 0.5, 0.5], [1, 0.5, 0.5], [1, 0.5, 0]], **f64), **close)
     block_survival = acceptance_survival(draft_tokens, draft, target, "block")
     torch.testing.assert_close(block_survival, torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1 / 6, 0]], **f64), **close)
-    # ALGORITHMS.md: marginally P(tau >= 1 | x_1) = w_1: .2 * 1 + .2 * 1 + .6 * 1/6 = 1/2.
+    # docs/algorithms.md: marginally P(tau >= 1 | x_1) = w_1: .2 * 1 + .2 * 1 + .6 * 1/6 = 1/2.
     assert abs(float((draft[0, 1] * block_survival[:, 1]).sum()) - 0.5) < 1e-12
     finals = final_distributions(draft_tokens, draft, target, "block")
     torch.testing.assert_close(finals[2, :2], torch.tensor([[0, 1, 0], [1, 0, 0]], **f64), **close)

@@ -2,7 +2,7 @@
 
 Greedy speculative output must equal greedy target-only output token for token. The check runs in float32:
 in bf16 a (K+1)-token verification forward and a 1-token forward differ in the last bits, which can flip an
-argmax between near-tied tokens without anything being wrong (ALGORITHMS.md). The models load from the bf16
+argmax between near-tied tokens without anything being wrong (docs/algorithms.md). The models load from the bf16
 copies in the model cache (the ones `blockspec bench` uses) and are cast to float32 in memory: float32 arithmetic
 on the same weights for both paths, without writing 8 GB of float32 copies into the user's cache.
 """
@@ -44,7 +44,7 @@ def test_the_pair_shares_a_tokenizer_and_stops_on_both_eos_ids(qwen_pair):
 
 def test_greedy_speculative_output_equals_greedy_target_output(qwen_pair):
     from blockspec import SamplingParams, SpeculativeDecoder
-    from blockspec.chat import encode_prompt
+    from blockspec.models.chat import encode_prompt
 
     target, draft = qwen_pair
     prompts = [encode_prompt(target.tokenizer, text) for text in

@@ -293,7 +293,7 @@ def test_broken_verifier_fails_the_same_test(name):
     assert own.passed, _describe(f"{name} against its own closed form", own, samples)
 
 
-# --- the toy example of ALGORITHMS.md through the real verifiers ----------------------------------------------
+# --- the toy example of docs/algorithms.md through the real verifiers ----------------------------------------------
 
 
 def test_toy_example_mean_accepted():

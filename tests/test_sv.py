@@ -29,22 +29,16 @@ import torch
 
 import lawkit
 from blockspec import SamplingParams, SpeculativeDecoder
-from blockspec import policy as policy_module
+from blockspec.policy import sv as policy_module
 from blockspec.drafting import draft_block
 from blockspec.models.companion import target_prefix
 from blockspec.models.hf import HFModel
 from blockspec.policy import LatencyTable, SVPolicy, stopping_lengths
-from blockspec.sv.features import (
-    COMPANION_FEATURES,
-    DRAFT_FEATURES,
-    companion_features,
-    draft_features,
-    gains,
-    prefix_logprob,
-)
-from blockspec.sv.latency import LatencyProfile
-from blockspec.sv.predictor import MONOTONE, Predictor, Profile, feature_names
-from blockspec.verify import accepted_length_law, expected_accepted, final_distributions
+from blockspec.policy.features import (COMPANION_FEATURES, DRAFT_FEATURES, companion_features, draft_features,
+                                       prefix_logprob)
+from blockspec.policy.latency import LatencyProfile
+from blockspec.policy.predictor import MONOTONE, Predictor, Profile, feature_names
+from blockspec.verify import accepted_length_law, expected_accepted, final_distributions, position_gains as gains
 from tiny import exact_law_of_first_tokens, perturbed, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -428,7 +422,8 @@ def test_a_drafting_loop_that_lets_x_i_decide_whether_it_is_drafted_is_biased(ki
 
 
 def test_toy_goodput_is_not_concave_so_argmax_and_stopping_rule_differ():
-    seconds = SVPolicy(hand_profile(), TOY_LATENCY, method="block", max_draft=DRAFT_LEN).step_seconds(1, 1)
+    policy = SVPolicy(hand_profile(), TOY_LATENCY, method="block", max_draft=DRAFT_LEN, kind="companion")
+    seconds = policy.step_seconds(1, 1)
     gain = torch.tensor([[0.3, 0.9, 0.9]], dtype=torch.float64)
     assert stopping_lengths(gain, torch.tensor([3]), seconds).tolist() == [0]  # x_1 alone does not pay
     assert argmax_lengths(gain, torch.tensor([3]), seconds).tolist() == [3]  # but the whole block would
@@ -569,7 +564,7 @@ def test_profile_predictor_for_a_missing_rule_or_kind():
     with pytest.raises(ValueError, match="for the 'greedy' rule"):
         profile.predictor("greedy", "draft")
     with pytest.raises(ValueError, match="for the 'token' rule"):  # SVPolicy asks for it up front
-        SVPolicy(profile, TOY_LATENCY, method="token", max_draft=3)
+        SVPolicy(profile, TOY_LATENCY, method="token", max_draft=3, kind="companion")
 
 
 # --- 4. the engine with SVPolicy --------------------------------------------------------------------------------
@@ -628,7 +623,7 @@ def test_greedy_output_with_sv_equals_plain_greedy_decoding(trio, reference, met
     target, draft, companion = trio
     steps, declined = [], 0
     for prompts in (PROMPTS[:1], PROMPTS):
-        policy = Recorded(hand_profile(), ENGINE_LATENCY, method=method, max_draft=4)
+        policy = Recorded(hand_profile(), ENGINE_LATENCY, method=method, max_draft=4, kind="companion")
         decoder = SpeculativeDecoder(target, draft, verifier=method, draft_len=4, policy=policy, companion=companion)
         result = decoder.generate(prompts, max_new_tokens=24, sampling=GREEDY)
         for b, prompt in enumerate(prompts):
@@ -652,7 +647,7 @@ def test_steps_that_draft_nothing_verify_nothing(trio, reference):
     drafted nothing must not ask it: with one token left, or when keep_drafting declines position 1."""
     target, draft, companion = trio
     for profile in (hand_profile(), hand_profile(draft_weights=(-20.0, 0.0, 0.0, 0.0, 0.0))):  # 2nd: never drafts
-        policy = Recorded(profile, ENGINE_LATENCY, method="block", max_draft=4)
+        policy = Recorded(profile, ENGINE_LATENCY, method="block", max_draft=4, kind="companion")
         decoder = SpeculativeDecoder(target, draft, verifier="block", draft_len=4, policy=policy, companion=companion)
         for max_new_tokens in (1, 6):
             result = decoder.generate(PROMPTS, max_new_tokens=max_new_tokens, sampling=GREEDY)
@@ -671,7 +666,7 @@ def test_steps_that_draft_nothing_verify_nothing(trio, reference):
 # above are the check against look-ahead. Smallest expected count here: 1.9 (the same law and N as test_engine).
 # "stops drafting": the first verified token is nearly free, the second dear at every batch size: each step
 # drafts one token and keep_drafting declines position 2 (budget 2). With L <= 1 token and block verification
-# coincide (ALGORITHMS.md), so it runs once, for token. "wide": two verified tokens nearly free (block).
+# coincide (docs/algorithms.md), so it runs once, for token. "wide": two verified tokens nearly free (block).
 CHI_LATENCY = {
     "stops-drafting": LatencyProfile(
         target=LatencyTable((1,), (1, 2, 3), ((1.0, 1.0 + 1e-7, 2.0),)),
@@ -696,7 +691,7 @@ def test_law_of_the_first_tokens_with_sv_is_the_targets(method, latency):
     target = tiny_model(vocab=vocab, sharpness=5.0)
     draft = perturbed(target, scale=0.6, seed=1)
     law = exact_law_of_first_tokens(target, [1, 2, 3], length)
-    policy = Recorded(hand_profile(), CHI_LATENCY[latency], method=method, max_draft=2)
+    policy = Recorded(hand_profile(), CHI_LATENCY[latency], method=method, max_draft=2, kind="companion")
     decoder = SpeculativeDecoder(target, draft, verifier=method, draft_len=2, policy=policy,
                                  companion=target_prefix(HFModel(target), 1))
     result = decoder.generate([[1, 2, 3]] * samples, max_new_tokens=length, seed=0, stop_on_eos=False)

@@ -10,11 +10,11 @@ import sys
 import pytest
 import torch
 
-from blockspec import cli
+from blockspec.cli import commands as cli
 from blockspec.models import hf
 from blockspec.policy import LatencyTable
-from blockspec.sv import replay
-from blockspec.sv.latency import LatencyProfile
+from blockspec.bench import replay
+from blockspec.policy.latency import LatencyProfile
 from tiny import save_tiny
 
 

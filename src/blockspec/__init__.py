@@ -2,6 +2,9 @@
 
     from blockspec import SpeculativeDecoder, SamplingParams
 
+    decoder = SpeculativeDecoder(target, draft)                  # block verification, 4 drafted tokens a step
+    decoder = SpeculativeDecoder(target, draft, policy="sv")     # Speculative Verification, from saved profiles
+
 The names below load on first use, so that `blockspec --help` does not wait for torch.
 """
 
@@ -12,6 +15,10 @@ _EXPORTS = {
     "SpeculativeDecoder": "engine",
     "StepStats": "engine",
     "PromptLookup": "lookup",
+    "AdaptiveLength": "policy",
+    "FixedLength": "policy",
+    "LengthPolicy": "policy",
+    "SVPolicy": "policy",
     "SamplingParams": "sampling",
 }
 

@@ -1,10 +1,9 @@
 """Machine-aware defaults: the arithmetic the models run in, and how far to speculate, from measurements made
 on the machine that decodes (once, then cached), never from a guess.
 
-Machines of one kind differ in what is fast. On a CPU with AVX-512-BF16 or AMX a 9-token forward of the bundled
-1.5B costs about 1.2x a 1-token one and bfloat16 is 2-3x faster than float32; on an AVX2-only CPU (no native
-bfloat16) the same 9-token forward costs 6.6x, so speculation that pays on one machine is slower than the target
-alone on the other (docs/benchmarks.md).
+Machines of one kind differ in what is fast: with native bfloat16 (AVX-512-BF16, AMX) a multi-token forward
+costs little more than a one-token one and bfloat16 beats float32; on an AVX2-only CPU neither holds, and
+speculation that pays on one machine is slower than the target alone on the other (docs/results.md).
 
 1. ``choose_arithmetic(device)``: the target's dtype and whether to quantize the draft. On the CPU, a probe times
    one token's pass through a stack of matrices larger than the CPU's caches (the 1.5B's MLP shapes, 330 MB in
@@ -14,9 +13,11 @@ alone on the other (docs/benchmarks.md).
    other processes kept the CPU busy meanwhile (then it is measured again next time). On CUDA:
    bfloat16 where supported, else float16; no quantization.
 2. ``latency_probe(target, draft, batch)``: the models' own step latency at this batch size (a short
-   ``sv.latency.measure_profile``, cached per models, dtype, device and thread count), which
+   ``measure_profile``, cached per models, dtype, device and thread count), which
    ``policy.AdaptiveLength`` turns into a draft length each step; ``adaptive_policy`` is that policy, or None
    where speculation cannot pay at all.
+3. ``measure_profile(target, draft, companion)``: the latency profile itself (what ``blockspec sv profile``
+   saves for SV): each model's forward timed over a grid of batch sizes and tokens per row.
 """
 
 from __future__ import annotations
@@ -29,12 +30,19 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 from . import machine
+from .defaults import SV_BATCH_SIZES
+from .models.base import model_name
 from .models.presets import cache_root
+from .policy import AdaptiveLength, LatencyTable
+from .policy.latency import DRAFT_TOKENS, LatencyProfile, dtype_name
+from .policy.profiles import latency_path, sv_dir
+from .sampling import SamplingParams, process, sample
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +149,6 @@ def adaptive_policy(latency, batch: int, max_draft: int):
     """The default length policy: ``policy.AdaptiveLength`` over ``latency`` (``latency_probe``'s), or None where
     even its prior acceptance cannot pay for one drafted token on this machine (then decode with the target
     alone)."""
-    from .policy import AdaptiveLength
-
     policy = AdaptiveLength(latency, max_draft=max_draft)
     return policy if policy.best_length(batch) > 0 else None
 
@@ -151,12 +157,8 @@ def latency_probe(target, draft, batch: int, *, refresh: bool = False):
     """The step latency of ``target`` and ``draft`` (loaded adapters) at batch sizes 1 and ``batch``: a
     ``LatencyProfile`` measured once (about 3 rounds of 1-9 token forwards, seconds on a CPU) and cached per
     models, dtype, device, thread count and batch size."""
-    from .sv import cli as sv_cli
-    from .sv.latency import LatencyProfile, measure_profile
-
-    name = sv_cli.latency_path(target.name, draft.name, None, str(target.dtype).removeprefix("torch."),
-                               str(target.device)).name
-    path = sv_cli.sv_dir() / f"probe-b{batch}-t{torch.get_num_threads()}-{name}"
+    name = latency_path(target.name, draft.name, None, dtype_name(target.dtype), str(target.device)).name
+    path = sv_dir() / f"probe-b{batch}-t{torch.get_num_threads()}-{name}"
     if path.is_file() and not refresh:
         try:
             profile = LatencyProfile.load(path)
@@ -170,3 +172,78 @@ def latency_probe(target, draft, batch: int, *, refresh: bool = False):
     path.parent.mkdir(parents=True, exist_ok=True)
     profile.save(path)
     return profile
+
+
+def measure_profile(
+    target,
+    draft,
+    companion=None,
+    *,
+    batch_sizes: tuple[int, ...] = SV_BATCH_SIZES,
+    tokens: tuple[int, ...] = (1, 2, 3, 5, 9),
+    context: int = 160,
+    repeats: int = 3,
+    progress: bool = True,
+) -> LatencyProfile:
+    """Time what a step does with each model: a ``forward`` of n tokens per row on B rows of ``context`` cached
+    tokens, then the processing of its logits into probabilities at temperature 1 (the target's and the
+    companion's at every position, the draft's at the last one, which it also samples from; the draft at n in
+    DRAFT_TOKENS). Median of ``repeats`` after one warm-up round; within a batch size the cells take turns, so
+    the machine's drift is shared by all of them. Token ids are random (seeded), which costs the same as text.
+    Each model's batch is replaced by an empty one at the end, so its next prefill starts clean.
+    """
+    from tqdm.auto import tqdm
+
+    models = {"target": (target, tokens), "draft": (draft, DRAFT_TOKENS)}
+    if companion is not None:
+        models["companion"] = (companion, tokens)
+    vocab = min(model.vocab_size for model, _ in models.values())
+    generator = torch.Generator().manual_seed(0)
+    seconds = {name: [] for name in models}  # name -> rows over batch_sizes
+    calls = len(batch_sizes) * sum(len(grid) for _, grid in models.values()) * (1 + repeats)
+    with torch.inference_mode(), tqdm(total=calls, disable=not progress, unit="call") as bar:
+        for batch in batch_sizes:
+            bar.set_description(f"B={batch}")
+            prompts = torch.randint(vocab, (batch, context), generator=generator).tolist()
+            cells = {}  # (name, n) -> the n tokens per row it scores
+            for name, (model, grid) in models.items():
+                model.prefill(prompts)  # replaces the previous batch size's cache
+                cells |= {(name, n): torch.randint(vocab, (batch, n), generator=generator) for n in grid}
+            times = {cell: [] for cell in cells}
+            for _ in range(1 + repeats):  # the first round warms up (allocation, kernel selection) and is not kept
+                for (name, n), step in cells.items():
+                    times[name, n].append(step_seconds(models[name][0], step.to(models[name][0].device),
+                                                       last_only=name == "draft"))
+                    bar.update()
+            for name, (_, grid) in models.items():
+                # finer than microseconds is timer noise
+                seconds[name].append(tuple(round(statistics.median(times[name, n][1:]), 6) for n in grid))
+    for model, _ in models.values():
+        model.prefill([])  # frees the last batch
+    tables = {name: LatencyTable(tuple(batch_sizes), tuple(grid), tuple(seconds[name]))
+              for name, (_, grid) in models.items()}
+    meta = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "target": model_name(target), "draft": model_name(draft), "companion": None if companion is None else model_name(companion),
+        "dtype": dtype_name(getattr(target, "dtype", None)), "device": str(target.device),
+        "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.platform(),
+        "processor": platform.processor() or platform.machine(), "context": context, "repeats": repeats,
+    }
+    return LatencyProfile(tables["target"], tables["draft"], tables.get("companion"), meta)
+
+
+def step_seconds(model, step: torch.Tensor, last_only: bool) -> float:
+    """Wall time of ``model.forward(step)`` [B, n] and the processing of its logits (the last position's alone,
+    and a token sampled from it, if ``last_only``), rolling back to the prefilled rows afterwards."""
+    prefilled, valid = model.lengths.clone(), torch.ones_like(step, dtype=torch.bool)
+    start = time.perf_counter()
+    logits = model.forward(step, valid)
+    if last_only:
+        sample(process(logits[:, -1], SamplingParams()), torch.full((len(step),), 0.5, dtype=torch.float64))
+    else:
+        process(logits, SamplingParams())
+    if step.device.type == "cuda":  # CUDA kernels run asynchronously: wait before stopping the clock
+        torch.cuda.synchronize(step.device)
+    seconds = time.perf_counter() - start
+    model.rollback(prefilled)
+    return seconds

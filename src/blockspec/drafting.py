@@ -6,11 +6,10 @@ row may draft this step (its room before ``max_new_tokens``, what still fits in 
 policy's budget). A row whose limit is below i does not draft position i: the draft does not read anything for
 it (a hole in its forward), its token is padding and verification never looks at it (``num_draft`` <= limit).
 
-Why one function: the policy's decisions must form a stopping rule (the decision to draft x_i may use x_<i and
-the draft's distribution at position i, never x_i itself; ALGORITHMS.md, "Adaptive verification length must
-be a stopping rule"). The engine drafts through ``draft_block`` with model forwards, and the exact-law tests of
-the SV policy enumerate every drafted block through the same function with table look-ups, so an ordering
-mistake in this loop fails those tests.
+Why one function: the policy's decisions must form a stopping rule (the decision to draft x_i may use x_<i and the
+draft's distribution at position i, never x_i itself; docs/algorithms.md). The engine drafts through
+``draft_block`` with model forwards, and the exact-law tests of the SV policy enumerate every drafted block
+through the same function with table look-ups, so an ordering mistake in this loop fails those tests.
 """
 
 from __future__ import annotations

@@ -18,13 +18,14 @@ from typing import Callable, Sequence
 
 import torch
 
+from .defaults import MAX_DRAFT
 from .drafting import PAD, draft_block
 from .lookup import LookupState, PromptLookup
-from .models.base import LanguageModel, left_pad
-from .policy import FixedLength
+from .models.base import LanguageModel, as_model, check_shared_vocabulary, left_pad, model_name, target_vocabulary
+from .models.chat import encode_prompt
+from .policy import FixedLength, LengthPolicy, SVPolicy
 from .sampling import NonFiniteLogitsError, SamplingParams, check_unsupported, is_int, process, sample
-from .sv.features import as_probs, overlap
-from .verify import VERIFIERS, Randomness, expected_accepted
+from .verify import VERIFIERS, Randomness, agreement, draft_distributions, expected_accepted
 from .verify.base import draw_exponentials, drafted_mask
 
 log = logging.getLogger(__name__)
@@ -98,10 +99,14 @@ class SpeculativeDecoder:
     HFModel). ``verifier``: "block" (Sun et al. 2024, the default), "token" (standard speculative sampling),
     "greedy" (temperature 0 only) or "none" (target-only decoding, no draft needed). At temperature 0 the
     greedy rule is used whatever ``verifier`` says: token and block verification coincide with it there.
-    ``policy`` decides how many tokens each step drafts and verifies (default ``FixedLength(draft_len)``; with a
-    policy, its ``max_draft`` is the most a step drafts and ``draft_len`` is not used; see
-    ``blockspec.policy.SVPolicy`` for Speculative Verification); ``companion`` is the model an SV policy
-    scores drafted blocks with (``blockspec.models.companion``).
+    ``policy`` decides how many tokens each step drafts and verifies (a ``blockspec.policy.LengthPolicy``): by
+    default ``FixedLength(draft_len)``; ``"sv"`` is Speculative Verification with at most ``draft_len`` drafted
+    tokens, from the profiles ``blockspec sv profile`` and ``blockspec sv calibrate`` saved for these models and
+    each call's sampling (``SVPolicy.from_cache``; a missing profile raises an error naming the command that
+    makes it). A policy object sets its own maximum (``max_draft``) and ``draft_len`` is not used. Each
+    ``generate`` call starts with ``policy.reset()``: what a policy learnt online is forgotten, unless it was built
+    with ``carry_over=True``. ``companion`` is the model an SV policy with companion features scores drafted
+    blocks with (``blockspec.models.companion``).
 
     ``lookup`` (a ``blockspec.lookup.PromptLookup``) drafts by prompt lookup: each step, a row whose context's last
     n-gram occurred before proposes what followed it, with no forward. Without ``draft`` a row with no match makes
@@ -117,14 +122,18 @@ class SpeculativeDecoder:
     a draft or companion with fewer logits is refused, since the target's other tokens could never be emitted.
     """
 
-    def __init__(self, target, draft=None, *, verifier: str = "block", draft_len: int = 4, policy=None,
-                 companion=None, lookup: PromptLookup | None = None):
+    def __init__(self, target, draft=None, *, verifier: str = "block", draft_len: int = MAX_DRAFT,
+                 policy: LengthPolicy | str | None = None, companion=None, lookup: PromptLookup | None = None):
         if verifier not in VERIFIER_CHOICES:
             raise ValueError(f"verifier must be one of {VERIFIER_CHOICES}, got {verifier!r}")
         if verifier != "none" and draft is None and lookup is None:
             raise ValueError(f"verifier={verifier!r} needs a draft model or prompt lookup (lookup=PromptLookup()), "
                              "or use verifier='none'")
-        if verifier != "none" and policy is None and not (is_int(draft_len) and draft_len >= 1):
+        if isinstance(policy, str) and policy != "sv":
+            raise ValueError(f"policy must be a LengthPolicy, 'sv' or None, got {policy!r}")
+        if policy is not None and not isinstance(policy, (str, LengthPolicy)):
+            raise TypeError(f"policy {type(policy).__name__} lacks some of the hooks of blockspec.policy.LengthPolicy")
+        if verifier != "none" and not isinstance(policy, LengthPolicy) and not (is_int(draft_len) and draft_len >= 1):
             raise ValueError(f"draft_len must be an int >= 1, got {draft_len!r}")
         if policy is not None and (verifier == "none" or draft is None):
             raise ValueError("a length policy needs a draft model: verifier='none' decodes with the target alone, "
@@ -137,8 +146,8 @@ class SpeculativeDecoder:
                                  "'greedy' with it (verifier='none' decodes with the target alone)")
             if policy is not None and not isinstance(policy, FixedLength):
                 raise ValueError(f"prompt lookup combines only with FixedLength and its subclasses (AdaptiveLength), "
-                                 f"not with {type(policy).__name__}: its per-position predictions model the draft "
-                                 "model's drafts")
+                                 f"not with {policy if isinstance(policy, str) else type(policy).__name__}: SV's "
+                                 "per-position predictions model the draft model's drafts")
         method = getattr(policy, "method", None)
         if method in ("token", "block") and verifier in ("token", "block") and method != verifier:
             raise ValueError(f"the length policy was built for the {method} rule but verifier={verifier!r}: its "
@@ -148,7 +157,9 @@ class SpeculativeDecoder:
         self.companion = as_model(companion) if companion is not None and self.draft is not None else None
         _refuse_shared_adapters(self.target, self.draft, self.companion)
         self.verifier = verifier
-        self.policy = policy if policy is not None else FixedLength(draft_len if self.draft is not None else 0)
+        self.sv = policy == "sv"  # resolved per call: an SV calibration is specific to the call's sampling
+        fixed = FixedLength(draft_len if self.draft is not None else 0)
+        self.policy: LengthPolicy = policy if isinstance(policy, LengthPolicy) else fixed
         self.lookup = lookup
         # the widest step, what _draw draws for: the model's drafts or the longest lookup proposal
         self.draft_len = max(self.policy.max_draft if self.draft is not None else 0, lookup.max_len if lookup else 0)
@@ -178,9 +189,14 @@ class SpeculativeDecoder:
         expected: bool = False,
         on_tokens: Callable[[int, list[int]], None] | None = None,
         draft_sampling: SamplingParams | None = None,
+        chat: bool = False,
         **options,
     ) -> GenerationResult:
         """Generate up to ``max_new_tokens`` new tokens for each prompt (strings need a tokenizer).
+
+        String prompts are tokenized as they are (with the tokenizer's special tokens) unless ``chat=True``: then
+        each is sent as a user message through the tokenizer's chat template, with the assistant's turn opened,
+        which is what ``blockspec generate`` does by default. Token-id prompts are used as given.
 
         ``seed``: one int (row b then uses seed + b) or one per prompt; each row draws from its own stream, so
         its output law does not depend on its neighbours. Its tokens do not either in float32; in bfloat16 or
@@ -203,9 +219,13 @@ class SpeculativeDecoder:
         if draft_sampling is not None and sampling.greedy:
             raise ValueError("draft_sampling needs a sampled target: at temperature 0 the draft proposes its argmax")
         draft_sampling = draft_sampling or sampling
-        sequences = self._encode(prompts)
+        sequences = self._encode(prompts, chat)
         self._check_context(sequences, max_new_tokens)
         generators = [torch.Generator().manual_seed(s) for s in _row_seeds(seed, len(sequences))]
+        if self.sv:
+            self.policy = SVPolicy.from_cache(self.target, self.draft, sampling=sampling, max_draft=self.draft_len,
+                                              method="token" if self.verifier == "token" else "block")
+        self.policy.reset()
         lookup = LookupState(self.lookup, len(sequences)) if self.lookup is not None else None  # fresh per call
         stop = _Stopper(self, stop_on_eos, stop_strings, max_new_tokens)
         verify = VERIFIERS["greedy" if sampling.greedy else ("token" if self.verifier == "none" else self.verifier)]
@@ -400,7 +420,7 @@ class SpeculativeDecoder:
         except NonFiniteLogitsError as error:
             role = {id(self.target): "target", id(self.draft): "draft", id(self.companion): "companion"}[id(model)]
             raise NonFiniteLogitsError(
-                f"the {role} model ({_name(model)}) returned {error}: a float16 overflow or a broken checkpoint? "
+                f"the {role} model ({model_name(model)}) returned {error}: a float16 overflow or a broken checkpoint? "
                 "Try another dtype (bfloat16 or float32)") from None
 
     def _check_context(self, sequences: list[list[int]], max_new_tokens: int) -> None:
@@ -411,9 +431,9 @@ class SpeculativeDecoder:
                 raise ValueError(
                     f"prompt {b} has {len(prompt)} tokens and max_new_tokens is {max_new_tokens}: {len(prompt)} + "
                     f"{max_new_tokens} = {len(prompt) + max_new_tokens} exceeds the context of {context} tokens of "
-                    f"the target ({_name(self.target)}); shorten the prompt or lower max_new_tokens")
+                    f"the target ({model_name(self.target)}); shorten the prompt or lower max_new_tokens")
 
-    def _encode(self, prompts) -> list[list[int]]:
+    def _encode(self, prompts, chat: bool) -> list[list[int]]:
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
         sequences = []
@@ -421,7 +441,7 @@ class SpeculativeDecoder:
             if isinstance(prompt, str):
                 if self.tokenizer is None:
                     raise ValueError("string prompts need a tokenizer: pass token ids, or models with tokenizers")
-                prompt = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+                prompt = encode_prompt(self.tokenizer, prompt, chat=chat)
             prompt = [_token_id(t, b) for t in prompt]
             if not prompt:
                 raise ValueError(f"prompt {b} is empty: give at least one token (for example the BOS token)")
@@ -472,40 +492,10 @@ class _Stopper:
         return new, reason
 
 
-def as_model(model) -> LanguageModel:
-    """An adapter as is; a transformers PreTrainedModel wrapped in HFModel (imported only then)."""
-    if isinstance(model, LanguageModel):
-        return model
-    from .models.hf import HFModel
-
-    return HFModel(model)
 
 
-def target_vocabulary(target: LanguageModel) -> int:
-    """The ids the target can emit: its logits, less any padding rows beyond its tokenizer (embedding tables
-    are often padded to a multiple of 64 or 128)."""
-    if target.tokenizer is None:
-        return target.vocab_size
-    return min(target.vocab_size, len(target.tokenizer))
 
 
-def check_shared_vocabulary(target: LanguageModel, model: LanguageModel, vocab: int, role: str) -> None:
-    """Refuse a draft or companion that does not cover the target's ``vocab`` ids or has another tokenizer:
-    the target's law would silently lose the ids it cannot propose or score."""
-    if target.tokenizer is not None and model.tokenizer is not None:
-        if target.tokenizer.get_vocab() != model.tokenizer.get_vocab():
-            raise ValueError(f"{role} and target tokenizers differ: speculative decoding needs a shared vocabulary")
-    elif model.vocab_size != target.vocab_size:
-        raise ValueError(
-            f"{role} has {model.vocab_size} logits and target {target.vocab_size}, and without tokenizers "
-            "blockspec cannot check they share a vocabulary"
-        )
-    if model.vocab_size < vocab:
-        raise ValueError(
-            f"the {role} model ({_name(model)}) has {model.vocab_size} logits but the target's vocabulary has {vocab} "
-            f"tokens: ids {model.vocab_size}..{vocab - 1} could never be emitted; use a {role} with the target's "
-            "vocabulary"
-        )
 
 
 def _refuse_shared_adapters(*models: LanguageModel | None) -> None:
@@ -522,8 +512,6 @@ def _room(model: LanguageModel, context: list[int]) -> int:
     return (model.max_length if model.max_length is not None else 1 << 62) - len(context) + 1
 
 
-def _name(model: LanguageModel) -> str:
-    return getattr(model, "name", None) or type(model).__name__
 
 
 def _token_id(token, row: int) -> int:
@@ -577,7 +565,7 @@ def _with_proposals(proposals: list[list[int]], draft_tokens: torch.Tensor, draf
     if draft_probs is None or draft_probs.shape[1] == 0:
         return tokens, None, num_draft
     probs = torch.nn.functional.pad(draft_probs, (0, 0, 0, width - draft_probs.shape[1]))  # [B, W, V], a copy
-    probs[looked_up] = as_probs(tokens[looked_up], None, probs.shape[-1])
+    probs[looked_up] = draft_distributions(tokens[looked_up], None, probs.shape[-1])
     return tokens, probs, num_draft
 
 
@@ -587,9 +575,9 @@ def _with_expected(step: StepStats, draft_tokens, draft_probs, target_probs, num
                                   validate=False).tolist()
         for method in ("token", "block")
     }
-    probs = as_probs(draft_tokens, draft_probs, target_probs.shape[-1])
+    probs = draft_distributions(draft_tokens, draft_probs, target_probs.shape[-1])
     verified = drafted_mask(num_draft.to(draft_tokens.device), draft_tokens.shape[1])
-    agreement = (overlap(probs, target_probs[:, : draft_tokens.shape[1]]) * verified).sum(1)
-    mean = (agreement / verified.sum(1).clamp(min=1)).where(verified.any(1), float("nan"))
+    summed = (agreement(probs, target_probs[:, : draft_tokens.shape[1]]) * verified).sum(1)
+    mean = (summed / verified.sum(1).clamp(min=1)).where(verified.any(1), float("nan"))
     return StepStats(**{**step.__dict__, "expected_token": values["token"], "expected_block": values["block"],
                         "overlap": mean.tolist()})

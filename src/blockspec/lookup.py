@@ -16,7 +16,7 @@ Glossary:
     limit        the most tokens a row may draft this step (room before max_new_tokens and in the models'
                  contexts), as for a model draft
 
-Why it stays lossless (ALGORITHMS.md): given everything before a step, a proposal is a fixed block, i.e. a draft
+Why it stays lossless (docs/algorithms.md): given everything before a step, a proposal is a fixed block, i.e. a draft
 that proposes it with probability 1; the verifier is handed exactly that one-hot law (``draft_probs=None``, or
 one-hot rows), so the step is ordinary speculative sampling with a one-hot draft, lossless for the token and
 block rules. The proposal and its length depend only on committed tokens and earlier steps' outcomes, never on

@@ -7,7 +7,7 @@ every (prompt, T_d) one block-verification run records, per step, the exact expe
 the SAME draft under both rules and the draft-target overlap; the report then gives the paired analytic
 gain of block over token verification against the measured overlap.
 
-Glossary (ALGORITHMS.md conventions; B, K, V as in ``blockspec.verify``):
+Glossary (docs/algorithms.md conventions; B, K, V as in ``blockspec.verify``):
     T, T_d      the target's and the draft's sampling temperature (T > 0; T_d = 0 is an argmax draft).
     overlap     sum_v min(q_i(v), p_i(v)) at a verified position i: the acceptance probability of a single
                 drafted token under token verification, 1 iff the draft's law q_i equals the target's p_i.
@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
-from ..cli import DEFAULT_DRAFT, DEFAULT_TARGET
+from .. import defaults
 from .records import append, refuse_other_settings
 
 if TYPE_CHECKING:  # numpy and the report load only when a report is made: `blockspec --help` stays instant
@@ -63,8 +63,8 @@ COMPATIBLE = ("target", "draft", "dtype", "chat", "base_seed")
 class AlignConfig:
     """Defaults of the sweep (the CLI reads them from here)."""
 
-    target: str = DEFAULT_TARGET
-    draft: str = DEFAULT_DRAFT
+    target: str = defaults.TARGET
+    draft: str = defaults.DRAFT
     dtype: str = "bfloat16"
     device: str = "cpu"
     datasets: tuple[str, ...] = ("gsm8k", "humaneval", "sharegpt")
@@ -255,7 +255,7 @@ class _Executor:
     def __call__(self, cell: Cell) -> AlignRecord:
         from datetime import datetime, timezone
 
-        from ..chat import encode_prompt
+        from ..models.chat import encode_prompt
         from ..sampling import SamplingParams
 
         config = self.config

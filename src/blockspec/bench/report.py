@@ -1,6 +1,6 @@
 """Benchmark report: paper-style tables and plots from saved JSONL records (re-runnable at any time).
 
-Glossary (ALGORITHMS.md conventions):
+Glossary (docs/algorithms.md conventions):
     BE          block efficiency = tokens emitted per target forward = 1 + mean accepted draft tokens per
                 step, POOLED over all steps of all prompts of a configuration (sum accepted / sum steps).
     gain        BE_block / BE_token - 1, measured from the accepted lengths actually observed.

@@ -59,8 +59,7 @@ from pathlib import Path
 
 import torch
 
-from .. import machine
-from ..sv.cli import DEFAULT_COMPANION
+from .. import defaults, machine
 from . import records as rec
 
 log = logging.getLogger(__name__)
@@ -72,8 +71,8 @@ LOOKUP = {"prompt_lookup_num_tokens": 10, "max_matching_ngram_size": 2}
 
 @dataclass(frozen=True)
 class BenchConfig:
-    target: str = "qwen2.5-coder-1.5b"
-    draft: str = "qwen2.5-coder-0.5b"
+    target: str = defaults.TARGET
+    draft: str = defaults.DRAFT
     dtype: str = "auto"  # or a dtype name; auto: what auto.choose_arithmetic measured fastest here
     target_quant: str | None = None  # "int8": every configuration decodes the quantized target (models.quant)
     device: str = "cpu"
@@ -91,7 +90,7 @@ class BenchConfig:
     precision: float | None = None
     out: Path = Path("results/bench")
     batch_sizes: tuple[int, ...] = (1,)  # prompts decoded together per run
-    companion: str = DEFAULT_COMPANION  # SV companion: prefix:K or a model sharing the target's tokenizer
+    companion: str = defaults.COMPANION  # SV companion: prefix:K or a model sharing the target's tokenizer
     sv_profile: Path | None = None  # SV calibration profile; None = `blockspec sv calibrate`'s, per temperature
     latency: Path | None = None  # SV latency profile; None = `blockspec sv profile`'s for these models and device
     retry_failed: bool = False  # rerun the runs recorded as failed (a resume skips them otherwise)
@@ -272,7 +271,7 @@ def gain_is_known(records_file: Path, precision: float) -> bool:
 def run(config: BenchConfig, *, progress: bool = True) -> Path:
     """Run (or resume) the plan of ``config``; returns the records file."""
     from ..auto import choose_arithmetic
-    from ..chat import encode_prompt
+    from ..models.chat import encode_prompt
     from ..models.hf import load_model, resolve_device
     from . import datasets
 
@@ -440,19 +439,19 @@ class _SVSetup:
     def __init__(self, target, config: BenchConfig, dtype: str):
         from ..models.companion import load_companion
         from ..sampling import SamplingParams
-        from ..sv import cli as sv_cli
-        from ..sv.latency import LatencyProfile
-        from ..sv.predictor import Profile
+        from ..policy import profiles
+        from ..policy.latency import LatencyProfile
+        from ..policy.predictor import Profile
 
         self.config, self.profiles, self.paths = config, {}, {}
         for temperature in config.temperatures:
-            sampling = sv_cli.sampling_key(SamplingParams(temperature=temperature))
-            path = sv_cli.require_file(config.sv_profile or sv_cli.profile_path(
+            sampling = profiles.sampling_key(SamplingParams(temperature=temperature))
+            path = profiles.require_file(config.sv_profile or profiles.profile_path(
                 config.target, config.draft, config.companion, sampling), "sv calibrate")
             profile = Profile.load(path)
             profile.check(target=config.target, draft=config.draft, companion=config.companion, sampling=sampling)
             self.profiles[temperature], self.paths[temperature] = profile, str(path)
-        path = sv_cli.require_file(config.latency or sv_cli.latency_path(
+        path = profiles.require_file(config.latency or profiles.latency_path(
             config.target, config.draft, config.companion, dtype, str(target.device)), "sv profile")
         self.latency, self.latency_path = LatencyProfile.load(path), str(path)
         self.latency.check(config.target, config.draft, config.companion, dtype, target.device)

@@ -1,5 +1,5 @@
-"""Model adapters and the bundled presets (`blockspec.models.presets`). transformers is imported lazily."""
+"""Model adapters (`base.LanguageModel`), transformers models (`hf`), the bundled presets (`presets`), int8
+draft quantization (`quant`), SV companions (`companion`) and prompt encoding (`chat`).
 
-# Named here, free of torch imports, so the CLI can offer them before loading anything.
-DTYPES = ("bfloat16", "float16", "float32")
-QUANTS = ("int8",)  # models.quant
+transformers is imported lazily, inside functions.
+"""

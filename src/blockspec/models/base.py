@@ -40,6 +40,24 @@ class LanguageModel(Protocol):
         """Keep only ``rows`` [B'] (indices into the current batch), in that order."""
 
 
+@runtime_checkable
+class TreeLanguageModel(LanguageModel, Protocol):
+    """A LanguageModel that also scores a tree of drafted tokens in one forward, for tree speculation (several
+    drafts sharing prefixes). The engine drafts chains today and asks for none of this.
+
+    ``forward(tokens, valid, positions, ancestors)``: ``positions`` [B, S] int64 gives each slot's position in its
+    row (siblings share one), ``ancestors`` [B, S, S] bool lets slot j attend to slot k of this forward only where
+    ``ancestors[b, j, k]`` (the cached context is always visible); both None is ``LanguageModel.forward``.
+    ``commit(keep)``: after a tree forward, keep in the cache only the slots where ``keep`` [B, S] is True (the
+    accepted path, in slot order) and forget the others, where ``rollback`` can only cut by length.
+    """
+
+    def forward(self, tokens: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor | None = None,
+                ancestors: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def commit(self, keep: torch.Tensor) -> None: ...
+
+
 def left_pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Token rows of different lengths as (tokens [B, S], valid [B, S]), padded on the left with holes, so
     every row's last token is in the last column."""
@@ -51,3 +69,44 @@ def left_pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
             tokens[b, width - len(row):] = torch.tensor(row)
             valid[b, width - len(row):] = True
     return tokens, valid
+
+
+def as_model(model) -> LanguageModel:
+    """An adapter as is; a transformers PreTrainedModel wrapped in HFModel (imported only then)."""
+    if isinstance(model, LanguageModel):
+        return model
+    from .hf import HFModel
+
+    return HFModel(model)
+
+
+def target_vocabulary(target: LanguageModel) -> int:
+    """The ids the target can emit: its logits, less any padding rows beyond its tokenizer (embedding tables
+    are often padded to a multiple of 64 or 128)."""
+    if target.tokenizer is None:
+        return target.vocab_size
+    return min(target.vocab_size, len(target.tokenizer))
+
+
+def check_shared_vocabulary(target: LanguageModel, model: LanguageModel, vocab: int, role: str) -> None:
+    """Refuse a draft or companion that does not cover the target's ``vocab`` ids or has another tokenizer:
+    the target's law would silently lose the ids it cannot propose or score."""
+    if target.tokenizer is not None and model.tokenizer is not None:
+        if target.tokenizer.get_vocab() != model.tokenizer.get_vocab():
+            raise ValueError(f"{role} and target tokenizers differ: speculative decoding needs a shared vocabulary")
+    elif model.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"{role} has {model.vocab_size} logits and target {target.vocab_size}, and without tokenizers "
+            "blockspec cannot check they share a vocabulary"
+        )
+    if model.vocab_size < vocab:
+        raise ValueError(
+            f"the {role} model ({model_name(model)}) has {model.vocab_size} logits but the target's vocabulary has {vocab} "
+            f"tokens: ids {model.vocab_size}..{vocab - 1} could never be emitted; use a {role} with the target's "
+            "vocabulary"
+        )
+
+
+def model_name(model: LanguageModel) -> str:
+    """The adapter's ``name`` if it has one, else its class name: how errors name a model."""
+    return getattr(model, "name", None) or type(model).__name__

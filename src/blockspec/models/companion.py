@@ -18,6 +18,7 @@ import copy
 
 import torch
 
+from .base import check_shared_vocabulary, target_vocabulary
 from .hf import HFModel, load_model
 
 
@@ -67,8 +68,6 @@ def load_companion(
     """``prefix:K`` is the target's first K layers (``target_prefix``); anything else is loaded by ``load_model``
     (a preset, a GGUF file, a directory or a hub id: downloaded only with ``allow_download``) and must share the
     target's tokenizer."""
-    from ..engine import check_shared_vocabulary, target_vocabulary
-
     target = _as_hf(target)
     if spec.startswith("prefix:"):
         try:

@@ -32,7 +32,7 @@ from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from . import DTYPES, QUANTS
+from ..defaults import DTYPES, QUANTS
 from .base import left_pad
 from .quant import quantize
 

@@ -6,11 +6,9 @@ how many tokens are accepted, never the output law (which stays the target's, as
 
 ``int8``: torch's dynamic quantization (``quantize_dynamic``: int8 weights per output channel, activations
 quantized on the fly, fbgemm kernels) of every ``nn.Linear``, the output projection included; the rest of the
-model (embeddings, norms, attention over the cache) runs in float32. Measured once on an AVX2-only CPU (one
-896x4864 layer of the 0.5B draft, 2 threads; indicative, see docs/benchmarks.md): 0.16 ms for 1 row against 0.46 in bfloat16 and 0.52 in float32;
-0.28 ms for 9 rows against 3.8 and 2.1. The alternatives measured slower there: torch's int8 weight-only kernel
-(0.22 ms with bfloat16 activations, 2.5 with float32), its int4 weight-only kernel (0.34 ms), and torchao 0.18's
-int8 configurations without torch.compile (1.1-3.6 ms). CPU only: fbgemm has no CUDA kernels.
+model (embeddings, norms, attention over the cache) runs in float32. On an AVX2-only CPU it was the fastest of
+the int8 and int4 kernels torch and torchao offer without torch.compile (docs/results.md). CPU only: fbgemm has
+no CUDA kernels.
 
 ``quantize_dynamic`` is deprecated in torch 2.13 in favour of torchao (whose CPU kernels are the slow ones above);
 where a later torch removes it, asking for ``int8`` fails with that reason instead of silently running unquantized.
@@ -22,7 +20,7 @@ import warnings
 
 import torch
 
-from . import QUANTS
+from ..defaults import QUANTS
 
 
 def quantize(model: torch.nn.Module, quant: str) -> torch.nn.Module:

@@ -5,12 +5,14 @@
     verify_greedy  temperature 0: longest prefix matching the target's argmax
 
 All three take (draft_tokens [B, K], draft_probs [B, K, V] | None, target_probs [B, K+1, V]) and return a
-VerifyOutput. See base.py for the glossary and exact.py for closed forms given a drafted block.
+VerifyOutput. See base.py for the glossary and exact.py for closed forms given a drafted block (the law of
+tau, the gain of each drafted position) that length policies and the exact tests build on.
 """
 
-from .base import Randomness, VerifyOutput
-from .block import block_acceptance, verify_block
-from .exact import accepted_length_law, acceptance_survival, expected_accepted, final_distributions
+from .base import Randomness, VerifyOutput, positive_part_mass, row_chunks
+from .block import block_acceptance, block_weights, verify_block
+from .exact import (accepted_length_law, acceptance_survival, agreement, draft_distributions, expected_accepted,
+                    final_distributions, position_gains)
 from .greedy import verify_greedy
 from .token import token_acceptance, verify_token
 
@@ -22,9 +24,15 @@ __all__ = [
     "VerifyOutput",
     "accepted_length_law",
     "acceptance_survival",
+    "agreement",
     "block_acceptance",
+    "block_weights",
+    "draft_distributions",
     "expected_accepted",
     "final_distributions",
+    "position_gains",
+    "positive_part_mass",
+    "row_chunks",
     "token_acceptance",
     "verify_block",
     "verify_greedy",

@@ -10,6 +10,17 @@ from .base import (
 )
 
 
+def block_weights(log_ratio: torch.Tensor) -> torch.Tensor:
+    """log w_i [B, K+1] from log ratio_i [B, K]: w_0 = 1, w_i = min(1, w_{i-1} * ratio_i), capped at EVERY step.
+
+    Kept in log space: a product of ratios over- or underflows where its capped running value does not.
+    """
+    log_w = torch.zeros(log_ratio.shape[0], log_ratio.shape[1] + 1, dtype=log_ratio.dtype, device=log_ratio.device)
+    for i in range(log_ratio.shape[1]):
+        log_w[:, i + 1] = (log_w[:, i] + log_ratio[:, i]).clamp(max=0.0)
+    return log_w
+
+
 def block_acceptance(
     draft_tokens: torch.Tensor,  # [B, K] int64
     draft_probs: torch.Tensor | None,  # [B, K, V] or None (one-hot draft)
@@ -29,9 +40,7 @@ def block_acceptance(
     draft_at, target_at = probs_of_drafted(draft_tokens, draft_probs, target_probs)
     # Padding gets ratio 0 (log -inf), so w is 0 past a row's own draft and never NaN.
     log_ratio = (target_at.log() - draft_at.log()).masked_fill(~drafted, float("-inf"))  # [B, K]
-    log_w = torch.zeros(batch, draft_len + 1, dtype=target_probs.dtype, device=target_probs.device)
-    for i in range(draft_len):
-        log_w[:, i + 1] = (log_w[:, i] + log_ratio[:, i]).clamp(max=0.0)
+    log_w = block_weights(log_ratio)
     w = log_w.exp()
 
     # Z_i for the positions i = 1..m-1 below the longest row's draft m, all at once: [B, m-1].

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import final_distribution, prepare
-from .block import block_acceptance
+from .base import final_distribution, positive_part_mass, prepare
+from .block import block_acceptance, block_weights
 from .token import token_acceptance
 
 METHODS = ("token", "block")
@@ -92,6 +92,47 @@ def final_distributions(
         dist = final_distribution(draft_tokens, draft_probs, target_probs, num_draft, tau, log_w[:, i].exp())
         rows.append(dist / dist.sum(-1, keepdim=True))
     return torch.stack(rows, dim=1)
+
+
+def draft_distributions(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, vocab: int) -> torch.Tensor:
+    """The draft's distributions [B, K, V]: ``draft_probs``, or one-hot at ``draft_tokens`` [B, K] for a one-hot
+    draft (None: greedy, or a prompt lookup proposal)."""
+    if draft_probs is not None:
+        return draft_probs
+    return torch.nn.functional.one_hot(draft_tokens, vocab).float()
+
+
+def agreement(draft_probs: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """sum_v min(draft_probs[..., v], other[..., v]) per position, [B, K] from two [B, K, V]: the probability that
+    the token rule accepts position i's draft once the ones before it were, when ``other`` is the target."""
+    ones = torch.ones(draft_probs.shape[:2], dtype=draft_probs.dtype, device=draft_probs.device)
+    return 1.0 - positive_part_mass(ones, other, draft_probs)
+
+
+def position_gains(
+    draft_tokens: torch.Tensor,  # [B, K] int64
+    draft_probs: torch.Tensor,  # [B, K, V] (``draft_distributions`` for a one-hot draft)
+    other: torch.Tensor,  # [B, >=K, V]: the target's distributions (exact gains) or a stand-in's (a guess)
+    method: str,
+) -> torch.Tensor:
+    """g_i [B, K]: what verifying x_i adds to E[tau] once x_<i are drafted, so that E[tau] = sum of the first n.
+
+        token:  g_i = prod_{j<i} min(1, ratio_j) * sum_v min(draft_i(v), other_i(v))
+        block:  g_i = sum_v min(draft_i(v), w_{i-1} other_i(v))      (w as in ``block_weights``; Sun et al.)
+
+    Column i depends on x_<i and the distributions at position i, never on x_i: a length policy that decides
+    on position i from it is a stopping rule, so verification stays lossless whatever ``other`` is.
+    """
+    _check_method(method)
+    other = other[:, : draft_tokens.shape[1]]
+    index = draft_tokens[..., None]
+    draft_at = draft_probs.gather(-1, index).squeeze(-1).clamp(min=torch.finfo(draft_probs.dtype).tiny)
+    log_ratio = other.gather(-1, index).squeeze(-1).log() - draft_at.log()  # [B, K]; -inf where other is 0
+    if method == "token":
+        shifted = torch.nn.functional.pad(log_ratio.clamp(max=0.0), (1, 0))[:, :-1]  # column i: log min(1, ratio_{i-1})
+        return shifted.cumsum(-1).exp() * agreement(draft_probs, other)  # prod_{j<i} min(1, ratio_j) * overlap_i
+    w = block_weights(log_ratio)[:, :-1].exp()  # w_0 .. w_{K-1}
+    return w - positive_part_mass(w, other, draft_probs)  # sum_v min(draft_i, w_{i-1} other_i)
 
 
 def _check_method(method: str) -> None:

@@ -10,30 +10,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
-from ..models.presets import cache_root  # stdlib only: imports neither torch nor transformers
-
-DEFAULT_COMPANION = "prefix:8"
-
-
-def sv_dir() -> Path:
-    """Where profiles go by default: ``sv/`` in the model cache, read at each call (``presets.cache_root``)."""
-    return cache_root() / "sv"
+from ..defaults import COMPANION, DRAFT, DTYPES, SV_BATCH_SIZES, SV_PREDICTOR, TARGET
+from ..policy.profiles import latency_path, profile_path, sampling_key, sv_dir  # stdlib only: no torch
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options that name an SV configuration (shared by generate and sv calibrate)."""
-    parser.add_argument("--companion", default=DEFAULT_COMPANION,
+    parser.add_argument("--companion", default=COMPANION,
                         help="companion model sharing the target's tokenizer, or prefix:K for the target's own first K "
                         "layers (shared weights, no extra memory) (default: %(default)s)")
-    parser.add_argument("--sv-predictor", default="draft", choices=["companion", "draft"],
+    parser.add_argument("--sv-predictor", default=SV_PREDICTOR, choices=["companion", "draft"],
                         help="features that predict acceptance: draft only (no companion forward), or draft and "
-                        "companion. Draft-only is the default because on the bundled pair the target-prefix "
-                        "companions carried no measurable information for their cost (docs/benchmarks.md) "
-                        "(default: %(default)s)")
+                        "companion (docs/guide/sv.md says when a companion pays) (default: %(default)s)")
     parser.add_argument("--sv-profile", type=Path, help="calibration profile (default: the one `blockspec sv calibrate` "
                         f"saved for these models and sampling under {sv_dir()})")
     parser.add_argument("--latency", type=Path, help="latency profile (default: the one `blockspec sv profile` saved "
@@ -70,7 +61,7 @@ def positive_float(text: str) -> float:
     return value
 
 
-def add_parsers(sub, defaults: dict) -> None:
+def add_parsers(sub) -> None:
     sv = sub.add_parser("sv", help="Speculative Verification: measure latency, calibrate the acceptance predictor",
                         description="Speculative Verification (Kim et al., arXiv 2509.24328) verifies, per row and "
                         "step, only the drafted tokens predicted to pay for their cost. It needs two profiles for "
@@ -83,9 +74,9 @@ def add_parsers(sub, defaults: dict) -> None:
                                 "the draft's forwards over 1, 2 and 4 tokens (a step's first draft forward catches up) "
                                 "and the companion's forward, each with the processing of its logits into "
                                 "probabilities; cells take turns so drift is shared; save the table.")
-    _model_arguments(profile, defaults)
-    profile.add_argument("--companion", default=DEFAULT_COMPANION, help="(default: %(default)s); 'none' for no companion")
-    profile.add_argument("--batch-sizes", type=int_at_least(1), nargs="+", default=[1, 4, 16, 32, 64],
+    _model_arguments(profile)
+    profile.add_argument("--companion", default=COMPANION, help="(default: %(default)s); 'none' for no companion")
+    profile.add_argument("--batch-sizes", type=int_at_least(1), nargs="+", default=list(SV_BATCH_SIZES),
                          help="(default: %(default)s)")
     profile.add_argument("--tokens", type=int_at_least(1), nargs="+", default=[1, 2, 3, 5, 9],
                          help="tokens per row in one forward (default: %(default)s)")
@@ -103,7 +94,7 @@ def add_parsers(sub, defaults: dict) -> None:
                                   "each token adds to the expected accepted length, fit draft-only and "
                                   "draft+companion predictors for both rules, and report held-out log-loss and Brier "
                                   "score (the companion's information gain) with a calibration plot.")
-    _model_arguments(calibrate, defaults)
+    _model_arguments(calibrate)
     add_arguments(calibrate)
     calibrate.add_argument("--dataset", default="sharegpt",
                            help="calibration prompts; keep them disjoint from your evaluation sets (default: %(default)s)")
@@ -128,7 +119,7 @@ def add_parsers(sub, defaults: dict) -> None:
     replay.add_argument("--recording", type=Path, required=True, help="recorded positions (torch file)")
     replay.add_argument("--sv-profile", type=Path, required=True, help="calibration profile")
     replay.add_argument("--latency", type=Path, required=True, help="latency profile")
-    replay.add_argument("--batch-sizes", type=int_at_least(1), nargs="+", default=[1, 4, 16, 32, 64],
+    replay.add_argument("--batch-sizes", type=int_at_least(1), nargs="+", default=list(SV_BATCH_SIZES),
                         help="(default: %(default)s)")
     replay.add_argument("--methods", nargs="+", default=["token", "block"], choices=["token", "block"])
     replay.add_argument("--steps", type=int_at_least(1), default=300, help="replayed steps per batch size (default: %(default)s)")
@@ -136,63 +127,35 @@ def add_parsers(sub, defaults: dict) -> None:
     replay.set_defaults(run=run_replay)
 
 
-def _model_arguments(parser, defaults: dict) -> None:
-    parser.add_argument("--target", default=defaults["target"], help="(default: %(default)s)")
-    parser.add_argument("--draft", default=defaults["draft"], help="(default: %(default)s)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+def _model_arguments(parser) -> None:
+    parser.add_argument("--target", default=TARGET, help="(default: %(default)s)")
+    parser.add_argument("--draft", default=DRAFT, help="(default: %(default)s)")
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES,
                         help="(default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
     parser.add_argument("--allow-download", action="store_true", help=ALLOW_DOWNLOAD_HELP)
 
 
-def sampling_key(sampling) -> dict:
-    return {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
-
-
-def profile_path(target: str, draft: str, companion: str | None, sampling: dict) -> Path:
-    temperature = "T{temperature:g}-k{top_k}-p{top_p:g}".format(**sampling)
-    return sv_dir() / f"calibration-{_slug(target, draft, companion)}-{temperature}.json"
-
-
-def latency_path(target: str, draft: str, companion: str | None, dtype: str, device: str) -> Path:
-    return sv_dir() / f"latency-{_slug(target, draft, companion)}-{dtype}-{device}.json"
-
-
-def _slug(*names) -> str:
-    return "-".join(re.sub(r"[^A-Za-z0-9.:-]+", "_", Path(str(n)).name).replace(":", "") for n in names)
-
-
 def build_policy(config, target, sampling):
-    """(SVPolicy, companion model or None) for ``blockspec generate --policy sv``."""
+    """(SVPolicy, companion model or None) for ``blockspec generate --policy sv``: the profiles saved for the
+    model names the user typed (a quantized draft keeps its name)."""
     from ..models.companion import load_companion
     from ..policy import SVPolicy
-    from .latency import LatencyProfile
-    from .predictor import Profile
 
     companion_name = config.companion if config.sv_predictor == "companion" else None
-    profile = Profile.load(require_file(config.sv_profile or profile_path(
-        config.target, config.draft, config.companion, sampling_key(sampling)), "sv calibrate"))
-    profile.check(target=config.target, draft=config.draft, companion=config.companion, sampling=sampling_key(sampling))
-    latency = LatencyProfile.load(require_file(config.latency or latency_path(
-        config.target, config.draft, config.companion, config.dtype, str(target.device)), "sv profile"))
-    latency.check(config.target, config.draft, config.companion, config.dtype, target.device)
-    method = "token" if config.verifier == "token" else "block"  # greedy: the token rule's gains
-    policy = SVPolicy(profile, latency, method=method, max_draft=config.draft_len, kind=config.sv_predictor)
+    policy = SVPolicy.from_cache(target, None, sampling=sampling, method="token" if config.verifier == "token" else
+                                 "block", max_draft=config.draft_len, kind=config.sv_predictor,
+                                 companion=config.companion, profile=config.sv_profile, latency=config.latency,
+                                 names=(config.target, config.draft))
     companion = load_companion(companion_name, target, dtype=config.dtype, device=config.device,
                                allow_download=config.allow_download) if companion_name else None
     return policy, companion
 
 
-def require_file(path: Path, command: str) -> Path:
-    if not Path(path).exists():
-        raise FileNotFoundError(f"{path} does not exist: run `blockspec {command}` with the same models first")
-    return Path(path)
-
-
 def run_profile(args) -> int:
     from ..models.companion import load_companion
+    from ..auto import measure_profile
     from ..models.hf import load_model, resolve_device
-    from .latency import measure_profile
 
     resolve_device(args.device)  # a device torch cannot use is refused before the models load
     target = load_model(args.target, dtype=args.dtype, device=args.device, allow_download=args.allow_download)
@@ -218,13 +181,13 @@ def run_profile(args) -> int:
 
 
 def run_calibrate(args) -> int:
+    from ..bench.calibrate import Recorder, fit_profile, record
     from ..bench.datasets import load as load_prompts
-    from ..chat import encode_prompt
     from ..engine import SpeculativeDecoder
+    from ..models.chat import encode_prompt
     from ..models.companion import load_companion
     from ..models.hf import load_model, resolve_device
     from ..sampling import SamplingParams
-    from .calibrate import Recorder, fit_profile, record
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)  # values checked before the models load
     resolve_device(args.device)
@@ -277,10 +240,10 @@ def plot_calibration(report: dict, path: Path, title: str) -> None:
 
 
 def run_replay(args) -> int:
-    from .calibrate import Recording
-    from .latency import LatencyProfile
-    from .predictor import Profile
-    from .replay import replay
+    from ..bench.calibrate import Recording
+    from ..bench.replay import replay
+    from ..policy.latency import LatencyProfile
+    from ..policy.predictor import Profile
 
     recording, profile = Recording.load(args.recording), Profile.load(args.sv_profile)
     latency = LatencyProfile.load(args.latency)

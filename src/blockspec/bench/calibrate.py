@@ -3,7 +3,7 @@
 ``record`` runs ordinary speculative decoding (every drafted token verified, token rule) on calibration prompts
 with a recording policy. Per row and step it keeps, for the K drafted positions: the draft-only features, the
 companion's plug-in gain and overlap under each rule, the exact gains under each rule (from the target's
-distributions, ``features.gains``), and the accepted length. ``fit_profile`` fits a draft-only and a
+distributions, ``blockspec.verify.position_gains``), and the accepted length. ``fit_profile`` fits a draft-only and a
 draft+companion predictor per rule on some prompts and reports held-out log-loss and Brier score on the others
 (the companion's information gain). ``replay`` evaluates any length policy offline on recorded steps against a
 latency table, with a hindsight oracle that knows how many tokens the target accepts.
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from ..policy import FixedLength, stopping_lengths
-from ..verify import expected_accepted
-from .features import as_probs, companion_features, draft_features, gains, prefix_logprob
-from .predictor import MONOTONE, Predictor, Profile, evaluate, feature_names
+from ..policy.features import companion_features, draft_features, prefix_logprob
+from ..policy.predictor import MONOTONE, Predictor, Profile, evaluate, feature_names
+from ..verify import draft_distributions, expected_accepted, position_gains
 
 METHODS = ("token", "block")
 
@@ -73,7 +73,7 @@ class Recorder(FixedLength):
         return True
 
     def lengths(self, draft_tokens, draft_probs, companion_probs, num_draft):
-        probs = as_probs(draft_tokens, draft_probs, companion_probs.shape[-1])
+        probs = draft_distributions(draft_tokens, draft_probs, companion_probs.shape[-1])
         draft = torch.stack(self._draft[: draft_tokens.shape[1]], 1)
         self._pending = {"draft": draft, "companion": {
             m: companion_features(draft_tokens, probs, companion_probs, m, draft) for m in METHODS}}
@@ -82,8 +82,8 @@ class Recorder(FixedLength):
     def observe(self, rows, draft_tokens, draft_probs, target_probs, num_draft, accepted) -> None:
         if draft_tokens.shape[1] < self.draft_len:
             return  # a row's last step: fewer drafted positions than the recording's width
-        probs = as_probs(draft_tokens, draft_probs, target_probs.shape[-1])
-        labels = {m: gains(draft_tokens, probs.double(), target_probs.double(), m).float() for m in METHODS}
+        probs = draft_distributions(draft_tokens, draft_probs, target_probs.shape[-1])
+        labels = {m: position_gains(draft_tokens, probs.double(), target_probs.double(), m).float() for m in METHODS}
         for b in range(len(draft_tokens)):
             self.rows.append({
                 "prompt": self.offset + rows[b], "num_draft": int(num_draft[b]), "accepted": int(accepted[b]),

@@ -15,22 +15,18 @@ human-readable JSON:
 from __future__ import annotations
 
 import json
-import platform
 import re
-import statistics
-import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
-from ..policy import LatencyTable
-from ..sampling import SamplingParams, process, sample
+from .base import LatencyTable
 
 SCHEMA = 1
-DRAFT_TOKENS = (1, 2, 4)  # a step's first draft forward catches up (1 token, 2 after a fully accepted step, more
-# after steps that did not draft); each later one scores a single token
+# The draft tokens per row a profile measures: a step's first draft forward catches up (1 token, 2 after a fully
+# accepted step, more after steps that did not draft); each later one scores a single token.
+DRAFT_TOKENS = (1, 2, 4)
 META_FIELDS = ("date", "target", "draft", "companion", "dtype", "device", "torch_threads", "torch", "machine",
                "processor", "context", "repeats")
 _RERUN = "run `blockspec sv profile` to measure a profile for these models on this machine"
@@ -62,7 +58,7 @@ class LatencyProfile:
     def check(self, target_name: str, draft_name: str, companion_name: str | None, dtype, device) -> None:
         """Raise ValueError naming the first field that differs from what the profile was measured for."""
         wanted = {"target": target_name, "draft": draft_name, "companion": companion_name,
-                  "dtype": _dtype_name(dtype), "device": str(torch.device(device))}
+                  "dtype": dtype_name(dtype), "device": str(torch.device(device))}
         for field, value in wanted.items():
             if self.meta[field] != value:
                 raise ValueError(f"latency profile was measured for {field} {self.meta[field]}, not {value}: {_RERUN}")
@@ -89,86 +85,7 @@ class LatencyProfile:
         return cls(**tables, companion=companion, meta=data["meta"])
 
 
-def measure_profile(
-    target,
-    draft,
-    companion=None,
-    *,
-    batch_sizes: tuple[int, ...] = (1, 4, 16, 32, 64),
-    tokens: tuple[int, ...] = (1, 2, 3, 5, 9),
-    context: int = 160,
-    repeats: int = 3,
-    progress: bool = True,
-) -> LatencyProfile:
-    """Time what a step does with each model: a ``forward`` of n tokens per row on B rows of ``context`` cached
-    tokens, then the processing of its logits into probabilities at temperature 1 (the target's and the
-    companion's at every position, the draft's at the last one, which it also samples from; the draft at n in
-    DRAFT_TOKENS). Median of ``repeats`` after one warm-up round; within a batch size the cells take turns, so
-    the machine's drift is shared by all of them. Token ids are random (seeded), which costs the same as text.
-    Each model's batch is replaced by an empty one at the end, so its next prefill starts clean.
-    """
-    from tqdm.auto import tqdm
-
-    models = {"target": (target, tokens), "draft": (draft, DRAFT_TOKENS)}
-    if companion is not None:
-        models["companion"] = (companion, tokens)
-    vocab = min(model.vocab_size for model, _ in models.values())
-    generator = torch.Generator().manual_seed(0)
-    seconds = {name: [] for name in models}  # name -> rows over batch_sizes
-    calls = len(batch_sizes) * sum(len(grid) for _, grid in models.values()) * (1 + repeats)
-    with torch.inference_mode(), tqdm(total=calls, disable=not progress, unit="call") as bar:
-        for batch in batch_sizes:
-            bar.set_description(f"B={batch}")
-            prompts = torch.randint(vocab, (batch, context), generator=generator).tolist()
-            cells = {}  # (name, n) -> the n tokens per row it scores
-            for name, (model, grid) in models.items():
-                model.prefill(prompts)  # replaces the previous batch size's cache
-                cells |= {(name, n): torch.randint(vocab, (batch, n), generator=generator) for n in grid}
-            times = {cell: [] for cell in cells}
-            for _ in range(1 + repeats):  # the first round warms up (allocation, kernel selection) and is not kept
-                for (name, n), step in cells.items():
-                    times[name, n].append(step_seconds(models[name][0], step.to(models[name][0].device),
-                                                       last_only=name == "draft"))
-                    bar.update()
-            for name, (_, grid) in models.items():
-                # finer than microseconds is timer noise
-                seconds[name].append(tuple(round(statistics.median(times[name, n][1:]), 6) for n in grid))
-    for model, _ in models.values():
-        model.prefill([])  # frees the last batch
-    tables = {name: LatencyTable(tuple(batch_sizes), tuple(grid), tuple(seconds[name]))
-              for name, (_, grid) in models.items()}
-    meta = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "target": _name(target), "draft": _name(draft), "companion": None if companion is None else _name(companion),
-        "dtype": _dtype_name(getattr(target, "dtype", None)), "device": str(target.device),
-        "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.platform(),
-        "processor": platform.processor() or platform.machine(), "context": context, "repeats": repeats,
-    }
-    return LatencyProfile(tables["target"], tables["draft"], tables.get("companion"), meta)
-
-
-def step_seconds(model, step: torch.Tensor, last_only: bool) -> float:
-    """Wall time of ``model.forward(step)`` [B, n] and the processing of its logits (the last position's alone,
-    and a token sampled from it, if ``last_only``), rolling back to the prefilled rows afterwards."""
-    prefilled, valid = model.lengths.clone(), torch.ones_like(step, dtype=torch.bool)
-    start = time.perf_counter()
-    logits = model.forward(step, valid)
-    if last_only:
-        sample(process(logits[:, -1], SamplingParams()), torch.full((len(step),), 0.5, dtype=torch.float64))
-    else:
-        process(logits, SamplingParams())
-    if step.device.type == "cuda":  # CUDA kernels run asynchronously: wait before stopping the clock
-        torch.cuda.synchronize(step.device)
-    seconds = time.perf_counter() - start
-    model.rollback(prefilled)
-    return seconds
-
-
-def _name(model) -> str:
-    return getattr(model, "name", None) or type(model).__name__
-
-
-def _dtype_name(dtype) -> str:
+def dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")  # torch.bfloat16 and "bfloat16" alike -> "bfloat16"
 
 

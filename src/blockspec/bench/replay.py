@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from ..policy import SVPolicy
+from ..policy.features import DRAFT_FEATURES
 from .calibrate import Recording
-from .features import DRAFT_FEATURES
 
 CATCH_UP = 2  # tokens the draft's first forward of a step reads
 

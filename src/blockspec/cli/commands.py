@@ -13,12 +13,11 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .bench.records import CONFIGS, KNOWN_CONFIGS
-from .models import DTYPES, QUANTS
-from .sv import cli as sv_cli
+from ..bench.records import CONFIGS, KNOWN_CONFIGS
+from .. import defaults
+from ..defaults import DTYPES, QUANTS
+from . import sv as sv_cli
 
-DEFAULT_TARGET = "qwen2.5-coder-1.5b"
-DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
 DRAFTERS = ("model", "lookup", "lookup+model")
 
 EXAMPLES = """examples:
@@ -93,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 def _is_user_error(error: Exception) -> bool:
     """Errors that mean "this input cannot be used" (exit 2) rather than a bug (exit 1): bad values, missing or
     unreadable files and models (transformers reports those as OSError), missing packages, unusable presets."""
-    from .models.presets import PresetError  # stdlib only: cheap, and only on the error path
+    from ..models.presets import PresetError  # stdlib only: cheap, and only on the error path
 
     return isinstance(error, (ValueError, OSError, ImportError, PresetError))
 
@@ -128,8 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     gen.add_argument("prompts", nargs="*", help="prompt texts (default: read one prompt from stdin)")
-    gen.add_argument("--target", default=DEFAULT_TARGET, help="the model whose distribution is kept (default: %(default)s)")
-    gen.add_argument("--draft", default=DEFAULT_DRAFT, help="the small model that proposes tokens (default: %(default)s)")
+    gen.add_argument("--target", default=defaults.TARGET,
+                     help="the model whose distribution is kept (default: %(default)s)")
+    gen.add_argument("--draft", default=defaults.DRAFT,
+                     help="the small model that proposes tokens (default: %(default)s)")
     gen.add_argument("--verifier", default="block", choices=["block", "token", "greedy", "none"],
                      help="verification rule; 'none' decodes with the target alone (default: %(default)s)")
     gen.add_argument("--drafter", default="model", choices=DRAFTERS,
@@ -239,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="rerun the runs a previous call recorded as failed (default: keep their failure records)")
     bench.set_defaults(run=run_bench)
 
-    from .bench.alignment import AlignConfig  # stdlib-only at import: --help stays instant
+    from ..bench.alignment import AlignConfig  # stdlib-only at import: --help stays instant
 
     align_defaults = AlignConfig()
     align = sub.add_parser(
@@ -261,9 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
         "  python -m blockspec.bench.alignment --records results/align/records.jsonl --out results/align  # re-report",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    align.add_argument("--target", default=DEFAULT_TARGET,
+    align.add_argument("--target", default=defaults.TARGET,
                        help="the model whose distribution is kept (default: %(default)s)")
-    align.add_argument("--draft", default=DEFAULT_DRAFT,
+    align.add_argument("--draft", default=defaults.DRAFT,
                        help="the small model that proposes tokens (default: %(default)s)")
     align.add_argument("--datasets", nargs="+", default=list(align_defaults.datasets),
                        help="prompt sets (see blockspec.bench.datasets.DATASETS) (default: %(default)s)")
@@ -301,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "only)")
     models.set_defaults(run=run_models)
 
-    sv_cli.add_parsers(sub, {"target": DEFAULT_TARGET, "draft": DEFAULT_DRAFT})
+    sv_cli.add_parsers(sub)
 
     env = sub.add_parser("env", help="versions, threads, device, CPU flags and the arithmetic chosen for this machine, "
                          "to paste into a bug report")
@@ -325,11 +326,11 @@ def run_generate(args) -> int:
 
 
 def generate(config: GenerateConfig) -> int:
-    from .chat import encode_prompt
-    from .engine import SpeculativeDecoder
-    from .lookup import PromptLookup
-    from .models.hf import load_model, resolve_device
-    from .sampling import SamplingParams
+    from ..models.chat import encode_prompt
+    from ..engine import SpeculativeDecoder
+    from ..lookup import PromptLookup
+    from ..models.hf import load_model, resolve_device
+    from ..sampling import SamplingParams
 
     # Everything that can be checked without a model is checked first: a bad value costs a second, not the minutes
     # a large model takes to load.
@@ -343,7 +344,8 @@ def generate(config: GenerateConfig) -> int:
         if config.drafter == "lookup":  # no draft model: the lengths of lookup proposals adapt on their own
             config = replace(config, policy="fixed")
     if config.draft_len is None:  # the most a step drafts under auto; the length itself under fixed and sv
-        config = replace(config, draft_len=8 if config.policy == "auto" else 4)
+        most = defaults.ADAPTIVE_MAX_DRAFT if config.policy == "auto" else defaults.MAX_DRAFT
+        config = replace(config, draft_len=most)
     config = _resolve_arithmetic(config, device)
     models = {}
     for role, name, quant in (("target", config.target, config.target_quant), ("draft", config.draft, config.draft_quant)):
@@ -395,7 +397,7 @@ def generate(config: GenerateConfig) -> int:
 def _resolve_arithmetic(config: GenerateConfig, device) -> GenerateConfig:
     """``config`` with ``dtype="auto"`` and ``draft_quant="auto"`` replaced by what this machine runs fastest
     (``blockspec.auto``: a probe measured once per machine and cached)."""
-    from .auto import choose_arithmetic
+    from ..auto import choose_arithmetic
 
     if config.dtype != "auto" and (config.draft_quant != "auto" or config.draft is None):
         return config
@@ -410,7 +412,7 @@ def _resolve_arithmetic(config: GenerateConfig, device) -> GenerateConfig:
 def _adaptive_policy(config: GenerateConfig, target, draft):
     """``policy.AdaptiveLength`` over this machine's measured step latency, or None (after saying so) where no
     draft length is expected to beat the target alone."""
-    from .auto import adaptive_policy, latency_probe
+    from ..auto import adaptive_policy, latency_probe
 
     batch = len(config.prompts)
     _status("step latency of these models on this machine (measured on the first run, then cached)")
@@ -496,9 +498,9 @@ class _Streamer:
 def run_bench(args) -> int:
     from dataclasses import replace
 
-    from .bench import report, runner
-    from .models.hf import resolve_device
-    from .sampling import SamplingParams
+    from ..bench import report, runner
+    from ..models.hf import resolve_device
+    from ..sampling import SamplingParams
 
     preset = runner.PRESETS[args.preset]
     overrides = {name: getattr(args, name) for name in (
@@ -518,9 +520,9 @@ def run_bench(args) -> int:
 
 
 def run_align(args) -> int:
-    from .bench import alignment
-    from .models.hf import resolve_device
-    from .sampling import SamplingParams
+    from ..bench import alignment
+    from ..models.hf import resolve_device
+    from ..sampling import SamplingParams
 
     config = alignment.AlignConfig(
         target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, datasets=tuple(args.datasets),
@@ -536,7 +538,7 @@ def run_align(args) -> int:
 
 
 def run_models(args) -> int:
-    from .models import presets
+    from ..models import presets
 
     rows = presets.status_all()
     # one message per file that differs, naming it and the fix
@@ -578,8 +580,8 @@ def run_env(args) -> int:
 
     import torch
 
-    from . import __version__, machine
-    from .auto import choose_arithmetic, native_bf16
+    from .. import __version__, machine
+    from ..auto import choose_arithmetic, native_bf16
 
     def version(package: str) -> str:
         try:

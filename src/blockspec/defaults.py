@@ -1,0 +1,14 @@
+"""Every default a user can see, in one place: the CLI, the bench and the library read them from here.
+
+Stdlib only (no torch), so ``blockspec --help`` lists them instantly.
+"""
+
+TARGET = "qwen2.5-coder-1.5b"  # the bundled pair: a preset name (blockspec.models.presets)
+DRAFT = "qwen2.5-coder-0.5b"
+DTYPES = ("bfloat16", "float16", "float32")  # model weights and activations
+QUANTS = ("int8",)  # weight quantizations of a model's linear layers (blockspec.models.quant)
+MAX_DRAFT = 4  # tokens a step drafts per row under a fixed length (and the most SV drafts)
+ADAPTIVE_MAX_DRAFT = 8  # the most a step drafts when the length adapts to measured latency (AdaptiveLength)
+COMPANION = "prefix:8"  # SV's companion: the target's own first 8 layers (shared weights)
+SV_PREDICTOR = "draft"  # SV's features: draft-only (no companion forward)
+SV_BATCH_SIZES = (1, 4, 16, 32, 64)  # the batch sizes an SV latency profile measures and replays

@@ -1,0 +1,124 @@
+"""The length-policy contract, and the stopping rule that keeps an adaptive length lossless.
+
+A length policy decides, each step, how many tokens each row drafts and how many of them the target verifies.
+Verifying the first L drafted tokens is lossless only if the decision to include x_i is a *stopping rule*: it
+may use x_<i, the distributions at position i, other rows and latency figures, never x_i itself (docs/algorithms.md,
+"Adaptive lengths"). ``LengthPolicy`` states, hook by hook, what the engine has when it asks; ``stopping_lengths``
+is the search every adaptive length here uses: it extends L one position at a time and stops at the first whose
+marginal gain does not pay (a global argmax over L would be look-ahead: later predictions use x_i).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Callable, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class LengthPolicy(Protocol):
+    """How many tokens each row drafts and verifies; the engine calls these hooks, in this order, each step.
+
+    Glossary: B rows in this step, K = the positions drafted this step, V the vocabulary; position i (1-based) is
+    the i-th drafted token x_i. What each hook may look at is what keeps verification lossless; the engine hands
+    it nothing more:
+
+    - ``reset()``: at the start of each ``generate`` call. A policy that learns online forgets what it learnt,
+      unless it was built to carry its state over calls (then a call's output depends on the calls before it).
+    - ``draft_budget(batch, catch_up) -> int``: before drafting, the most positions any row drafts this step
+      (0: a plain target step). Known: the batch size, the tokens the draft's first forward must catch up on,
+      everything from earlier steps.
+    - ``draft_next(i, prefix) -> bool``: before the draft's forward for position i > 1. Known: x_<i, through
+      ``prefix`` [B] float64 = sum_{j<i} log draft(x_j).
+    - ``keep_drafting(i, probs, prefix) -> bool``: once the draft's distribution ``probs`` [B, V] at position i is
+      known and before x_i is sampled.
+    - ``lengths(draft_tokens, draft_probs, companion_probs, num_draft) -> [B] int64``: after drafting (and the
+      companion's scoring, if ``needs_companion``), each row's verified length, at most ``num_draft`` [B]. Known:
+      the whole block [B, K], the draft's distributions [B, K, V] (None when greedy), the companion's [B, K+1, V]
+      or None. Lossless only if the decision to verify x_i reads columns < i of the tokens and columns <= i of
+      the distributions (``stopping_lengths``): never x_i itself.
+    - ``observe(rows, draft_tokens, draft_probs, target_probs, num_draft, accepted)``: after verification, for
+      later steps only. ``num_draft`` [B] counts the positions of each row that the draft model drafted and the
+      target verified (0 for a row whose draft was a prompt lookup proposal); ``accepted`` [B] = tau per row.
+
+    ``max_draft``: the most any step drafts (the engine sizes its random draws by it). ``needs_companion``: whether
+    ``lengths`` needs a companion model's distributions.
+    """
+
+    needs_companion: bool
+
+    @property
+    def max_draft(self) -> int: ...
+
+    def reset(self) -> None: ...
+
+    def draft_budget(self, batch: int, catch_up: int) -> int: ...
+
+    def draft_next(self, position: int, prefix: torch.Tensor) -> bool: ...
+
+    def keep_drafting(self, position: int, probs: torch.Tensor, prefix: torch.Tensor) -> bool: ...
+
+    def lengths(self, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                companion_probs: torch.Tensor | None, num_draft: torch.Tensor) -> torch.Tensor: ...
+
+    def observe(self, rows: list[int], draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                target_probs: torch.Tensor, num_draft: torch.Tensor, accepted: torch.Tensor) -> None: ...
+
+
+@dataclass(frozen=True)
+class LatencyTable:
+    """Measured step latency (seconds) over (batch size, tokens scored per row), interpolated linearly in both."""
+
+    batch_sizes: tuple[int, ...]  # increasing
+    tokens: tuple[int, ...]  # increasing; tokens per row in the target forward (verified drafts + 1)
+    seconds: tuple[tuple[float, ...], ...]  # seconds[i][j] at (batch_sizes[i], tokens[j])
+
+    def __post_init__(self):
+        if list(self.batch_sizes) != sorted(set(self.batch_sizes)) or list(self.tokens) != sorted(set(self.tokens)):
+            raise ValueError("latency table axes must be strictly increasing")
+        if len(self.seconds) != len(self.batch_sizes) or any(len(r) != len(self.tokens) for r in self.seconds):
+            raise ValueError("latency table seconds must be [len(batch_sizes)][len(tokens)]")
+
+    def __call__(self, batch: int, tokens: int) -> float:
+        rows = [_interpolate(self.tokens, row, tokens) for row in self.seconds]
+        return _interpolate(self.batch_sizes, rows, batch)
+
+
+def _interpolate(xs: tuple[int, ...], ys, x: float) -> float:
+    """Piecewise-linear through (xs, ys), extended linearly past either end."""
+    if len(xs) == 1:
+        return float(ys[0])
+    i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
+    x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+    return float(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def stopping_lengths(
+    gains: torch.Tensor,  # [B, K]: predicted gain of verifying x_i, from information available before x_i
+    num_draft: torch.Tensor,  # [B] int64: drafted tokens available per row
+    step_seconds: Callable[[int], float],  # verification width (drafted tokens per row) -> seconds of the step
+    paid: Callable[[int], float] = lambda position: 0.0,  # seconds already spent when position i is decided
+) -> torch.Tensor:
+    """Per-row verification lengths L [B] maximising batch goodput by a stopping rule.
+
+    Goodput = sum_b (1 + sum_{i <= L_b} gains[b, i]) / (paid + step_seconds(max_b L_b)). The batch's forward is
+    padded to its widest row, so its cost depends on the width alone, and once the width reaches i every row that
+    drafted x_i adds to the expected output at no extra cost: the width grows one position at a time while
+    the rows' summed gains at the next position pay for it, and stops at the first position that does not
+    (a global argmax would be look-ahead). Column i of ``gains`` may depend only on what was known before
+    x_{i+1} was sampled, so the verified length is a stopping time and verification stays lossless whatever
+    the predictor. Each row then verifies min(width, num_draft[b]). ``paid(i)`` (sunk costs, such as the
+    drafting already done) must likewise depend on i alone, not on how far drafting went.
+    """
+    limit = num_draft.tolist()
+    gains = gains.double().cpu().tolist()
+    emitted, width = float(len(limit)), 0
+    for i in range(len(gains[0]) if gains else 0):
+        gained, sunk = sum(row[i] for row, n in zip(gains, limit) if n > i), paid(i + 1)
+        if not any(n > i for n in limit) or (emitted + gained) / (sunk + step_seconds(i + 1)) <= emitted / (
+                sunk + step_seconds(i)):
+            break
+        emitted, width = emitted + gained, i + 1
+    return num_draft.clamp(max=width)

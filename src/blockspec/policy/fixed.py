@@ -1,0 +1,94 @@
+"""Length policies for the standard rules: a fixed draft length, and one chosen each step from measured latency."""
+
+from __future__ import annotations
+
+import torch
+
+from ..defaults import ADAPTIVE_MAX_DRAFT
+from ..sampling import is_int
+from ..verify import agreement, draft_distributions
+
+
+class FixedLength:
+    """Standard speculative decoding: draft ``draft_len`` tokens every step and verify them all (a
+    ``LengthPolicy`` that learns nothing)."""
+
+    needs_companion = False
+
+    def __init__(self, draft_len: int):
+        self.draft_len = draft_len
+
+    @property
+    def max_draft(self) -> int:
+        return self.draft_len
+
+    def reset(self) -> None:
+        pass
+
+    def draft_budget(self, batch: int, catch_up: int) -> int:
+        return self.draft_len
+
+    def draft_next(self, position: int, prefix: torch.Tensor) -> bool:
+        return True
+
+    def keep_drafting(self, position: int, probs: torch.Tensor, prefix: torch.Tensor) -> bool:
+        return True
+
+    def lengths(self, draft_tokens, draft_probs, companion_probs, num_draft: torch.Tensor) -> torch.Tensor:
+        return num_draft
+
+    def observe(self, rows, draft_tokens, draft_probs, target_probs, num_draft, accepted) -> None:
+        pass
+
+
+class AdaptiveLength(FixedLength):
+    """Each step drafts the K (0 = a plain target step) that maximises expected tokens per second, from the
+    step latency measured on this machine and the acceptance seen so far: the default, so that decoding is never
+    planned slower than the target alone.
+
+    A step drafting K emits 1 + a + a^2 + ... + a^K tokens in expectation when each drafted token is accepted
+    with probability a once the ones before it were (the token rule; the block rule accepts at least as many),
+    and costs the draft's forwards (the first catching up on what the draft has not read) and the target's
+    forward over K + 1 tokens, from ``latency``. ``acceptance`` a starts at ``prior`` (0.8 is about what the
+    bundled 0.5B draft gets from the 1.5B target at temperature 1) and follows, with weight 1 - ``memory`` per
+    step, the exact acceptance probability sum_v min(draft, target) of the positions each step verified. K is
+    decided before the step drafts, from earlier steps only, so verification stays lossless whatever it is.
+    Where even the prior cannot pay for a draft (a machine on which a multi-token forward costs nearly as much
+    per token as a plain step), ``best_length`` is 0 from the first step and stays 0: the caller can say so.
+    """
+
+    def __init__(self, latency, *, max_draft: int = ADAPTIVE_MAX_DRAFT, prior: float = 0.8, memory: float = 0.9,
+                 carry_over: bool = False):
+        if not (is_int(max_draft) and max_draft >= 1) or not 0 < prior < 1 or not 0 <= memory < 1:
+            raise ValueError(f"need max_draft >= 1, 0 < prior < 1 and 0 <= memory < 1; got {max_draft}, {prior}, "
+                             f"{memory}")
+        super().__init__(max_draft)
+        self.latency, self.memory, self.prior, self.carry_over = latency, memory, prior, carry_over
+        self.acceptance = prior
+
+    def reset(self) -> None:
+        """Back to the prior acceptance at each ``generate`` call, unless built with ``carry_over=True``: then a
+        call starts from what earlier calls learnt, so its draft lengths (its speed, never its law) depend on them."""
+        if not self.carry_over:
+            self.acceptance = self.prior
+
+    def best_length(self, batch: int, catch_up: int = 1) -> int:
+        """The K in 0..max_draft with the most expected tokens per second at this batch size."""
+        emitted = [sum(self.acceptance ** i for i in range(k + 1)) for k in range(self.draft_len + 1)]
+        goodput = [emitted[k] / (self.latency.drafting(batch, k, catch_up, companion=False)
+                                 + self.latency.target(batch, 1 + k)) for k in range(self.draft_len + 1)]
+        return max(range(len(goodput)), key=goodput.__getitem__)
+
+    def draft_budget(self, batch: int, catch_up: int) -> int:
+        return self.best_length(batch, catch_up)
+
+    def observe(self, rows, draft_tokens, draft_probs, target_probs, num_draft, accepted) -> None:
+        width = int(num_draft.max()) if len(num_draft) else 0
+        if width == 0:
+            return
+        probs = draft_distributions(draft_tokens[:, :width], None if draft_probs is None else draft_probs[:, :width],
+                                    target_probs.shape[-1])
+        accept = agreement(probs, target_probs[:, :width])  # [B, width]: P(accept x_i | x_<i accepted), token rule
+        verified = torch.arange(width, device=num_draft.device) < num_draft[:, None]  # [B, width]
+        step = float(accept[verified].mean())
+        self.acceptance = self.memory * self.acceptance + (1 - self.memory) * step

@@ -1,0 +1,205 @@
+"""Speculative Verification (Kim et al., arXiv 2509.24328): verify, each step, only the drafted tokens that pay.
+
+Per drafted position, features of the draft's (and optionally a companion's) distributions predict the gain of
+verifying it (``features``, ``predictor``: a calibration profile); a latency profile measured on this machine
+(``latency``) prices each verification width; ``stopping_lengths`` turns both into lossless per-row lengths.
+Profiles are made by ``blockspec sv calibrate`` and ``blockspec sv profile`` and stored where ``profiles`` says;
+``SVPolicy.from_cache`` finds them.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..defaults import COMPANION, MAX_DRAFT, SV_PREDICTOR
+from ..models.base import model_name
+from ..sampling import SamplingParams
+from ..verify import draft_distributions, position_gains
+from .base import stopping_lengths
+from .features import DRAFT_FEATURES, companion_features, draft_features
+from .latency import LatencyProfile, dtype_name
+from .predictor import Profile
+from .profiles import latency_path, profile_path, require_file, sampling_key
+
+
+class SVPolicy:
+    """Speculative Verification: a step's verification lengths from predicted gains and measured latency.
+
+    Each step, four decisions, each using only what is known when it is made:
+      1. before drafting (``draft_budget``): from the recent history of predicted gains per position and the
+         latency table, whether speculating pays at all at this batch size, with the draft's first forward priced
+         at the tokens it must catch up on (more after steps that did not draft);
+      2. before the draft forward for position i > 1 (``draft_next``): whether the batch's plan, with the gains
+         of position i predicted from its position, the drafted prefix's probability and position i - 1's draft
+         features in place of its own, would reach i; so a stop rarely pays for a forward whose distribution
+         then goes unused;
+      3. after the draft's distribution at position i is known and before x_i is sampled (``keep_drafting``):
+         whether the stopping rule over the draft-only gains of positions 1..i reaches i;
+      4. after the companion has scored the block (``lengths``): the stopping rule over the ``kind``
+         predictor's gains gives each row its verification length.
+    In 2 and 3 the draft forwards already run are paid whatever is decided, and so is the companion's scoring of
+    the tokens already sampled: only what is still to come (the next forward, scoring x_i, the target's wider
+    forward) weighs against position i's gain.
+    ``kind`` is "draft" (draft-only features, no companion: the default) or "companion" (draft + companion
+    features; needs ``companion=`` in the decoder).
+
+    After each step (``observe``) each predictor's logit offset takes one gradient step of the cross-entropy it
+    was fitted with, on the exact gains of the positions just verified (``learn``), at ``rate``: the calibration
+    follows the prompts at hand (a profile fitted on chat prompts underestimates code). The offsets are used from
+    the next step on, so no decision on a token depends on that token. ``reset`` (at each ``generate`` call)
+    returns the offsets and the gain history to the profile's, so a call's output does not depend on earlier
+    calls; with ``carry_over=True`` they are kept, and a call's verification lengths (its speed and, at a fixed
+    seed, its tokens; never its law) depend on the calls before it.
+    """
+
+    def __init__(self, profile, latency, *, method: str, max_draft: int, kind: str = SV_PREDICTOR,
+                 memory: float = 0.9, rate: float = 0.5, carry_over: bool = False):
+        if kind not in ("draft", "companion"):
+            raise ValueError(f"kind must be 'draft' or 'companion', got {kind!r}")
+        if kind == "companion" and latency.companion is None:
+            raise ValueError("the latency profile has no companion costs: measure it with the companion")
+        self.method, self.max_draft, self.kind, self.memory, self.rate = method, max_draft, kind, memory, rate
+        self.carry_over = carry_over
+        self.predictors = {"draft": profile.predictor(method, "draft"), kind: profile.predictor(method, kind)}
+        self.latency = latency
+        prior = list(profile.prior[method])[:max_draft]
+        self.prior = torch.tensor(prior + [prior[-1]] * (max_draft - len(prior)), dtype=torch.float64)
+        self._predicted: dict[str, torch.Tensor] = {}  # this step's gains [B, K] per predictor, for ``learn``
+        self._draft_features: list[torch.Tensor] = []
+        self._batch, self._catch_up = 1, 1
+        self._start()
+
+    @classmethod
+    def from_cache(cls, target, draft, *, sampling: SamplingParams, method: str = "block", max_draft: int = MAX_DRAFT,
+                   kind: str = SV_PREDICTOR, companion: str | None = COMPANION, profile: Path | None = None,
+                   latency: Path | None = None, names: tuple[str, str] | None = None, **options) -> SVPolicy:
+        """The policy for these loaded models and ``sampling``, from the profiles ``blockspec sv profile`` and
+        ``blockspec sv calibrate`` saved for them (found by the models' names, dtype and device, as the command
+        line finds them; ``names`` = (target, draft) overrides the names, ``profile`` and ``latency`` the files).
+        ``companion`` names the companion the profiles were made with (``--companion``). A missing or mismatched
+        profile raises an error naming the command that makes it. ``options``: ``memory``, ``rate``,
+        ``carry_over``."""
+        target_name, draft_name = names or (model_name(target), model_name(draft))
+        calibration = Profile.load(require_file(profile or profile_path(
+            target_name, draft_name, companion, sampling_key(sampling)), "sv calibrate"))
+        calibration.check(target=target_name, draft=draft_name, companion=companion, sampling=sampling_key(sampling))
+        dtype = dtype_name(target.dtype)
+        timing = LatencyProfile.load(require_file(latency or latency_path(
+            target_name, draft_name, companion, dtype, str(target.device)), "sv profile"))
+        timing.check(target_name, draft_name, companion, dtype, target.device)
+        return cls(calibration, timing, method=method, max_draft=max_draft, kind=kind, **options)
+
+    def reset(self) -> None:
+        if not self.carry_over:
+            self._start()
+
+    def _start(self) -> None:
+        self.offsets = dict.fromkeys(self.predictors, 0.0)  # learnt online: added to each predictor's logits
+        self.history = self.prior.clone()  # predicted gain per position, recent steps
+
+    @property
+    def needs_companion(self) -> bool:
+        return self.kind == "companion"
+
+    def step_seconds(self, batch: int, catch_up: int, drafted: int = 0, sampled: int = 0) -> Callable[[int], float]:
+        """Predicted seconds of a step at this batch size that drafts, scores and verifies ``width`` tokens, when
+        the draft has ``catch_up`` tokens to read first, has already run the forwards of ``drafted`` positions
+        and sampled ``sampled`` tokens: those forwards are paid whatever the width, and the companion scores
+        every token sampled, so a narrower width saves neither."""
+        def seconds(width: int) -> float:
+            latency = self.latency
+            scoring = latency.scoring(batch, max(width, sampled), catch_up) if self.needs_companion else 0.0
+            return (latency.drafting(batch, max(width, drafted), catch_up, companion=False) + scoring
+                    + latency.target(batch, 1 + width))
+
+        return seconds
+
+    def draft_budget(self, batch: int, catch_up: int) -> int:
+        self._batch, self._catch_up, self._draft_features, self._predicted = batch, catch_up, [], {}
+        seconds = self.step_seconds(batch, catch_up)
+        emitted = torch.cat([torch.ones(1, dtype=torch.float64), 1 + self.history.cumsum(0)])
+        goodput = [float(emitted[w]) / seconds(w) for w in range(self.max_draft + 1)]
+        if max(range(len(goodput)), key=goodput.__getitem__) == 0:
+            # not speculating teaches nothing new: drift back towards the calibrated prior
+            self.history = self.memory * self.history + (1 - self.memory) * self.expected()
+            return 0
+        return self.max_draft
+
+    def draft_next(self, position: int, prefix: torch.Tensor) -> bool:
+        known = torch.stack(self._draft_features, 1)  # [B, position - 1, F]
+        # Position i's draft distribution is not known yet: its entropy and top probability are guessed to be
+        # those of position i - 1; its position and the drafted prefix's probability (through x_{i-1}) are known.
+        guessed = known[:, -1].clone()
+        guessed[:, DRAFT_FEATURES.index("log_position")] = math.log(position)
+        guessed[:, DRAFT_FEATURES.index("log_prefix_prob")] = prefix.to(guessed)
+        guess = self.predict("draft", torch.cat([known, guessed[:, None]], dim=1))
+        return self._plan_reaches(guess, drafted=position - 1)
+
+    def keep_drafting(self, position: int, probs: torch.Tensor, prefix: torch.Tensor) -> bool:
+        return self.keep_drafting_given(draft_features(probs[:, None], prefix[:, None], first=position)[:, 0])
+
+    def keep_drafting_given(self, features: torch.Tensor) -> bool:
+        """``keep_drafting`` from the draft-only features [B, F] of the next position."""
+        self._draft_features.append(features)
+        gains = self.predict("draft", torch.stack(self._draft_features, 1))
+        return self._plan_reaches(gains, drafted=len(self._draft_features))
+
+    def _plan_reaches(self, gains: torch.Tensor, drafted: int) -> bool:
+        """Whether the stopping rule over the gains [B, i] of positions 1..i reaches position i, deciding before
+        x_i is sampled (i - 1 tokens sampled) with the draft forwards of ``drafted`` positions already run."""
+        position = gains.shape[1]
+        limit = torch.full((len(gains),), position, dtype=torch.long)
+        seconds = self.step_seconds(self._batch, self._catch_up, drafted=drafted, sampled=position - 1)
+        return int(stopping_lengths(gains, limit, seconds).max()) == position
+
+    def lengths(self, draft_tokens, draft_probs, companion_probs, num_draft: torch.Tensor) -> torch.Tensor:
+        features = torch.stack(self._draft_features[: draft_tokens.shape[1]], 1).to(draft_tokens.device)
+        if self.kind == "companion":
+            probs = draft_distributions(draft_tokens, draft_probs, companion_probs.shape[-1])
+            features = companion_features(draft_tokens, probs, companion_probs, self.method, features)
+        return self.lengths_given(features, num_draft)
+
+    def lengths_given(self, features: torch.Tensor, num_draft: torch.Tensor) -> torch.Tensor:
+        """``lengths`` from the ``kind`` predictor's features [B, K, F] of the drafted positions."""
+        gains = self.predict(self.kind, features)
+        draft = gains if self.kind == "draft" else self.predict("draft", features[..., :len(DRAFT_FEATURES)])
+        self._predicted = {"draft": draft, self.kind: gains}
+        drafted = gains.shape[1]
+        # positions drafted move towards this step's predictions, the others towards the (recalibrated) prior's
+        now = torch.cat([gains.mean(0).cpu(), self.expected()[drafted:]])
+        self.history = self.memory * self.history + (1 - self.memory) * now
+        # Drafting (and the companion's scoring) up to position i is paid by the time x_i is decided on; the
+        # sunk seconds are those of i positions, never of how far drafting went (which depends on x_i).
+        batch, catch_up = self._batch, self._catch_up
+        lengths = stopping_lengths(gains, num_draft, lambda width: self.latency.target(batch, 1 + width),
+                                   paid=lambda i: self.latency.drafting(batch, i, catch_up, self.needs_companion))
+        return lengths.to(num_draft.device)
+
+    def expected(self) -> torch.Tensor:
+        """The calibrated mean gain per position [max_draft], shifted by the learnt offset of the predictor."""
+        return torch.sigmoid(torch.logit(self.prior, eps=1e-6) + self.offsets[self.kind])
+
+    def predict(self, kind: str, features: torch.Tensor) -> torch.Tensor:
+        """Gains [B, K] predicted by the ``kind`` predictor from its features [B, K, F], with its learnt offset."""
+        return torch.sigmoid(self.predictors[kind].logits(features) + self.offsets[kind])
+
+    def observe(self, rows, draft_tokens, draft_probs, target_probs, num_draft, accepted) -> None:
+        if not bool((num_draft > 0).any()):
+            return
+        probs = draft_distributions(draft_tokens, draft_probs, target_probs.shape[-1])
+        self.learn(position_gains(draft_tokens, probs, target_probs, self.method), num_draft)
+
+    def learn(self, labels: torch.Tensor, verified: torch.Tensor) -> None:
+        """One online step on the exact gains ``labels`` [B, W] of the first ``verified`` [B] <= W positions of
+        each row (where the target's distributions are known) of the step whose ``lengths`` were just decided."""
+        width = labels.shape[1]
+        mask = torch.arange(width, device=labels.device) < verified.to(labels.device)[:, None]
+        if not mask.any():
+            return
+        for kind, predicted in self._predicted.items():
+            residual = labels.double() - predicted[:, :width].to(labels.device)
+            self.offsets[kind] += self.rate * float(residual[mask].mean())

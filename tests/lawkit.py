@@ -9,7 +9,8 @@ batches of contexts are looked up at once. With it:
                         integrating over the verifier's randomness through its closed forms), extended by
                         exact target sampling to K + 1 tokens; lossless means it equals ``target_law``;
 - ``sample_emissions``  Monte-Carlo of a real batched verifier on the same tables, extended the same way;
-- ``chi_square``        the joint-outcome test against an exact law, with a threshold from the sample size.
+- ``chi_square``        the joint-outcome test against an exact law, with a threshold from the sample size;
+- ``sparse_cell_groups`` / ``pool_cells``  pooling of outcomes expected fewer than 5 times, before ``chi_square``.
 """
 
 from __future__ import annotations
@@ -186,6 +187,42 @@ def chi_square(counts: torch.Tensor, law: torch.Tensor, alpha: float = 1e-4) -> 
     statistic = float(((counts[possible] - expected) ** 2 / expected).sum())
     dof = int(possible.sum()) - 1
     return ChiSquare(statistic, float(chi2.ppf(1 - alpha, dof)), dof, int(counts[~possible].sum()))
+
+
+def sparse_cell_groups(law: torch.Tensor, samples: int, min_expected: float = 5.0) -> torch.Tensor:
+    """Pooling for a chi-square on a peaked law: the pooled cell of each outcome of ``law``, [law.numel()] int64.
+
+    Every possible outcome whose expected count ``samples * law`` reaches ``min_expected`` keeps a cell of its own;
+    the others share ONE pooled cell (if its expected count is still below ``min_expected``, the least likely kept
+    outcomes join it until it is not); outcomes of exact probability 0 share the last cell, whose pooled law stays
+    exactly 0, so ``chi_square`` still counts every sample there as impossible. Apply with ``pool_cells`` to the
+    counts, the exact law and any wrong law alike; the degrees of freedom are then those after pooling.
+    """
+    flat = law.flatten().to(torch.float64)
+    expected = samples * flat
+    possible = flat > 0
+    own = possible & (expected >= min_expected)
+    pooled_expected = float(expected[possible & ~own].sum())
+    if 0 < pooled_expected < min_expected:
+        for index in sorted(own.nonzero().flatten().tolist(), key=lambda i: float(flat[i])):
+            if pooled_expected >= min_expected or int(own.sum()) <= 1:
+                break
+            own[index] = False
+            pooled_expected += float(expected[index])
+    groups = torch.empty(len(flat), dtype=torch.long)
+    groups[own] = torch.arange(int(own.sum()))
+    next_group = int(own.sum())
+    if bool((possible & ~own).any()):
+        groups[possible & ~own] = next_group
+        next_group += 1
+    groups[~possible] = next_group
+    return groups
+
+
+def pool_cells(values: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """Sums of ``values`` (counts or a law, any shape with groups.numel() entries) per pooled cell, float64."""
+    total = torch.zeros(int(groups.max()) + 1, dtype=torch.float64)
+    return total.index_add_(0, groups, values.flatten().to(torch.float64))
 
 
 def detection_power(law: torch.Tensor, wrong_law: torch.Tensor, samples: int, alpha: float = 1e-4) -> float:

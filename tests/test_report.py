@@ -429,6 +429,37 @@ def test_schema_1_records_still_load_and_report_as_before(tmp_path):
         list(records_io.read(path))
 
 
+def test_gzipped_records_read_as_the_plain_file_and_report_the_same(tmp_path, capsys):
+    """Kept runs are stored as records.jsonl.gz: the reader and the report CLI take it as they take the plain file."""
+    import gzip
+
+    records = synthetic(np.random.default_rng(29), prompts=6)
+    plain = tmp_path / "records.jsonl"
+    for record in records:
+        records_io.append(plain, record)
+    packed = tmp_path / "records.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert list(records_io.read(packed)) == list(records_io.read(plain)) == records
+    outputs = []
+    for path in (plain, packed):
+        assert main(["--records", str(path), "--no-plots", "--n-boot", "50"]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1]
+
+
+def test_a_damaged_gzip_file_is_refused_with_its_name(tmp_path):
+    import gzip
+
+    records = synthetic(np.random.default_rng(31), prompts=2)
+    whole = gzip.compress("".join(json.dumps(dataclasses.asdict(r)) + "\n" for r in records).encode())
+    for name, data in (("cut.jsonl.gz", whole[: len(whole) // 2]), ("plain-text.jsonl.gz", b"not gzip")):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ValueError, match=f"{name}: not a readable gzip file"):
+            list(records_io.read(tmp_path / name))
+    with pytest.raises(FileNotFoundError):
+        list(records_io.read(tmp_path / "missing.jsonl.gz"))
+
+
 def test_the_report_lists_failed_runs_and_leaves_out_the_speedups_of_a_prompt_whose_baseline_failed():
     records = synthetic(np.random.default_rng(24), prompts=10)
     target = [r for r in records if r.config == "target-only"]

@@ -1,6 +1,7 @@
 """Raw benchmark records: one JSON line per (prompt or batch, configuration) run, Spec-Bench style.
 
-The runner appends records; the report reads them back (and can be re-run on saved files at any time).
+The runner appends records; the report reads them back (and can be re-run on saved files at any time), from the
+plain ``.jsonl`` file or a gzip-compressed copy (``.jsonl.gz``: how kept runs are stored in the repository).
 A run is identified by ``key``; a resumed run skips records whose key is already in the file.
 
 A batched run (batch_size B > 1) decodes B consecutive prompts of one dataset in one ``generate`` call and
@@ -24,8 +25,10 @@ The settings a run directory was made with are stored beside its records (the ru
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -116,11 +119,28 @@ def append(path: Path, record) -> None:
         out.write(line)
 
 
+def _text(path: Path) -> str:
+    """The text of a record file: plain (``.jsonl``) or gzip-compressed (``.jsonl.gz``, how the records the
+    documentation cites are kept). A damaged or cut-off gzip file raises ValueError naming it: unlike a plain
+    file's interrupted last line, its loss cannot be bounded to one record."""
+    path = Path(path)
+    if path.suffix != ".gz":
+        return path.read_text(errors="replace")
+    try:
+        with gzip.open(path, "rb") as compressed:
+            return compressed.read().decode(errors="replace")
+    except FileNotFoundError:
+        raise
+    except (OSError, EOFError, zlib.error) as error:  # gzip.BadGzipFile is an OSError; a cut-off file an EOFError
+        raise ValueError(f"{path}: not a readable gzip file ({error})") from None
+
+
 def read(path: Path) -> Iterator[Record]:
-    """Records of a JSONL file. A truncated last line (an interrupted run) is skipped; any other line that is
-    not a JSON object is skipped with a warning naming the file and line (its run has no record: a resume
-    redoes it); a JSON object that is not a record, or of an unknown schema, raises ValueError."""
-    lines = Path(path).read_text(errors="replace").splitlines()
+    """Records of a JSONL file, plain (``.jsonl``) or gzip-compressed (``.jsonl.gz``). A truncated last line (an
+    interrupted run) is skipped; any other line that is not a JSON object is skipped with a warning naming the
+    file and line (its run has no record: a resume redoes it); a JSON object that is not a record, or of an
+    unknown schema, raises ValueError, as does a damaged gzip file."""
+    lines = _text(path).splitlines()
     last = max((n for n, line in enumerate(lines) if line.strip()), default=-1)
     for n, line in enumerate(lines):
         if not line.strip():

@@ -1,6 +1,6 @@
 """transformers' assisted generation on a model HFModel has wrapped: stock sdpa (what it runs now, HFModel
-switching to grouped_sdpa only during its own forwards) against grouped_sdpa set on the model for good (what
-wrapping used to do), on the same models, prompts and seeds, interleaved prompt by prompt after a warm-up each.
+switching to grouped_sdpa only during its own forwards) against grouped_sdpa set on the model for good, on the
+same models, prompts and seeds, interleaved prompt by prompt after a warm-up each.
 
     python benchmarks/hf_kernel.py --prompts 3 --max-new-tokens 48 --out benchmarks/results/hf-kernel-avx2.json
 

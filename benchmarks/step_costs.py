@@ -2,7 +2,7 @@
 step (sampling, verification, bookkeeping) by difference, and what a latency profile predicts for the same
 forwards. This is what Speculative Verification's cost model must get right: it prices a step from the profile.
 
-    python benchmarks/step_costs.py --batch-sizes 16 --latency benchmarks/results/sv/latency-prefix8-interleaved.json
+    python benchmarks/step_costs.py --batch-sizes 16 --latency benchmarks/results/sv-profiles/latency-prefix8-interleaved.json
 
 The first --batch-size prompts of --dataset (chat template) are decoded --repeats times by each configuration
 (target-only, block verification at each K in --draft-lens, and SV with --sv-profile), configurations

@@ -23,7 +23,7 @@ import torch
 
 from blockspec.verify import VERIFIERS
 
-# Target forward times on this machine type (shared/MEASUREMENTS.md, Qwen2.5-Coder-1.5B bf16, KV cache 128):
+# Target forward times measured on an AVX-512 machine (Qwen2.5-Coder-1.5B bf16, KV cache 128):
 # (B, tokens per row) -> ms. Used only to express verification cost as a share of the matching forward.
 TARGET_FORWARD_MS = {(1, 5): 203, (1, 9): 229, (8, 5): 515, (8, 9): 743, (64, 5): 3045, (64, 9): 5208}
 
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"{100 * row['validation_ms'] / times['block']:>9.0f}% | {share:>14}", flush=True)
                 del inputs
     print("validate=False in the timed columns; 'validation ms' = block with validate=True minus without. "
-          "'% of fwd': block time over the Qwen2.5-Coder-1.5B bf16 forward of K+1 tokens (shared/MEASUREMENTS.md).")
+          "'% of fwd': block time over the Qwen2.5-Coder-1.5B bf16 forward of K+1 tokens (measured on an AVX-512 machine).")
     record = {
         "benchmark": "verify_speed",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

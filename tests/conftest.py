@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 @pytest.fixture(autouse=True, scope="session")
 def the_users_model_cache_gains_no_test_copies():
-    """The tests once left 9.1 GB of float32 copies in the user's model cache. They may reuse (or make) the
+    """Tests must not fill the user's model cache with copies (float32 ones take GBs). They may reuse (or make) the
     bfloat16 copies the main job makes anyway; anything else, the machine's arithmetic probe and the models'
     latency probes included, goes to a temporary cache."""
     from blockspec.models import presets

@@ -22,7 +22,7 @@ from blockspec.bench.datasets import MissingDataPackage, Prompt, iter_json_array
 # pydoc-summary 81 on Python 3.11.7).
 EXACT = {"gsm8k": 100, "translation": 100, "humaneval": 164, "humaneval-edit": 164}
 AT_LEAST = {"sharegpt": 8000, "sharegpt-long": 450, "summarize": 120, "lm1b": 100, "pydoc-qa": 60, "pydoc-summary": 60}
-# The sets as they were before the input-grounded ones came (records of earlier runs refer to their ids): count and
+# The original sets, pinned (kept records refer to their ids): count and
 # sha256 of ids and texts (`_digest`), with the pinned packages; lm1b on Python 3.11.7, where it was measured.
 UNCHANGED = {
     "gsm8k": (100, "43935a5d8d7ae3f555818bba1cdbb3c97f8fcf181f8d6af0618f2a69b3cf8d22"),

@@ -196,8 +196,8 @@ def alone_and_batched(decoder, prompts, max_new_tokens):
 
 def test_a_row_near_its_context_end_does_not_make_its_neighbours_draft_past_theirs(pair):
     """Rows whose prompt and new tokens fill the 12-token context exactly, batched with short rows: when a long row
-    has accepted more than a short one, the short one still drafts 4 tokens. The draft used to read the batch's
-    full width in every row, past the long row's context, and the whole batch was lost."""
+    has accepted more than a short one, the short one still drafts 4 tokens. A draft that read the batch's full
+    width in every row would go past the long row's context and lose the whole batch."""
     target, draft = pair
     decoder = SpeculativeDecoder(with_context(target, 12), with_context(draft, 12), draft_len=4)
     alone, together = alone_and_batched(decoder, [[1] * 6, [2, 3]] * 4, max_new_tokens=6)
@@ -276,8 +276,8 @@ def stopper(stop_strings, limit=10**6):
 
 
 def test_stop_strings_decode_a_bounded_window_not_the_whole_text():
-    """A step used to re-decode the whole generated text for every new token (50 -> 81 ms per step at batch 8
-    over 2000 tokens); now at most the window plus the new tokens, however long the row."""
+    """A step decodes at most the window plus the new tokens, however long the row: re-decoding the whole
+    generated text for every new token makes steps slower and slower."""
     stop = stopper(["never"])
     generated = [0, 1, 2] * 1000
     assert stop.cut(generated, [0, 1, 2, 0]) == ([0, 1, 2, 0], None)

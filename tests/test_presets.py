@@ -294,7 +294,7 @@ def test_unknown_preset_lists_the_known_ones():
         presets.get_preset("nope")
 
 
-def test_registry_matches_the_issue():
+def test_registry_matches_the_published_packages():
     target, draft = presets.PRESETS["qwen2.5-coder-1.5b"], presets.PRESETS["qwen2.5-coder-0.5b"]
     assert (target.role, draft.role) == ("target", "draft")
     assert target.size == 1_117_320_768 and len(target.requirements) == 22

@@ -1,4 +1,4 @@
-"""Golden and property tests of the verifiers (see STYLE.md, "Tests, by kind").
+"""Golden and property tests of the verifiers (docs/testing.md says how they fit with the other kinds).
 
 golden      hand-made probabilities whose outcome is fixed, checked by hand against docs/algorithms.md
 format      tokens [B, K+1] int64 left-aligned and -1 padded, the accepted prefix is the draft's, tau bounds

@@ -479,7 +479,7 @@ def test_the_report_lists_failed_runs_and_leaves_out_the_speedups_of_a_prompt_wh
 
 
 def test_a_report_that_lists_failed_runs_exits_1_so_scripts_see_them(tmp_path, capsys):
-    """A bench whose every run failed (a float16 overflow, out of memory) used to exit 0 like a complete one."""
+    """A bench whose every run failed (a float16 overflow, out of memory) must not exit 0 like a complete one."""
     from blockspec.bench import report
 
     records = synthetic(np.random.default_rng(24), prompts=3)

@@ -218,7 +218,7 @@ def _describe(label: str, result: lawkit.ChiSquare, samples: int, extra: str = "
         f"alpha {ALPHA:g}, N {samples}), {result.impossible} samples on zero-probability outcomes"
     )
     line = f"{line}; {extra}" if extra else line
-    print(line)  # visible with pytest -s: the figures the issue's closing note quotes
+    print(line)  # visible with pytest -s
     return line
 
 

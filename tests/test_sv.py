@@ -658,7 +658,7 @@ def test_steps_that_draft_nothing_verify_nothing(trio, reference):
 
 # With thousands of rows in one batch, the width is set by the sum of all rows' gains, so one row's own A_i
 # barely moves it and a look-ahead policy has almost no effect on any row: LookAhead, ShiftedPlugin and
-# GlobalArgmax gave bit-identical outputs here (checked under the earlier row-by-row width rule, where the first
+# GlobalArgmax gave bit-identical outputs here (checked also under a row-by-row width rule, where the first
 # row that could widen the batch did and every later row followed), so this test has no power against them and
 # no negative control.
 # At batch 1 (about 15 ms per generate call) the largest first-step bias found for LookAhead on these tiny models

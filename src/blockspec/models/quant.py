@@ -7,8 +7,7 @@ how many tokens are accepted, never the output law (which stays the target's, as
 ``int8``: torch's dynamic quantization (``quantize_dynamic``: int8 weights per output channel, activations
 quantized on the fly, fbgemm kernels) of every ``nn.Linear``, the output projection included; the rest of the
 model (embeddings, norms, attention over the cache) runs in float32. On an AVX2-only CPU it was the fastest of
-the int8 and int4 kernels torch and torchao offer without torch.compile (docs/results.md). CPU only: fbgemm has
-no CUDA kernels.
+the int8 and int4 kernels torch and torchao offer without torch.compile. CPU only: fbgemm has no CUDA kernels.
 
 ``quantize_dynamic`` is deprecated in torch 2.13 in favour of torchao (whose CPU kernels are the slow ones above);
 where a later torch removes it, asking for ``int8`` fails with that reason instead of silently running unquantized.

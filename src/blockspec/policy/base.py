@@ -3,7 +3,7 @@
 A length policy decides, each step, how many tokens each row drafts and how many of them the target verifies.
 Verifying the first L drafted tokens is lossless only if the decision to include x_i is a *stopping rule*: it
 may use x_<i, the distributions at position i, other rows and latency figures, never x_i itself (docs/algorithms.md,
-"Adaptive lengths"). ``LengthPolicy`` states, hook by hook, what the engine has when it asks; ``stopping_lengths``
+"Choosing how many tokens to verify"). ``LengthPolicy`` states, hook by hook, what the engine has when it asks; ``stopping_lengths``
 is the search every adaptive length here uses: it extends L one position at a time and stops at the first whose
 marginal gain does not pay (a global argmax over L would be look-ahead: later predictions use x_i).
 """

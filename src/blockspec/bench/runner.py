@@ -438,23 +438,17 @@ class _SVSetup:
 
     def __init__(self, target, config: BenchConfig, dtype: str):
         from ..models.companion import load_companion
+        from ..policy.sv import load_calibration, load_latency
         from ..sampling import SamplingParams
-        from ..policy import profiles
-        from ..policy.latency import LatencyProfile
-        from ..policy.predictor import Profile
 
         self.config, self.profiles, self.paths = config, {}, {}
         for temperature in config.temperatures:
-            sampling = profiles.sampling_key(SamplingParams(temperature=temperature))
-            path = profiles.require_file(config.sv_profile or profiles.profile_path(
-                config.target, config.draft, config.companion, sampling), "sv calibrate")
-            profile = Profile.load(path)
-            profile.check(target=config.target, draft=config.draft, companion=config.companion, sampling=sampling)
+            profile, path = load_calibration(config.target, config.draft, config.companion,
+                                             SamplingParams(temperature=temperature), config.sv_profile)
             self.profiles[temperature], self.paths[temperature] = profile, str(path)
-        path = profiles.require_file(config.latency or profiles.latency_path(
-            config.target, config.draft, config.companion, dtype, str(target.device)), "sv profile")
-        self.latency, self.latency_path = LatencyProfile.load(path), str(path)
-        self.latency.check(config.target, config.draft, config.companion, dtype, target.device)
+        self.latency, path = load_latency(config.target, config.draft, config.companion, dtype, target.device,
+                                          config.latency)
+        self.latency_path = str(path)
         needs_companion = bool({"sv-token", "sv-block"} & set(config.configs))
         self.companion = load_companion(config.companion, target, dtype=dtype, device=config.device,
                                         allow_download=config.allow_download) \

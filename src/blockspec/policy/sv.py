@@ -26,6 +26,26 @@ from .predictor import Profile
 from .profiles import latency_path, profile_path, require_file, sampling_key
 
 
+def load_calibration(target: str, draft: str, companion: str | None, sampling: SamplingParams,
+                     path: Path | None = None) -> tuple[Profile, Path]:
+    """The calibration profile ``blockspec sv calibrate`` saved for these model names and sampling (or ``path``),
+    checked to be theirs, and where it was read from."""
+    path = require_file(path or profile_path(target, draft, companion, sampling_key(sampling)), "sv calibrate")
+    profile = Profile.load(path)
+    profile.check(target=target, draft=draft, companion=companion, sampling=sampling_key(sampling))
+    return profile, path
+
+
+def load_latency(target: str, draft: str, companion: str | None, dtype: str, device,
+                 path: Path | None = None) -> tuple[LatencyProfile, Path]:
+    """The latency profile ``blockspec sv profile`` saved for these model names, dtype and device (or ``path``),
+    checked to be theirs, and where it was read from."""
+    path = require_file(path or latency_path(target, draft, companion, dtype, str(device)), "sv profile")
+    profile = LatencyProfile.load(path)
+    profile.check(target, draft, companion, dtype, device)
+    return profile, path
+
+
 class SVPolicy:
     """Speculative Verification: a step's verification lengths from predicted gains and measured latency.
 
@@ -84,13 +104,8 @@ class SVPolicy:
         profile raises an error naming the command that makes it. ``options``: ``memory``, ``rate``,
         ``carry_over``."""
         target_name, draft_name = names or (model_name(target), model_name(draft))
-        calibration = Profile.load(require_file(profile or profile_path(
-            target_name, draft_name, companion, sampling_key(sampling)), "sv calibrate"))
-        calibration.check(target=target_name, draft=draft_name, companion=companion, sampling=sampling_key(sampling))
-        dtype = dtype_name(target.dtype)
-        timing = LatencyProfile.load(require_file(latency or latency_path(
-            target_name, draft_name, companion, dtype, str(target.device)), "sv profile"))
-        timing.check(target_name, draft_name, companion, dtype, target.device)
+        calibration, _ = load_calibration(target_name, draft_name, companion, sampling, profile)
+        timing, _ = load_latency(target_name, draft_name, companion, dtype_name(target.dtype), target.device, latency)
         return cls(calibration, timing, method=method, max_draft=max_draft, kind=kind, **options)
 
     def reset(self) -> None:

@@ -2,8 +2,8 @@
 lengths, and transformers' own assisted generation, on the same models, prompts and sampling.
 
     python benchmarks/engine_speed.py                                   # bundled Qwen2.5-Coder 1.5B/0.5B, bf16
-    python benchmarks/engine_speed.py --temperatures 1 --draft-lens 4 --max-new-tokens 32 --prompts 2
-    python benchmarks/engine_speed.py --int8 --draft-lens 2 4   # also the int8 draft and the default policy
+    python benchmarks/engine_speed.py --temperatures 1 --max-draft 4 --max-new-tokens 32 --prompts 2
+    python benchmarks/engine_speed.py --int8 --max-draft 2 4   # also the int8 draft and the default policy
 
 Configurations are interleaved prompt by prompt (A B C ... A B C ...), after one warm-up generation each,
 so machine drift affects all of them alike. Prints a table, saves JSON (--out); the last stdout line is JSON.
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--draft-lens", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--max-draft", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.0])
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--prompts", type=int, default=4, help=f"how many of the {len(PROMPTS)} built-in prompts")
@@ -60,10 +60,10 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [encode_prompt(target.tokenizer, text) for text in PROMPTS[: args.prompts]]
     configs = [("target-only", "none", 0, None)] + [
         (f"{verifier} K={k}{label}", verifier, k, draft) for label, draft in drafts.items()
-        for verifier in ("token", "block") for k in args.draft_lens
+        for verifier in ("token", "block") for k in args.verified
     ] + ([("hf-assisted", "assisted", 0, drafts[""])] if args.assisted else [])
     if args.int8:
-        configs.append(("auto", "auto", max(args.draft_lens), drafts[" int8"]))
+        configs.append(("auto", "auto", max(args.verified), drafts[" int8"]))
 
     records = []
     for temperature in args.temperatures:
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({"benchmark": "engine_speed", "summary": summary}))
 
 
-def make_runner(kind, draft_len, target, draft, sampling, max_new_tokens, decoder_class, adaptive):
+def make_runner(kind, max_draft, target, draft, sampling, max_new_tokens, decoder_class, adaptive):
     if kind == "assisted":
         from blockspec.bench.runner import run_assisted
 
@@ -109,7 +109,7 @@ def make_runner(kind, draft_len, target, draft, sampling, max_new_tokens, decode
             return measure(decoder, prompt, seed, sampling, max_new_tokens, kind)
 
         return run
-    decoder = decoder_class(target, None if kind == "none" else draft, verifier=kind, draft_len=draft_len or 4)
+    decoder = decoder_class(target, None if kind == "none" else draft, verifier=kind, max_draft=max_draft or 4)
     return lambda prompt, seed: measure(decoder, prompt, seed, sampling, max_new_tokens, kind)
 
 
@@ -122,7 +122,7 @@ def measure(decoder, prompt, seed, sampling, max_new_tokens, kind):
         "forward_time": result.prefill_s + sum(s.forward_s for s in steps), "prefill_time": result.prefill_s,
         "draft_time": sum(s.draft_s for s in steps), "target_time": sum(s.target_s for s in steps),
         "verify_time": sum(s.verify_s for s in steps),
-        "drafted_per_step": sum(sum(s.draft_len) for s in steps) / max(len(steps), 1),
+        "drafted_per_step": sum(sum(s.verified) for s in steps) / max(len(steps), 1),
     }
 
 

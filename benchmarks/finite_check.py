@@ -35,10 +35,10 @@ def median_seconds(call, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure(target, batch: int, draft_len: int, context: int, repeats: int) -> dict:
+def measure(target, batch: int, width: int, context: int, repeats: int) -> dict:
     prompt = torch.randint(1000, 20000, (context,), generator=torch.Generator().manual_seed(batch)).tolist()
     target.prefill([prompt] * batch)
-    tokens = torch.randint(1000, 20000, (batch, draft_len + 1))
+    tokens = torch.randint(1000, 20000, (batch, width + 1))
     valid = torch.ones_like(tokens, dtype=torch.bool)
     start = time.perf_counter()
     logits = target.forward(tokens, valid)  # [B, K+1, V]
@@ -47,8 +47,8 @@ def measure(target, batch: int, draft_len: int, context: int, repeats: int) -> d
     target_check = median_seconds(lambda: _check_finite(logits, sampling), repeats)
     draft_rows = logits[:, 0]  # [B, V]: one drafted position's logits have this shape
     draft_check = median_seconds(lambda: _check_finite(draft_rows, sampling), repeats)
-    added = target_check + draft_len * draft_check
-    return {"batch": batch, "draft_len": draft_len, "vocab": int(logits.shape[-1]), "target_forward_s": forward_s,
+    added = target_check + width * draft_check
+    return {"batch": batch, "width": width, "vocab": int(logits.shape[-1]), "target_forward_s": forward_s,
             "target_check_s": target_check, "draft_check_s": draft_check, "added_per_step_s": added,
             "added_share_of_target_forward": added / forward_s}
 
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
-    parser.add_argument("--draft-len", type=int, default=4)
+    parser.add_argument("--width", type=int, default=4)
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", type=Path)
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
 
     target = load_model(args.target, dtype=args.dtype)
     clock = machine.cpu_clock()
-    rows = [measure(target, b, args.draft_len, args.context, args.repeats) for b in args.batch_sizes]
+    rows = [measure(target, b, args.width, args.context, args.repeats) for b in args.batch_sizes]
     result = {"command": " ".join(["python benchmarks/finite_check.py", *(sys.argv[1:] if argv is None else argv)]),
               "target": args.target,
               "dtype": args.dtype, "context": args.context, "date": datetime.now(timezone.utc).isoformat(

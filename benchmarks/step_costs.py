@@ -5,7 +5,7 @@ forwards. This is what Speculative Verification's cost model must get right: it 
     python benchmarks/step_costs.py --batch-sizes 16 --latency benchmarks/results/sv-profiles/latency-prefix8-interleaved.json
 
 The first --batch-size prompts of --dataset (chat template) are decoded --repeats times by each configuration
-(target-only, block verification at each K in --draft-lens, and SV with --sv-profile), configurations
+(target-only, block verification at each K in --max-draft, and SV with --sv-profile), configurations
 alternating, at temperature 1 with the same seeds; the first --skip-steps steps of each run are left out (row
 count still full, caches warm).
 Per configuration: decode tokens/s from the steps kept, block efficiency, mean seconds per call of each forward
@@ -37,13 +37,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--dataset", default="gsm8k")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[16])
-    parser.add_argument("--draft-lens", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--max-draft", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2, help="runs per configuration and batch size")
     parser.add_argument("--skip-steps", type=int, default=2, help="first steps of each run left out")
     parser.add_argument("--latency", help="a `blockspec sv profile` JSON to compare the forwards with")
     parser.add_argument("--sv-profile", help="with --latency: also SV (draft-only predictor, block rule, up to the "
-                        "largest --draft-lens), from this `blockspec sv calibrate` JSON")
+                        "largest --max-draft), from this `blockspec sv calibrate` JSON")
     parser.add_argument("--out", default="results/step_costs.json")
     args = parser.parse_args()
 
@@ -61,12 +61,12 @@ def main() -> None:
     profile = LatencyProfile.load(args.latency) if args.latency else None
     log = _time_forwards({"target": target, "draft": draft})
     decoders = {"target-only": SpeculativeDecoder(target, verifier="none")}
-    decoders |= {f"block K={k}": SpeculativeDecoder(target, draft, verifier="block", draft_len=k)
-                 for k in args.draft_lens}
+    decoders |= {f"block K={k}": SpeculativeDecoder(target, draft, verifier="block", max_draft=k)
+                 for k in args.verified}
     if args.sv_profile and profile:
-        policy = SVPolicy(Profile.load(args.sv_profile), profile, method="block", max_draft=max(args.draft_lens),
+        policy = SVPolicy(Profile.load(args.sv_profile), profile, method="block", max_draft=max(args.verified),
                           kind="draft", carry_over=True)  # history and offsets carry over from run to run
-        decoders["SV draft"] = SpeculativeDecoder(target, draft, verifier="block", draft_len=max(args.draft_lens),
+        decoders["SV draft"] = SpeculativeDecoder(target, draft, verifier="block", max_draft=max(args.verified),
                                                   policy=policy)
     prompts = [encode_prompt(target.tokenizer, p.text) for p in datasets.load(args.dataset, max(args.batch_sizes))]
     result = {"target": args.target, "draft": args.draft, "dtype": args.dtype, "dataset": args.dataset,

@@ -1,7 +1,7 @@
 """Micro-benchmark of the verifiers: median wall time per call, block/token ratio, cost of input validation.
 
     python benchmarks/verify_speed.py                      # the full grid: B in {1, 8, 64}, K in {4, 8}, V in {32000, 151936}
-    python benchmarks/verify_speed.py --batch 1 --draft-len 8 --vocab 151936
+    python benchmarks/verify_speed.py --batch 1 --width 8 --vocab 151936
 
 Inputs are realistic float32 distributions (softmax of scaled Gaussian logits, draft correlated with target)
 with every drafted token sampled from the draft. Each timed call includes drawing its randomness from a
@@ -28,13 +28,13 @@ from blockspec.verify import VERIFIERS
 TARGET_FORWARD_MS = {(1, 5): 203, (1, 9): 229, (8, 5): 515, (8, 9): 743, (64, 5): 3045, (64, 9): 5208}
 
 
-def make_inputs(batch: int, draft_len: int, vocab: int, seed: int = 0):
+def make_inputs(batch: int, width: int, vocab: int, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
-    target_logits = 3.0 * torch.randn(batch, draft_len + 1, vocab, generator=gen)
-    draft_logits = target_logits[:, :draft_len] + 1.0 * torch.randn(batch, draft_len, vocab, generator=gen)
+    target_logits = 3.0 * torch.randn(batch, width + 1, vocab, generator=gen)
+    draft_logits = target_logits[:, :width] + 1.0 * torch.randn(batch, width, vocab, generator=gen)
     target_probs = target_logits.softmax(-1)
     draft_probs = draft_logits.softmax(-1)
-    draft_tokens = torch.multinomial(draft_probs.reshape(-1, vocab), 1, generator=gen).reshape(batch, draft_len)
+    draft_tokens = torch.multinomial(draft_probs.reshape(-1, vocab), 1, generator=gen).reshape(batch, width)
     return draft_tokens, draft_probs, target_probs
 
 
@@ -54,7 +54,7 @@ def median_ms(fn, *, min_repeats: int, budget_s: float) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64], help="batch sizes B")
-    parser.add_argument("--draft-len", type=int, nargs="+", default=[4, 8], help="drafted tokens per row K")
+    parser.add_argument("--width", type=int, nargs="+", default=[4, 8], help="drafted tokens per row K")
     parser.add_argument("--vocab", type=int, nargs="+", default=[32000, 151936], help="vocabulary sizes V")
     parser.add_argument("--repeats", type=int, default=7, help="minimum timed calls per cell (median reported)")
     parser.add_argument("--budget", type=float, default=1.0, help="seconds of timed calls per cell, at least")
@@ -69,9 +69,9 @@ def main(argv: list[str] | None = None) -> None:
     print(header)
     print("-" * len(header))
     for batch in args.batch:
-        for draft_len in args.draft_len:
+        for width in args.width:
             for vocab in args.vocab:
-                inputs = make_inputs(batch, draft_len, vocab)
+                inputs = make_inputs(batch, width, vocab)
                 gen = torch.Generator().manual_seed(1)
                 times = {
                     name: median_ms(lambda v=verify: v(*inputs, generator=gen, validate=False),
@@ -80,9 +80,9 @@ def main(argv: list[str] | None = None) -> None:
                 }
                 validated = median_ms(lambda: VERIFIERS["block"](*inputs, generator=gen, validate=True),
                                       min_repeats=args.repeats, budget_s=args.budget)
-                forward = TARGET_FORWARD_MS.get((batch, draft_len + 1))
+                forward = TARGET_FORWARD_MS.get((batch, width + 1))
                 row = {
-                    "batch": batch, "draft_len": draft_len, "vocab": vocab,
+                    "batch": batch, "width": width, "vocab": vocab,
                     **{f"{name}_ms": round(ms, 3) for name, ms in times.items()},
                     "block_over_token": round(times["block"] / times["token"], 2),
                     "validation_ms": round(validated - times["block"], 3),
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
                 }
                 rows.append(row)
                 share = f"{100 * row['block_share_of_target_forward']:.2f} %" if forward else "-"
-                print(f"{batch:>3} {draft_len:>2} {vocab:>7} | {times['token']:>9.2f} {times['block']:>9.2f} "
+                print(f"{batch:>3} {width:>2} {vocab:>7} | {times['token']:>9.2f} {times['block']:>9.2f} "
                       f"{times['greedy']:>9.2f} | {row['block_over_token']:>10.2f}x | {row['validation_ms']:>13.2f} "
                       f"{100 * row['validation_ms'] / times['block']:>9.0f}% | {share:>14}", flush=True)
                 del inputs

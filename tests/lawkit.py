@@ -45,9 +45,9 @@ class Tables:
 
     def block_inputs(self, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(draft_probs [N, K, V], target_probs [N, K+1, V]) along each drafted block [N, K]."""
-        draft_len = draft_tokens.shape[1]
-        draft_probs = torch.stack([self.draft_at(draft_tokens[:, :i]) for i in range(draft_len)], dim=1)
-        target_probs = torch.stack([self.target_at(draft_tokens[:, :i]) for i in range(draft_len + 1)], dim=1)
+        width = draft_tokens.shape[1]
+        draft_probs = torch.stack([self.draft_at(draft_tokens[:, :i]) for i in range(width)], dim=1)
+        target_probs = torch.stack([self.target_at(draft_tokens[:, :i]) for i in range(width + 1)], dim=1)
         return draft_probs, target_probs
 
 
@@ -70,10 +70,10 @@ def random_tables(vocab: int, depth: int, seed: int, *, peaked: float = 1.0, zer
     return Tables(vocab, [table(vocab**L) for L in range(depth + 1)], [table(vocab**L) for L in range(depth + 1)])
 
 
-def all_blocks(vocab: int, draft_len: int) -> torch.Tensor:
+def all_blocks(vocab: int, width: int) -> torch.Tensor:
     """Every drafted block, [V**K, K] int64, in lexicographic order."""
-    return torch.tensor(list(itertools.product(range(vocab), repeat=draft_len)), dtype=torch.long).reshape(
-        vocab**draft_len, draft_len
+    return torch.tensor(list(itertools.product(range(vocab), repeat=width)), dtype=torch.long).reshape(
+        vocab**width, width
     )
 
 
@@ -86,14 +86,14 @@ def target_law(tables: Tables, length: int) -> torch.Tensor:
     return law.reshape([tables.vocab] * length)
 
 
-def speculative_law(tables: Tables, draft_len: int, step: StepLaw) -> torch.Tensor:
+def speculative_law(tables: Tables, width: int, step: StepLaw) -> torch.Tensor:
     """Exact joint law over K + 1 tokens of one speculative step followed by exact target sampling.
 
     Every drafted block x is enumerated with probability prod_i draft(x_i | x_<i); ``step`` gives the law of
     tau and of the emitted token y; the emitted prefix (x_1..x_tau, y) is then completed from the target.
     """
-    vocab, length = tables.vocab, draft_len + 1
-    blocks = all_blocks(vocab, draft_len)  # [N, K]
+    vocab, length = tables.vocab, width + 1
+    blocks = all_blocks(vocab, width)  # [N, K]
     draft_probs, _ = tables.block_inputs(blocks)
     block_prob = draft_probs.gather(-1, blocks.unsqueeze(-1)).squeeze(-1).prod(-1)  # [N]
     # Blocks the draft never proposes carry no mass (and a verifier rightly refuses them).
@@ -104,7 +104,7 @@ def speculative_law(tables: Tables, draft_len: int, step: StepLaw) -> torch.Tens
 
     emitted: dict[tuple[int, ...], float] = {}  # prefix (x_1..x_tau, y) -> probability
     for b, block in enumerate(blocks.tolist()):
-        for tau in range(draft_len + 1):
+        for tau in range(width + 1):
             mass = float(block_prob[b] * tau_law[b, tau])
             if mass == 0.0:
                 continue
@@ -126,7 +126,7 @@ def speculative_law(tables: Tables, draft_len: int, step: StepLaw) -> torch.Tens
 
 def sample_emissions(
     tables: Tables,
-    draft_len: int,
+    width: int,
     samples: int,
     verifier: Callable,
     generator: torch.Generator,
@@ -139,9 +139,9 @@ def sample_emissions(
     ``verifier(draft_tokens, draft_probs, target_probs, generator=generator)``, and is then completed with
     exact target samples.
     """
-    vocab, length = tables.vocab, draft_len + 1
+    vocab, length = tables.vocab, width + 1
     draft_tokens = torch.zeros(samples, 0, dtype=torch.long)
-    for _ in range(draft_len):
+    for _ in range(width):
         probs = tables.draft_at(draft_tokens)
         draft_tokens = torch.cat([draft_tokens, torch.multinomial(probs, 1, generator=generator)], dim=1)
     draft_probs, target_probs = tables.block_inputs(draft_tokens)

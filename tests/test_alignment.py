@@ -54,7 +54,7 @@ def test_config_refuses_a_greedy_target_and_negative_draft_temperatures():
 
 
 def test_draft_sampling_is_refused_at_target_temperature_zero(pair):
-    decoder = SpeculativeDecoder(*pair, verifier="block", draft_len=2)
+    decoder = SpeculativeDecoder(*pair, verifier="block", max_draft=2)
     with pytest.raises(ValueError, match="draft_sampling needs a sampled target"):
         decoder.generate([[1, 2]], max_new_tokens=4, sampling=SamplingParams(0.0), draft_sampling=SamplingParams(1.0))
 
@@ -66,12 +66,12 @@ def test_one_record_per_prompt_and_draft_temperature_with_aligned_per_step_value
         (d, p, t, 4, 1.0) for d, p, _ in PROMPTS for t in (0.5, 1.0))
     for record in records:
         steps = len(record.accepted)
-        assert steps and len(record.draft_lens) == len(record.expected_token) == len(record.expected_block) == steps
+        assert steps and len(record.verified) == len(record.expected_token) == len(record.expected_block) == steps
         assert len(record.overlap) == steps and (record.new_tokens == 8 or record.finish_reason == "eos")
-        assert all(0 <= a <= k <= 4 for a, k in zip(record.accepted, record.draft_lens))
-        assert all(o is None if k == 0 else 0 <= o <= 1 + 1e-6 for o, k in zip(record.overlap, record.draft_lens))
+        assert all(0 <= a <= k <= 4 for a, k in zip(record.accepted, record.verified))
+        assert all(o is None if k == 0 else 0 <= o <= 1 + 1e-6 for o, k in zip(record.overlap, record.verified))
         assert all(0 <= e <= k + 1e-5 for e, k in zip(record.expected_token + record.expected_block,
-                                                       record.draft_lens * 2))
+                                                       record.verified * 2))
         assert record.meta["target"] == "tiny" and record.meta["dtype"] == "float32" and record.meta["date"]
         assert record.seed == int(record.prompt_id[-1])  # seed + n with seed 0
 
@@ -109,7 +109,7 @@ def test_the_reported_gain_and_overlap_are_the_pooled_values_of_the_records(swep
             mine = [r for r in records if r.draft_temperature == draft_temperature and label in (ALL, r.dataset)]
             exp_t = [e for r in mine for e in r.expected_token]
             exp_b = [e for r in mine for e in r.expected_block]
-            pairs = [(o, k) for r in mine for o, k in zip(r.overlap, r.draft_lens) if o is not None]
+            pairs = [(o, k) for r in mine for o, k in zip(r.overlap, r.verified) if o is not None]
             (row,) = [r for r in report.rows_of(label) if r.draft_temperature == draft_temperature]
             assert row.prompts == len(mine) and row.steps == len(exp_t)
             assert row.analytic_be_token == pytest.approx(1 + np.mean(exp_t), abs=1e-12)
@@ -161,8 +161,8 @@ def synthetic(rng: np.random.Generator, prompts: int, gain: float, datasets=("x"
             exp_t = np.clip(mu + rng.normal(0, 0.3, steps), 0, 4)
             exp_b = (1 + gain) * (1 + exp_t) - 1 + rng.normal(0, 0.05, steps)
             out.append(AlignRecord(
-                dataset=dataset, prompt_id=f"{dataset}/{p}", draft_temperature=1.0, draft_len=4, temperature=1.0,
-                seed=p, max_new_tokens=64, new_tokens=64, finish_reason="length", draft_lens=[4] * steps,
+                dataset=dataset, prompt_id=f"{dataset}/{p}", draft_temperature=1.0, max_draft=4, temperature=1.0,
+                seed=p, max_new_tokens=64, new_tokens=64, finish_reason="length", verified=[4] * steps,
                 accepted=rng.integers(0, 5, steps).tolist(), expected_token=exp_t.tolist(),
                 expected_block=exp_b.tolist(), overlap=rng.uniform(0.5, 0.9, steps).tolist(),
             ))
@@ -202,7 +202,7 @@ def test_align_help_explains_the_measurement_and_defaults_come_from_the_config()
     assert (args.target, args.draft) == (defaults.target, defaults.draft)
     assert (defaults.target, defaults.draft) == (blockspec_defaults.TARGET, blockspec_defaults.DRAFT)
     assert tuple(args.draft_temperatures) == defaults.draft_temperatures == (0.4, 0.7, 1.0, 1.5, 2.0)
-    assert (args.temperature, args.draft_len, args.max_new_tokens, args.prompts_per_dataset) == (1.0, 4, 64, 4)
+    assert (args.temperature, args.max_draft, args.max_new_tokens, args.prompts_per_dataset) == (1.0, 4, 64, 4)
     assert tuple(args.datasets) == ("gsm8k", "humaneval", "sharegpt") and args.out == defaults.out
     text = next(a for a in parser._subparsers._group_actions[0].choices.items() if a[0] == "align")[1].format_help()
     assert "overlap" in text and "paired analytic gain" in text and "lossless" in text

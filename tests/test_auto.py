@@ -68,7 +68,7 @@ def test_law_of_the_first_tokens_is_the_targets_with_an_int8_draft(verifier, mon
     target = tiny_model(vocab=vocab, sharpness=5.0)
     draft = quantize(perturbed(target, scale=0.6, seed=1), "int8")
     law = exact_law_of_first_tokens(target, [1, 2, 3], length)
-    decoder = SpeculativeDecoder(target, draft, verifier=verifier, draft_len=2)
+    decoder = SpeculativeDecoder(target, draft, verifier=verifier, max_draft=2)
     test = lawkit.chi_square(lawkit.first_tokens_counts(decoder, [1, 2, 3], vocab, length, samples), law)
     assert test.passed, test
     monkeypatch.setitem(engine_module.VERIFIERS, verifier, off_by_one(engine_module.VERIFIERS[verifier]))
@@ -79,7 +79,7 @@ def test_law_of_the_first_tokens_is_the_targets_with_an_int8_draft(verifier, mon
 def test_greedy_output_with_an_int8_draft_equals_plain_greedy_decoding():
     target = tiny_model(sharpness=5.0)
     draft = quantize(perturbed(target, scale=0.3, seed=1), "int8")
-    decoder = SpeculativeDecoder(target, draft, verifier="block", draft_len=3)
+    decoder = SpeculativeDecoder(target, draft, verifier="block", max_draft=3)
     prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13]]
     result = decoder.generate(prompts, max_new_tokens=16, sampling=GREEDY)
     assert result.sequences == [reference_greedy(target, p, 16) for p in prompts]

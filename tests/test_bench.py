@@ -44,15 +44,15 @@ def tiny_config(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench")
     return runner.BenchConfig(
         target=save_tiny(root / "target"), draft=save_tiny(root / "draft", noise=0.3), dtype="float32",
-        datasets=("lm1b",), prompts_per_dataset=2, draft_lens=(2, 3), temperatures=(1.0,), max_new_tokens=6,
+        datasets=("lm1b",), prompts_per_dataset=2, max_drafts=(2, 3), temperatures=(1.0,), max_new_tokens=6,
         chat=False, out=root / "out",
     )
 
 
 def test_plan_interleaves_configurations_prompt_by_prompt_with_one_seed_per_prompt():
-    config = runner.BenchConfig(draft_lens=(2, 4), temperatures=(1.0, 0.0), seed=7)
+    config = runner.BenchConfig(max_drafts=(2, 4), temperatures=(1.0, 0.0), seed=7)
     runs = runner.plan(config, {"a": [("a/0", [1]), ("a/1", [2])], "b": [("b/0", [3])]})
-    first = [(r.prompt_id, r.config, r.draft_len) for r in runs[:7]]
+    first = [(r.prompt_id, r.config, r.max_draft) for r in runs[:7]]
     assert first == [("a/0", "target-only", 0), ("a/0", "token", 2), ("a/0", "token", 4), ("a/0", "block", 2),
                      ("a/0", "block", 4), ("a/0", "hf-assisted", 0), ("a/0", "auto", 4)]
     assert len(runs) == 7 * 3 * 2 and len({r.key for r in runs}) == len(runs)
@@ -67,8 +67,8 @@ def test_runner_writes_one_record_per_prompt_and_configuration_and_resumes(tiny_
         assert record.new_tokens == 6 or record.finish_reason == "eos"
         assert record.wall_time > 0 and record.meta["dtype"] == "float32" and record.meta["threads"] >= 1
         if record.config in ("token", "block"):  # per-step bookkeeping, the same draft under both rules
-            assert len(record.accepted) == len(record.draft_lens) == len(record.expected_token) == len(record.expected_block)
-            assert all(0 <= a <= k for a, k in zip(record.accepted, record.draft_lens))
+            assert len(record.accepted) == len(record.verified) == len(record.expected_token) == len(record.expected_block)
+            assert all(0 <= a <= k for a, k in zip(record.accepted, record.verified))
     runner.run(tiny_config, progress=False)  # resumed: everything is recorded already
     assert len(list(rec.read(records_file))) == len(records)
 
@@ -83,7 +83,7 @@ def test_a_spent_time_budget_stops_scheduling_and_a_rerun_completes(tiny_config,
 def test_bench_command_prints_the_report_and_writes_plots(tiny_config, tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "blockspec.cli", "bench", "--target", tiny_config.target, "--draft", tiny_config.draft,
-         "--dtype", "float32", "--datasets", "lm1b", "--prompts", "1", "--draft-lens", "2", "--max-new-tokens", "5",
+         "--dtype", "float32", "--datasets", "lm1b", "--prompts", "1", "--max-draft", "2", "--max-new-tokens", "5",
          "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600,
     )
@@ -99,7 +99,7 @@ def test_bench_command_prints_the_report_and_writes_plots(tiny_config, tmp_path)
 
 
 def test_the_run_stops_once_the_gain_is_known_to_the_requested_precision(tiny_config, tmp_path):
-    six = replace(tiny_config, prompts_per_dataset=runner.MIN_PROMPTS + 1, draft_lens=(2,),
+    six = replace(tiny_config, prompts_per_dataset=runner.MIN_PROMPTS + 1, max_drafts=(2,),
                   configs=("token", "block"))
     loose = runner.run(replace(six, out=tmp_path / "loose", precision=10.0), progress=False)
     # Known once MIN_PROMPTS prompts (rounds) are in, however loose the precision: 2 records per round.
@@ -111,7 +111,7 @@ def test_the_run_stops_once_the_gain_is_known_to_the_requested_precision(tiny_co
 def test_a_run_resumed_at_another_temperature_gets_its_own_minimum_of_prompts(tiny_config, tmp_path):
     """The sampled half, already precise, must not stop the greedy half after its first round; and the greedy
     half, block alone (both rules coincide there), stops once it has its own minimum."""
-    six = replace(tiny_config, prompts_per_dataset=runner.MIN_PROMPTS + 1, draft_lens=(2,),
+    six = replace(tiny_config, prompts_per_dataset=runner.MIN_PROMPTS + 1, max_drafts=(2,),
                   configs=("token", "block"), precision=10.0, out=tmp_path)
     runner.run(six, progress=False)
     records = list(rec.read(runner.run(replace(six, temperatures=(0.0,), configs=("block",)), progress=False)))
@@ -124,7 +124,7 @@ def test_a_run_resumed_at_another_temperature_gets_its_own_minimum_of_prompts(ti
 def test_hf_lookup_is_planned_at_batch_size_one_only():
     config = runner.BenchConfig(prompts_per_dataset=2, batch_sizes=(1, 2), configs=("target-only", "hf-lookup"))
     runs = runner.plan(config, {"a": [("a/0", [1]), ("a/1", [2])]})
-    assert [(r.prompt_id, r.draft_len) for r in runs if r.config == "hf-lookup"] == [("a/0", 0), ("a/1", 0)]
+    assert [(r.prompt_id, r.max_draft) for r in runs if r.config == "hf-lookup"] == [("a/0", 0), ("a/1", 0)]
     assert all(r.batch_size == 1 for r in runs if r.config == "hf-lookup")
 
 
@@ -158,7 +158,7 @@ def test_hf_lookup_records_state_its_settings(tiny_config, tmp_path):
     assert len(records) == 2 * 2 and all(r.ok for r in records)  # 2 prompts at 2 temperatures
     for record in records:
         assert record.meta["prompt_lookup"] == {"prompt_lookup_num_tokens": 10, "max_matching_ngram_size": 2}
-        assert (record.draft_len, record.batch_size, record.prefill_time, record.accepted) == (0, 1, None, [])
+        assert (record.max_draft, record.batch_size, record.prefill_time, record.accepted) == (0, 1, None, [])
         assert record.wall_time > 0 and (record.new_tokens == 6 or record.finish_reason == "eos")
 
 
@@ -181,12 +181,12 @@ def test_the_int8_draft_and_blockspecs_defaults_run_beside_transformers(tiny_con
     quant = {(r.config, r.meta.get("draft_quant", "-")) for r in records}
     assert quant == {("target-only", "-"), ("lookup", "-"), ("hf-lookup", "-"), ("block", None),
                      ("hf-assisted", None), ("block-int8", "int8"), ("auto", "int8"), ("lookup+model", "int8")}
-    assert {r.draft_len for r in records if r.config in ("auto", "lookup+model")} == {3}
-    assert {r.draft_len for r in records if r.config == "lookup"} == {0}
-    assert any(k > 0 for r in records if r.config == "lookup" for k in r.draft_lens)  # it looked up
-    assert any(k > 0 for r in records if r.config == "auto" for k in r.draft_lens)  # it speculated
+    assert {r.max_draft for r in records if r.config in ("auto", "lookup+model")} == {3}
+    assert {r.max_draft for r in records if r.config == "lookup"} == {0}
+    assert any(k > 0 for r in records if r.config == "lookup" for k in r.verified)  # it looked up
+    assert any(k > 0 for r in records if r.config == "auto" for k in r.verified)  # it speculated
     assert all(r.meta["dtype"] == "float32" for r in records)
-    rows = {(row.config, row.temperature, row.draft_len): row for row in build_report(records).batch}
+    rows = {(row.config, row.temperature, row.max_draft): row for row in build_report(records).batch}
     assert {name for name, _, _ in rows} == set(DEFAULTS)
     for name in ("block-int8", "auto", "lookup", "lookup+model"):
         assert rows[(name, 1.0, 3 if name != "lookup" else 0)].speedup_vs_hf is not None, name
@@ -199,5 +199,5 @@ def test_where_speculation_cannot_pay_auto_decodes_alone_and_lookup_model_looks_
     config = replace(tiny_config, out=tmp_path, configs=("auto", "lookup+model"), temperatures=(0.0,))
     records = list(rec.read(runner.run(config, progress=False)))
     assert len(records) == 4 and all(r.ok for r in records)
-    assert all(k == 0 for r in records if r.config == "auto" for k in r.draft_lens)
-    assert any(k > 0 for r in records if r.config == "lookup+model" for k in r.draft_lens)
+    assert all(k == 0 for r in records if r.config == "auto" for k in r.verified)
+    assert any(k > 0 for r in records if r.config == "lookup+model" for k in r.verified)

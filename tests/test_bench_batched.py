@@ -30,7 +30,7 @@ def prompts(dataset: str, n: int) -> list[tuple[str, list[int]]]:
 
 
 def test_plan_runs_batches_of_consecutive_prompts_with_per_prompt_seeds():
-    config = runner.BenchConfig(prompts_per_dataset=4, draft_lens=(2, 4), batch_sizes=(1, 2, 4), seed=10,
+    config = runner.BenchConfig(prompts_per_dataset=4, max_drafts=(2, 4), batch_sizes=(1, 2, 4), seed=10,
                                 configs=("target-only", "token", "block", "hf-assisted", "sv-block", "sv-draft"))
     runs = runner.plan(config, {"a": prompts("a", 4), "b": prompts("b", 5)})
     assert len({r.key for r in runs}) == len(runs)
@@ -42,8 +42,8 @@ def test_plan_runs_batches_of_consecutive_prompts_with_per_prompt_seeds():
                                                                               ("b", ("b/0", "b/1", "b/2", "b/3"))}
     assert not any(r.prompt_id == "b/4" for r in runs if r.batch_size > 1)  # b/4 fills no batch of 2 or 4
     assert {r.batch_size for r in runs if r.config == "hf-assisted"} == {1}  # batch 1 only
-    # SV: one run per batch, drafting at most max(draft_lens); fixed K: one per K
-    per_batch = [(r.config, r.draft_len) for r in runs if r.key[:2] == ("a", "a/0") and r.batch_size == 4]
+    # SV: one run per batch, drafting at most max(verified); fixed K: one per K
+    per_batch = [(r.config, r.max_draft) for r in runs if r.key[:2] == ("a", "a/0") and r.batch_size == 4]
     assert per_batch == [("target-only", 0), ("token", 2), ("token", 4), ("block", 2), ("block", 4), ("sv-block", 4),
                          ("sv-draft", 4)]
     # round n holds batch n of every batch size (smallest first) and dataset, every configuration in turn
@@ -56,7 +56,7 @@ def test_plan_runs_batches_of_consecutive_prompts_with_per_prompt_seeds():
 
 
 def test_batch_one_plan_is_unchanged():
-    config = runner.BenchConfig(draft_lens=(2, 4), temperatures=(1.0, 0.0), seed=7)
+    config = runner.BenchConfig(max_drafts=(2, 4), temperatures=(1.0, 0.0), seed=7)
     runs = runner.plan(config, {"a": prompts("a", 2), "b": prompts("b", 1)})
     assert [r.key[:3] for r in runs[:2]] == [("a", "a/0", "target-only"), ("a", "a/0", "token")]
     assert all(r.batch_size == 1 and r.seed == 7 + r.round for r in runs)
@@ -105,7 +105,7 @@ def sv_config(tmp_path_factory):
     hand_profile(target, draft).save(root / "calibration.json")
     hand_latency(target, draft).save(root / "latency.json")
     return runner.BenchConfig(
-        target=target, draft=draft, dtype="float32", datasets=("lm1b",), prompts_per_dataset=4, draft_lens=(2, 3),
+        target=target, draft=draft, dtype="float32", datasets=("lm1b",), prompts_per_dataset=4, max_drafts=(2, 3),
         temperatures=(1.0,), max_new_tokens=6, batch_sizes=(1, 2), out=root / "out",  # chat as `blockspec bench`
         configs=("target-only", "token", "block", "sv-block", "sv-draft"), companion=COMPANION,
         sv_profile=root / "calibration.json", latency=root / "latency.json",
@@ -126,25 +126,25 @@ def test_batched_run_writes_one_record_per_batch_and_configuration(sv_records):
         assert record.schema == rec.SCHEMA and len(record.prompt_ids) == record.batch_size
         assert record.prompt_id == record.prompt_ids[0] and len(record.finish_reasons) == record.batch_size
         assert record.new_tokens <= 6 * record.batch_size and record.wall_time > 0
-        # per-step lists: drafted and rows per step, accepted and draft_lens per row-step
+        # per-step lists: drafted and rows per step, accepted and verified per row-step
         assert len(record.drafted) == len(record.rows) and len(record.accepted) == sum(record.rows)
-        assert len(record.draft_lens) == len(record.accepted) and max(record.rows) == record.batch_size
-        assert all(0 <= a <= k for a, k in zip(record.accepted, record.draft_lens))
+        assert len(record.verified) == len(record.accepted) and max(record.rows) == record.batch_size
+        assert all(0 <= a <= k for a, k in zip(record.accepted, record.verified))
         if record.config in ("token", "block"):
             assert len(record.expected_token) == len(record.expected_block) == len(record.accepted)
         else:
             assert record.expected_token == record.expected_block == []
         if record.config.startswith("sv"):
-            assert record.draft_len == 3 and record.meta["companion"] == COMPANION
+            assert record.max_draft == 3 and record.meta["companion"] == COMPANION
     by_seed = {r.seed: r.prompt_id for r in sv_records if r.batch_size == 1}  # prompt i has seed i
     for record in (r for r in sv_records if r.batch_size == 2):  # consecutive prompts, seeds seed + index
         assert record.seed in (0, 2) and record.prompt_ids == [by_seed[record.seed], by_seed[record.seed + 1]]
     for record in sv_records:  # a row verifies at most what was drafted in its step
         drafted = [d for d, n in zip(record.drafted, record.rows) for _ in range(n)]  # per row-step
-        assert all(k <= d for k, d in zip(record.draft_lens, drafted))
+        assert all(k <= d for k, d in zip(record.verified, drafted))
         if record.config in ("token", "block"):  # fixed K: K drafted per step while K + 1 tokens fit
-            assert max(record.drafted) == record.draft_len
-    assert any(k > 0 for r in sv_records if r.config.startswith("sv") for k in r.draft_lens)  # SV speculates
+            assert max(record.drafted) == record.max_draft
+    assert any(k > 0 for r in sv_records if r.config.startswith("sv") for k in r.verified)  # SV speculates
 
 
 def test_batched_report_table_json_and_plot(sv_records, tmp_path):
@@ -154,13 +154,13 @@ def test_batched_report_table_json_and_plot(sv_records, tmp_path):
     assert {(r.batch_size, r.config) for r in report.batch} == {(b, c) for b in (1, 2) for c in configs}
     assert {row.batch_size for row in report.rows} == {1}  # the token-vs-block tables stay batch 1
     for row in report.batch:
-        units = [r for r in sv_records if (r.config, r.draft_len, r.batch_size) == (row.config, row.draft_len,
+        units = [r for r in sv_records if (r.config, r.max_draft, r.batch_size) == (row.config, row.max_draft,
                                                                                     row.batch_size)]
         assert row.batches == len(units)
         rate = sum(r.new_tokens for r in units) / sum(r.wall_time - r.prefill_time for r in units)
         assert row.tokens_per_s.value == pytest.approx(rate)
         assert row.tokens_per_s.lo is not None  # >= 2 batches in the one dataset: an interval
-        verified = sum(sum(r.draft_lens) for r in units)
+        verified = sum(sum(r.verified) for r in units)
         assert row.verified_per_emitted.value == pytest.approx(verified / sum(r.new_tokens for r in units))
         if row.config != "target-only":
             accepted = sum(sum(r.accepted) for r in units)
@@ -213,7 +213,7 @@ def test_bench_command_with_batch_sizes_prints_the_batch_table_and_json_line(sv_
     from blockspec.cli import main
 
     assert main(["bench", "--target", sv_config.target, "--draft", sv_config.draft, "--dtype", "float32",
-                 "--datasets", "lm1b", "--prompts", "4", "--draft-lens", "2", "3", "--max-new-tokens", "6",
+                 "--datasets", "lm1b", "--prompts", "4", "--max-draft", "2", "3", "--max-new-tokens", "6",
                  "--batch-sizes", "1", "2", "--configs", "target-only", "token", "block", "sv-block", "sv-draft",
                  "--companion", COMPANION, "--sv-profile", str(sv_config.sv_profile), "--latency",
                  str(sv_config.latency), "--out", str(sv_config.out)]) == 0

@@ -28,7 +28,7 @@ def small(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
     return runner.BenchConfig(
         target=save_tiny(root / "target"), draft=save_tiny(root / "draft", noise=0.3), dtype="float32",
-        datasets=("lm1b",), prompts_per_dataset=2, draft_lens=(2,), configs=("target-only", "block"),
+        datasets=("lm1b",), prompts_per_dataset=2, max_drafts=(2,), configs=("target-only", "block"),
         max_new_tokens=4, out=root / "out",
     )
 
@@ -95,9 +95,9 @@ def test_failed_runs_do_not_count_towards_the_precision_stop(tmp_path):
             for config in ("token", "block"):
                 failed = p == failed_prompt and config == "block"
                 rec.append(path, rec.Record(
-                    dataset="d", prompt_id=f"d/{p}", config=config, draft_len=2, temperature=1.0, batch_size=1,
+                    dataset="d", prompt_id=f"d/{p}", config=config, max_draft=2, temperature=1.0, batch_size=1,
                     seed=p, new_tokens=0 if failed else 6, wall_time=0.0 if failed else 1.0, prefill_time=None,
-                    accepted=[] if failed else [1, 2], draft_lens=[] if failed else [2, 2],
+                    accepted=[] if failed else [1, 2], verified=[] if failed else [2, 2],
                     expected_token=[] if failed else [1.0, 1.5 + p / 10],
                     expected_block=[] if failed else [1.2, 1.6 + p / 10],
                     status=rec.FAILED if failed else rec.OK, error="ValueError: x" if failed else None))
@@ -160,7 +160,7 @@ def test_a_resume_on_another_machine_kind_or_thread_count_is_refused(recorded, t
 def test_a_resume_may_grow_the_plan_and_change_what_only_steers_it(recorded, tmp_path):
     config = copy_of(recorded, tmp_path)
     before = list(rec.read(config.out / runner.RECORDS))
-    grown = replace(config, prompts_per_dataset=2, configs=("target-only", "block"), draft_lens=(2, 3),
+    grown = replace(config, prompts_per_dataset=2, configs=("target-only", "block"), max_drafts=(2, 3),
                     temperatures=(1.0, 0.0), time_budget=600.0, precision=0.5, retry_failed=True, allow_download=True)
     records = list(rec.read(runner.run(grown, progress=False)))
     assert records[:len(before)] == before  # the recorded run is kept, not redone
@@ -172,6 +172,28 @@ def test_a_run_directory_without_stored_settings_is_reported_but_not_resumed(rec
     (config.out / runner.CONFIG).unlink()
     no_model_loads(monkeypatch)
     with pytest.raises(ValueError, match="created by an older blockspec: use a new --out"):
+        runner.run(config, progress=False)
+    assert report.main(["--records", str(config.out / runner.RECORDS), "--no-plots"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["records"] == 1
+
+
+def as_schema_3(path) -> None:
+    """Rewrite a records file as blockspec wrote it before schema 4: the former field names."""
+    former = {new: old for old, new in rec.RENAMED.items()}
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps({**{former.get(k, k): v for k, v in r.items()}, "schema": 3}) + "\n"
+                            for r in records))
+
+
+def test_records_of_an_older_schema_load_under_the_new_names_but_are_not_resumed(recorded, tmp_path, monkeypatch,
+                                                                                capsys):
+    config = copy_of(recorded, tmp_path)
+    before = list(rec.read(config.out / runner.RECORDS))
+    as_schema_3(config.out / runner.RECORDS)
+    assert '"draft_lens"' in (config.out / runner.RECORDS).read_text()
+    assert [replace(r, schema=rec.SCHEMA) for r in rec.read(config.out / runner.RECORDS)] == before
+    no_model_loads(monkeypatch)
+    with pytest.raises(ValueError, match="holds records of schema 3, written by an older blockspec .* use a new --out"):
         runner.run(config, progress=False)
     assert report.main(["--records", str(config.out / runner.RECORDS), "--no-plots"]) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["records"] == 1

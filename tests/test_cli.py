@@ -34,14 +34,14 @@ def test_help_is_instant_and_shows_examples():
     code = "import sys; from blockspec import cli\ntry: cli.main(['--help'])\nexcept SystemExit: pass\nprint('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "blockspec generate" in out and out.strip().endswith("False")
-    assert "--draft-len" in run("generate", "--help").stdout
+    assert "--max-draft" in run("generate", "--help").stdout
     module = subprocess.run([sys.executable, "-m", "blockspec", "env", "--json"], capture_output=True, text=True)
     assert module.returncode == 0 and json.loads(module.stdout)["torch_threads"] >= 1  # python -m blockspec works
 
 
 def test_generate_defaults_come_from_one_place():
     args = cli.build_parser().parse_args(["generate", "hi"])
-    assert (args.target, args.draft, args.verifier, args.draft_len) == ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "block", None)
+    assert (args.target, args.draft, args.verifier, args.max_draft) == ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "block", None)
     assert (args.temperature, args.top_k, args.top_p, args.dtype, args.chat) == (1.0, 0, 1.0, "auto", True)
     assert (args.policy, args.draft_quant, args.target_quant) == ("auto", "auto", "none")
 

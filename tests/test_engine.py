@@ -31,21 +31,21 @@ def reference_greedy(target, prompt, max_new_tokens, eos=EOS):
 
 
 @pytest.mark.parametrize("verifier", ["block", "token", "greedy", "none"])
-@pytest.mark.parametrize("draft_len", [1, 3, 5])
-def test_greedy_output_equals_plain_greedy_decoding(pair, verifier, draft_len):
+@pytest.mark.parametrize("max_draft", [1, 3, 5])
+def test_greedy_output_equals_plain_greedy_decoding(pair, verifier, max_draft):
     target, draft = pair
-    decoder = SpeculativeDecoder(target, draft, verifier=verifier, draft_len=draft_len)
+    decoder = SpeculativeDecoder(target, draft, verifier=verifier, max_draft=max_draft)
     for prompts in (PROMPTS[:1], PROMPTS):  # batch 1, and batch 4 with different prompt lengths
         result = decoder.generate(prompts, max_new_tokens=24, sampling=GREEDY)
         for b, prompt in enumerate(prompts):
             assert result.sequences[b] == reference_greedy(target, prompt, 24), f"row {b}"
     if verifier != "none":  # the check means something only if drafts were both accepted and rejected
-        assert 1.3 < result.block_efficiency < draft_len + 1 or draft_len == 1
+        assert 1.3 < result.block_efficiency < max_draft + 1 or max_draft == 1
 
 
 def test_greedy_equivalence_on_a_llama_model():
     target = tiny_model(family="llama", sharpness=5.0, seed=3)
-    decoder = SpeculativeDecoder(target, perturbed(target, scale=0.3, seed=2), verifier="block", draft_len=4)
+    decoder = SpeculativeDecoder(target, perturbed(target, scale=0.3, seed=2), verifier="block", max_draft=4)
     result = decoder.generate(PROMPTS, max_new_tokens=20, sampling=GREEDY)
     assert result.sequences == [reference_greedy(target, p, 20) for p in PROMPTS]
 
@@ -90,7 +90,7 @@ def test_eos_and_max_new_tokens_are_exact(pair):
     target, draft = pair
     plain = [reference_greedy(target, p, 30, eos=None) for p in PROMPTS]
     eos = plain[0][6]  # make a token the greedy continuation of prompt 0 reaches an end of sequence
-    decoder = SpeculativeDecoder(target, draft, verifier="block", draft_len=4)
+    decoder = SpeculativeDecoder(target, draft, verifier="block", max_draft=4)
     decoder.target.eos_token_ids = (eos,)
     result = decoder.generate(PROMPTS, max_new_tokens=30, sampling=GREEDY)
     for b, seq in enumerate(plain):
@@ -104,7 +104,7 @@ def test_eos_and_max_new_tokens_are_exact(pair):
 
 def test_sampled_rows_stop_right_after_their_first_eos(pair):
     target, draft = pair
-    decoder = SpeculativeDecoder(target, draft, verifier="token", draft_len=4)
+    decoder = SpeculativeDecoder(target, draft, verifier="token", max_draft=4)
     decoder.target.eos_token_ids = (3, 7, 11)  # several EOS ids, frequent enough to end rows mid-draft
     result = decoder.generate(PROMPTS * 4, max_new_tokens=40, seed=0)
     for seq, reason in zip(result.sequences, result.finish_reasons):
@@ -132,7 +132,7 @@ def test_law_of_the_first_tokens_is_the_targets(verifier, monkeypatch):
     target = tiny_model(vocab=vocab, sharpness=5.0)
     draft = perturbed(target, scale=0.6, seed=1)
     law = exact_law_of_first_tokens(target, [1, 2, 3], length)
-    decoder = SpeculativeDecoder(target, draft, verifier=verifier, draft_len=2)
+    decoder = SpeculativeDecoder(target, draft, verifier=verifier, max_draft=2)
 
     def counts():
         result = decoder.generate([[1, 2, 3]] * samples, max_new_tokens=length, seed=0, stop_on_eos=False)
@@ -177,7 +177,7 @@ def test_the_policy_is_told_how_many_tokens_the_draft_reads_before_drafting(pair
 
 def test_a_row_does_not_depend_on_its_neighbours(pair):
     target, draft = pair
-    decoder = SpeculativeDecoder(target, draft, verifier="block", draft_len=3)
+    decoder = SpeculativeDecoder(target, draft, verifier="block", max_draft=3)
     together = decoder.generate(PROMPTS, max_new_tokens=20, seed=[11, 12, 13, 14])
     for b, prompt in enumerate(PROMPTS):
         alone = decoder.generate([prompt], max_new_tokens=20, seed=[11 + b])
@@ -186,7 +186,7 @@ def test_a_row_does_not_depend_on_its_neighbours(pair):
 
 def test_same_seed_same_output_and_seeds_matter(pair):
     target, draft = pair
-    decoder = SpeculativeDecoder(target, draft, verifier="block", draft_len=3)
+    decoder = SpeculativeDecoder(target, draft, verifier="block", max_draft=3)
     first = decoder.generate(PROMPTS, max_new_tokens=15, seed=5).sequences
     assert decoder.generate(PROMPTS, max_new_tokens=15, seed=5).sequences == first
     assert decoder.generate(PROMPTS, max_new_tokens=15, seed=6).sequences != first
@@ -194,10 +194,10 @@ def test_same_seed_same_output_and_seeds_matter(pair):
 
 def test_expected_accepted_lengths_are_recorded_and_match_the_observed_mean(pair):
     target, draft = pair
-    decoder = SpeculativeDecoder(target, draft, verifier="block", draft_len=4)
+    decoder = SpeculativeDecoder(target, draft, verifier="block", max_draft=4)
     result = decoder.generate(PROMPTS * 8, max_new_tokens=30, seed=0, expected=True)
     full = [(a, e, t) for s in result.stats for a, e, t, k in
-            zip(s.accepted, s.expected_block, s.expected_token, s.draft_len) if k == 4]
+            zip(s.accepted, s.expected_block, s.expected_token, s.verified) if k == 4]
     observed = sum(a for a, _, _ in full) / len(full)
     predicted = sum(e for _, e, _ in full) / len(full)
     # tau lies in [0, 4]: its standard deviation is at most 2, so 5 standard errors is 10 / sqrt(n).
@@ -236,8 +236,8 @@ def test_bad_decoder_arguments_get_clear_errors(pair):
         SpeculativeDecoder(target, draft, verifier="typical")
     with pytest.raises(ValueError, match="needs a draft model"):
         SpeculativeDecoder(target, None, verifier="block")
-    with pytest.raises(ValueError, match="draft_len must be an int >= 1"):
-        SpeculativeDecoder(target, draft, draft_len=0)
+    with pytest.raises(ValueError, match="max_draft must be an int >= 1"):
+        SpeculativeDecoder(target, draft, max_draft=0)
     with pytest.raises(ValueError, match="needs temperature 0"):
         SpeculativeDecoder(target, draft, verifier="greedy").generate([[1]], max_new_tokens=2)
     with pytest.raises(ValueError, match="cannot check they share a vocabulary"):
@@ -247,7 +247,7 @@ def test_bad_decoder_arguments_get_clear_errors(pair):
 def test_stop_strings_end_a_row_right_after_the_text(pair):
     target, draft = pair
     tokenizer = tiny_tokenizer()
-    decoder = SpeculativeDecoder(HFModel(target, tokenizer), HFModel(draft, tokenizer), draft_len=4)
+    decoder = SpeculativeDecoder(HFModel(target, tokenizer), HFModel(draft, tokenizer), max_draft=4)
     free = decoder.generate(PROMPTS, max_new_tokens=30, sampling=GREEDY, stop_on_eos=False)
     stop = tokenizer.decode(free.sequences[0][5:7])  # text that row 0 produces mid-way, inside some step
     result = decoder.generate(PROMPTS, max_new_tokens=30, sampling=GREEDY, stop_on_eos=False, stop_strings=[stop])

@@ -169,27 +169,27 @@ def engine_law(target: list[torch.Tensor], draft_sampled: list[torch.Tensor], dr
             law[prefix] += mass
             return
         context = torch.tensor(prefix, dtype=torch.long).reshape(1, done)
-        draft_len = min(DRAFT_LEN, LENGTH - 1 - done)
-        if draft_len == 0:
+        width = min(DRAFT_LEN, LENGTH - 1 - done)
+        if width == 0:
             for token, prob in enumerate(_at(target, context)[0].tolist()):
                 if prob > 0:
                     visit(prefix + (token,), mass * prob)
             return
-        blocks = lawkit.all_blocks(VOCAB, draft_len)  # [N, k]
-        contexts = [torch.cat([context.expand(len(blocks), -1), blocks[:, :i]], 1) for i in range(draft_len + 1)]
-        sampled = torch.stack([_at(draft_sampled, contexts[i]) for i in range(draft_len)], 1)  # [N, k, V]
+        blocks = lawkit.all_blocks(VOCAB, width)  # [N, k]
+        contexts = [torch.cat([context.expand(len(blocks), -1), blocks[:, :i]], 1) for i in range(width + 1)]
+        sampled = torch.stack([_at(draft_sampled, contexts[i]) for i in range(width)], 1)  # [N, k, V]
         block_prob = sampled.gather(-1, blocks[..., None]).squeeze(-1).prod(-1)  # [N]
         drafted = block_prob > 0
         blocks, block_prob = blocks[drafted], block_prob[drafted]
-        reported = torch.stack([_at(draft_reported, contexts[i][drafted]) for i in range(draft_len)], 1)
-        target_probs = torch.stack([_at(target, contexts[i][drafted]) for i in range(draft_len + 1)], 1)
+        reported = torch.stack([_at(draft_reported, contexts[i][drafted]) for i in range(width)], 1)
+        target_probs = torch.stack([_at(target, contexts[i][drafted]) for i in range(width + 1)], 1)
         # A drafted token the reported draft gives 0 would make the verifier divide 0 by 0 where the target gives 0
         # too: the controls are chosen so that it never happens (their law is then well defined).
         assert bool((reported.gather(-1, blocks[..., None]) > 0).all()), "a drafted token is reported impossible"
         tau_law = accepted_length_law(blocks, reported, target_probs, method, validate=False)  # [N, k+1]
         final = final_distributions(blocks, reported, target_probs, method, validate=False)  # [N, k+1, V]
         for b, block in enumerate(blocks.tolist()):
-            for tau in range(draft_len + 1):
+            for tau in range(width + 1):
                 step_mass = float(block_prob[b] * tau_law[b, tau])
                 if step_mass > 0:
                     for token, prob in enumerate(final[b, tau].tolist()):
@@ -299,14 +299,14 @@ def test_first_tokens_follow_the_processed_target_law(models, name, method):
     error = lawkit.max_abs_error(law, wrong_law)
     assert power >= MIN_POWER, f"{name} {method}: power {power:.3g} < {MIN_POWER} against the control"
 
-    decoder = SpeculativeDecoder(target_model, draft_model, verifier=method, draft_len=DRAFT_LEN)
+    decoder = SpeculativeDecoder(target_model, draft_model, verifier=method, max_draft=DRAFT_LEN)
     counts, result = run(decoder, case, seed=0)
     test = pooled_test(counts, law)
     assert test.passed, describe(f"{name} {method}", test)
     describe(f"{name} {method} (acceptance rate {result.acceptance_rate:.2f})", test)
     assert 0.05 < result.acceptance_rate < 0.95, "the drafts were not both accepted and rejected"
 
-    broken = SpeculativeDecoder(target_model, draft_model, verifier=method, draft_len=DRAFT_LEN)
+    broken = SpeculativeDecoder(target_model, draft_model, verifier=method, max_draft=DRAFT_LEN)
     calls = wrong_engine(broken, control)
     counts, _ = run(broken, case, seed=0)
     assert calls["target"] + calls["draft"] > 0, "the control's patch was never exercised"

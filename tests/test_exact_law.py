@@ -38,13 +38,13 @@ def reference_step(
     """docs/algorithms.md transcribed one block and one scalar at a time, with switches for the three known mistakes."""
 
     def one_block(x: list[int], draft: torch.Tensor, target: torch.Tensor):
-        draft_len, vocab = len(x), target.shape[-1]
-        ratios = [float(target[i][x[i]] / draft[i][x[i]]) for i in range(draft_len)]
+        width, vocab = len(x), target.shape[-1]
+        ratios = [float(target[i][x[i]] / draft[i][x[i]]) for i in range(width)]
         if method == "token":
             accept = [min(1.0, r) for r in ratios]
             survival = [1.0] + list(itertools.accumulate(accept, lambda a, b: a * b))
-            tau_law = [survival[i] - (survival[i + 1] if i < draft_len else 0.0) for i in range(draft_len + 1)]
-            weights = [1.0] * (draft_len + 1)
+            tau_law = [survival[i] - (survival[i + 1] if i < width else 0.0) for i in range(width + 1)]
+            weights = [1.0] * (width + 1)
         else:
             weights, product = [1.0], 1.0
             for r in ratios:
@@ -52,19 +52,19 @@ def reference_step(
                 # Mistake 3 caps the cumulative product only at the end instead of at every step.
                 weights.append(min(1.0, product) if cap_at_end else min(1.0, weights[-1] * r))
             h = [1.0]  # h[0] stands for "tau >= 0", which always holds
-            for i in range(1, draft_len):
+            for i in range(1, width):
                 z = sum(max(weights[i] * float(target[i][v]) - float(draft[i][v]), 0.0) for v in range(vocab))
                 denominator = z + 1.0 - weights[i]
                 h.append(z / denominator if denominator > 0 else 1.0)
-            h.append(weights[draft_len])
+            h.append(weights[width])
             h.append(0.0)  # position K + 1 does not exist
             if stop_at_first_failure:  # mistake 1: tau = the first i whose test fails, minus one
-                tau_law = [prod_(h[1 : i + 1]) * (1.0 - h[i + 1]) for i in range(draft_len + 1)]
+                tau_law = [prod_(h[1 : i + 1]) * (1.0 - h[i + 1]) for i in range(width + 1)]
             else:  # tau = the LAST i with u_i < h_i
-                tau_law = [h[i] * prod_(1.0 - hj for hj in h[i + 1 : draft_len + 1]) for i in range(draft_len + 1)]
+                tau_law = [h[i] * prod_(1.0 - hj for hj in h[i + 1 : width + 1]) for i in range(width + 1)]
         final = []
-        for i in range(draft_len + 1):
-            if i == draft_len:
+        for i in range(width + 1):
+            if i == width:
                 final.append(target[i])
                 continue
             scale = 1.0 if unscaled_residual else weights[i]  # mistake 2: max(target - draft, 0) at tau
@@ -86,24 +86,24 @@ def prod_(values) -> float:
     return result
 
 
-def law_error(tables: lawkit.Tables, draft_len: int, step: lawkit.StepLaw) -> float:
-    return lawkit.max_abs_error(lawkit.speculative_law(tables, draft_len, step), lawkit.target_law(tables, draft_len + 1))
+def law_error(tables: lawkit.Tables, width: int, step: lawkit.StepLaw) -> float:
+    return lawkit.max_abs_error(lawkit.speculative_law(tables, width, step), lawkit.target_law(tables, width + 1))
 
 
 @pytest.mark.parametrize("method", ["token", "block"])
-@pytest.mark.parametrize(("vocab", "draft_len"), CASES)
+@pytest.mark.parametrize(("vocab", "width"), CASES)
 @pytest.mark.parametrize(("seed", "zeros"), [(0, True), (1, True), (2, False)])
-def test_verifier_reproduces_the_target_joint_law(method, vocab, draft_len, seed, zeros):
-    tables = lawkit.random_tables(vocab, draft_len, seed=100 * vocab + 10 * draft_len + seed, zeros=zeros)
-    error = law_error(tables, draft_len, library_step(method))
-    assert error < LOSSLESS, f"{method} V={vocab} K={draft_len}: joint-law error {error:.2e}"
+def test_verifier_reproduces_the_target_joint_law(method, vocab, width, seed, zeros):
+    tables = lawkit.random_tables(vocab, width, seed=100 * vocab + 10 * width + seed, zeros=zeros)
+    error = law_error(tables, width, library_step(method))
+    assert error < LOSSLESS, f"{method} V={vocab} K={width}: joint-law error {error:.2e}"
 
 
 @pytest.mark.parametrize("method", ["token", "block"])
-@pytest.mark.parametrize(("vocab", "draft_len"), [(3, 3), (4, 2), (2, 4)])
-def test_library_closed_forms_match_the_reference(method, vocab, draft_len):
-    tables = lawkit.random_tables(vocab, draft_len, seed=7)
-    blocks = lawkit.all_blocks(vocab, draft_len)
+@pytest.mark.parametrize(("vocab", "width"), [(3, 3), (4, 2), (2, 4)])
+def test_library_closed_forms_match_the_reference(method, vocab, width):
+    tables = lawkit.random_tables(vocab, width, seed=7)
+    blocks = lawkit.all_blocks(vocab, width)
     draft_probs, target_probs = tables.block_inputs(blocks)
     possible = draft_probs.gather(-1, blocks[..., None]).squeeze(-1).prod(-1) > 0
     blocks, draft_probs, target_probs = blocks[possible], draft_probs[possible], target_probs[possible]
@@ -125,15 +125,15 @@ MISTAKES = ["stop_at_first_failure", "unscaled_residual", "cap_at_end"]
 
 
 @pytest.mark.parametrize("mistake", MISTAKES)
-@pytest.mark.parametrize(("vocab", "draft_len"), [(3, 2), (3, 3), (4, 2), (4, 3)])
-def test_plausible_block_mistakes_are_not_lossless(mistake, vocab, draft_len):
+@pytest.mark.parametrize(("vocab", "width"), [(3, 2), (3, 3), (4, 2), (4, 3)])
+def test_plausible_block_mistakes_are_not_lossless(mistake, vocab, width):
     """Each mistake breaks the law on every V >= 3, K >= 2 case of the grid (on some table: a mistake can be
     exact on a given table, e.g. the unscaled residual on about half the V = 3 tables, see docs/algorithms.md)."""
     errors = []
     for seed in range(4):
-        tables = lawkit.random_tables(vocab, draft_len, seed=100 * vocab + 10 * draft_len + seed)
-        errors.append(law_error(tables, draft_len, reference_step("block", **{mistake: True})))
-    assert max(errors) > 1e-4, f"{mistake} V={vocab} K={draft_len}: law errors {errors} look lossless"
+        tables = lawkit.random_tables(vocab, width, seed=100 * vocab + 10 * width + seed)
+        errors.append(law_error(tables, width, reference_step("block", **{mistake: True})))
+    assert max(errors) > 1e-4, f"{mistake} V={vocab} K={width}: law errors {errors} look lossless"
 
 
 @pytest.mark.parametrize("mistake", MISTAKES)
@@ -152,8 +152,8 @@ def test_unscaled_residual_is_exactly_lossless_with_two_tokens():
 # --- expected accepted length ------------------------------------------------------------------------------
 
 
-def draft_weighted_means(tables: lawkit.Tables, draft_len: int, draft_probs_override=None):
-    blocks = lawkit.all_blocks(tables.vocab, draft_len)
+def draft_weighted_means(tables: lawkit.Tables, width: int, draft_probs_override=None):
+    blocks = lawkit.all_blocks(tables.vocab, width)
     draft_probs, target_probs = tables.block_inputs(blocks)
     weight = draft_probs.gather(-1, blocks[..., None]).squeeze(-1).prod(-1)
     blocks, draft_probs, target_probs, weight = (
@@ -173,13 +173,13 @@ def test_toy_example_expected_accepted():
     assert means["block"] == pytest.approx(11 / 9, abs=1e-15)
 
 
-@pytest.mark.parametrize(("vocab", "draft_len"), CASES)
-def test_block_is_never_worse_than_token_on_average_over_drafts(vocab, draft_len):
+@pytest.mark.parametrize(("vocab", "width"), CASES)
+def test_block_is_never_worse_than_token_on_average_over_drafts(vocab, width):
     for seed in SEEDS:
-        tables = lawkit.random_tables(vocab, draft_len, seed=100 * vocab + 10 * draft_len + seed)
-        means, _ = draft_weighted_means(tables, draft_len)
-        assert means["block"] >= means["token"] - 1e-12, f"V={vocab} K={draft_len} seed={seed}: {means}"
-        if draft_len == 1:
+        tables = lawkit.random_tables(vocab, width, seed=100 * vocab + 10 * width + seed)
+        means, _ = draft_weighted_means(tables, width)
+        assert means["block"] >= means["token"] - 1e-12, f"V={vocab} K={width} seed={seed}: {means}"
+        if width == 1:
             assert means["block"] == pytest.approx(means["token"], abs=1e-12)
 
 
@@ -242,7 +242,7 @@ def test_one_hot_draft_path_is_lossless():
 
 @pytest.mark.parametrize("method", ["token", "block"])
 def test_ragged_rows_have_the_law_of_each_row_alone(method):
-    """A row with num_draft = n inside a K-wide batch has the law of that row verified alone with K = n."""
+    """A row with num_verified = n inside a K-wide batch has the law of that row verified alone with K = n."""
     vocab, width = 3, 4
     tables = lawkit.random_tables(vocab, width, seed=13)
     gen = torch.Generator().manual_seed(0)
@@ -250,15 +250,15 @@ def test_ragged_rows_have_the_law_of_each_row_alone(method):
     for i in range(1, width):  # draft a real block from the tables so every drafted token has mass
         blocks[:, i] = torch.multinomial(tables.draft_at(blocks[:, :i]), 1, generator=gen).squeeze(1)
     blocks = blocks.expand(width + 1, width).clone()  # the same block, cut at n = 0..K
-    num_draft = torch.arange(width + 1)
+    num_verified = torch.arange(width + 1)
     draft_probs, target_probs = tables.block_inputs(blocks)
-    for b, n in enumerate(num_draft.tolist()):  # padding holds junk the verifier must ignore
+    for b, n in enumerate(num_verified.tolist()):  # padding holds junk the verifier must ignore
         blocks[b, n:] = -1
         draft_probs[b, n:] = 0.0
         target_probs[b, n + 1 :] = 7.0
-    law = accepted_length_law(blocks, draft_probs, target_probs, method, num_draft)
-    final = final_distributions(blocks, draft_probs, target_probs, method, num_draft)
-    for b, n in enumerate(num_draft.tolist()):
+    law = accepted_length_law(blocks, draft_probs, target_probs, method, num_verified)
+    final = final_distributions(blocks, draft_probs, target_probs, method, num_verified)
+    for b, n in enumerate(num_verified.tolist()):
         alone = (blocks[b : b + 1, :n], draft_probs[b : b + 1, :n], target_probs[b : b + 1, : n + 1])
         alone_law = accepted_length_law(*alone, method)
         alone_final = final_distributions(*alone, method)

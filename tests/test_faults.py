@@ -76,7 +76,7 @@ BAD_GENERATE = [  # decoder.generate(PROMPTS or prompts, max_new_tokens=4, **kwa
 
 @pytest.mark.parametrize(("kwargs", "error", "message"), BAD_GENERATE, ids=lambda v: repr(v)[:30])
 def test_bad_generate_input_is_refused_before_any_forward(pair, kwargs, error, message):
-    decoder = SpeculativeDecoder(*pair, draft_len=3)
+    decoder = SpeculativeDecoder(*pair, max_draft=3)
     decoder.target.prefill = decoder.draft.prefill = lambda rows: pytest.fail("a model ran before the input check")
     arguments = {"prompts": PROMPTS, "max_new_tokens": 4, **kwargs}
     with pytest.raises(error, match=message):
@@ -90,8 +90,8 @@ def short_logits(target):
 
 
 BAD_DECODER = [  # SpeculativeDecoder(*make(target, draft)[0], **make(...)[1]) -> (error, message)
-    (lambda t, d: ((t, d), {"draft_len": True}), ValueError, "draft_len must be an int"),
-    (lambda t, d: ((t, d), {"draft_len": 10**7}), ValueError, "not below the target's context of 256"),
+    (lambda t, d: ((t, d), {"max_draft": True}), ValueError, "max_draft must be an int"),
+    (lambda t, d: ((t, d), {"max_draft": 10**7}), ValueError, "not below the target's context of 256"),
     (lambda t, d: (short_logits(t), {}), ValueError, "has 40 logits but the target's vocabulary has 48"),
     (lambda t, d: ((same := HFModel(t), same), {}), ValueError, "different model objects"),
     (lambda t, d: ((same := HFModel(t), HFModel(d)), {"companion": same, "policy": Scored(2)}), ValueError,
@@ -122,7 +122,7 @@ class Scored(FixedLength):
 
 
 def test_numpy_and_torch_integers_are_accepted_as_seeds_and_token_ids(pair):
-    decoder = SpeculativeDecoder(*pair, draft_len=3)
+    decoder = SpeculativeDecoder(*pair, max_draft=3)
     plain = decoder.generate(PROMPTS, max_new_tokens=6, seed=5).sequences
     assert decoder.generate([np.array(p) for p in PROMPTS], max_new_tokens=6, seed=np.int64(5)).sequences == plain
     assert decoder.generate([torch.tensor(p) for p in PROMPTS], max_new_tokens=6, seed=[5, 6]).sequences == plain
@@ -136,18 +136,18 @@ def test_one_transformers_model_as_target_and_draft_gets_two_caches(pair):
     """The same PreTrainedModel passed twice is wrapped twice: two adapters, two caches, the target's output."""
     target, _ = pair
     for models in ((target, target), (HFModel(target), HFModel(target))):
-        decoder = SpeculativeDecoder(*models, draft_len=3)
+        decoder = SpeculativeDecoder(*models, max_draft=3)
         result = decoder.generate(PROMPTS, max_new_tokens=12, sampling=GREEDY)
         assert result.sequences == [reference_greedy(target, p, 12) for p in PROMPTS]
         assert result.block_efficiency > 3.5  # the draft is the target: nearly everything accepted
 
 
-def test_a_policy_drafting_more_than_draft_len_samples_without_index_errors(pair):
-    """The engine's width is the policy's max_draft; draft_len only builds the default policy."""
-    decoder = SpeculativeDecoder(*pair, draft_len=2, policy=FixedLength(6))
-    assert decoder.draft_len == 6
+def test_a_policy_drafting_more_than_max_draft_samples_without_index_errors(pair):
+    """The engine's width is the policy's max_draft; the decoder's max_draft argument only builds the default policy."""
+    decoder = SpeculativeDecoder(*pair, max_draft=2, policy=FixedLength(6))
+    assert decoder.max_draft == 6
     result = decoder.generate(PROMPTS, max_new_tokens=20, sampling=SAMPLED, seed=0, stop_on_eos=False)
-    assert max(k for step in result.stats for k in step.draft_len) == 6
+    assert max(k for step in result.stats for k in step.verified) == 6
     assert [len(s) for s in result.sequences] == [20, 20]
 
 
@@ -199,7 +199,7 @@ def test_a_row_near_its_context_end_does_not_make_its_neighbours_draft_past_thei
     has accepted more than a short one, the short one still drafts 4 tokens. A draft that read the batch's full
     width in every row would go past the long row's context and lose the whole batch."""
     target, draft = pair
-    decoder = SpeculativeDecoder(with_context(target, 12), with_context(draft, 12), draft_len=4)
+    decoder = SpeculativeDecoder(with_context(target, 12), with_context(draft, 12), max_draft=4)
     alone, together = alone_and_batched(decoder, [[1] * 6, [2, 3]] * 4, max_new_tokens=6)
     assert together.sequences == alone
 
@@ -210,20 +210,20 @@ def test_rows_cut_by_a_shorter_draft_context_give_the_same_tokens_alone_and_batc
     steps go without drafts; the 3-token ones draft freely. Float32: the same tokens alone and batched. With a
     companion of the same context scoring every draft, rows of every verified length share its forwards."""
     target, draft = pair
-    scoring = {"policy": Scored(2), "companion": with_context(target, 9)} if scored else {"draft_len": 2}
+    scoring = {"policy": Scored(2), "companion": with_context(target, 9)} if scored else {"max_draft": 2}
     decoder = SpeculativeDecoder(with_context(target, 12), with_context(draft, 9), **scoring)
     alone, together = alone_and_batched(decoder, [[1, 2, 3], [4, 5, 6, 7, 8, 9]] * 4, max_new_tokens=6)
     assert together.sequences == alone
-    long_rows = [k for step in together.stats for b, k in zip(step.rows, step.draft_len) if b % 2]
+    long_rows = [k for step in together.stats for b, k in zip(step.rows, step.verified) if b % 2]
     assert {0, 1, 2} <= set(long_rows)  # the long rows drafted 2, then 1, then nothing
 
 
 def test_a_prompt_longer_than_the_drafts_context_decodes_with_the_target_alone(pair):
     target, draft = pair
-    decoder = SpeculativeDecoder(with_context(target, 64), with_context(draft, 8), draft_len=3)
+    decoder = SpeculativeDecoder(with_context(target, 64), with_context(draft, 8), max_draft=3)
     result = decoder.generate([[1] * 20, [2, 3]], max_new_tokens=10, sampling=GREEDY, stop_on_eos=False)
     assert result.sequences == [reference_greedy(target, p, 10, eos=None) for p in ([1] * 20, [2, 3])]
-    assert all(step.draft_len[0] == 0 for step in result.stats)
+    assert all(step.verified[0] == 0 for step in result.stats)
 
 
 def test_law_of_the_first_tokens_when_a_rows_drafting_is_cut_by_its_context(monkeypatch):
@@ -235,7 +235,7 @@ def test_law_of_the_first_tokens_when_a_rows_drafting_is_cut_by_its_context(monk
     draft = perturbed(target, scale=0.6, seed=1)
     long, short = [1, 2, 3, 4, 5, 1], [1, 2, 3]
     laws = {tuple(p): exact_law_of_first_tokens(target, p, length) for p in (long, short)}
-    decoder = SpeculativeDecoder(with_context(target, 9), with_context(draft, 6), verifier="block", draft_len=3)
+    decoder = SpeculativeDecoder(with_context(target, 9), with_context(draft, 6), verifier="block", max_draft=3)
 
     def tests():
         result = decoder.generate([long, short] * samples, max_new_tokens=length, seed=0, stop_on_eos=False)
@@ -248,7 +248,7 @@ def test_law_of_the_first_tokens_when_a_rows_drafting_is_cut_by_its_context(monk
     outcome, result = tests()
     assert all(test.passed for test in outcome.values()), outcome
     first = result.stats[0]
-    assert set(first.draft_len[0::2]) == {1} and set(first.draft_len[1::2]) == {2}  # cut and uncut rows, one step
+    assert set(first.verified[0::2]) == {1} and set(first.verified[1::2]) == {2}  # cut and uncut rows, one step
     monkeypatch.setitem(engine_module.VERIFIERS, "block", off_by_one(engine_module.VERIFIERS["block"]))
     broken, _ = tests()
     assert not any(test.passed for test in broken.values()), f"negative control passed: {broken}"

@@ -88,7 +88,7 @@ def test_the_matcher_agrees_with_a_plain_reference_on_random_contexts():
         context = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
         max_ngram = rng.randint(1, 4)
         min_ngram, length = rng.randint(1, max_ngram), rng.randint(0, 6)
-        lookup = PromptLookup(max_ngram=max_ngram, min_ngram=min_ngram, max_len=10)
+        lookup = PromptLookup(max_ngram=max_ngram, min_ngram=min_ngram, max_draft=10)
         assert lookup.match(context, length) == reference_match(context, max_ngram, min_ngram, length), trial
     long = [rng.randrange(150_000) for _ in range(4000)]  # a 4k context with one planted repeat
     long[1000:1003] = long[-3:]
@@ -99,16 +99,16 @@ def test_the_matcher_agrees_with_a_plain_reference_on_random_contexts():
 
 
 def test_the_allowed_length_grows_after_full_acceptance_and_shrinks_to_the_first_rejection():
-    lookup = PromptLookup(max_len=7, initial_len=4, grow=2)
+    lookup = PromptLookup(max_draft=7, initial_len=4, grow=2)
     assert lookup.next_length(4, 4, 4) == 6
-    assert lookup.next_length(6, 6, 6) == 7  # capped at max_len
+    assert lookup.next_length(6, 6, 6) == 7  # capped at max_draft
     assert lookup.next_length(6, 2, 2) == 7  # a proposal cut short (context end, limit) and fully accepted grows too
     assert lookup.next_length(6, 5, 2) == 3
     assert lookup.next_length(6, 5, 0) == 1
 
 
 def test_the_state_is_per_prompt_and_only_proposals_move_it():
-    state = LookupState(PromptLookup(initial_len=3, max_len=6), prompts=3)
+    state = LookupState(PromptLookup(initial_len=3, max_draft=6), prompts=3)
     contexts = [[1, 2, 3, 4, 5, 1], [9, 8], [7, 6, 5, 4, 7]]
     assert state.propose([0, 1, 2], contexts, [10, 10, 1]) == [[2, 3, 4], [], [6]]  # min(allowed, limit)
     state.observe([0, 1, 2], [3, 0, 1], [3, 0, 0])  # prompt 1 proposed nothing: it keeps its length
@@ -123,11 +123,11 @@ def test_the_state_is_per_prompt_and_only_proposals_move_it():
     [
         (dict(max_ngram=0), "max_ngram must be an int >= 1"),
         (dict(min_ngram=0), "min_ngram must be an int >= 1"),
-        (dict(max_len=2.0), "max_len must be an int >= 1"),
+        (dict(max_draft=2.0), "max_draft must be an int >= 1"),
         (dict(initial_len=True), "initial_len must be an int >= 1"),
         (dict(grow=0), "grow must be an int >= 1"),
         (dict(min_ngram=3, max_ngram=2), "min_ngram \\(3\\) must not exceed max_ngram \\(2\\)"),
-        (dict(initial_len=5, max_len=4), "initial_len \\(5\\) must not exceed max_len \\(4\\)"),
+        (dict(initial_len=5, max_draft=4), "initial_len \\(5\\) must not exceed max_draft \\(4\\)"),
     ],
 )
 def test_bad_settings_get_clear_errors(settings, message):
@@ -140,31 +140,31 @@ def test_bad_settings_get_clear_errors(settings, message):
 
 def lookup_steps(result) -> list[tuple[int, int]]:
     """(drafted, accepted) of every row step whose draft was a lookup proposal."""
-    return [(k, a) for s in result.stats for used, k, a in zip(s.lookup, s.draft_len, s.accepted) if used]
+    return [(k, a) for s in result.stats for used, k, a in zip(s.lookup, s.verified, s.accepted) if used]
 
 
 @pytest.mark.parametrize("verifier", ["block", "token", "greedy"])
 @pytest.mark.parametrize("mode", ["lookup", "lookup+model"])
 def test_greedy_output_equals_plain_greedy_decoding(pair, mode, verifier):
     target, draft = pair
-    decoder = SpeculativeDecoder(target, draft if mode == "lookup+model" else None, verifier=verifier, draft_len=3,
+    decoder = SpeculativeDecoder(target, draft if mode == "lookup+model" else None, verifier=verifier, max_draft=3,
                                  lookup=PromptLookup())
     result = decoder.generate(PROMPTS, max_new_tokens=30, sampling=GREEDY)
     assert result.sequences == [reference_greedy(target, p, 30) for p in PROMPTS]
     used = lookup_steps(result)  # lookup fired, and its proposals were both accepted and rejected
     assert any(a > 0 for _, a in used) and any(a < k for k, a in used)
     if mode == "lookup+model":
-        assert any(any(s.lookup) and any(not u and k > 0 for u, k in zip(s.lookup, s.draft_len)) for s in result.stats)
+        assert any(any(s.lookup) and any(not u and k > 0 for u, k in zip(s.lookup, s.verified)) for s in result.stats)
 
 
 def smoothed(with_proposals, vocab: int):
     """A plausible bug: lookup rows verified against a smoothed one-hot law, not the one they were drafted from."""
 
-    def broken(proposals, draft_tokens, draft_probs, num_draft):
-        tokens, probs, num_draft = with_proposals(proposals, draft_tokens, draft_probs, num_draft)
+    def broken(proposals, draft_tokens, draft_probs, num_verified):
+        tokens, probs, num_verified = with_proposals(proposals, draft_tokens, draft_probs, num_verified)
         one_hot = torch.nn.functional.one_hot(tokens, vocab).float()  # [B, K, V]
         rows = torch.tensor([len(p) > 0 for p in proposals])[:, None, None]
-        return tokens, torch.where(rows, 0.5 * one_hot + 0.5 / vocab, one_hot if probs is None else probs), num_draft
+        return tokens, torch.where(rows, 0.5 * one_hot + 0.5 / vocab, one_hot if probs is None else probs), num_verified
 
     return broken
 
@@ -175,13 +175,13 @@ def model_rows_kept(with_proposals, vocab: int):
     mixed step, one-hot for the model's rows too, is no such control: verifying any drafted token as if it were
     one-hot, accept x with probability target(x), else draw from the target without x, is lossless.)"""
 
-    def broken(proposals, draft_tokens, draft_probs, num_draft):
-        tokens, probs, num_draft = with_proposals(proposals, draft_tokens, draft_probs, num_draft)
+    def broken(proposals, draft_tokens, draft_probs, num_verified):
+        tokens, probs, num_verified = with_proposals(proposals, draft_tokens, draft_probs, num_verified)
         if probs is not None:
             kept = torch.nn.functional.pad(draft_probs, (0, 0, 0, probs.shape[1] - draft_probs.shape[1]))
             rows = torch.tensor([len(p) > 0 for p in proposals])[:, None, None]
             probs = torch.where(rows, kept, probs)
-        return tokens, probs, num_draft
+        return tokens, probs, num_verified
 
     return broken
 
@@ -204,7 +204,7 @@ def test_law_of_the_first_tokens_is_the_targets(mode, verifier, monkeypatch):
     if mode == "lookup+adaptive":  # latency under which the prior's K is 1 and what the steps teach moves it
         policy = AdaptiveLength(profile([100, 150, 200, 250, 300], draft_ms=10), max_draft=4, memory=0.5)
     first_k = policy.best_length(2 * samples) if policy else 2
-    decoder = SpeculativeDecoder(target, draft, verifier=verifier, draft_len=2, policy=policy, lookup=PromptLookup())
+    decoder = SpeculativeDecoder(target, draft, verifier=verifier, max_draft=2, policy=policy, lookup=PromptLookup())
 
     def tests():
         result = decoder.generate([p for p in prompts for _ in range(samples)], max_new_tokens=length, seed=0,
@@ -219,7 +219,7 @@ def test_law_of_the_first_tokens_is_the_targets(mode, verifier, monkeypatch):
     assert all(test.passed for test in passed), f"{mode}, {verifier}: {passed}"
     first = result.stats[0]  # lookup in the first prompt's rows, not in the second's, in one step
     assert first.lookup == [True] * samples + [False] * samples
-    assert set(first.draft_len[samples:]) == ({first_k} if draft is not None else {0})
+    assert set(first.verified[samples:]) == ({first_k} if draft is not None else {0})
     if policy is not None:
         assert 0 < first_k < 4 and policy.best_length(2 * samples) != first_k  # it learnt from the model rows
     used = lookup_steps(result)
@@ -245,10 +245,10 @@ def replay(result, prompts, settings: PromptLookup, max_new_tokens: int, model_l
             proposal = settings.match(context, min(allowed[i], limit))
             assert step.lookup[b] == bool(proposal), (i, context)
             if proposal:
-                assert step.draft_len[b] == len(proposal)
+                assert step.verified[b] == len(proposal)
                 allowed[i] = settings.next_length(allowed[i], len(proposal), step.accepted[b])
             else:
-                assert step.draft_len[b] == (min(model_len, limit) if model_len else 0)
+                assert step.verified[b] == (min(model_len, limit) if model_len else 0)
             generated[i] += step.emitted[b]
     assert generated == [len(s) for s in result.sequences]
 
@@ -260,8 +260,8 @@ def test_each_prompt_keeps_its_own_adaptive_length_while_rows_finish(pair, mode)
     target, draft = pair
     plain = [reference_greedy(target, p, 40, eos=None) for p in PROMPTS]
     eos = plain[1][9]
-    settings = PromptLookup(initial_len=2, max_len=6)
-    decoder = SpeculativeDecoder(target, draft if mode == "lookup+model" else None, verifier="block", draft_len=3,
+    settings = PromptLookup(initial_len=2, max_draft=6)
+    decoder = SpeculativeDecoder(target, draft if mode == "lookup+model" else None, verifier="block", max_draft=3,
                                  lookup=settings)
     decoder.target.eos_token_ids = (eos,)
     result = decoder.generate(PROMPTS * 2, max_new_tokens=40, seed=0)
@@ -270,20 +270,20 @@ def test_each_prompt_keeps_its_own_adaptive_length_while_rows_finish(pair, mode)
     assert len({k for k, _ in lookup_steps(result)}) >= 2  # the allowed lengths moved
     replay(result, PROMPTS * 2, settings, 40, 3 if mode == "lookup+model" else None)
     again = decoder.generate(PROMPTS * 2, max_new_tokens=40, seed=0)  # fresh lengths per call: the same steps
-    assert [s.draft_len for s in again.stats] == [s.draft_len for s in result.stats]
+    assert [s.verified for s in again.stats] == [s.verified for s in result.stats]
 
 
 def test_the_draft_catches_up_on_tokens_committed_by_lookup_steps(pair):
     """The target's own weights as the draft: every model draft must be accepted in full, which holds only if the
     draft's cache read the tokens that lookup steps committed while it skipped them."""
     target, _ = pair
-    decoder = SpeculativeDecoder(target, HFModel(target), verifier="block", draft_len=3,
+    decoder = SpeculativeDecoder(target, HFModel(target), verifier="block", max_draft=3,
                                  lookup=PromptLookup(initial_len=1))
     result = decoder.generate(PROMPTS, max_new_tokens=30, sampling=GREEDY, stop_on_eos=False)
     assert result.sequences == [reference_greedy(target, p, 30, eos=None) for p in PROMPTS]
     looked_up, caught_up = set(), False
     for step in result.stats:
-        for i, used, drafted, accepted in zip(step.rows, step.lookup, step.draft_len, step.accepted):
+        for i, used, drafted, accepted in zip(step.rows, step.lookup, step.verified, step.accepted):
             if used:
                 looked_up.add(i)
             elif drafted:
@@ -294,11 +294,11 @@ def test_the_draft_catches_up_on_tokens_committed_by_lookup_steps(pair):
 
 def test_a_row_does_not_depend_on_its_neighbours_and_proposals_outrun_the_models_width(pair):
     """Sampled lookup+model decoding: each row's tokens alone equal its tokens batched (float32); proposals up to
-    max_len are verified with the uniforms drawn for the widest step; a lookup row's expected accepted length is
+    max_draft are verified with the uniforms drawn for the widest step; a lookup row's expected accepted length is
     the same under both rules (one-hot draft), a sign it reached the verifier as an exact one-hot row."""
     target, draft = pair
-    decoder = SpeculativeDecoder(target, draft, verifier="block", draft_len=2, lookup=PromptLookup(max_len=8))
-    assert decoder.draft_len == 8
+    decoder = SpeculativeDecoder(target, draft, verifier="block", max_draft=2, lookup=PromptLookup(max_draft=8))
+    assert decoder.max_draft == 8
     seeds = [11, 12, 13, 14, 15]
     together = decoder.generate(PROMPTS, max_new_tokens=30, seed=seeds, expected=True)
     assert max(k for k, _ in lookup_steps(together)) > 2
@@ -315,12 +315,12 @@ def test_a_row_does_not_depend_on_its_neighbours_and_proposals_outrun_the_models
 class Observed(FixedLength):
     """Records what each step's ``observe`` is handed."""
 
-    def __init__(self, draft_len: int):
-        super().__init__(draft_len)
+    def __init__(self, max_draft: int):
+        super().__init__(max_draft)
         self.seen: list[list[int]] = []
 
-    def observe(self, rows, draft_tokens, draft_probs, target_probs, num_draft, accepted) -> None:
-        self.seen.append(num_draft.tolist())
+    def observe(self, rows, draft_tokens, draft_probs, target_probs, verified, accepted) -> None:
+        self.seen.append(verified.tolist())
 
 
 def test_the_policy_observes_the_model_rows_only(pair):
@@ -330,11 +330,11 @@ def test_the_policy_observes_the_model_rows_only(pair):
     result = SpeculativeDecoder(target, draft, policy=policy, lookup=PromptLookup()).generate(
         PROMPTS, max_new_tokens=20, seed=0)
     assert any(any(s.lookup) and not all(s.lookup) for s in result.stats)  # mixed steps happened
-    assert policy.seen == [[0 if used else k for used, k in zip(s.lookup, s.draft_len)] for s in result.stats]
+    assert policy.seen == [[0 if used else k for used, k in zip(s.lookup, s.verified)] for s in result.stats]
 
 
 def test_without_lookup_nothing_is_recorded(pair):
-    result = SpeculativeDecoder(*pair, draft_len=2).generate(PROMPTS[:2], max_new_tokens=5, seed=0)
+    result = SpeculativeDecoder(*pair, max_draft=2).generate(PROMPTS[:2], max_new_tokens=5, seed=0)
     assert all(s.lookup is None for s in result.stats)
     assert result.lookup_rate != result.lookup_rate  # nan
 
@@ -349,7 +349,7 @@ def test_bad_decoder_arguments_get_clear_errors(pair):
         SpeculativeDecoder(target, draft, policy="sv", lookup=PromptLookup())
     with pytest.raises(TypeError, match="lacks some of the hooks of blockspec.policy.LengthPolicy"):
         SpeculativeDecoder(target, draft, policy=object())
-    assert SpeculativeDecoder(target, draft, policy=FixedLength(3), lookup=PromptLookup()).draft_len == 10
+    assert SpeculativeDecoder(target, draft, policy=FixedLength(3), lookup=PromptLookup()).max_draft == 10
     with pytest.raises(ValueError, match="use verifier 'block', 'token' or 'greedy'"):
         SpeculativeDecoder(target, None, verifier="none", lookup=PromptLookup())
     with pytest.raises(ValueError, match="a length policy needs a draft model"):
@@ -358,7 +358,7 @@ def test_bad_decoder_arguments_get_clear_errors(pair):
         SpeculativeDecoder(target, None, verifier="token")
     with pytest.raises(TypeError, match="lookup must be a PromptLookup"):
         SpeculativeDecoder(target, draft, lookup={"max_ngram": 3})
-    with pytest.raises(ValueError, match="max_len must be an int >= 1"):
-        SpeculativeDecoder(target, draft, lookup=PromptLookup(max_len=0))
+    with pytest.raises(ValueError, match="max_draft must be an int >= 1"):
+        SpeculativeDecoder(target, draft, lookup=PromptLookup(max_draft=0))
     with pytest.raises(ValueError, match="is not below the target's context"):
-        SpeculativeDecoder(target, None, lookup=PromptLookup(max_len=256, initial_len=1))
+        SpeculativeDecoder(target, None, lookup=PromptLookup(max_draft=256, initial_len=1))

@@ -180,7 +180,7 @@ def test_recording_round_trips(tmp_path):
     from blockspec.bench.calibrate import Recording
 
     recording = Recording(
-        prompt=torch.tensor([0, 1]), num_draft=torch.tensor([2, 1]), accepted=torch.tensor([1, 0]),
+        prompt=torch.tensor([0, 1]), num_verified=torch.tensor([2, 1]), accepted=torch.tensor([1, 0]),
         draft=torch.rand(2, 2, 3), companion={"token": torch.rand(2, 2, 4), "block": torch.rand(2, 2, 4)},
         labels={"token": torch.rand(2, 2), "block": torch.rand(2, 2)},
     )

@@ -2,7 +2,7 @@
 
 Toy context-dependent draft, companion and target tables; per drafted block the policy picks L from the
 draft-companion overlap S_i and the companion's acceptance of the previous token A_{i-1}; the block is then
-verified with num_draft = L. The latency table jumps at 3 scored tokens, so goodput is not concave in L.
+verified with num_verified = L. The latency table jumps at 3 scored tokens, so goodput is not concave in L.
 """
 
 from __future__ import annotations

@@ -37,38 +37,38 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32}
 # --- helpers --------------------------------------------------------------------------------------------------
 
 
-def random_inputs(batch, draft_len, vocab, seed, *, dtype=torch.float64, target_zeros=0.0, scale=2.0):
+def random_inputs(batch, width, vocab, seed, *, dtype=torch.float64, target_zeros=0.0, scale=2.0):
     """(draft_tokens [B, K], draft_probs [B, K, V], target_probs [B, K+1, V]); x_i sampled from draft_probs.
 
     With ``target_zeros`` that fraction of the target's entries is set to exactly 0 (never the row's mode).
     """
     gen = torch.Generator().manual_seed(seed)
-    target = (scale * torch.randn(batch, draft_len + 1, vocab, generator=gen, dtype=torch.float64)).softmax(-1)
+    target = (scale * torch.randn(batch, width + 1, vocab, generator=gen, dtype=torch.float64)).softmax(-1)
     if target_zeros:
         kill = torch.rand(target.shape, generator=gen, dtype=torch.float64) < target_zeros
         kill.scatter_(-1, target.argmax(-1, keepdim=True), False)
         target = target.masked_fill(kill, 0.0)
         target = target / target.sum(-1, keepdim=True)
-    draft = (scale * torch.randn(batch, draft_len, vocab, generator=gen, dtype=torch.float64)).softmax(-1)
-    draft_tokens = torch.multinomial(draft.reshape(-1, vocab), 1, generator=gen).reshape(batch, draft_len)
+    draft = (scale * torch.randn(batch, width, vocab, generator=gen, dtype=torch.float64)).softmax(-1)
+    draft_tokens = torch.multinomial(draft.reshape(-1, vocab), 1, generator=gen).reshape(batch, width)
     return draft_tokens, draft.to(dtype), target.to(dtype)
 
 
-def draw(batch, draft_len, vocab, seed, dtype=torch.float64) -> Randomness:
-    return Randomness.draw(batch, draft_len, vocab, dtype=dtype, generator=torch.Generator().manual_seed(seed))
+def draw(batch, width, vocab, seed, dtype=torch.float64) -> Randomness:
+    return Randomness.draw(batch, width, vocab, dtype=dtype, generator=torch.Generator().manual_seed(seed))
 
 
-def check_format(out, draft_tokens, vocab, num_draft=None):
+def check_format(out, draft_tokens, vocab, num_verified=None):
     """The VerifyOutput contract: shapes, dtypes, tau bounds, accepted prefix, one emitted token, -1 after."""
-    batch, draft_len = draft_tokens.shape
-    if num_draft is None:
-        num_draft = torch.full((batch,), draft_len, dtype=torch.long)
+    batch, width = draft_tokens.shape
+    if num_verified is None:
+        num_verified = torch.full((batch,), width, dtype=torch.long)
     tokens, tau = out.tokens, out.num_accepted
-    assert tokens.shape == (batch, draft_len + 1) and tokens.dtype == torch.int64
+    assert tokens.shape == (batch, width + 1) and tokens.dtype == torch.int64
     assert tau.shape == (batch,) and tau.dtype == torch.int64
-    assert bool(((tau >= 0) & (tau <= num_draft)).all()), (tau, num_draft)
+    assert bool(((tau >= 0) & (tau <= num_verified)).all()), (tau, num_verified)
     assert torch.equal(out.num_emitted, tau + 1)
-    positions = torch.arange(draft_len + 1)
+    positions = torch.arange(width + 1)
     padded = torch.nn.functional.pad(draft_tokens, (0, 1), value=-1)
     before, at, after = positions < tau[:, None], positions == tau[:, None], positions > tau[:, None]
     assert torch.equal(tokens[before], padded[before]), "the accepted prefix must be the drafted tokens"
@@ -89,25 +89,25 @@ def same(a, b) -> bool:
 def test_golden_draft_equals_target_accepts_everything(method, dtype):
     # ratio_i = 1 everywhere: token accepts with probability 1; block has w_i = 1, so h_K = w_K = 1 (tau = K
     # whatever u is), and Z_i = 0 with a zero denominator for i < K (the guard). The bonus row is one-hot.
-    batch, draft_len, vocab = 16, 3, 5
-    draft_tokens, _, target = random_inputs(batch, draft_len, vocab, seed=0, dtype=DTYPES[dtype])
+    batch, width, vocab = 16, 3, 5
+    draft_tokens, _, target = random_inputs(batch, width, vocab, seed=0, dtype=DTYPES[dtype])
     bonus = torch.arange(batch) % vocab
-    target[:, draft_len] = torch.nn.functional.one_hot(bonus, vocab).to(target.dtype)
-    draft = target[:, :draft_len].clone()
+    target[:, width] = torch.nn.functional.one_hot(bonus, vocab).to(target.dtype)
+    draft = target[:, :width].clone()
     draft_tokens = draft.argmax(-1)  # any token with draft probability > 0 would do
     for seed in range(5):
         out = SAMPLING[method](draft_tokens, draft, target, generator=torch.Generator().manual_seed(seed))
-        assert bool((out.num_accepted == draft_len).all()), out.num_accepted
-        assert torch.equal(out.tokens[:, :draft_len], draft_tokens)
-        assert torch.equal(out.tokens[:, draft_len], bonus)
+        assert bool((out.num_accepted == width).all()), out.num_accepted
+        assert torch.equal(out.tokens[:, :width], draft_tokens)
+        assert torch.equal(out.tokens[:, width], bonus)
 
 
 @pytest.mark.parametrize("method", SAMPLING)
 def test_golden_target_gives_zero_to_first_draft_token(method):
     # target(x_1) = 0: token rejects x_1 surely; block has w_1 = 0, hence w_i = 0, Z_i = 0 and h_i = 0 for all
     # i >= 1: tau = 0. The correction comes from max(target_0 - draft_0, 0) = (0, 0, 1/2): always token 2.
-    batch, draft_len = 32, 3
-    draft_tokens, draft, target = random_inputs(batch, draft_len, 3, seed=1)
+    batch, width = 32, 3
+    draft_tokens, draft, target = random_inputs(batch, width, 3, seed=1)
     target[:, 0] = torch.tensor([0.0, 0.5, 0.5], dtype=torch.float64)
     draft[:, 0] = torch.tensor([0.5, 0.5, 0.0], dtype=torch.float64)
     draft_tokens[:, 0] = 0
@@ -139,12 +139,12 @@ def _hand_case():
 
 def test_golden_hand_computed_closed_forms():
     draft_tokens, draft, target = _hand_case()
-    num_draft = torch.full((3,), 2)
+    num_verified = torch.full((3,), 2)
     close = dict(atol=1e-12, rtol=0)
     f64 = dict(dtype=torch.float64)
-    torch.testing.assert_close(token_acceptance(draft_tokens, draft, target, num_draft),
+    torch.testing.assert_close(token_acceptance(draft_tokens, draft, target, num_verified),
                                torch.tensor([[0.5, 1.0], [0.5, 1.0], [0.5, 0.0]], **f64), **close)
-    h, log_w = block_acceptance(draft_tokens, draft, target, num_draft)
+    h, log_w = block_acceptance(draft_tokens, draft, target, num_verified)
     torch.testing.assert_close(h, torch.tensor([[1 / 6, 1.0], [1 / 6, 1.0], [1 / 6, 0.0]], **f64), **close)
     torch.testing.assert_close(log_w.exp(), torch.tensor([[1, 0.5, 1], [1, 0.5, 1], [1, 0.5, 0]], **f64), **close)
     # P(tau >= i | block): token prod a_k; block 1 - prod_{j >= i} (1 - h_j).
@@ -194,14 +194,14 @@ def test_golden_hand_computed_outcomes():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("method", VERIFIERS)
 def test_output_format(method, dtype, ragged, one_hot_draft):
-    batch, draft_len, vocab = 64, 5, 11
+    batch, width, vocab = 64, 5, 11
     for seed in range(3):
-        draft_tokens, draft, target = random_inputs(batch, draft_len, vocab, seed, dtype=DTYPES[dtype])
-        num_draft = torch.randint(0, draft_len + 1, (batch,), generator=torch.Generator().manual_seed(seed))
-        num_draft = num_draft if ragged else None
-        out = VERIFIERS[method](draft_tokens, None if one_hot_draft else draft, target, num_draft=num_draft,
+        draft_tokens, draft, target = random_inputs(batch, width, vocab, seed, dtype=DTYPES[dtype])
+        num_verified = torch.randint(0, width + 1, (batch,), generator=torch.Generator().manual_seed(seed))
+        num_verified = num_verified if ragged else None
+        out = VERIFIERS[method](draft_tokens, None if one_hot_draft else draft, target, num_verified=num_verified,
                                 generator=torch.Generator().manual_seed(seed))
-        check_format(out, draft_tokens, vocab, num_draft)
+        check_format(out, draft_tokens, vocab, num_verified)
     assert int(out.num_accepted.max()) > 0 or method == "greedy"  # the prefix check was exercised
 
 
@@ -211,10 +211,10 @@ def test_output_format(method, dtype, ragged, one_hot_draft):
 def test_zero_probability_tokens_never_emitted(method, dtype, one_hot_draft):
     # Half of the target's entries are 0 and the draft has none, so many drafted tokens have target
     # probability 0: they must never be accepted, nor drawn as corrections or bonuses.
-    batch, draft_len, vocab = 200, 4, 6
+    batch, width, vocab = 200, 4, 6
     emitted = 0
     for seed in range(30):
-        draft_tokens, draft, target = random_inputs(batch, draft_len, vocab, seed, dtype=DTYPES[dtype],
+        draft_tokens, draft, target = random_inputs(batch, width, vocab, seed, dtype=DTYPES[dtype],
                                                     target_zeros=0.5)
         out = VERIFIERS[method](draft_tokens, None if one_hot_draft else draft, target,
                                 generator=torch.Generator().manual_seed(seed))
@@ -231,8 +231,8 @@ def test_zero_probability_tokens_never_emitted(method, dtype, one_hot_draft):
 
 @pytest.mark.parametrize("method", VERIFIERS)
 def test_same_seed_same_output(method):
-    batch, draft_len, vocab = 256, 4, 7
-    draft_tokens, draft, target = random_inputs(batch, draft_len, vocab, seed=3)
+    batch, width, vocab = 256, 4, 7
+    draft_tokens, draft, target = random_inputs(batch, width, vocab, seed=3)
     global_state = torch.random.get_rng_state()
     first = VERIFIERS[method](draft_tokens, draft, target, generator=torch.Generator().manual_seed(7))
     second = VERIFIERS[method](draft_tokens, draft, target, generator=torch.Generator().manual_seed(7))
@@ -247,9 +247,9 @@ def test_same_seed_same_output(method):
 
 @pytest.mark.parametrize("method", VERIFIERS)
 def test_explicit_randomness_is_a_pure_function(method):
-    batch, draft_len, vocab = 64, 4, 7
-    draft_tokens, draft, target = random_inputs(batch, draft_len, vocab, seed=4)
-    randomness = draw(batch, draft_len, vocab, seed=5)
+    batch, width, vocab = 64, 4, 7
+    draft_tokens, draft, target = random_inputs(batch, width, vocab, seed=4)
+    randomness = draw(batch, width, vocab, seed=5)
     inputs = [t.clone() for t in (draft_tokens, draft, target, randomness.uniforms, randomness.exponentials)]
     generator = torch.Generator().manual_seed(123)
     generator_state, global_state = generator.get_state(), torch.random.get_rng_state()
@@ -268,18 +268,18 @@ def test_explicit_randomness_is_a_pure_function(method):
 @pytest.mark.parametrize("one_hot_draft", [False, True], ids=["draft_probs", "draft_probs_None"])
 @pytest.mark.parametrize("method", VERIFIERS)
 def test_batch_rows_independent_of_neighbours(method, one_hot_draft):
-    batch, draft_len, vocab = 24, 4, 6
+    batch, width, vocab = 24, 4, 6
     verifier = VERIFIERS[method]
     for seed in range(3):
-        draft_tokens, draft, target = random_inputs(batch, draft_len, vocab, seed=10 + seed)
+        draft_tokens, draft, target = random_inputs(batch, width, vocab, seed=10 + seed)
         draft = None if one_hot_draft else draft
-        num_draft = torch.randint(0, draft_len + 1, (batch,), generator=torch.Generator().manual_seed(seed))
-        randomness = draw(batch, draft_len, vocab, seed=20 + seed)
-        together = verifier(draft_tokens, draft, target, num_draft=num_draft, randomness=randomness)
+        num_verified = torch.randint(0, width + 1, (batch,), generator=torch.Generator().manual_seed(seed))
+        randomness = draw(batch, width, vocab, seed=20 + seed)
+        together = verifier(draft_tokens, draft, target, num_verified=num_verified, randomness=randomness)
         for b in range(batch):
             alone = verifier(
                 draft_tokens[b : b + 1], None if draft is None else draft[b : b + 1], target[b : b + 1],
-                num_draft=num_draft[b : b + 1],
+                num_verified=num_verified[b : b + 1],
                 randomness=Randomness(randomness.uniforms[b : b + 1], randomness.exponentials[b : b + 1]),
             )
             assert torch.equal(alone.tokens[0], together.tokens[b]), (seed, b)
@@ -292,26 +292,26 @@ def test_ragged_row_equals_the_row_alone_with_its_own_k(method, one_hot_draft):
     # Row b drafted n_b tokens inside a K-wide batch whose padding is garbage: token id -1, unnormalised
     # draft and target rows (with zeros) and uniforms of 0 (which would accept anything they touched). It must
     # give exactly the output of the row verified alone with K = n_b and the first n_b uniforms.
-    batch, draft_len, vocab = 10, 4, 5
+    batch, width, vocab = 10, 4, 5
     verifier = VERIFIERS[method]
     gen = torch.Generator().manual_seed(0)
     for seed in range(4):
-        draft_tokens, draft, target = random_inputs(batch, draft_len, vocab, seed=30 + seed)
-        num_draft = torch.arange(batch) % (draft_len + 1)  # every n in 0..K, twice
-        randomness = draw(batch, draft_len, vocab, seed=40 + seed)
-        junk = 3.0 * torch.rand(batch, draft_len + 1, vocab, generator=gen, dtype=torch.float64)
+        draft_tokens, draft, target = random_inputs(batch, width, vocab, seed=30 + seed)
+        num_verified = torch.arange(batch) % (width + 1)  # every n in 0..K, twice
+        randomness = draw(batch, width, vocab, seed=40 + seed)
+        junk = 3.0 * torch.rand(batch, width + 1, vocab, generator=gen, dtype=torch.float64)
         junk = junk.masked_fill(torch.rand(junk.shape, generator=gen) < 0.3, 0.0)
-        drafted = torch.arange(draft_len) < num_draft[:, None]  # [B, K]
-        used_target = torch.arange(draft_len + 1) <= num_draft[:, None]  # [B, K+1]: n_b is the bonus row
+        drafted = torch.arange(width) < num_verified[:, None]  # [B, K]
+        used_target = torch.arange(width + 1) <= num_verified[:, None]  # [B, K+1]: n_b is the bonus row
         padded_tokens = torch.where(drafted, draft_tokens, -1)
-        padded_draft = torch.where(drafted[..., None], draft, junk[:, :draft_len])
+        padded_draft = torch.where(drafted[..., None], draft, junk[:, :width])
         padded_target = torch.where(used_target[..., None], target, junk)
         padded_uniforms = torch.where(drafted, randomness.uniforms, 0.0)
-        out = verifier(padded_tokens, None if one_hot_draft else padded_draft, padded_target, num_draft=num_draft,
+        out = verifier(padded_tokens, None if one_hot_draft else padded_draft, padded_target, num_verified=num_verified,
                        randomness=Randomness(padded_uniforms, randomness.exponentials))
-        check_format(out, padded_tokens.clamp(min=0), vocab, num_draft)
+        check_format(out, padded_tokens.clamp(min=0), vocab, num_verified)
         for b in range(batch):
-            n = int(num_draft[b])
+            n = int(num_verified[b])
             alone = verifier(
                 draft_tokens[b : b + 1, :n], None if one_hot_draft else draft[b : b + 1, :n],
                 target[b : b + 1, : n + 1],
@@ -352,13 +352,13 @@ def test_k1_token_and_block_identical(one_hot_draft):
 def test_one_hot_target_token_and_block_identical():
     # A one-hot target (greedy-like): every ratio is 0 or >= 1, so a_i, w_i and h_i are all 0 or 1 and both rules
     # accept exactly the drafted tokens that are the target's mode, up to the first that is not.
-    batch, draft_len, vocab = 512, 4, 5
+    batch, width, vocab = 512, 4, 5
     for seed in range(3):
-        draft_tokens, draft, target = random_inputs(batch, draft_len, vocab, seed=70 + seed, scale=1.0)
+        draft_tokens, draft, target = random_inputs(batch, width, vocab, seed=70 + seed, scale=1.0)
         gen = torch.Generator().manual_seed(seed)
         modes = torch.randint(0, vocab, target.shape[:2], generator=gen)  # the target's one-hot tokens
-        follow = torch.rand(batch, draft_len, generator=gen) < 0.6  # the draft proposed the mode: accepted
-        modes[:, :draft_len] = torch.where(follow, draft_tokens, modes[:, :draft_len])
+        follow = torch.rand(batch, width, generator=gen) < 0.6  # the draft proposed the mode: accepted
+        modes[:, :width] = torch.where(follow, draft_tokens, modes[:, :width])
         target = torch.nn.functional.one_hot(modes, vocab).to(torch.float64)
         token_survival = acceptance_survival(draft_tokens, draft, target, "token")
         block_survival = acceptance_survival(draft_tokens, draft, target, "block")
@@ -367,11 +367,11 @@ def test_one_hot_target_token_and_block_identical():
         torch.testing.assert_close(final_distributions(draft_tokens, draft, target, "token")[reachable],
                                    final_distributions(draft_tokens, draft, target, "block")[reachable],
                                    atol=0, rtol=0)
-        randomness = draw(batch, draft_len, vocab, seed=80 + seed)
+        randomness = draw(batch, width, vocab, seed=80 + seed)
         token = verify_token(draft_tokens, draft, target, randomness=randomness)
         block = verify_block(draft_tokens, draft, target, randomness=randomness)
         assert same(token, block)
-        assert len(set(token.num_accepted.tolist())) == draft_len + 1  # every tau occurred
+        assert len(set(token.num_accepted.tolist())) == width + 1  # every tau occurred
 
 
 def test_one_hot_draft_token_and_block_same_law():
@@ -379,10 +379,10 @@ def test_one_hot_draft_token_and_block_same_law():
     # the emitted token's law after each tau is the same. NOT decision by decision under the same uniforms: the
     # two rules couple the uniforms to tau differently (e.g. V = 2, target (1/2, 1/2) at every position,
     # u = (.9, .1): token rejects x_1, block takes tau = 2 since h_2 = w_2 = 1/4 > .1), so outputs are not compared.
-    batch, draft_len, vocab = 512, 4, 5
+    batch, width, vocab = 512, 4, 5
     close = dict(atol=1e-12, rtol=0)
     for seed in range(3):
-        draft_tokens, draft, target = random_inputs(batch, draft_len, vocab, seed=90 + seed, target_zeros=0.3)
+        draft_tokens, draft, target = random_inputs(batch, width, vocab, seed=90 + seed, target_zeros=0.3)
         token_survival = acceptance_survival(draft_tokens, None, target, "token")
         torch.testing.assert_close(acceptance_survival(draft_tokens, None, target, "block"), token_survival, **close)
         reachable = _reachable(token_survival)
@@ -390,7 +390,7 @@ def test_one_hot_draft_token_and_block_same_law():
                                    final_distributions(draft_tokens, None, target, "block")[reachable], **close)
         # draft_probs=None is the same as passing the one-hot rows explicitly.
         one_hot = torch.nn.functional.one_hot(draft_tokens, vocab).to(torch.float64)
-        randomness = draw(batch, draft_len, vocab, seed=100 + seed)
+        randomness = draw(batch, width, vocab, seed=100 + seed)
         for verifier in VERIFIERS.values():
             assert same(verifier(draft_tokens, None, target, randomness=randomness),
                         verifier(draft_tokens, one_hot, target, randomness=randomness))
@@ -406,33 +406,33 @@ def _argmax_lowest(row: list[float]) -> int:
 
 @pytest.mark.parametrize("one_hot_draft", [False, True], ids=["draft_probs", "draft_probs_None"])
 def test_greedy_equals_argmax_chain(one_hot_draft):
-    batch, draft_len, vocab = 128, 5, 6
+    batch, width, vocab = 128, 5, 6
     gen = torch.Generator().manual_seed(0)
     # Probabilities from small integer counts: exact ties of the maximum are frequent.
-    counts = torch.randint(1, 4, (batch, draft_len + 1, vocab), generator=gen).double()
+    counts = torch.randint(1, 4, (batch, width + 1, vocab), generator=gen).double()
     target = counts / counts.sum(-1, keepdim=True)
     chain = target.argmax(-1)  # torch: first maximal index
     # Drafts follow the chain with probability .7, else a random token, often the other member of a tie.
-    noise = torch.randint(0, vocab, (batch, draft_len), generator=gen)
-    draft_tokens = torch.where(torch.rand(batch, draft_len, generator=gen) < 0.7, chain[:, :-1], noise)
-    num_draft = torch.randint(0, draft_len + 1, (batch,), generator=gen)
+    noise = torch.randint(0, vocab, (batch, width), generator=gen)
+    draft_tokens = torch.where(torch.rand(batch, width, generator=gen) < 0.7, chain[:, :-1], noise)
+    num_verified = torch.randint(0, width + 1, (batch,), generator=gen)
     draft = None
     if not one_hot_draft:  # any valid draft distributions: greedy ignores them
-        draft = torch.rand(batch, draft_len, vocab, generator=gen, dtype=torch.float64) + 0.1
+        draft = torch.rand(batch, width, vocab, generator=gen, dtype=torch.float64) + 0.1
         draft = draft / draft.sum(-1, keepdim=True)
-    out = verify_greedy(draft_tokens, draft, target, num_draft=num_draft)
+    out = verify_greedy(draft_tokens, draft, target, num_verified=num_verified)
 
     ties_met = 0
     rows = target.tolist()
     for b in range(batch):
         tau = 0
-        while tau < int(num_draft[b]) and int(draft_tokens[b, tau]) == _argmax_lowest(rows[b][tau]):
+        while tau < int(num_verified[b]) and int(draft_tokens[b, tau]) == _argmax_lowest(rows[b][tau]):
             tau += 1
         expected = draft_tokens[b, :tau].tolist() + [_argmax_lowest(rows[b][tau])]
-        expected += [-1] * (draft_len + 1 - len(expected))
-        assert out.tokens[b].tolist() == expected, (b, rows[b], draft_tokens[b].tolist(), int(num_draft[b]))
+        expected += [-1] * (width + 1 - len(expected))
+        assert out.tokens[b].tolist() == expected, (b, rows[b], draft_tokens[b].tolist(), int(num_verified[b]))
         assert int(out.num_accepted[b]) == tau
-        for i in range(min(tau + 1, int(num_draft[b]))):  # positions the rule looked at
+        for i in range(min(tau + 1, int(num_verified[b]))):  # positions the rule looked at
             row, drafted = rows[b][i], int(draft_tokens[b, i])
             if row[drafted] == max(row) and drafted != _argmax_lowest(row):  # a maximum, but not the lowest id
                 ties_met += 1
@@ -442,22 +442,22 @@ def test_greedy_equals_argmax_chain(one_hot_draft):
 # --- numerics -------------------------------------------------------------------------------------------------------
 
 
-def _realistic(batch, draft_len, vocab, seed):
+def _realistic(batch, width, vocab, seed):
     """Peaked LM-like distributions in float32: N(0, 2) logits plus 8 spikes of +12 per row, temperature 0.8;
     the draft is the same logits plus N(0, 0.7) noise (a smaller model of the same family)."""
     gen = torch.Generator().manual_seed(seed)
-    logits = 2.0 * torch.randn(batch, draft_len + 1, vocab, generator=gen)
-    spikes = torch.randint(0, vocab, (batch, draft_len + 1, 8), generator=gen)
+    logits = 2.0 * torch.randn(batch, width + 1, vocab, generator=gen)
+    spikes = torch.randint(0, vocab, (batch, width + 1, 8), generator=gen)
     logits.scatter_add_(-1, spikes, torch.full(spikes.shape, 12.0))
     target = (logits / 0.8).softmax(-1)
-    draft = (logits[:, :draft_len] + 0.7 * torch.randn(batch, draft_len, vocab, generator=gen)).softmax(-1)
-    draft_tokens = torch.multinomial(draft.reshape(-1, vocab), 1, generator=gen).reshape(batch, draft_len)
+    draft = (logits[:, :width] + 0.7 * torch.randn(batch, width, vocab, generator=gen)).softmax(-1)
+    draft_tokens = torch.multinomial(draft.reshape(-1, vocab), 1, generator=gen).reshape(batch, width)
     return draft_tokens, draft, target
 
 
 def test_large_vocab_float32():
-    batch, draft_len, vocab = 2, 4, 151_936
-    draft_tokens, draft, target = _realistic(batch, draft_len, vocab, seed=0)
+    batch, width, vocab = 2, 4, 151_936
+    draft_tokens, draft, target = _realistic(batch, width, vocab, seed=0)
     assert float(target.amax(-1).min()) > 0.3  # peaked, as a real model's rows are
     for seed in range(3):
         for method, verifier in VERIFIERS.items():
@@ -484,7 +484,7 @@ def test_large_vocab_float32():
 def test_near_zero_probabilities(dtype, tiny):
     # Rows (V = 4, K = 3) where the drafted token has probability ``tiny`` under the draft (ratio ~1/tiny, which
     # overflows float32 for subnormals), under the target (w collapses to ~tiny), or under both (ratio 1).
-    vocab, draft_len = 4, 3
+    vocab, width = 4, 3
     rest = (1.0 - tiny) / (vocab - 1)
     tiny_row = [tiny, rest, rest, rest]
     fair = [0.25] * vocab
@@ -503,7 +503,7 @@ def test_near_zero_probabilities(dtype, tiny):
     target = torch.tensor(rows_t, dtype=dtype)
     assert bool((draft[:, :2, 0] > 0).all()), "tiny must be representable (subnormal at worst)"
     batch = len(rows_d)
-    draft_tokens = torch.zeros(batch, draft_len, dtype=torch.long)
+    draft_tokens = torch.zeros(batch, width, dtype=torch.long)
     for method in SAMPLING:
         survival = acceptance_survival(draft_tokens, draft, target, method)
         assert bool(survival.isfinite().all()) and bool(((survival >= 0) & (survival <= 1)).all()), survival
@@ -517,7 +517,7 @@ def test_near_zero_probabilities(dtype, tiny):
         if method == "token":
             assert bool((survival[3:6, 1] < 1e-20).all()), survival
         else:
-            _, log_w = block_acceptance(draft_tokens, draft, target, torch.full((batch,), draft_len))
+            _, log_w = block_acceptance(draft_tokens, draft, target, torch.full((batch,), width))
             assert bool((log_w[3:6, 1].exp() < 1e-20).all()) and bool(log_w.isnan().logical_not().all())
         for seed in range(3):
             out = SAMPLING[method](draft_tokens, draft, target, generator=torch.Generator().manual_seed(seed))
@@ -529,17 +529,17 @@ def test_near_zero_probabilities(dtype, tiny):
 @pytest.mark.parametrize("method", SAMPLING)
 def test_uniform_rows_draft_equals_target_accepts_everything(method, dtype, vocab):
     # All entries equal and draft = target: ratio exactly 1, w_i = 1, Z_i = 0 and a zero denominator (the guard).
-    batch, draft_len = 3, 4
+    batch, width = 3, 4
     dtype = DTYPES[dtype]
-    target = torch.full((batch, draft_len + 1, vocab), 1.0 / vocab, dtype=dtype)
-    draft = target[:, :draft_len].clone()
-    draft_tokens = torch.randint(0, vocab, (batch, draft_len), generator=torch.Generator().manual_seed(0))
+    target = torch.full((batch, width + 1, vocab), 1.0 / vocab, dtype=dtype)
+    draft = target[:, :width].clone()
+    draft_tokens = torch.randint(0, vocab, (batch, width), generator=torch.Generator().manual_seed(0))
     survival = acceptance_survival(draft_tokens, draft, target, method)
     assert bool((survival == 1).all()), survival
     for seed in range(3):
         out = SAMPLING[method](draft_tokens, draft, target, generator=torch.Generator().manual_seed(seed))
         check_format(out, draft_tokens, vocab)
-        assert bool((out.num_accepted == draft_len).all())
+        assert bool((out.num_accepted == width).all())
 
 
 def test_exact_ties_in_ratios():
@@ -571,13 +571,13 @@ def test_block_h_stays_in_unit_interval_regression_rounding_of_z_plus_one():
     """Regression: h_i = Z_i / (Z_i + 1 - w_i) was evaluated as (Z_i + 1) - w_i, which rounds Z_i's low bits away;
     with w_i = 1 it gave h_i above 1 on ~5 % of random rows (by up to 2.4e-7 in float32, 6.7e-16 in float64), and
     acceptance_survival above 1. Computing Z_i + (1 - w_i) keeps h_i in [0, 1] and makes it exactly 1 at w_i = 1."""
-    batch, draft_len, vocab = 4096, 4, 8
+    batch, width, vocab = 4096, 4, 8
     for dtype in DTYPES.values():
-        draft_tokens, draft, target = random_inputs(batch, draft_len, vocab, seed=0, dtype=dtype)
-        h, log_w = block_acceptance(draft_tokens, draft, target, torch.full((batch,), draft_len))
+        draft_tokens, draft, target = random_inputs(batch, width, vocab, seed=0, dtype=dtype)
+        h, log_w = block_acceptance(draft_tokens, draft, target, torch.full((batch,), width))
         assert bool(((h >= 0) & (h <= 1)).all()), f"{dtype}: h - 1 up to {float(h.max() - 1):.2g}"
-        capped = log_w[:, 1:draft_len] == 0  # w_i = 1 exactly at i < K (Z_i > 0 for these random rows)
-        assert bool(capped.any()) and bool((h[:, : draft_len - 1][capped] == 1).all())
+        capped = log_w[:, 1:width] == 0  # w_i = 1 exactly at i < K (Z_i > 0 for these random rows)
+        assert bool(capped.any()) and bool((h[:, : width - 1][capped] == 1).all())
         for method in SAMPLING:
             survival = acceptance_survival(draft_tokens, draft, target, method)
             assert bool(((survival >= 0) & (survival <= 1)).all()), (method, dtype, float(survival.max()))

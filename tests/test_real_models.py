@@ -52,7 +52,7 @@ def test_greedy_speculative_output_equals_greedy_target_output(qwen_pair):
     greedy = SamplingParams(temperature=0.0)
     plain = SpeculativeDecoder(target, verifier="none").generate(prompts, max_new_tokens=24, sampling=greedy)
     for verifier in ("block", "token"):
-        fast = SpeculativeDecoder(target, draft, verifier=verifier, draft_len=4)
+        fast = SpeculativeDecoder(target, draft, verifier=verifier, max_draft=4)
         result = fast.generate(prompts, max_new_tokens=24, sampling=greedy)
         assert result.sequences == plain.sequences, verifier
         assert result.block_efficiency > 1.5  # the draft really was accepted most of the time

@@ -28,7 +28,7 @@ STEPS = 20  # per prompt: equal step counts make the pooled BE ratio's expectati
 
 def synthetic(
     rng: np.random.Generator, prompts: int = 40, gain: float = 0.10, gain_spread: float = 0.0,
-    dataset: str = "synth", temperature: float = 1.0, draft_len: int = K, with_baselines: bool = True,
+    dataset: str = "synth", temperature: float = 1.0, max_draft: int = K, with_baselines: bool = True,
 ) -> list[Record]:
     """token / block (and target-only, hf-assisted) records of one dataset.
 
@@ -43,19 +43,19 @@ def synthetic(
         # between real prompt samples, so the estimate's error includes the between-prompt variance
         g = gain + gain_spread * rng.choice([-1.0, 1.0])
         mu_block = (1 + g) * (1 + mu_token) - 1  # BE_block = (1 + g) * BE_token for this prompt
-        common = dict(dataset=dataset, prompt_id=prompt_id, draft_len=draft_len, temperature=temperature,
+        common = dict(dataset=dataset, prompt_id=prompt_id, max_draft=max_draft, temperature=temperature,
                       batch_size=1, seed=p, prefill_time=0.01)
         for config, mu in (("token", mu_token), ("block", mu_block)):
-            accepted = rng.binomial(draft_len, mu / draft_len, size=STEPS).tolist()
+            accepted = rng.binomial(max_draft, mu / max_draft, size=STEPS).tolist()
             new_tokens = sum(accepted) + STEPS
             out.append(Record(
                 config=config, new_tokens=new_tokens, wall_time=STEPS * 0.05 * (1.02 if config == "block" else 1.0),
-                accepted=accepted, draft_lens=[draft_len] * STEPS,
+                accepted=accepted, verified=[max_draft] * STEPS,
                 expected_token=(mu_token + rng.normal(0, 0.2, STEPS)).tolist(),
                 expected_block=(mu_block + rng.normal(0, 0.2, STEPS)).tolist(), **common,
             ))
         if with_baselines:
-            base = dict(common, draft_len=0)
+            base = dict(common, max_draft=0)
             out.append(Record(config="target-only", new_tokens=64, wall_time=64 * 0.03, **base))
             out.append(Record(config="hf-assisted", new_tokens=64, wall_time=64 * 0.02, **base))
     return out
@@ -184,7 +184,7 @@ def test_speed_columns_and_baselines():
 def test_table_has_every_dataset_row_and_column():
     rng = np.random.default_rng(9)
     records = (synthetic(rng, prompts=8, dataset="gsm8k") + synthetic(rng, prompts=8, dataset="humaneval")
-               + synthetic(rng, prompts=8, dataset="gsm8k", draft_len=4, with_baselines=False)
+               + synthetic(rng, prompts=8, dataset="gsm8k", max_draft=4, with_baselines=False)
                + synthetic(rng, prompts=8, dataset="gsm8k", temperature=0.5, with_baselines=False))
     report = build_report(records, ReportConfig(n_boot=100))
     table = format_table(report)
@@ -197,9 +197,9 @@ def test_table_has_every_dataset_row_and_column():
     assert len(spec_rows) == 3  # (T=1, K=8), (T=1, K=4), (T=0.5, K=8)
     assert sum("| target-only " in line for line in gsm8k.splitlines()) == 1
     assert sum("| hf-assisted " in line for line in gsm8k.splitlines()) == 1
-    assert {(r.temperature, r.draft_len) for r in report.rows_of(ALL)} == {(1.0, 8), (1.0, 4), (0.5, 8)}
+    assert {(r.temperature, r.max_draft) for r in report.rows_of(ALL)} == {(1.0, 8), (1.0, 4), (0.5, 8)}
     assert row_of(report, "humaneval").prompts == 8
-    assert [r.prompts for r in report.rows_of(ALL) if (r.temperature, r.draft_len) == (1.0, 8)] == [16]
+    assert [r.prompts for r in report.rows_of(ALL) if (r.temperature, r.max_draft) == (1.0, 8)] == [16]
 
 
 def test_summary_json_keys():
@@ -215,7 +215,7 @@ def test_summary_json_keys():
              "block": row["tokens_per_s_block"]}
     fastest = max(rates, key=rates.get)
     assert data["fastest"] == [dict(temperature=1.0, batch_size=1, config=fastest,
-                                    draft_len=0 if fastest.endswith("-only") or fastest.startswith("hf") else K,
+                                    max_draft=0 if fastest.endswith("-only") or fastest.startswith("hf") else K,
                                     tokens_per_s=pytest.approx(rates[fastest]))]
 
 
@@ -229,10 +229,10 @@ def test_missing_configs_do_not_crash_and_show_dashes():
     # only block, no token: no token-vs-block row (block goes to the batch table); only baselines: no rows
     only_block = build_report([r for r in records if r.config == "block"], ReportConfig(n_boot=100))
     assert only_block.rows == () and [r.config for r in only_block.batch] == ["block"]
-    assert [(r.config, r.draft_len) for r in only_block.baselines] == [("block", K)] * 2  # "synth" and pooled
+    assert [(r.config, r.max_draft) for r in only_block.baselines] == [("block", K)] * 2  # "synth" and pooled
     assert summary(only_block)["fastest"][0]["config"] == "block"
     only_token = build_report([r for r in records if r.config == "token"], ReportConfig(n_boot=100))
-    assert only_token.rows == () and [(r.config, r.draft_len) for r in only_token.baselines] == [("token", K)] * 2
+    assert only_token.rows == () and [(r.config, r.max_draft) for r in only_token.baselines] == [("token", K)] * 2
     format_table(only_block), summary(only_block)
     baselines = [r for r in synthetic(np.random.default_rng(12), prompts=3) if r.config == "target-only"]
     assert build_report(baselines).rows == () and "target-only" in format_table(build_report(baselines))
@@ -245,7 +245,7 @@ def test_missing_configs_do_not_crash_and_show_dashes():
 def test_render_writes_tables_and_png_plots(tmp_path):
     pytest.importorskip("matplotlib")
     rng = np.random.default_rng(13)
-    records = synthetic(rng, prompts=6, dataset="a") + synthetic(rng, prompts=6, dataset="b", draft_len=4)
+    records = synthetic(rng, prompts=6, dataset="a") + synthetic(rng, prompts=6, dataset="b", max_draft=4)
     paths = render(build_report(records, ReportConfig(n_boot=100)), tmp_path / "out")
     names = {p.name for p in paths}
     assert {"report.md", "summary.json", "block_efficiency_vs_k.png", "speedup_vs_k.png", "accepted_hist.png"} == names
@@ -290,15 +290,15 @@ def test_no_interval_while_a_dataset_has_a_single_prompt():
 # --- batch sizes and Speculative Verification --------------------------------------------------------------------
 
 
-def batch_record(config: str, draft_len: int, dataset: str, batch: int, *, new_tokens: int, wall_time: float,
+def batch_record(config: str, max_draft: int, dataset: str, batch: int, *, new_tokens: int, wall_time: float,
                  accepted: list[int], verified: list[int], drafted: list[int] | None = None,
                  batch_size: int = 4, prefill_time: float = 0.01) -> Record:
     """A batched record whose steps each have every row active (rows = batch_size per step)."""
     steps = len(accepted) // batch_size
     return Record(
-        dataset=dataset, prompt_id=f"{dataset}/{batch * batch_size:04d}", config=config, draft_len=draft_len,
+        dataset=dataset, prompt_id=f"{dataset}/{batch * batch_size:04d}", config=config, max_draft=max_draft,
         temperature=1.0, batch_size=batch_size, seed=batch * batch_size, new_tokens=new_tokens, wall_time=wall_time,
-        prefill_time=prefill_time, accepted=accepted, draft_lens=verified,
+        prefill_time=prefill_time, accepted=accepted, verified=verified,
         drafted=drafted if drafted is not None else [max(verified)] * steps, rows=[batch_size] * steps,
         prompt_ids=[f"{dataset}/{batch * batch_size + b:04d}" for b in range(batch_size)],
     )
@@ -328,11 +328,11 @@ def test_batch_table_arithmetic_best_fixed_and_sv_over_it():
     records = batch_records(np.random.default_rng(20))
     report = build_report(records, ReportConfig(n_boot=300))
     assert report.rows == () and report.baselines == ()  # the token-vs-block tables are batch 1 only
-    rows = {(r.config, r.draft_len): r for r in report.batch}
+    rows = {(r.config, r.max_draft): r for r in report.batch}
     assert set(rows) == {("target-only", 0), ("token", 2), ("block", 2), ("block", 4), ("sv-block", 4)}
 
     def of(config, k):
-        return [r for r in records if (r.config, r.draft_len) == (config, k)]
+        return [r for r in records if (r.config, r.max_draft) == (config, k)]
 
     def rate(config, k):
         found = of(config, k)
@@ -346,7 +346,7 @@ def test_batch_table_arithmetic_best_fixed_and_sv_over_it():
     assert sv.speedup_vs_best_fixed.value == pytest.approx(rate("sv-block", 4) / rate(*best))
     assert sv.speedup_vs_best_fixed.lo < sv.speedup_vs_best_fixed.value < sv.speedup_vs_best_fixed.hi
     accepted = sum(sum(r.accepted) for r in of("sv-block", 4))
-    verified = sum(sum(r.draft_lens) for r in of("sv-block", 4))
+    verified = sum(sum(r.verified) for r in of("sv-block", 4))
     new = sum(r.new_tokens for r in of("sv-block", 4))
     assert sv.rejected.value == pytest.approx(1 - accepted / verified)
     assert sv.verified_per_emitted.value == pytest.approx(verified / new)
@@ -358,7 +358,7 @@ def test_batch_table_arithmetic_best_fixed_and_sv_over_it():
     table = format_table(report)
     assert "## batch sizes and Speculative Verification" in table and f"| {best[0]} * " in table
     data = json.loads(json.dumps(summary(report)))
-    assert data["batch_best_fixed"] == [dict(temperature=1.0, batch_size=4, config=best[0], draft_len=best[1],
+    assert data["batch_best_fixed"] == [dict(temperature=1.0, batch_size=4, config=best[0], max_draft=best[1],
                                              tokens_per_s=pytest.approx(rate(*best)))]
 
 
@@ -366,15 +366,15 @@ def test_batch_comparisons_use_the_batches_every_configuration_ran():
     records = batch_records(np.random.default_rng(21))
     missing = records[-1]  # the last batch of dataset b, sv-block: an interrupted run
     records = [r for r in records if r is not missing and not (r.key[:2] == missing.key[:2] and r.config == "token")]
-    rows = {(r.config, r.draft_len): r for r in build_report(records, ReportConfig(n_boot=100)).batch}
+    rows = {(r.config, r.max_draft): r for r in build_report(records, ReportConfig(n_boot=100)).batch}
     assert rows[("token", 2)].batches == 5 and rows[("block", 2)].batches == 6 and rows[("sv-block", 4)].batches == 5
     common = {r.key[:2] for r in records if r.config == "sv-block"}
     fixed = [r for r in records if r.config in ("token", "block") and r.key[:2] in common]
-    best = max({(r.config, r.draft_len) for r in fixed}, key=lambda key: sum(
-        r.new_tokens for r in fixed if (r.config, r.draft_len) == key) / sum(
-        r.wall_time - r.prefill_time for r in fixed if (r.config, r.draft_len) == key))
+    best = max({(r.config, r.max_draft) for r in fixed}, key=lambda key: sum(
+        r.new_tokens for r in fixed if (r.config, r.max_draft) == key) / sum(
+        r.wall_time - r.prefill_time for r in fixed if (r.config, r.max_draft) == key))
     sv = [r for r in records if r.config == "sv-block"]
-    chosen = [r for r in fixed if (r.config, r.draft_len) == best]
+    chosen = [r for r in fixed if (r.config, r.max_draft) == best]
     expected = (sum(r.new_tokens for r in sv) / sum(r.wall_time - r.prefill_time for r in sv)) / (
         sum(r.new_tokens for r in chosen) / sum(r.wall_time - r.prefill_time for r in chosen))
     assert rows[("sv-block", 4)].speedup_vs_best_fixed.value == pytest.approx(expected)
@@ -408,24 +408,30 @@ def test_hf_assisted_in_the_batch_table_counts_prefill_on_both_sides():
     assert rows["target-only"].tokens_per_s.value == pytest.approx(64 / 1.42)
 
 
-def test_schema_1_records_still_load_and_report_as_before(tmp_path):
+def test_records_of_schemas_1_to_3_still_load_and_report_as_before(tmp_path):
     records = synthetic(np.random.default_rng(23), prompts=6)
     path = tmp_path / "old.jsonl"
     new_fields = ("drafted", "rows", "prompt_ids", "finish_reasons", "status", "error")
+    former = {new: old for old, new in records_io.RENAMED.items()}  # the field names before schema 4
+
+    def as_written(record, schema: int, left_out=()) -> str:
+        data = {former.get(k, k): v for k, v in dataclasses.asdict(record).items() if k not in left_out}
+        return json.dumps({**data, "schema": schema}) + "\n"
+
     with path.open("w") as out:
         for record in records:  # as the schema-1 runner wrote them
-            data = {k: v for k, v in dataclasses.asdict(record).items() if k not in new_fields}
-            out.write(json.dumps({**data, "schema": 1}) + "\n")
+            out.write(as_written(record, 1, new_fields))
     loaded = list(records_io.read(path))
     assert [r.schema for r in loaded] == [1] * len(records) and all(r.drafted == r.rows == [] for r in loaded)
     old, new = build_report(loaded, ReportConfig(n_boot=100)), build_report(records, ReportConfig(n_boot=100))
     assert old.rows == new.rows and old.baselines == new.baselines and old.batch == ()
     assert format_table(old) == format_table(new) and "batch" not in summary(old)
-    path.write_text(json.dumps({k: v for k, v in dataclasses.asdict(records[0]).items() if k not in ("status", "error")}
-                               | {"schema": 2}) + "\n")
+    path.write_text(as_written(records[0], 2, ("status", "error")))
     assert list(records_io.read(path))[0].ok  # schema 2: no status, so a completed run
-    path.write_text(json.dumps({**dataclasses.asdict(records[0]), "schema": 4}) + "\n")
-    with pytest.raises(ValueError, match="record schema 4"):
+    path.write_text(as_written(records[0], 3))
+    assert dataclasses.replace(list(records_io.read(path))[0], schema=records_io.SCHEMA) == records[0]
+    path.write_text(json.dumps({**dataclasses.asdict(records[0]), "schema": 5}) + "\n")
+    with pytest.raises(ValueError, match="record schema 5"):
         list(records_io.read(path))
 
 

@@ -106,17 +106,17 @@ def _none_draft(verifier):
 # lawkit.StepLaw), from which lawkit.speculative_law gives the wrong joint law it actually produces.
 
 
-def _draw(target_probs, draft_len, generator) -> Randomness:
+def _draw(target_probs, width, generator) -> Randomness:
     batch, _, vocab = target_probs.shape
-    return Randomness.draw(batch, draft_len, vocab, dtype=target_probs.dtype, generator=generator)
+    return Randomness.draw(batch, width, vocab, dtype=target_probs.dtype, generator=generator)
 
 
 def _emit(draft_tokens, tau, final, exponentials) -> VerifyOutput:
     """x_1..x_tau then the token drawn from ``final`` [B, V] by the exponential race; -1 after."""
-    batch, draft_len = draft_tokens.shape
+    batch, width = draft_tokens.shape
     last = (final / exponentials).argmax(-1)  # P(v) = final_v / sum(final)
     padded = torch.nn.functional.pad(draft_tokens, (0, 1), value=-1)  # [B, K+1]
-    tokens = torch.where(torch.arange(draft_len + 1) < tau[:, None], padded, -1)
+    tokens = torch.where(torch.arange(width + 1) < tau[:, None], padded, -1)
     tokens[torch.arange(batch), tau] = last
     return VerifyOutput(tokens=tokens, num_accepted=tau)
 
@@ -127,11 +127,11 @@ def _full(draft_tokens):
 
 def verify_block_unscaled_residual(draft_tokens, draft_probs, target_probs, *, generator=None):
     """BROKEN: Algorithm 2, but the correction comes from max(target - draft, 0), dropping w_tau."""
-    draft_len = draft_tokens.shape[1]
-    randomness = _draw(target_probs, draft_len, generator)
+    width = draft_tokens.shape[1]
+    randomness = _draw(target_probs, width, generator)
     h, _ = block_acceptance(draft_tokens, draft_probs, target_probs, _full(draft_tokens))
     hits = randomness.uniforms < h
-    tau = torch.nn.functional.pad(hits * torch.arange(1, draft_len + 1), (1, 0)).amax(-1)  # the last hit
+    tau = torch.nn.functional.pad(hits * torch.arange(1, width + 1), (1, 0)).amax(-1)  # the last hit
     finals = final_distributions(draft_tokens, draft_probs, target_probs, "token")  # THE BREAK: not "block"
     return _emit(draft_tokens, tau, finals[torch.arange(len(tau)), tau], randomness.exponentials)
 
@@ -191,12 +191,12 @@ def _check_validity(law: torch.Tensor, samples: int) -> float:
     return smallest
 
 
-def _powers(tables: lawkit.Tables, draft_len: int, method: str, law: torch.Tensor, samples: int) -> str:
+def _powers(tables: lawkit.Tables, width: int, method: str, law: torch.Tensor, samples: int) -> str:
     """The test's power at this N against each broken verifier of ``method`` on these tables (informative)."""
     parts = []
     for name, (broken_method, _, step) in BROKEN.items():
         if broken_method == method:
-            wrong = lawkit.speculative_law(tables, draft_len, step)
+            wrong = lawkit.speculative_law(tables, width, step)
             parts.append(f"{name} {lawkit.detection_power(law, wrong, samples, ALPHA):.3g}")
     return "power vs " + ", ".join(parts)
 
@@ -223,11 +223,11 @@ def _describe(label: str, result: lawkit.ChiSquare, samples: int, extra: str = "
 
 
 def _run(tables, verifier, samples: int, seed: int, dtype=torch.float64):
-    draft_len = len(tables.target) - 1
-    law = lawkit.target_law(tables, draft_len + 1)
+    width = len(tables.target) - 1
+    law = lawkit.target_law(tables, width + 1)
     _check_validity(law, samples)
     generator = torch.Generator().manual_seed(seed)
-    counts = lawkit.sample_emissions(tables, draft_len, samples, verifier, generator, dtype=dtype)
+    counts = lawkit.sample_emissions(tables, width, samples, verifier, generator, dtype=dtype)
     assert int(counts.sum()) == samples
     return law, counts
 
@@ -240,11 +240,11 @@ def _run(tables, verifier, samples: int, seed: int, dtype=torch.float64):
 @pytest.mark.parametrize("case", TABLES)
 def test_random_tables_match_target_law(case, method, dtype):
     tables = random_case(case)
-    draft_len, samples = TABLES[case][1], TABLES[case][3]
+    width, samples = TABLES[case][1], TABLES[case][3]
     law, counts = _run(tables, VERIFIERS[method], samples, seed=1, dtype=DTYPES[dtype])
     result = lawkit.chi_square(counts, law, ALPHA)
     message = _describe(f"{case} {method} {dtype}", result, samples,
-                        _powers(tables, draft_len, method, law, samples))
+                        _powers(tables, width, method, law, samples))
     assert result.passed, message
 
 
@@ -252,7 +252,7 @@ def test_random_tables_match_target_law(case, method, dtype):
 @pytest.mark.parametrize("case", ADVERSARIAL)
 def test_adversarial_drafts_match_target_law(case, method):
     tables = adversarial_case(case)
-    draft_len, samples = len(tables.target) - 1, TABLES["V3K3"][3]
+    width, samples = len(tables.target) - 1, TABLES["V3K3"][3]
     verifier = VERIFIERS[method]
     if case == "one_hot_draft":
         verifier = _none_draft(verifier)
@@ -261,7 +261,7 @@ def test_adversarial_drafts_match_target_law(case, method):
     # Some of these drafts cannot expose some mistakes at all: the powers printed say which. Draft = target never
     # rejects; with V = 3 a reversed target makes max(target - draft, 0) and max(w target - draft, 0) the same
     # one-hot row (the middle entry cancels, one end is negative), so the unscaled residual is exact there.
-    message = _describe(f"{case} {method}", result, samples, _powers(tables, draft_len, method, law, samples))
+    message = _describe(f"{case} {method}", result, samples, _powers(tables, width, method, law, samples))
     assert result.passed, message
 
 
@@ -271,10 +271,10 @@ def test_adversarial_drafts_match_target_law(case, method):
 @pytest.mark.parametrize("name", BROKEN)
 def test_broken_verifier_fails_the_same_test(name):
     tables = random_case("V3K3")
-    draft_len, samples = TABLES["V3K3"][1], TABLES["V3K3"][3]  # the same N as the passing V3K3 tests
+    width, samples = TABLES["V3K3"][1], TABLES["V3K3"][3]  # the same N as the passing V3K3 tests
     _, verifier, step = BROKEN[name]
-    law = lawkit.target_law(tables, draft_len + 1)
-    wrong_law = lawkit.speculative_law(tables, draft_len, step)
+    law = lawkit.target_law(tables, width + 1)
+    wrong_law = lawkit.speculative_law(tables, width, step)
     power = lawkit.detection_power(law, wrong_law, samples, ALPHA)
     error = lawkit.max_abs_error(law, wrong_law)
     needed = _samples_for_power(law, wrong_law)
@@ -298,19 +298,19 @@ def test_broken_verifier_fails_the_same_test(name):
 
 def test_toy_example_mean_accepted():
     """V = 2, context-free target (1/3, 2/3), draft (2/3, 1/3), K = 2: E[tau] = 10/9 (token), 11/9 (block)."""
-    samples, draft_len = 200_000, 2
+    samples, width = 200_000, 2
     target = torch.tensor([1 / 3, 2 / 3], dtype=torch.float64)
     draft = torch.tensor([2 / 3, 1 / 3], dtype=torch.float64)
     # tau lies in [0, K], so its standard deviation is at most K / 2 (Popoviciu); 5 standard errors:
-    tolerance = 5 * (draft_len / 2) / math.sqrt(samples)
+    tolerance = 5 * (width / 2) / math.sqrt(samples)
     assert 1 / 9 > 4 * tolerance  # the two rules are far apart at this N (gap 0.111 vs tolerance 0.011)
     expected = {"token": 10 / 9, "block": 11 / 9}
     means = {}
     for seed, (method, verifier) in enumerate(VERIFIERS.items()):
         generator = torch.Generator().manual_seed(10 + seed)
-        draft_tokens = torch.multinomial(draft, samples * draft_len, replacement=True, generator=generator)
-        draft_tokens = draft_tokens.reshape(samples, draft_len)
-        out = verifier(draft_tokens, draft.expand(samples, draft_len, 2), target.expand(samples, draft_len + 1, 2),
+        draft_tokens = torch.multinomial(draft, samples * width, replacement=True, generator=generator)
+        draft_tokens = draft_tokens.reshape(samples, width)
+        out = verifier(draft_tokens, draft.expand(samples, width, 2), target.expand(samples, width + 1, 2),
                        generator=generator)
         means[method] = float(out.num_accepted.double().mean())
         print(f"toy {method}: mean accepted {means[method]:.4f}, exact {expected[method]:.4f}, "

@@ -81,10 +81,10 @@ def test_expected_gains_are_the_expected_accepted_length(method):
         gain = gains(blocks, draft_probs, target_probs, method)  # [N, K]
         assert gain.dtype == torch.float64
         for length in range(1, DRAFT_LEN + 1):
-            num_draft = torch.full((len(blocks),), length)
-            law = accepted_length_law(blocks, draft_probs, target_probs, method, num_draft)  # [N, K+1]
+            num_verified = torch.full((len(blocks),), length)
+            law = accepted_length_law(blocks, draft_probs, target_probs, method, num_verified)  # [N, K+1]
             exact = float((weight * (law * torch.arange(DRAFT_LEN + 1)).sum(-1)).sum())
-            closed = float((weight * expected_accepted(blocks, draft_probs, target_probs, method, num_draft)).sum())
+            closed = float((weight * expected_accepted(blocks, draft_probs, target_probs, method, num_verified)).sum())
             predicted = float((weight * gain[:, :length].sum(-1)).sum())
             assert abs(predicted - exact) < 1e-12, (seed, length, predicted, exact)
             assert abs(closed - exact) < 1e-12
@@ -257,7 +257,7 @@ class LookAhead(SVPolicy):
     """BROKEN: the companion's plug-in feature at position i uses x_i's own acceptance A_i (the realised
     survival prod_{j<=i} A_j, or the companion's w_i for the block rule, instead of its expectation over x_i)."""
 
-    def lengths(self, draft_tokens, draft_probs, companion_probs, num_draft):
+    def lengths(self, draft_tokens, draft_probs, companion_probs, drafted):
         def looking_ahead(tokens, probs, companion, method, part):
             features = companion_features(tokens, probs, companion, method, part)
             ratio = (companion.gather(-1, tokens[..., None]).squeeze(-1)
@@ -275,13 +275,13 @@ class LookAhead(SVPolicy):
             return features
 
         with mock.patch.object(policy_module, "companion_features", looking_ahead):
-            return super().lengths(draft_tokens, draft_probs, companion_probs, num_draft)
+            return super().lengths(draft_tokens, draft_probs, companion_probs, drafted)
 
 
-def argmax_lengths(gains, num_draft, seconds, paid=lambda position: 0.0):
+def argmax_lengths(gains, drafted, seconds, paid=lambda position: 0.0):
     """BROKEN stand-in for stopping_lengths: per row, the global argmax over L of predicted goodput."""
     lengths = []
-    for gain, limit in zip(gains.double(), num_draft.tolist()):
+    for gain, limit in zip(gains.double(), drafted.tolist()):
         emitted = torch.cat([torch.ones(1, dtype=torch.float64), 1 + gain[:limit].cumsum(0)])
         goodput = [float(emitted[w]) / (paid(limit) + seconds(w)) for w in range(limit + 1)]
         lengths.append(max(range(limit + 1), key=goodput.__getitem__))
@@ -292,7 +292,7 @@ class ShiftedPlugin(SVPolicy):
     """BROKEN: the plug-in column shifted one position earlier, so position i sees column i + 1 (which uses A_i);
     the last drafted position keeps its own column."""
 
-    def lengths(self, draft_tokens, draft_probs, companion_probs, num_draft):
+    def lengths(self, draft_tokens, draft_probs, companion_probs, drafted):
         def shifted(tokens, probs, companion, method, part):
             features = companion_features(tokens, probs, companion, method, part)
             column = COMPANION_FEATURES.index("logit_plugin_gain")
@@ -300,7 +300,7 @@ class ShiftedPlugin(SVPolicy):
             return features
 
         with mock.patch.object(policy_module, "companion_features", shifted):
-            return super().lengths(draft_tokens, draft_probs, companion_probs, num_draft)
+            return super().lengths(draft_tokens, draft_probs, companion_probs, drafted)
 
 
 class GlobalArgmax(SVPolicy):
@@ -624,19 +624,19 @@ def test_greedy_output_with_sv_equals_plain_greedy_decoding(trio, reference, met
     steps, declined = [], 0
     for prompts in (PROMPTS[:1], PROMPTS):
         policy = Recorded(hand_profile(), ENGINE_LATENCY, method=method, max_draft=4, kind="companion")
-        decoder = SpeculativeDecoder(target, draft, verifier=method, draft_len=4, policy=policy, companion=companion)
+        decoder = SpeculativeDecoder(target, draft, verifier=method, max_draft=4, policy=policy, companion=companion)
         result = decoder.generate(prompts, max_new_tokens=24, sampling=GREEDY)
         for b, prompt in enumerate(prompts):
             assert result.sequences[b] == reference(prompt, 24), (len(prompts), b)
         steps += result.stats
         declined += policy.declined
-    verified = {k for s in steps for k in s.draft_len}
+    verified = {k for s in steps for k in s.verified}
     drafted = {s.drafted for s in steps}
     print(f"greedy {method}: verified lengths {sorted(verified)}, drafted {sorted(drafted)}, "
           f"keep_drafting declined {declined} times in {len(steps)} steps")
     assert len(verified) >= 3 and 0 in verified, verified  # lengths vary with the companion's agreement
     assert len(drafted) >= 2 and 0 in drafted, drafted
-    assert any(k < s.drafted for s in steps for k in s.draft_len)  # drafted tokens left unverified
+    assert any(k < s.drafted for s in steps for k in s.verified)  # drafted tokens left unverified
     assert declined > 0  # drafting stopped before the budget
     assert any(a > 0 for s in steps for a in s.accepted)
     assert all(offset != 0 for offset in policy.offsets.values())  # observe() learnt from the verified steps
@@ -648,11 +648,11 @@ def test_steps_that_draft_nothing_verify_nothing(trio, reference):
     target, draft, companion = trio
     for profile in (hand_profile(), hand_profile(draft_weights=(-20.0, 0.0, 0.0, 0.0, 0.0))):  # 2nd: never drafts
         policy = Recorded(profile, ENGINE_LATENCY, method="block", max_draft=4, kind="companion")
-        decoder = SpeculativeDecoder(target, draft, verifier="block", draft_len=4, policy=policy, companion=companion)
+        decoder = SpeculativeDecoder(target, draft, verifier="block", max_draft=4, policy=policy, companion=companion)
         for max_new_tokens in (1, 6):
             result = decoder.generate(PROMPTS, max_new_tokens=max_new_tokens, sampling=GREEDY)
             assert result.sequences == [reference(p, max_new_tokens) for p in PROMPTS]
-            assert result.stats[-1].drafted == 0 and set(result.stats[-1].draft_len) == {0}
+            assert result.stats[-1].drafted == 0 and set(result.stats[-1].verified) == {0}
     assert policy.declined > 0 and all(s.drafted == 0 for s in result.stats)
 
 
@@ -692,12 +692,12 @@ def test_law_of_the_first_tokens_with_sv_is_the_targets(method, latency):
     draft = perturbed(target, scale=0.6, seed=1)
     law = exact_law_of_first_tokens(target, [1, 2, 3], length)
     policy = Recorded(hand_profile(), CHI_LATENCY[latency], method=method, max_draft=2, kind="companion")
-    decoder = SpeculativeDecoder(target, draft, verifier=method, draft_len=2, policy=policy,
+    decoder = SpeculativeDecoder(target, draft, verifier=method, max_draft=2, policy=policy,
                                  companion=target_prefix(HFModel(target), 1))
     result = decoder.generate([[1, 2, 3]] * samples, max_new_tokens=length, seed=0, stop_on_eos=False)
     observed = lawkit.joint_counts(result.sequences, vocab)
     test = lawkit.chi_square(observed, law)
-    verified = {k for s in result.stats for k in s.draft_len}
+    verified = {k for s in result.stats for k in s.verified}
     drafted = [s.drafted for s in result.stats]
     print(f"engine chi-square {method} {latency}: {test}; verified {sorted(verified)}, drafted per step {drafted}, "
           f"BE {result.block_efficiency:.3f}")

@@ -38,7 +38,7 @@ def calibrated(tmp_path_factory):
                   "--tokens", "1", "2", "3", "--context", "8", "--repeats", "1", cache=root)
     assert profile.returncode == 0, profile.stderr
     calibrate = run("sv", "calibrate", *models, "--companion", "prefix:1", "--dataset", "lm1b", "--prompts", "6",
-                    "--max-new-tokens", "24", "--draft-len", "3", "--batch-size", "3", "--recording", str(root / "rec.pt"), cache=root)
+                    "--max-new-tokens", "24", "--max-draft", "3", "--batch-size", "3", "--recording", str(root / "rec.pt"), cache=root)
     assert calibrate.returncode == 0, calibrate.stderr
     return root, models, profile, calibrate
 
@@ -58,15 +58,15 @@ def test_profile_and_calibrate_save_where_generate_looks(calibrated):
 
 def test_generate_with_sv_gives_the_greedy_text_of_the_target(calibrated):
     root, models, _, _ = calibrated
-    common = [*models, "--max-new-tokens", "16", "--temperature", "0", "--draft-len", "3"]
+    common = [*models, "--max-new-tokens", "16", "--temperature", "0", "--max-draft", "3"]
     plain = run("generate", *common, "--verifier", "none", "abc de", cache=root)
     # calibrated at T=1: greedy needs its own calibration profile, and says so
     missing = run("generate", *common, "--policy", "sv", "--companion", "prefix:1", "abc de", cache=root)
     assert missing.returncode == 2 and "blockspec sv calibrate" in missing.stderr
-    sampled = run("generate", *models, "--max-new-tokens", "16", "--draft-len", "3", "--seed", "3", "--policy", "sv",
+    sampled = run("generate", *models, "--max-new-tokens", "16", "--max-draft", "3", "--seed", "3", "--policy", "sv",
                   "--companion", "prefix:1", "abc de", "fgh", cache=root)
     assert sampled.returncode == 0 and "sv K=3" in sampled.stderr, sampled.stderr
-    with_companion = run("generate", *models, "--max-new-tokens", "16", "--draft-len", "3", "--policy", "sv",
+    with_companion = run("generate", *models, "--max-new-tokens", "16", "--max-draft", "3", "--policy", "sv",
                          "--sv-predictor", "companion", "--companion", "prefix:1", "abc de", cache=root)
     assert with_companion.returncode == 0, with_companion.stderr
     profile = next((root / "sv").glob("calibration-*.json"))

@@ -63,7 +63,7 @@ def test_a_missing_profile_names_the_command_that_makes_it(pair):
 def test_policy_sv_is_the_policy_from_the_cache_with_the_decoders_rule_and_length(pair):
     target, draft = pair
     profile, latency, _, _ = save_profiles(target, draft)
-    one_line = SpeculativeDecoder(target, draft, policy="sv", draft_len=4)
+    one_line = SpeculativeDecoder(target, draft, policy="sv", max_draft=4)
     result = one_line.generate(PROMPTS, max_new_tokens=12, sampling=SAMPLING, seed=3)
     assert isinstance(one_line.policy, SVPolicy)
     assert (one_line.policy.method, one_line.policy.max_draft, one_line.policy.kind) == ("block", 4, "draft")
@@ -72,10 +72,10 @@ def test_policy_sv_is_the_policy_from_the_cache_with_the_decoders_rule_and_lengt
     spelled_out = SpeculativeDecoder(target, draft, policy=explicit)
     expected = spelled_out.generate(PROMPTS, max_new_tokens=12, sampling=SAMPLING, seed=3)
     assert result.sequences == expected.sequences
-    assert [s.draft_len for s in result.stats] == [s.draft_len for s in expected.stats]
-    assert 0 < sum(k for s in result.stats for k in s.draft_len) < sum(4 * len(s.rows) for s in result.stats)
+    assert [s.verified for s in result.stats] == [s.verified for s in expected.stats]
+    assert 0 < sum(k for s in result.stats for k in s.verified) < sum(4 * len(s.rows) for s in result.stats)
 
-    token = SpeculativeDecoder(target, draft, policy="sv", verifier="token", draft_len=3)
+    token = SpeculativeDecoder(target, draft, policy="sv", verifier="token", max_draft=3)
     token.generate(PROMPTS, max_new_tokens=4, sampling=SAMPLING, seed=3)
     assert (token.policy.method, token.policy.max_draft) == ("token", 3)
 
@@ -119,4 +119,4 @@ def test_sv_at_temperature_zero_is_greedy_decoding(pair):
     result = SpeculativeDecoder(target, draft, policy="sv").generate(PROMPTS, max_new_tokens=10, sampling=greedy)
     plain = SpeculativeDecoder(target, verifier="none").generate(PROMPTS, max_new_tokens=10, sampling=greedy)
     assert result.sequences == plain.sequences
-    assert torch.tensor([k for s in result.stats for k in s.draft_len]).sum() > 0
+    assert torch.tensor([k for s in result.stats for k in s.verified]).sum() > 0

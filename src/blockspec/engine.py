@@ -26,7 +26,7 @@ from .models.chat import encode_prompt
 from .policy import FixedLength, LengthPolicy, SVPolicy
 from .sampling import NonFiniteLogitsError, SamplingParams, check_unsupported, is_int, process, sample
 from .verify import VERIFIERS, Randomness, agreement, draft_distributions, expected_accepted
-from .verify.base import draw_exponentials, drafted_mask
+from .verify.base import draw_exponentials, renamed, verified_mask
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class StepStats:
     """One step of the loop. Lists hold one entry per row active in that step (``rows`` = prompt indices)."""
 
     rows: list[int]
-    draft_len: list[int]  # drafted tokens verified per row (0 = a plain target step)
+    verified: list[int]  # drafted tokens verified per row (0 = a plain target step)
     accepted: list[int]  # tau per row
     emitted: list[int]  # tokens kept per row (tau + 1, less anything cut by EOS, stop strings or the length cap)
     draft_s: float  # drafting (forwards of the draft and its sampling) and the companion's scoring, if any
@@ -77,9 +77,9 @@ class GenerationResult:
 
     @property
     def acceptance_rate(self) -> float:
-        """Accepted drafted tokens / drafted tokens."""
-        drafted = sum(sum(s.draft_len) for s in self.stats)
-        return sum(sum(s.accepted) for s in self.stats) / drafted if drafted else float("nan")
+        """Accepted drafted tokens / verified drafted tokens."""
+        verified = sum(sum(s.verified) for s in self.stats)
+        return sum(sum(s.accepted) for s in self.stats) / verified if verified else float("nan")
 
     @property
     def tokens_per_second(self) -> float:
@@ -100,10 +100,10 @@ class SpeculativeDecoder:
     "greedy" (temperature 0 only) or "none" (target-only decoding, no draft needed). At temperature 0 the
     greedy rule is used whatever ``verifier`` says: token and block verification coincide with it there.
     ``policy`` decides how many tokens each step drafts and verifies (a ``blockspec.policy.LengthPolicy``): by
-    default ``FixedLength(draft_len)``; ``"sv"`` is Speculative Verification with at most ``draft_len`` drafted
+    default ``FixedLength(max_draft)``; ``"sv"`` is Speculative Verification with at most ``max_draft`` drafted
     tokens, from the profiles ``blockspec sv profile`` and ``blockspec sv calibrate`` saved for these models and
     each call's sampling (``SVPolicy.from_cache``; a missing profile raises an error naming the command that
-    makes it). A policy object sets its own maximum (``max_draft``) and ``draft_len`` is not used. Each
+    makes it). A policy object sets its own maximum (its ``max_draft``) and this one is not used. Each
     ``generate`` call starts with ``policy.reset()``: what a policy learnt online is forgotten, unless it was built
     with ``carry_over=True``. ``companion`` is the model an SV policy with companion features scores drafted
     blocks with (``blockspec.models.companion``).
@@ -122,7 +122,8 @@ class SpeculativeDecoder:
     a draft or companion with fewer logits is refused, since the target's other tokens could never be emitted.
     """
 
-    def __init__(self, target, draft=None, *, verifier: str = "block", draft_len: int = MAX_DRAFT,
+    @renamed(draft_len="max_draft")
+    def __init__(self, target, draft=None, *, verifier: str = "block", max_draft: int = MAX_DRAFT,
                  policy: LengthPolicy | str | None = None, companion=None, lookup: PromptLookup | None = None):
         if verifier not in VERIFIER_CHOICES:
             raise ValueError(f"verifier must be one of {VERIFIER_CHOICES}, got {verifier!r}")
@@ -133,8 +134,8 @@ class SpeculativeDecoder:
             raise ValueError(f"policy must be a LengthPolicy, 'sv' or None, got {policy!r}")
         if policy is not None and not isinstance(policy, (str, LengthPolicy)):
             raise TypeError(f"policy {type(policy).__name__} lacks some of the hooks of blockspec.policy.LengthPolicy")
-        if verifier != "none" and not isinstance(policy, LengthPolicy) and not (is_int(draft_len) and draft_len >= 1):
-            raise ValueError(f"draft_len must be an int >= 1, got {draft_len!r}")
+        if verifier != "none" and not isinstance(policy, LengthPolicy) and not (is_int(max_draft) and max_draft >= 1):
+            raise ValueError(f"max_draft must be an int >= 1, got {max_draft!r}")
         if policy is not None and (verifier == "none" or draft is None):
             raise ValueError("a length policy needs a draft model: verifier='none' decodes with the target alone, "
                              "and prompt lookup without a draft takes its lengths from its own settings")
@@ -158,14 +159,14 @@ class SpeculativeDecoder:
         _refuse_shared_adapters(self.target, self.draft, self.companion)
         self.verifier = verifier
         self.sv = policy == "sv"  # resolved per call: an SV calibration is specific to the call's sampling
-        fixed = FixedLength(draft_len if self.draft is not None else 0)
+        fixed = FixedLength(max_draft if self.draft is not None else 0)
         self.policy: LengthPolicy = policy if isinstance(policy, LengthPolicy) else fixed
         self.lookup = lookup
         # the widest step, what _draw draws for: the model's drafts or the longest lookup proposal
-        self.draft_len = max(self.policy.max_draft if self.draft is not None else 0, lookup.max_len if lookup else 0)
+        self.max_draft = max(self.policy.max_draft if self.draft is not None else 0, lookup.max_draft if lookup else 0)
         context = self.target.max_length
-        if context is not None and self.draft_len >= context:
-            raise ValueError(f"draft_len {self.draft_len} is not below the target's context of {context} tokens")
+        if context is not None and self.max_draft >= context:
+            raise ValueError(f"max_draft {self.max_draft} is not below the target's context of {context} tokens")
         if self.policy.needs_companion and companion is None:
             raise ValueError("this length policy needs a companion model (companion=...)")
         self.vocab = target_vocabulary(self.target)
@@ -223,7 +224,7 @@ class SpeculativeDecoder:
         self._check_context(sequences, max_new_tokens)
         generators = [torch.Generator().manual_seed(s) for s in _row_seeds(seed, len(sequences))]
         if self.sv:
-            self.policy = SVPolicy.from_cache(self.target, self.draft, sampling=sampling, max_draft=self.draft_len,
+            self.policy = SVPolicy.from_cache(self.target, self.draft, sampling=sampling, max_draft=self.max_draft,
                                               method="token" if self.verifier == "token" else "block")
         self.policy.reset()
         lookup = LookupState(self.lookup, len(sequences)) if self.lookup is not None else None  # fresh per call
@@ -245,38 +246,38 @@ class SpeculativeDecoder:
             t0 = time.perf_counter()
             remaining = torch.tensor([max_new_tokens - len(generated[i]) for i in active])
             draft_u, verify_u, exponentials = self._draw([generators[i] for i in active], sampling)
-            draft_tokens, draft_probs, num_draft, drafted, looked_up, forward_s = self._plan(
+            draft_tokens, draft_probs, verified, drafted, looked_up, forward_s = self._plan(
                 active, [sequences[i] + generated[i] for i in active], remaining.sub(1), sampling, draft_sampling,
                 draft_u, lookup)
             t1 = time.perf_counter()
             pending = torch.tensor([(sequences[i] + generated[i])[-1] for i in active], device=device)[:, None]
             valid = torch.cat([torch.ones_like(pending, dtype=torch.bool),
-                               drafted_mask(num_draft.to(device), draft_tokens.shape[1])], dim=1)
+                               verified_mask(verified.to(device), draft_tokens.shape[1])], dim=1)
             logits = self.target.forward(torch.cat([pending, draft_tokens], 1), valid)
             forward_s += time.perf_counter() - t1
             target_probs = self._process(self.target, logits, sampling)  # [B, K+1, V]
             t2 = time.perf_counter()
             randomness = None if sampling.greedy else Randomness(verify_u[:, :draft_tokens.shape[1]], exponentials)
-            out = verify(draft_tokens, draft_probs, target_probs, num_draft=num_draft.to(device),
+            out = verify(draft_tokens, draft_probs, target_probs, num_verified=verified.to(device),
                          randomness=randomness, validate=False)
             t3 = time.perf_counter()
 
             # the policy learns from the model's drafts only: a lookup row's acceptance says nothing about them
-            model_rows = num_draft.masked_fill(looked_up.to(num_draft.device), 0)
+            model_rows = verified.masked_fill(looked_up.to(verified.device), 0)
             self.policy.observe(active, draft_tokens, draft_probs, target_probs, model_rows, out.num_accepted)
             tau = out.num_accepted.cpu()
             if lookup is not None:  # a prompt's next proposal length follows what was accepted of this one
-                lookup.observe(active, num_draft.cpu().masked_fill(~looked_up, 0).tolist(), tau.tolist())
+                lookup.observe(active, verified.cpu().masked_fill(~looked_up, 0).tolist(), tau.tolist())
             emitted, finished = self._commit(out.tokens, tau, active, generated, reasons, stop, on_tokens)
             self._roll_back([len(sequences[i]) + len(generated[i]) - 1 for i in active], finished, models)
             step = StepStats(
-                rows=list(active), draft_len=num_draft.tolist(), accepted=tau.tolist(), emitted=emitted,
+                rows=list(active), verified=verified.tolist(), accepted=tau.tolist(), emitted=emitted,
                 draft_s=t1 - t0, target_s=t2 - t1, verify_s=t3 - t2, total_s=time.perf_counter() - t0,
                 forward_s=forward_s, drafted=drafted, lookup=looked_up.tolist() if lookup is not None else None,
             )
             if expected:  # bookkeeping outside the timed region: taken off the wall clock as well
                 t4 = time.perf_counter()
-                step = _with_expected(step, draft_tokens, draft_probs, target_probs, num_draft)
+                step = _with_expected(step, draft_tokens, draft_probs, target_probs, verified)
                 untimed += time.perf_counter() - t4
             stats.append(step)
             active = [i for b, i in enumerate(active) if b not in finished]
@@ -318,12 +319,12 @@ class SpeculativeDecoder:
 
     def _draw(self, generators: list[torch.Generator], sampling: SamplingParams):
         """Each row's randomness for one step, from its own stream and always the same amount of it, so a row's
-        draws never depend on its neighbours: draft_len uniforms for drafting (float64), draft_len for
+        draws never depend on its neighbours: max_draft uniforms for drafting (float64), max_draft for
         verification (float32) and V exponentials for the step's last token."""
         if sampling.greedy:
             return None, None, None
-        draft_u = torch.stack([torch.rand(self.draft_len, dtype=torch.float64, generator=g) for g in generators])
-        verify_u = torch.stack([torch.rand(self.draft_len, generator=g) for g in generators])
+        draft_u = torch.stack([torch.rand(self.max_draft, dtype=torch.float64, generator=g) for g in generators])
+        verify_u = torch.stack([torch.rand(self.max_draft, generator=g) for g in generators])
         exponentials = torch.cat([draw_exponentials(1, self.vocab, dtype=torch.float32, device="cpu", generator=g)
                                   for g in generators])
         device = self.target.device
@@ -349,16 +350,16 @@ class SpeculativeDecoder:
         limit = limit.clamp(max=self.policy.draft_budget(len(contexts), catch_up))
         draft_tokens, draft_probs, forward_s = self._propose(unseen, limit, draft_sampling, draft_u)
         drafted = draft_tokens.shape[1]
-        num_draft = limit.to(draft_tokens.device).clamp(max=drafted)
+        verified = limit.to(draft_tokens.device).clamp(max=drafted)  # each row's drafts; the policy may verify fewer
         if drafted:
-            companion_probs, companion_s = self._score(contexts, draft_tokens, num_draft, sampling)
-            num_draft = self.policy.lengths(draft_tokens, draft_probs, companion_probs, num_draft)
+            companion_probs, companion_s = self._score(contexts, draft_tokens, verified, sampling)
+            verified = self.policy.lengths(draft_tokens, draft_probs, companion_probs, verified)
             forward_s += companion_s
-        width = int(num_draft.max())
+        width = int(verified.max())
         draft_tokens, draft_probs = draft_tokens[:, :width], None if draft_sampling.greedy else draft_probs[:, :width]
         if looked_up.any():
-            draft_tokens, draft_probs, num_draft = _with_proposals(proposals, draft_tokens, draft_probs, num_draft)
-        return draft_tokens, draft_probs, num_draft, drafted, looked_up, forward_s
+            draft_tokens, draft_probs, verified = _with_proposals(proposals, draft_tokens, draft_probs, verified)
+        return draft_tokens, draft_probs, verified, drafted, looked_up, forward_s
 
     def _draft_room(self, context: list[int]) -> int:
         """Tokens a row may draft before some model's context is full: the target scores [pending, x_1..x_k]
@@ -390,10 +391,10 @@ class SpeculativeDecoder:
         tokens, probs = draft_block(self.policy, limit.to(device), next_probs, choose, self.vocab)
         return tokens, probs, forward_s
 
-    def _score(self, contexts: list[list[int]], draft_tokens: torch.Tensor, num_draft: torch.Tensor,
+    def _score(self, contexts: list[list[int]], draft_tokens: torch.Tensor, own: torch.Tensor,
                sampling: SamplingParams):
         """The companion's processed distributions at the K drafted positions [B, K, V] (one forward over what it
-        has not seen plus x_1..x_{K-1}; a row reads only its own ``num_draft[b]`` drafts, the rest are holes) and
+        has not seen plus x_1..x_{K-1}; a row reads only its own ``own[b]`` drafts, the rest are holes) and
         the forward's seconds; (None, 0) when the policy needs no companion."""
         drafted = draft_tokens.shape[1]
         if self.companion is None or not self.policy.needs_companion:
@@ -401,13 +402,13 @@ class SpeculativeDecoder:
         # A row drafting none reads nothing (what it has not seen waits, as in the draft); the others read their
         # unseen context and x_1..x_{K-1}, of which a row drafting k < K tokens keeps x_1..x_{k-1}: the last K - 1
         # columns hold x_1..x_{K-1} (x_j in column j - 1 of those), the rest are holes.
-        num_draft = num_draft.cpu()
+        own = own.cpu()
         seen = self.companion.lengths.tolist()
         rows = [c[n:] + d if k else [] for c, n, d, k in
-                zip(contexts, seen, draft_tokens[:, : drafted - 1].tolist(), num_draft.tolist())]
+                zip(contexts, seen, draft_tokens[:, : drafted - 1].tolist(), own.tolist())]
         tokens, valid = left_pad(rows)
         if drafted > 1:
-            valid[:, -(drafted - 1):] &= torch.arange(drafted - 1)[None] < (num_draft[:, None] - 1)
+            valid[:, -(drafted - 1):] &= torch.arange(drafted - 1)[None] < (own[:, None] - 1)
         t0 = time.perf_counter()
         logits = self.companion.forward(tokens.to(self.companion.device), valid.to(self.companion.device))
         seconds = time.perf_counter() - t0
@@ -543,9 +544,9 @@ def _row_seeds(seed, batch: int) -> list[int]:
 
 
 def _with_proposals(proposals: list[list[int]], draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
-                    num_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """The step's drafts (tokens [B, W'], probs [B, W', V] or None, num_draft [B]) with every row that has a
-    lookup proposal verifying it instead: (tokens [B, W], probs [B, W, V] or None, num_draft [B]).
+                    verified: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The step's drafts (tokens [B, W'], probs [B, W', V] or None, verified [B]) with every row that has a
+    lookup proposal verifying it instead: (tokens [B, W], probs [B, W, V] or None, verified [B]).
 
     A proposal was drafted with probability 1, so its law is one-hot at its tokens. When no row drafted with the
     model (W' = 0) or the model's draft was greedy, ``None`` says one-hot for every row; otherwise the lookup rows
@@ -554,30 +555,30 @@ def _with_proposals(proposals: list[list[int]], draft_tokens: torch.Tensor, draf
     probability target(x), else drawing from the target without x, is exact whatever drafted x) but would accept
     the model's tokens less often than min(1, target(x) / draft(x)).
     """
-    device = num_draft.device
+    device = verified.device
     lengths = torch.tensor([len(p) for p in proposals], device=device)
     looked_up = lengths > 0  # [B]
-    num_draft = torch.where(looked_up, lengths, num_draft)
-    width = int(num_draft.max())
+    verified = torch.where(looked_up, lengths, verified)
+    width = int(verified.max())
     proposed = torch.tensor([p + [PAD] * (width - len(p)) for p in proposals], dtype=torch.long, device=device)
     model_tokens = torch.nn.functional.pad(draft_tokens, (0, width - draft_tokens.shape[1]), value=PAD)
     tokens = torch.where(looked_up[:, None], proposed, model_tokens)  # [B, W]
     if draft_probs is None or draft_probs.shape[1] == 0:
-        return tokens, None, num_draft
+        return tokens, None, verified
     probs = torch.nn.functional.pad(draft_probs, (0, 0, 0, width - draft_probs.shape[1]))  # [B, W, V], a copy
     probs[looked_up] = draft_distributions(tokens[looked_up], None, probs.shape[-1])
-    return tokens, probs, num_draft
+    return tokens, probs, verified
 
 
-def _with_expected(step: StepStats, draft_tokens, draft_probs, target_probs, num_draft) -> StepStats:
+def _with_expected(step: StepStats, draft_tokens, draft_probs, target_probs, verified) -> StepStats:
     values = {
-        method: expected_accepted(draft_tokens, draft_probs, target_probs, method, num_draft.to(draft_tokens.device),
+        method: expected_accepted(draft_tokens, draft_probs, target_probs, method, verified.to(draft_tokens.device),
                                   validate=False).tolist()
         for method in ("token", "block")
     }
     probs = draft_distributions(draft_tokens, draft_probs, target_probs.shape[-1])
-    verified = drafted_mask(num_draft.to(draft_tokens.device), draft_tokens.shape[1])
-    summed = (agreement(probs, target_probs[:, : draft_tokens.shape[1]]) * verified).sum(1)
-    mean = (summed / verified.sum(1).clamp(min=1)).where(verified.any(1), float("nan"))
+    mask = verified_mask(verified.to(draft_tokens.device), draft_tokens.shape[1])
+    summed = (agreement(probs, target_probs[:, : draft_tokens.shape[1]]) * mask).sum(1)
+    mean = (summed / mask.sum(1).clamp(min=1)).where(mask.any(1), float("nan"))
     return StepStats(**{**step.__dict__, "expected_token": values["token"], "expected_block": values["block"],
                         "overlap": mean.tolist()})

@@ -42,25 +42,26 @@ class PromptLookup:
     """Prompt lookup settings; ``SpeculativeDecoder(..., lookup=PromptLookup())`` drafts with it.
 
     Adaptive length, per prompt: the first proposal holds at most ``initial_len`` tokens; after a proposal of
-    k tokens of which the target accepted tau, the next may hold ``allowed + grow`` tokens (at most ``max_len``)
+    k tokens of which the target accepted tau, the next may hold ``allowed + grow`` tokens (at most ``max_draft``)
     if tau == k, else tau + 1 (at least 1): the first rejected position is worth one more try, not more.
     """
 
     max_ngram: int = 3  # the longest suffix looked up
     min_ngram: int = 1  # the shortest: below it, no proposal
-    max_len: int = 10  # the most tokens one proposal holds
+    max_draft: int = 10  # the most tokens one proposal holds
     initial_len: int = 4  # a prompt's allowed proposal length before any of its proposals was verified
     grow: int = 2  # added to the allowed length after a fully accepted proposal
 
     def __post_init__(self):
-        for name in ("max_ngram", "min_ngram", "max_len", "initial_len", "grow"):
+        for name in ("max_ngram", "min_ngram", "max_draft", "initial_len", "grow"):
             value = getattr(self, name)
             if not (is_int(value) and value >= 1):
                 raise ValueError(f"PromptLookup.{name} must be an int >= 1, got {value!r}")
         if self.min_ngram > self.max_ngram:
             raise ValueError(f"PromptLookup.min_ngram ({self.min_ngram}) must not exceed max_ngram ({self.max_ngram})")
-        if self.initial_len > self.max_len:
-            raise ValueError(f"PromptLookup.initial_len ({self.initial_len}) must not exceed max_len ({self.max_len})")
+        if self.initial_len > self.max_draft:
+            raise ValueError(f"PromptLookup.initial_len ({self.initial_len}) must not exceed max_draft "
+                             f"({self.max_draft})")
 
     def match(self, context: Sequence[int], length: int) -> list[int]:
         """The proposal for ``context`` (see the module's glossary): at most ``length`` tokens, [] if none.
@@ -86,7 +87,7 @@ class PromptLookup:
     def next_length(self, allowed: int, proposed: int, accepted: int) -> int:
         """A prompt's allowed length after a proposal of ``proposed`` tokens of which ``accepted`` were accepted."""
         if accepted == proposed:
-            return min(allowed + self.grow, self.max_len)
+            return min(allowed + self.grow, self.max_draft)
         return accepted + 1  # the first rejected position, and at least 1
 
 

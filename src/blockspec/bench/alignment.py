@@ -43,14 +43,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 from .. import defaults
-from .records import append, refuse_other_settings
+from .records import RENAMED, append, refuse_other_settings
 
 if TYPE_CHECKING:  # numpy and the report load only when a report is made: `blockspec --help` stays instant
     from .report import Estimate, ReportConfig
 
 log = logging.getLogger(__name__)
 
-SCHEMA = 1
+SCHEMA = 2  # schema 1 named max_draft draft_len, and verified draft_lens
 KIND = "align"  # tells these records from `blockspec bench` records
 RECORDS = "records.jsonl"
 ALL = "all"  # dataset label of the rows pooled over every dataset (the same as ``report.ALL``)
@@ -71,7 +71,7 @@ class AlignConfig:
     prompts_per_dataset: int = 4
     draft_temperatures: tuple[float, ...] = (0.4, 0.7, 1.0, 1.5, 2.0)
     temperature: float = 1.0  # the target's; > 0 (at 0 the draft proposes its argmax whatever T_d)
-    draft_len: int = 4  # K
+    max_draft: int = 4  # K
     max_new_tokens: int = 64
     seed: int = 0  # prompt n of a dataset uses seed + n, at every T_d
     chat: bool = True
@@ -87,8 +87,8 @@ class AlignConfig:
             raise ValueError(f"draft temperatures must be >= 0 (0 = argmax draft), got {self.draft_temperatures}")
         if len(set(self.draft_temperatures)) != len(self.draft_temperatures):
             raise ValueError(f"draft temperatures repeat: {self.draft_temperatures}")
-        if not (isinstance(self.draft_len, int) and self.draft_len >= 1):
-            raise ValueError(f"draft_len must be an int >= 1, got {self.draft_len!r}")
+        if not (isinstance(self.max_draft, int) and self.max_draft >= 1):
+            raise ValueError(f"max_draft must be an int >= 1, got {self.max_draft!r}")
         if not (isinstance(self.prompts_per_dataset, int) and self.prompts_per_dataset >= 1):
             raise ValueError(f"prompts per dataset must be an int >= 1, got {self.prompts_per_dataset!r}")
         if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
@@ -107,13 +107,13 @@ class AlignRecord:
     dataset: str
     prompt_id: str
     draft_temperature: float  # T_d
-    draft_len: int  # K
+    max_draft: int  # K
     temperature: float  # T, the target's
     seed: int
     max_new_tokens: int
     new_tokens: int
     finish_reason: str  # "eos" or "length"
-    draft_lens: list[int] = field(default_factory=list)  # drafted tokens verified per step (< K near the cap)
+    verified: list[int] = field(default_factory=list)  # drafted tokens verified per step (< K near the cap)
     accepted: list[int] = field(default_factory=list)  # tau per step, under the block rule that ran
     expected_token: list[float] = field(default_factory=list)  # E[tau | this step's draft], token rule
     expected_block: list[float] = field(default_factory=list)  # the same draft, block rule
@@ -125,7 +125,7 @@ class AlignRecord:
 
     @property
     def key(self) -> tuple:
-        return (self.dataset, self.prompt_id, self.draft_temperature, self.draft_len, self.temperature)
+        return (self.dataset, self.prompt_id, self.draft_temperature, self.max_draft, self.temperature)
 
 
 def read(path: Path) -> Iterator[AlignRecord]:
@@ -136,11 +136,11 @@ def read(path: Path) -> Iterator[AlignRecord]:
                 data = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if data.get("kind") != KIND or data.get("schema") != SCHEMA:
-                raise ValueError(f"{path}: not an alignment record of schema {SCHEMA} (kind {data.get('kind')!r}, "
+            if data.get("kind") != KIND or data.get("schema") not in (1, SCHEMA):
+                raise ValueError(f"{path}: not an alignment record of schema 1 or {SCHEMA} (kind {data.get('kind')!r}, "
                                  f"schema {data.get('schema')!r}); `blockspec bench` records go to "
                                  "python -m blockspec.bench.report")
-            yield AlignRecord(**data)
+            yield AlignRecord(**{RENAMED.get(name, name): value for name, value in data.items()})
 
 
 # ------------------------------------------------------------------------------------------------ the sweep
@@ -175,7 +175,7 @@ def plan(config: AlignConfig, prompts: Iterable[tuple[str, str, str | Sequence[i
 
 
 def key_of(config: AlignConfig, cell: Cell) -> tuple:
-    return (cell.dataset, cell.prompt_id, cell.draft_temperature, config.draft_len, config.temperature)
+    return (cell.dataset, cell.prompt_id, cell.draft_temperature, config.max_draft, config.temperature)
 
 
 def run(config: AlignConfig, *, prompts: Iterable[tuple[str, str, str | Sequence[int]]] | None = None,
@@ -243,7 +243,7 @@ class _Executor:
             models = tuple(load_model(name, dtype=config.dtype, device=config.device,
                                       allow_download=config.allow_download) for name in (config.target, config.draft))
         self.config = config
-        self.decoder = SpeculativeDecoder(*models, verifier="block", draft_len=config.draft_len)
+        self.decoder = SpeculativeDecoder(*models, verifier="block", max_draft=config.max_draft)
         self.meta = {
             "target": config.target, "draft": config.draft, "dtype": config.dtype, "device": config.device,
             "chat": config.chat, "base_seed": config.seed, "threads": torch.get_num_threads(),
@@ -271,9 +271,9 @@ class _Executor:
         steps = result.stats  # batch 1: one entry per list per step
         return AlignRecord(
             dataset=cell.dataset, prompt_id=cell.prompt_id, draft_temperature=cell.draft_temperature,
-            draft_len=config.draft_len, temperature=config.temperature, seed=cell.seed,
+            max_draft=config.max_draft, temperature=config.temperature, seed=cell.seed,
             max_new_tokens=config.max_new_tokens, new_tokens=result.new_tokens, finish_reason=result.finish_reasons[0],
-            draft_lens=[s.draft_len[0] for s in steps], accepted=[s.accepted[0] for s in steps],
+            verified=[s.verified[0] for s in steps], accepted=[s.accepted[0] for s in steps],
             expected_token=[s.expected_token[0] for s in steps], expected_block=[s.expected_block[0] for s in steps],
             # NaN (a step that verified nothing) is not JSON: stored as null
             overlap=[None if math.isnan(s.overlap[0]) else s.overlap[0] for s in steps],
@@ -315,7 +315,7 @@ class AlignRow:
 
     dataset: str
     temperature: float
-    draft_len: int
+    max_draft: int
     draft_temperature: float
     prompts: int
     steps: int
@@ -350,12 +350,12 @@ def _unit_columns(records: list[AlignRecord]) -> dict:
         "steps": column(len(r.expected_token) for r in records),
         "accepted": column(sum(r.accepted) for r in records),
         # overlap weighted by the verified length of its step: a mean over verified positions
-        "overlap": column(sum(o * k for o, k in zip(r.overlap, r.draft_lens) if o is not None) for r in records),
-        "verified": column(sum(k for o, k in zip(r.overlap, r.draft_lens) if o is not None) for r in records),
+        "overlap": column(sum(o * k for o, k in zip(r.overlap, r.verified) if o is not None) for r in records),
+        "verified": column(sum(k for o, k in zip(r.overlap, r.verified) if o is not None) for r in records),
     }
 
 
-def _row(label: str, records: list[AlignRecord], temperature: float, draft_len: int, draft_temperature: float,
+def _row(label: str, records: list[AlignRecord], temperature: float, max_draft: int, draft_temperature: float,
          config) -> AlignRow:
     import numpy as np
 
@@ -368,7 +368,7 @@ def _row(label: str, records: list[AlignRecord], temperature: float, draft_len: 
     strata = np.array([r.dataset for r in records])
     steps, verified = columns["steps"].sum(), columns["verified"].sum()
     return AlignRow(
-        dataset=label, temperature=temperature, draft_len=draft_len, draft_temperature=draft_temperature,
+        dataset=label, temperature=temperature, max_draft=max_draft, draft_temperature=draft_temperature,
         prompts=len(records), steps=int(steps),
         overlap=bootstrap(lambda s: s["overlap"] / s["verified"], columns, strata, config) if verified else None,
         analytic_be_token=1 + columns["exp_t"].sum() / steps if steps else None,
@@ -393,13 +393,13 @@ def build_report(records: Iterable[AlignRecord], config=None) -> AlignReport:
     found = list(unique.values())
     datasets = tuple(sorted({r.dataset for r in found}))
     rows = []
-    for temperature, draft_len in sorted({(r.temperature, r.draft_len) for r in found}):
-        here = [r for r in found if (r.temperature, r.draft_len) == (temperature, draft_len)]
+    for temperature, max_draft in sorted({(r.temperature, r.max_draft) for r in found}):
+        here = [r for r in found if (r.temperature, r.max_draft) == (temperature, max_draft)]
         for label in (*datasets, ALL):
             group = [r for r in here if label in (ALL, r.dataset)]
             for draft_temperature in sorted({r.draft_temperature for r in group}):
                 cell = [r for r in group if r.draft_temperature == draft_temperature]
-                rows.append(_row(label, cell, temperature, draft_len, draft_temperature, config))
+                rows.append(_row(label, cell, temperature, max_draft, draft_temperature, config))
     return AlignReport(datasets, tuple(rows), len(found), config)
 
 
@@ -410,7 +410,7 @@ HEADER = ("T", "K", "T_d", "prompts", "steps", "overlap (CI)", "analytic BE toke
 def _cells(row: AlignRow) -> list[str]:
     from .report import _interval, _num, _percent
 
-    return [f"{row.temperature:g}", str(row.draft_len), f"{row.draft_temperature:g}", str(row.prompts),
+    return [f"{row.temperature:g}", str(row.max_draft), f"{row.draft_temperature:g}", str(row.prompts),
             str(row.steps), _interval(row.overlap), _num(row.analytic_be_token), _num(row.analytic_be_block),
             _percent(row.gain), _num(row.be_block)]
 
@@ -446,12 +446,12 @@ def plot(report: AlignReport, path: Path) -> Path:
     series), one series per dataset and the pooled one in black; one panel per (T, K)."""
     from .report import new_figure
 
-    panels = sorted({(row.temperature, row.draft_len) for row in report.rows})
+    panels = sorted({(row.temperature, row.max_draft) for row in report.rows})
     figure, axes = new_figure(len(panels), "paired analytic block-vs-token gain vs draft-target overlap")
-    for ax, (temperature, draft_len) in zip(axes, panels):
+    for ax, (temperature, max_draft) in zip(axes, panels):
         ax.axhline(0.0, color="grey", lw=0.8)
         for index, label in enumerate((*report.datasets, ALL)):
-            rows = [r for r in report.rows_of(label) if (r.temperature, r.draft_len) == (temperature, draft_len)
+            rows = [r for r in report.rows_of(label) if (r.temperature, r.max_draft) == (temperature, max_draft)
                     and r.gain is not None and r.overlap is not None]
             if not rows:
                 continue
@@ -464,7 +464,7 @@ def plot(report: AlignReport, path: Path) -> Path:
                 for n, (row, x, y) in enumerate(zip(rows, xs, ys)):  # labels alternate above / below
                     ax.annotate(f"T_d={row.draft_temperature:g}", (x, y), textcoords="offset points",
                                 xytext=(5, 5 if n % 2 == 0 else -13), fontsize=8)
-        ax.set(title=f"T={temperature:g}, K={draft_len} (bars: bootstrap CI over prompts)",
+        ax.set(title=f"T={temperature:g}, K={max_draft} (bars: bootstrap CI over prompts)",
                xlabel="mean overlap sum_v min(draft, target) per verified position",
                ylabel="block vs token gain, analytic (%)")
         ax.legend(fontsize=7)

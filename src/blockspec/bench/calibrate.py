@@ -26,10 +26,10 @@ METHODS = ("token", "block")
 
 @dataclass
 class Recording:
-    """Recorded row-steps: N rows of K positions (positions past ``num_draft`` are padding)."""
+    """Recorded row-steps: N rows of K positions (positions past ``num_verified`` are padding)."""
 
     prompt: torch.Tensor  # [N] index of the calibration prompt
-    num_draft: torch.Tensor  # [N]
+    num_verified: torch.Tensor  # [N]
     accepted: torch.Tensor  # [N] tau under the token rule with all drafted tokens verified
     draft: torch.Tensor  # [N, K, len(DRAFT_FEATURES)]
     companion: dict[str, torch.Tensor]  # method -> [N, K, len(COMPANION_FEATURES)]
@@ -38,7 +38,7 @@ class Recording:
     def positions(self, rows: torch.Tensor) -> torch.Tensor:
         """Mask [n, K] of the real (drafted) positions of ``rows``."""
         k = self.draft.shape[1]
-        return torch.arange(k)[None, :] < self.num_draft[rows, None]
+        return torch.arange(k)[None, :] < self.num_verified[rows, None]
 
     def features(self, kind: str, method: str) -> torch.Tensor:
         return self.draft if kind == "draft" else self.companion[method]
@@ -50,7 +50,10 @@ class Recording:
     def load(cls, path) -> Recording:
         # weights_only: tensors and containers only, so a planted recording cannot run code, even where
         # TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD makes full unpickling torch.load's default.
-        return cls(**torch.load(path, weights_only=True))
+        data = torch.load(path, weights_only=True)
+        if "num_draft" in data:  # a recording saved before the field's rename
+            data["num_verified"] = data.pop("num_draft")
+        return cls(**data)
 
 
 class Recorder(FixedLength):
@@ -58,35 +61,35 @@ class Recorder(FixedLength):
 
     needs_companion = True
 
-    def __init__(self, draft_len: int):
-        super().__init__(draft_len)
+    def __init__(self, max_draft: int):
+        super().__init__(max_draft)
         self.rows: list[dict] = []
         self.offset = 0  # index of the current generate() call's first prompt (set by ``record``)
         self._pending: dict = {}
 
     def draft_budget(self, batch: int, catch_up: int) -> int:
         self._draft: list[torch.Tensor] = []
-        return self.draft_len
+        return self.max_draft
 
     def keep_drafting(self, position: int, probs: torch.Tensor, prefix: torch.Tensor) -> bool:
         self._draft.append(draft_features(probs[:, None], prefix[:, None], first=position)[:, 0])
         return True
 
-    def lengths(self, draft_tokens, draft_probs, companion_probs, num_draft):
+    def lengths(self, draft_tokens, draft_probs, companion_probs, drafted):
         probs = draft_distributions(draft_tokens, draft_probs, companion_probs.shape[-1])
         draft = torch.stack(self._draft[: draft_tokens.shape[1]], 1)
         self._pending = {"draft": draft, "companion": {
             m: companion_features(draft_tokens, probs, companion_probs, m, draft) for m in METHODS}}
-        return num_draft
+        return drafted
 
-    def observe(self, rows, draft_tokens, draft_probs, target_probs, num_draft, accepted) -> None:
-        if draft_tokens.shape[1] < self.draft_len:
+    def observe(self, rows, draft_tokens, draft_probs, target_probs, verified, accepted) -> None:
+        if draft_tokens.shape[1] < self.max_draft:
             return  # a row's last step: fewer drafted positions than the recording's width
         probs = draft_distributions(draft_tokens, draft_probs, target_probs.shape[-1])
         labels = {m: position_gains(draft_tokens, probs.double(), target_probs.double(), m).float() for m in METHODS}
         for b in range(len(draft_tokens)):
             self.rows.append({
-                "prompt": self.offset + rows[b], "num_draft": int(num_draft[b]), "accepted": int(accepted[b]),
+                "prompt": self.offset + rows[b], "num_verified": int(verified[b]), "accepted": int(accepted[b]),
                 "draft": self._pending["draft"][b].cpu(),
                 "companion": {m: f[b].cpu() for m, f in self._pending["companion"].items()},
                 "labels": {m: v[b].cpu() for m, v in labels.items()},
@@ -95,7 +98,8 @@ class Recorder(FixedLength):
     def recording(self) -> Recording:
         rows = self.rows
         return Recording(
-            prompt=torch.tensor([r["prompt"] for r in rows]), num_draft=torch.tensor([r["num_draft"] for r in rows]),
+            prompt=torch.tensor([r["prompt"] for r in rows]),
+            num_verified=torch.tensor([r["num_verified"] for r in rows]),
             accepted=torch.tensor([r["accepted"] for r in rows]), draft=torch.stack([r["draft"] for r in rows]),
             companion={m: torch.stack([r["companion"][m] for r in rows]) for m in METHODS},
             labels={m: torch.stack([r["labels"][m] for r in rows]) for m in METHODS},
@@ -110,7 +114,7 @@ def record(decoder, prompts, *, sampling, max_new_tokens: int, batch_size: int, 
 
     recorder = decoder.policy
     if not isinstance(recorder, Recorder):
-        raise TypeError("record() needs a SpeculativeDecoder built with policy=Recorder(draft_len)")
+        raise TypeError("record() needs a SpeculativeDecoder built with policy=Recorder(max_draft)")
     for start in tqdm(range(0, len(prompts), batch_size), desc="calibration batches", disable=not progress):
         recorder.offset = start
         decoder.generate(prompts[start : start + batch_size], max_new_tokens=max_new_tokens, sampling=sampling,

@@ -347,7 +347,7 @@ def _humaneval_edit() -> list[Prompt]:
 
 @functools.lru_cache(maxsize=2)
 def _sharegpt_first_turns(path: Path, size: int) -> tuple[tuple[int, str], ...]:
-    """(entry number, first user turn) kept from the ShareGPT file; cached per (path, size): parsing takes ~2 s.
+    """(entry number, first user turn) kept from the ShareGPT file; cached per (path, size): parsing takes seconds.
 
     Kept: entries whose id ends in "_0" (the V3 split cuts long conversations into parts "<id>_0",
     "<id>_1", ...; a later part's first turn continues a conversation the prompt does not show), whose

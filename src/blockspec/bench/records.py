@@ -7,7 +7,7 @@ A run is identified by ``key``; a resumed run skips records whose key is already
 A batched run (batch_size B > 1) decodes B consecutive prompts of one dataset in one ``generate`` call and
 makes one record: ``prompt_id`` is the batch's first prompt (``prompt_ids`` lists all B), ``new_tokens`` and
 ``wall_time`` are the whole batch's, and the per-step lists are flattened over the rows active in each step
-(``rows[s]`` of them in step s), so ``accepted`` and ``draft_lens`` hold one entry per row-step while
+(``rows[s]`` of them in step s), so ``accepted`` and ``verified`` hold one entry per row-step while
 ``drafted`` and ``rows`` hold one entry per step. At B = 1 every list has one entry per step, as in schema 1.
 
 A run that raised makes a record too, with ``status`` FAILED and its ``error`` ("TypeError: message"), no
@@ -17,7 +17,9 @@ out of its figures (``Record.ok``).
 Schema 2 added ``drafted``, ``rows``, ``prompt_ids`` and ``finish_reasons`` (and the SV configurations);
 schema 3 added ``status`` and ``error``, and the machine's state in ``meta`` (``cpu_flags``, ``threads``, and
 ``others_cpu_s`` / ``others_cores``: the CPU time other processes used while the run was timed, see
-``blockspec.machine``). Older records still load, with the new fields at their defaults.
+``blockspec.machine``); schema 4 renamed ``draft_len`` to ``max_draft`` and ``draft_lens`` to ``verified`` (the
+glossary of ``blockspec.verify.base``). Older records still load, under the new names and with the new fields at
+their defaults; the runner refuses to add records to a file of an older schema.
 
 The settings a run directory was made with are stored beside its records (the runner's ``config.json``);
 ``refuse_other_settings`` is the check that a resume does not pool another experiment's runs under the same keys.
@@ -35,8 +37,9 @@ from typing import Iterator
 
 log = logging.getLogger(__name__)
 
-SCHEMA = 3
-READABLE_SCHEMAS = (1, 2, 3)  # older schemas lack the fields added later: they load with their defaults
+SCHEMA = 4
+READABLE_SCHEMAS = (1, 2, 3, 4)  # older schemas lack the fields added later: they load with their defaults
+RENAMED = {"draft_len": "max_draft", "draft_lens": "verified"}  # schema 4's names for fields of schemas 1 to 3
 OK, FAILED = "ok", "failed"  # Record.status
 HF_CONFIGS = ("hf-assisted", "hf-lookup")  # transformers' generate: batch 1, no per-step lists, no prefill time
 SV_CONFIGS = ("sv-draft", "sv-token", "sv-block")  # Speculative Verification: draft-only / companion predictor
@@ -56,7 +59,7 @@ class Record:
     config: str  # one of KNOWN_CONFIGS
     # K (0 for target-only, lookup and hf-lookup; hf-assisted: the assistant's own schedule; SV, auto and
     # lookup+model: the most the model drafts)
-    draft_len: int
+    max_draft: int
     temperature: float
     batch_size: int
     seed: int  # row b of the batch uses seed + b
@@ -64,7 +67,7 @@ class Record:
     wall_time: float  # seconds for the whole generate call, prefill included
     prefill_time: float | None  # seconds of prompt forwards (None when the config cannot tell)
     accepted: list[int] = field(default_factory=list)  # tau per row-step (empty for hf-assisted)
-    draft_lens: list[int] = field(default_factory=list)  # drafted tokens verified per row-step
+    verified: list[int] = field(default_factory=list)  # drafted tokens verified per row-step
     expected_token: list[float] = field(default_factory=list)  # E[tau | this step's draft], token rule
     expected_block: list[float] = field(default_factory=list)  # the same draft under the block rule
     finish_reason: str = "length"  # of the first row ("eos", "stop" or "length")
@@ -81,7 +84,7 @@ class Record:
 
     @property
     def key(self) -> tuple:
-        return (self.dataset, self.prompt_id, self.config, self.draft_len, self.temperature, self.batch_size)
+        return (self.dataset, self.prompt_id, self.config, self.max_draft, self.temperature, self.batch_size)
 
     @property
     def ok(self) -> bool:
@@ -159,6 +162,8 @@ def read(path: Path) -> Iterator[Record]:
             continue
         if data.get("schema") not in READABLE_SCHEMAS:
             raise ValueError(f"{where}: record schema {data.get('schema')} is not one of {READABLE_SCHEMAS}")
+        if data["schema"] < 4:
+            data = {RENAMED.get(name, name): value for name, value in data.items()}
         try:
             yield Record(**data)
         except TypeError as error:  # missing or unknown fields

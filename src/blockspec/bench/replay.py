@@ -58,7 +58,7 @@ def replay(recording: Recording, profile, latency, *, batch: int, method: str, f
     results = {"target-only": outcome([torch.zeros(batch, dtype=torch.long)] * steps, [0] * steps, False)}
     for k in fixed:
         if k <= max_draft:
-            lengths = [recording.num_draft[chosen].clamp(max=k) for chosen in rows]
+            lengths = [recording.num_verified[chosen].clamp(max=k) for chosen in rows]
             results[f"fixed K={k}"] = outcome(lengths, [k] * steps, False)
     for kind in ("draft", "companion"):
         if kind == "companion" and latency.companion is None:
@@ -66,8 +66,8 @@ def replay(recording: Recording, profile, latency, *, batch: int, method: str, f
         policy = SVPolicy(profile, latency, method=method, max_draft=max_draft, kind=kind)
         lengths, drafted = zip(*(_sv_step(policy, recording, chosen, kind, method) for chosen in rows))
         results[f"SV {kind}"] = outcome(lengths, drafted, kind == "companion")
-    lengths, drafted = zip(*oracle([tau[chosen] for chosen in rows], [recording.num_draft[chosen] for chosen in rows],
-                                   latency, batch))
+    verified = [recording.num_verified[chosen] for chosen in rows]  # every drafted token, as recorded
+    lengths, drafted = zip(*oracle([tau[chosen] for chosen in rows], verified, latency, batch))
     results["oracle"] = outcome(lengths, drafted, False, realised=True)
     return results
 
@@ -85,12 +85,12 @@ def _sv_step(policy: SVPolicy, recording: Recording, chosen: torch.Tensor, kind:
     if drafted == 0:
         return torch.zeros(len(chosen), dtype=torch.long), forwards
     features = recording.features(kind, method)[chosen, :drafted]
-    lengths = policy.lengths_given(features, recording.num_draft[chosen].clamp(max=drafted))
+    lengths = policy.lengths_given(features, recording.num_verified[chosen].clamp(max=drafted))
     policy.learn(recording.labels[method][chosen, :drafted], lengths)  # as observe() after the target's forward
     return lengths, forwards
 
 
-def oracle(taus: list[torch.Tensor], num_drafts: list[torch.Tensor], latency, batch: int) -> list[tuple]:
+def oracle(taus: list[torch.Tensor], drafted: list[torch.Tensor], latency, batch: int) -> list[tuple]:
     """Hindsight widths for steps whose rows' accepted lengths ``taus`` [B] (all drafts verified) are known:
     (lengths [B], width) per step, maximising the run's pooled goodput sum_t emitted_t / sum_t seconds_t, where a
     step of width w emits sum_b (1 + min(tau_b, w)). Dinkelbach's iteration: at the current rate r, each step
@@ -99,8 +99,8 @@ def oracle(taus: list[torch.Tensor], num_drafts: list[torch.Tensor], latency, ba
     def seconds(w: int) -> float:
         return latency.target(batch, 1 + w) + latency.drafting(batch, w, CATCH_UP, companion=False)
 
-    options = [[(float((1 + tau.clamp(max=w)).sum()), seconds(w)) for w in range(int(num_draft.max()) + 1)]
-               for tau, num_draft in zip(taus, num_drafts)]  # (emitted, seconds) per width, per step
+    options = [[(float((1 + tau.clamp(max=w)).sum()), seconds(w)) for w in range(int(n.max()) + 1)]
+               for tau, n in zip(taus, drafted)]  # (emitted, seconds) per width, per step
     rate = 0.0
     while True:
         widths = [max(range(len(o)), key=lambda w, o=o: o[w][0] - rate * o[w][1]) for o in options]

@@ -113,7 +113,7 @@ class Row:
 
     dataset: str
     temperature: float
-    draft_len: int
+    max_draft: int
     batch_size: int
     prompts: int  # prompts that ran both token and block
     steps_token: int
@@ -143,7 +143,7 @@ class BaselineRow:
     dataset: str
     config: str
     temperature: float
-    draft_len: int
+    max_draft: int
     batch_size: int
     prompts: int
     tokens_per_s: float | None
@@ -156,7 +156,7 @@ class AcceptedHistogram:
 
     config: str
     temperature: float
-    draft_len: int
+    max_draft: int
     counts: tuple[int, ...]  # counts[tau] for tau = 0..max
 
 
@@ -167,7 +167,7 @@ class BatchRow:
     temperature: float
     batch_size: int
     config: str
-    draft_len: int
+    max_draft: int
     batches: int
     tokens_per_s: Estimate | None
     speedup_vs_target: Estimate | None  # None for target-only itself or when target-only is missing
@@ -387,47 +387,47 @@ def speed_columns(token: dict, block: dict, target: dict, hf: dict, config: Repo
 
 
 def _cells(records: list[Record]) -> dict[tuple, list[Record]]:
-    """Records grouped by (config, temperature, draft_len, batch_size)."""
+    """Records grouped by (config, temperature, max_draft, batch_size)."""
     cells: dict[tuple, list[Record]] = defaultdict(list)
     for record in records:
-        cells[(record.config, record.temperature, record.draft_len, record.batch_size)].append(record)
+        cells[(record.config, record.temperature, record.max_draft, record.batch_size)].append(record)
     return cells
 
 
 def _target_cell(cells: dict, temperature: float, batch_size: int) -> dict:
-    """target-only records at this temperature and batch size (their draft_len is 0 by convention)."""
+    """target-only records at this temperature and batch size (their max_draft is 0 by convention)."""
     return _by_unit(r for (c, t, _, b), found in cells.items() for r in found
                     if c == "target-only" and (t, b) == (temperature, batch_size))
 
 
-def _hf_cell(cells: dict, temperature: float, draft_len: int, batch_size: int) -> dict:
-    """hf-assisted at the same K if it ran there, else with its own schedule (draft_len 0)."""
-    for k in (draft_len, 0):
+def _hf_cell(cells: dict, temperature: float, max_draft: int, batch_size: int) -> dict:
+    """hf-assisted at the same K if it ran there, else with its own schedule (max_draft 0)."""
+    for k in (max_draft, 0):
         if ("hf-assisted", temperature, k, batch_size) in cells:
             return _by_unit(cells[("hf-assisted", temperature, k, batch_size)])
     return {}
 
 
 def _spec_row(
-    label: str, cells: dict, temperature: float, draft_len: int, batch_size: int, config: ReportConfig
+    label: str, cells: dict, temperature: float, max_draft: int, batch_size: int, config: ReportConfig
 ) -> Row:
-    token_all = _by_unit(cells.get(("token", temperature, draft_len, batch_size), []))
-    block_all = _by_unit(cells.get(("block", temperature, draft_len, batch_size), []))
+    token_all = _by_unit(cells.get(("token", temperature, max_draft, batch_size), []))
+    block_all = _by_unit(cells.get(("block", temperature, max_draft, batch_size), []))
     units = sorted(token_all.keys() & block_all.keys())
     unpaired = len(token_all) + len(block_all) - 2 * len(units)
     if unpaired:
         log.warning("%s T=%g K=%d B=%d: %d records without their token/block pair are left out",
-                    label, temperature, draft_len, batch_size, unpaired)
+                    label, temperature, max_draft, batch_size, unpaired)
     token = {u: token_all[u] for u in units}
     block = {u: block_all[u] for u in units}
     strata = np.array([dataset for dataset, _ in units])
     token_list, block_list = list(token.values()), list(block.values())
     return Row(
-        dataset=label, temperature=temperature, draft_len=draft_len, batch_size=batch_size, prompts=len(units),
+        dataset=label, temperature=temperature, max_draft=max_draft, batch_size=batch_size, prompts=len(units),
         **efficiency_columns(token_list, block_list, strata, config),
         **analytic_columns(token_list, block_list, strata, config),
         **speed_columns(token, block, _target_cell(cells, temperature, batch_size),
-                        _hf_cell(cells, temperature, draft_len, batch_size), config),
+                        _hf_cell(cells, temperature, max_draft, batch_size), config),
     )
 
 
@@ -445,12 +445,12 @@ def _baseline_rows(label: str, cells: dict, alone: set[tuple]) -> list[BaselineR
     baseline_cells = sorted((key for key in cells if key[0] in ("target-only", *records_io.HF_CONFIGS)
                              or key in alone),
                             key=lambda key: (order[key[0]], key[1:]))
-    for config_name, temperature, draft_len, batch_size in baseline_cells:
-        found = cells[(config_name, temperature, draft_len, batch_size)]
+    for config_name, temperature, max_draft, batch_size in baseline_cells:
+        found = cells[(config_name, temperature, max_draft, batch_size)]
         units = _by_unit(found)
         target = _target_cell(cells, temperature, batch_size)
         rows.append(BaselineRow(
-            dataset=label, config=config_name, temperature=temperature, draft_len=draft_len, batch_size=batch_size,
+            dataset=label, config=config_name, temperature=temperature, max_draft=max_draft, batch_size=batch_size,
             prompts=len(units), tokens_per_s=_rate(units.values()),
             speedup_vs_target=None if config_name == "target-only" else _speedup(units, target),
         ))
@@ -461,11 +461,11 @@ def _histograms(records: list[Record]) -> list[AcceptedHistogram]:
     pooled: dict[tuple, list[int]] = defaultdict(list)
     for record in records:
         if record.config in ("token", "block") and record.accepted:
-            pooled[(record.config, record.temperature, record.draft_len)].extend(record.accepted)
+            pooled[(record.config, record.temperature, record.max_draft)].extend(record.accepted)
     return [
-        AcceptedHistogram(config_name, temperature, draft_len,
-                          tuple(int(c) for c in np.bincount(accepted, minlength=draft_len + 1)))
-        for (config_name, temperature, draft_len), accepted in sorted(pooled.items())
+        AcceptedHistogram(config_name, temperature, max_draft,
+                          tuple(int(c) for c in np.bincount(accepted, minlength=max_draft + 1)))
+        for (config_name, temperature, max_draft), accepted in sorted(pooled.items())
     ]
 
 
@@ -518,7 +518,7 @@ def _one_machine(records: list[Record]) -> dict | None:
 
 
 def _key_fields(record: Record) -> dict:
-    return dict(dataset=record.dataset, prompt_id=record.prompt_id, config=record.config, draft_len=record.draft_len,
+    return dict(dataset=record.dataset, prompt_id=record.prompt_id, config=record.config, max_draft=record.max_draft,
                 temperature=record.temperature, batch_size=record.batch_size)
 
 
@@ -541,7 +541,7 @@ def _step_sums(record: Record, decode: bool = True) -> dict[str, float]:
         "new": float(record.new_tokens),
         "wall": float(record.wall_time - (record.prefill_time or 0.0) if decode else record.wall_time),
         "accepted": float(sum(record.accepted)),
-        "verified": float(sum(record.draft_lens)), "row_steps": float(len(record.accepted)),
+        "verified": float(sum(record.verified)), "row_steps": float(len(record.accepted)),
         "drafted": float(sum(d * r for d, r in zip(record.drafted, record.rows))),
     }
 
@@ -584,7 +584,7 @@ def _batch_rows(records: list[Record], config: ReportConfig) -> list[BatchRow]:
             steps = name not in records_io.HF_CONFIGS  # their records carry neither per-step lists nor a prefill time
             drafted_known = all(cell[u].rows for u in units) or name == "target-only"
             rows.append(BatchRow(
-                temperature=temperature, batch_size=batch_size, config=name, draft_len=k, batches=len(units),
+                temperature=temperature, batch_size=batch_size, config=name, max_draft=k, batches=len(units),
                 tokens_per_s=_estimate(lambda s: s["new"] / s["wall"], _columns(cell, timed), timed, config),
                 speedup_vs_target=None if name == "target-only" else _paired_speedup(cell, [target], config,
                                                                                      decode=steps),
@@ -669,7 +669,7 @@ def _times(estimate: Estimate | None) -> str:
 
 def _spec_cells(row: Row) -> list[str]:
     return [
-        f"{row.temperature:g}", str(row.draft_len), str(row.batch_size), "token vs block", str(row.prompts),
+        f"{row.temperature:g}", str(row.max_draft), str(row.batch_size), "token vs block", str(row.prompts),
         _num(row.be_token), _num(row.be_block), _percent(row.gain),
         _num(row.analytic_be_token), _num(row.analytic_be_block), _percent(row.analytic_gain),
         _pair(row.tokens_per_s_token, row.tokens_per_s_block, ".2f"),
@@ -681,7 +681,7 @@ def _spec_cells(row: Row) -> list[str]:
 
 def _baseline_cells(row: BaselineRow) -> list[str]:
     return [
-        f"{row.temperature:g}", str(row.draft_len), str(row.batch_size), row.config, str(row.prompts),
+        f"{row.temperature:g}", str(row.max_draft), str(row.batch_size), row.config, str(row.prompts),
         *[DASH] * 6, _num(row.tokens_per_s, ".2f"),
         "1.000x" if row.config == "target-only" else _num(row.speedup_vs_target, ".3f", "x"), DASH, DASH,
     ]
@@ -702,7 +702,7 @@ BATCH_HEADER = (
 
 def _batch_cells(row: BatchRow) -> list[str]:
     return [
-        f"{row.temperature:g}", str(row.batch_size), row.config + (" *" if row.best_fixed else ""), str(row.draft_len),
+        f"{row.temperature:g}", str(row.batch_size), row.config + (" *" if row.best_fixed else ""), str(row.max_draft),
         str(row.batches), _interval(row.tokens_per_s, ".2f"),
         "1.000x" if row.config == "target-only" else _times(row.speedup_vs_target),
         "1.000x" if row.best_fixed else _times(row.speedup_vs_best_fixed), _times(row.speedup_vs_hf),
@@ -723,7 +723,7 @@ def format_batch_table(report: Report) -> str:
 
 
 def _run_name(run: dict) -> str:
-    return f"{run['prompt_id']} {run['config']} K={run['draft_len']} T={run['temperature']:g} B={run['batch_size']}"
+    return f"{run['prompt_id']} {run['config']} K={run['max_draft']} T={run['temperature']:g} B={run['batch_size']}"
 
 
 def format_left_out(left_out: LeftOut) -> str:
@@ -769,16 +769,16 @@ def format_table(report: Report) -> str:
 
 def _fastest(report: Report) -> list[dict]:
     """Per (temperature, batch size), the configuration and K with the highest pooled tok/s."""
-    candidates = [(b.temperature, b.batch_size, b.config, b.draft_len, b.tokens_per_s)
+    candidates = [(b.temperature, b.batch_size, b.config, b.max_draft, b.tokens_per_s)
                   for b in report.baselines if b.dataset == ALL]
     for row in report.rows_of(ALL):
-        candidates.append((row.temperature, row.batch_size, "token", row.draft_len, row.tokens_per_s_token))
-        candidates.append((row.temperature, row.batch_size, "block", row.draft_len, row.tokens_per_s_block))
+        candidates.append((row.temperature, row.batch_size, "token", row.max_draft, row.tokens_per_s_token))
+        candidates.append((row.temperature, row.batch_size, "block", row.max_draft, row.tokens_per_s_block))
     best: dict[tuple, tuple] = {}
     for temperature, batch_size, name, k, rate in candidates:
         if rate is not None and ((temperature, batch_size) not in best or rate > best[(temperature, batch_size)][2]):
             best[(temperature, batch_size)] = (name, k, rate)
-    return [dict(temperature=t, batch_size=b, config=name, draft_len=k, tokens_per_s=rate)
+    return [dict(temperature=t, batch_size=b, config=name, max_draft=k, tokens_per_s=rate)
             for (t, b), (name, k, rate) in sorted(best.items())]
 
 
@@ -805,7 +805,7 @@ def summary(report: Report) -> dict:
 
 def _best_fixed(report: Report) -> list[dict]:
     """Per (temperature, batch size) of the batch table, the best fixed-K configuration."""
-    return [dict(temperature=r.temperature, batch_size=r.batch_size, config=r.config, draft_len=r.draft_len,
+    return [dict(temperature=r.temperature, batch_size=r.batch_size, config=r.config, max_draft=r.max_draft,
                  tokens_per_s=r.tokens_per_s.value if r.tokens_per_s else None)
             for r in report.batch if r.best_fixed]
 
@@ -838,14 +838,14 @@ def plot_efficiency(report: Report, path: Path) -> Path:
             rows = [r for r in report.rows_of(label) if (r.temperature, r.batch_size) == (temperature, batch_size)]
             if not rows:
                 continue
-            color, ks = ("black" if label == ALL else f"C{index}"), [r.draft_len for r in rows]
+            color, ks = ("black" if label == ALL else f"C{index}"), [r.max_draft for r in rows]
             ax.plot(ks, [r.be_token for r in rows], "o--", color=color, label=f"{label} token")
             ax.plot(ks, [r.be_block for r in rows], "s-", color=color, label=f"{label} block")
             ax.plot(ks, [r.analytic_be_token for r in rows], "o", mfc="none", color=color, alpha=0.6)
             ax.plot(ks, [r.analytic_be_block for r in rows], "s", mfc="none", color=color, alpha=0.6)
         ax.set(title=f"T={temperature:g}, B={batch_size} (hollow: analytic)", xlabel="K (draft length)",
                ylabel="block efficiency")
-        ax.set_xticks(sorted({r.draft_len for r in report.rows}))
+        ax.set_xticks(sorted({r.max_draft for r in report.rows}))
         ax.legend(fontsize=7)
     figure.savefig(path, dpi=110)
     return path
@@ -859,19 +859,19 @@ def plot_speedup(report: Report, path: Path) -> Path:
         ax.axhline(1.0, color="grey", lw=0.8)
         for index, label in enumerate((*report.datasets, ALL)):
             rows = [r for r in report.rows_of(label) if (r.temperature, r.batch_size) == (temperature, batch_size)]
-            color, ks = ("black" if label == ALL else f"C{index}"), [r.draft_len for r in rows]
+            color, ks = ("black" if label == ALL else f"C{index}"), [r.max_draft for r in rows]
             ax.plot(ks, [_nan(r.speedup_token_vs_target) for r in rows], "o--", color=color, label=f"{label} token")
             ax.plot(ks, [_nan(r.speedup_block_vs_target) for r in rows], "s-", color=color, label=f"{label} block")
             hf = [b for b in report.baselines if b.dataset == label and b.config == "hf-assisted"
                   and (b.temperature, b.batch_size) == (temperature, batch_size) and b.speedup_vs_target]
             for b in hf:  # own schedule (K=0): a horizontal line; fixed K: a point
-                if b.draft_len:
-                    ax.plot([b.draft_len], [b.speedup_vs_target], "x", color=color, ms=9)
+                if b.max_draft:
+                    ax.plot([b.max_draft], [b.speedup_vs_target], "x", color=color, ms=9)
                 else:
                     ax.axhline(b.speedup_vs_target, color=color, ls=":", lw=1)
         ax.set(title=f"T={temperature:g}, B={batch_size} (x / dotted: hf-assisted)", xlabel="K (draft length)",
                ylabel="tok/s over target-only")
-        ax.set_xticks(sorted({r.draft_len for r in report.rows}))
+        ax.set_xticks(sorted({r.max_draft for r in report.rows}))
         ax.legend(fontsize=7)
     figure.savefig(path, dpi=110)
     return path
@@ -879,15 +879,15 @@ def plot_speedup(report: Report, path: Path) -> Path:
 
 def plot_accepted(report: Report, path: Path) -> Path:
     """Histogram of accepted lengths per step, token vs block, one panel per (T, K), pooled over datasets."""
-    panels = sorted({(h.temperature, h.draft_len) for h in report.histograms})
+    panels = sorted({(h.temperature, h.max_draft) for h in report.histograms})
     figure, axes = new_figure(len(panels), "accepted draft tokens per step (fraction of steps)")
-    for ax, (temperature, draft_len) in zip(axes, panels):
+    for ax, (temperature, max_draft) in zip(axes, panels):
         for offset, name in ((-0.2, "token"), (0.2, "block")):
             for h in report.histograms:
-                if (h.config, h.temperature, h.draft_len) == (name, temperature, draft_len):
+                if (h.config, h.temperature, h.max_draft) == (name, temperature, max_draft):
                     counts = np.array(h.counts, float)
                     ax.bar(np.arange(len(counts)) + offset, counts / counts.sum(), width=0.4, label=name)
-        ax.set(title=f"T={temperature:g}, K={draft_len}", xlabel="accepted tokens", ylabel="fraction of steps")
+        ax.set(title=f"T={temperature:g}, K={max_draft}", xlabel="accepted tokens", ylabel="fraction of steps")
         ax.legend(fontsize=8)
     figure.savefig(path, dpi=110)
     return path
@@ -905,10 +905,10 @@ def plot_batch(report: Report, path: Path) -> Path:
              "lookup": ("P-", "darkgreen"), "lookup+model": ("X-", "darkred")}
     for ax, temperature in zip(axes, temperatures):
         rows = [r for r in report.batch if r.temperature == temperature]
-        ks = sorted({r.draft_len for r in rows if r.config in records_io.FIXED_CONFIGS})
-        for name, k in sorted({(r.config, r.draft_len) for r in rows}):
+        ks = sorted({r.max_draft for r in rows if r.config in records_io.FIXED_CONFIGS})
+        for name, k in sorted({(r.config, r.max_draft) for r in rows}):
             line = sorted((r.batch_size, r.tokens_per_s.value) for r in rows
-                          if (r.config, r.draft_len) == (name, k) and r.tokens_per_s is not None)
+                          if (r.config, r.max_draft) == (name, k) and r.tokens_per_s is not None)
             if not line:
                 continue
             if name in records_io.FIXED_CONFIGS:  # one colour per K; token dashed, block solid

@@ -26,15 +26,15 @@ len % B prompts of a dataset are left out at batch size B (logged). Round j runs
 (smallest first), so a time-boxed run covers every batch size early. hf-assisted and hf-lookup are batch 1 only
 (transformers' assisted generation takes one row): they are left out of the plan at B > 1.
 
-Configurations: target-only; token and block at each K of ``draft_lens`` (fixed-K speculative decoding);
+Configurations: target-only; token and block at each K of ``max_drafts`` (fixed-K speculative decoding);
 transformers' own speculative decoding, each timed as one ``generate`` call: hf-assisted (the draft model, with
 transformers' default assistant schedule) and hf-lookup (prompt lookup decoding, no draft model: up to 10 drafted
 tokens copied from the context after a match of its last 2 tokens, ``LOOKUP``, stored in the meta of every hf-lookup
 record); block-int8 (block at each K with the draft quantized to int8, ``models.quant``); blockspec's defaults,
 which set their own lengths: auto (what ``blockspec generate`` runs: ``auto.adaptive_policy`` over the draft the
-machine's probe chose, at most max(draft_lens) drafted tokens, or the target alone where speculation cannot pay),
+machine's probe chose, at most max(max_drafts) drafted tokens, or the target alone where speculation cannot pay),
 lookup (``PromptLookup`` proposals, no draft model) and lookup+model (lookup where the context matches, auto's
-draft elsewhere); and Speculative Verification, once per batch with at most max(draft_lens) drafted tokens:
+draft elsewhere); and Speculative Verification, once per batch with at most max(max_drafts) drafted tokens:
 sv-token / sv-block (SVPolicy with the companion predictor, token / block rule) and sv-draft (SVPolicy with the
 draft-only predictor, block rule, no companion forward). SV needs a calibration profile per temperature and a
 latency profile (``blockspec sv calibrate`` / ``blockspec sv profile``); by default they are read from where
@@ -78,7 +78,7 @@ class BenchConfig:
     device: str = "cpu"
     datasets: tuple[str, ...] = ("gsm8k", "humaneval", "sharegpt")
     prompts_per_dataset: int = 2
-    draft_lens: tuple[int, ...] = (4, 8)
+    max_drafts: tuple[int, ...] = (4, 8)  # K: the most tokens a step drafts, one run per value where fixed
     temperatures: tuple[float, ...] = (1.0,)
     configs: tuple[str, ...] = rec.CONFIGS  # any of rec.KNOWN_CONFIGS
     max_new_tokens: int = 64
@@ -110,19 +110,19 @@ class BenchConfig:
 
 
 PRESETS = {
-    # The bundled pair, 3 datasets, a few prompts each, K in {4, 8}, temperature 1: about 15 minutes here.
+    # The bundled pair, 3 datasets, a few prompts each, K in {4, 8}, temperature 1.
     "quick": BenchConfig(),
     # The paper's grid: every dataset, K in {2, 4, 6, 8}, greedy and sampled; resumable, in several parts.
     "paper": BenchConfig(
         datasets=("gsm8k", "translation", "humaneval", "sharegpt", "summarize", "lm1b"),
-        prompts_per_dataset=20, draft_lens=(2, 4, 6, 8), temperatures=(1.0, 0.0), max_new_tokens=128,
+        prompts_per_dataset=20, max_drafts=(2, 4, 6, 8), temperatures=(1.0, 0.0), max_new_tokens=128,
         time_budget=3 * 3600.0, precision=0.01,
     ),
     # Speculative Verification: target-only, token and block at K in {2, 4, 8}, and SV with the
     # draft-only and the companion predictor (at most 8 drafted tokens), at batch sizes 1 to 64, on prompt
-    # sets disjoint from `blockspec sv calibrate`'s default (sharegpt). Hours here: resumable, 3 h per call.
+    # sets disjoint from `blockspec sv calibrate`'s default (sharegpt). Long: resumable, at most 3 h per call.
     "sv": BenchConfig(
-        datasets=("gsm8k", "humaneval"), prompts_per_dataset=64, draft_lens=(2, 4, 8), batch_sizes=(1, 4, 16, 32, 64),
+        datasets=("gsm8k", "humaneval"), prompts_per_dataset=64, max_drafts=(2, 4, 8), batch_sizes=(1, 4, 16, 32, 64),
         configs=("target-only", "token", "block", "sv-draft", "sv-token", "sv-block"), time_budget=3 * 3600.0,
     ),
 }
@@ -136,7 +136,7 @@ class Run:
     prompt_ids: tuple[str, ...]
     prompts: tuple[tuple[int, ...], ...] = field(repr=False)  # token ids, one tuple per row
     config: str
-    draft_len: int  # K; the max drafted length for SV; 0 for target-only, hf-assisted and hf-lookup
+    max_draft: int  # K; 0 for target-only, lookup, hf-assisted and hf-lookup
     temperature: float
     seed: int  # row b uses seed + b
     round: int = 0  # batch index within its dataset and batch size; runs are interleaved round by round
@@ -151,20 +151,20 @@ class Run:
 
     @property
     def key(self) -> tuple:
-        return (self.dataset, self.prompt_id, self.config, self.draft_len, self.temperature, self.batch_size)
+        return (self.dataset, self.prompt_id, self.config, self.max_draft, self.temperature, self.batch_size)
 
 
 AUTO_DRAFT = ("auto", "lookup+model")  # draft with the model auto.choose_arithmetic picked (int8 or not)
 NO_DRAFT = ("target-only", "lookup", "hf-lookup")
 
 
-def draft_lens_of(config: BenchConfig, name: str) -> tuple[int, ...]:
+def max_drafts_of(config: BenchConfig, name: str) -> tuple[int, ...]:
     """The K values a configuration runs at: every K for fixed-K SD, the largest for SV and the model-drafting
     defaults (their most), none (0) otherwise."""
     if name in rec.FIXED_CONFIGS:
-        return config.draft_lens
+        return config.max_drafts
     if name in rec.SV_CONFIGS or name in AUTO_DRAFT:
-        return (max(config.draft_lens),)
+        return (max(config.max_drafts),)
     return (0,)
 
 
@@ -205,7 +205,7 @@ def plan(config: BenchConfig, prompts: dict[str, list[tuple[str, list[int]]]]) -
                         if name in rec.HF_CONFIGS and batch_size > 1:
                             continue  # transformers' assisted generation decodes one row
                         runs.extend(Run(dataset, ids, rows, name, k, temperature, seed, n)
-                                    for k in draft_lens_of(config, name))
+                                    for k in max_drafts_of(config, name))
     return runs
 
 
@@ -214,7 +214,7 @@ RECORDS, CONFIG = "records.jsonl", "config.json"
 # or only select which runs are planned, each recorded under its own key (nested prompt samples: more prompts
 # add prompts, the first ones keep their seeds). Every other field, and the machine's facts, must match.
 RESUMABLE = ("time_budget", "precision", "retry_failed", "allow_download", "out", "datasets", "prompts_per_dataset",
-             "draft_lens", "temperatures", "configs", "batch_sizes")
+             "max_drafts", "temperatures", "configs", "batch_sizes")
 
 
 def settings(config: BenchConfig) -> dict:
@@ -225,12 +225,17 @@ def settings(config: BenchConfig) -> dict:
 def prepare_out(config: BenchConfig) -> list[rec.Record]:
     """Check ``config.out`` before any model loads, store this call's settings there, and return the records
     already in it. Raises ValueError when ``out`` is not a directory, or holds records of other settings or of
-    an older blockspec (no stored settings)."""
+    an older blockspec (no stored settings, or an older record schema)."""
     out = config.out
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} is a file: --out must be a directory (a new one, or a bench's to resume)")
     existing = list(rec.read(out / RECORDS)) if (out / RECORDS).exists() else []
     wanted = settings(config)
+    older = sorted({r.schema for r in existing if r.schema < rec.SCHEMA})
+    if older:
+        raise ValueError(f"{out} holds records of schema {older[0]}, written by an older blockspec under other field "
+                         f"names; this one writes schema {rec.SCHEMA}, and one file must not mix the two: use a new "
+                         "--out (the old records can still be reported: python -m blockspec.bench.report)")
     if existing:
         if not (out / CONFIG).exists():
             raise ValueError(f"{out} holds records but no {CONFIG}: created by an older blockspec: use a new --out "
@@ -350,7 +355,7 @@ class Executor:
 
     def warm_up(self, item: Run) -> None:
         """A short generation of this variant (B copies of a short prompt, 8 tokens), once, outside the records."""
-        variant = (item.config, item.draft_len, item.temperature, item.batch_size)
+        variant = (item.config, item.max_draft, item.temperature, item.batch_size)
         if variant in self.warm:
             return
         prompt = tuple(self.target.tokenizer("Hello")["input_ids"])
@@ -379,7 +384,7 @@ class Executor:
         if item.config not in NO_DRAFT:
             meta["draft_quant"] = draft_quant_of(item.config, self.arithmetic)
         return rec.Record(
-            dataset=item.dataset, prompt_id=item.prompt_id, config=item.config, draft_len=item.draft_len,
+            dataset=item.dataset, prompt_id=item.prompt_id, config=item.config, max_draft=item.max_draft,
             temperature=item.temperature, batch_size=item.batch_size, seed=item.seed,
             prompt_ids=list(item.prompt_ids), **result, meta=meta,
         )
@@ -394,17 +399,17 @@ class Executor:
             return SpeculativeDecoder(self.target, verifier="none")
         if item.config in rec.FIXED_CONFIGS:
             return SpeculativeDecoder(self.target, draft, verifier=item.config.removesuffix("-int8"),
-                                      draft_len=item.draft_len)
+                                      max_draft=item.max_draft)
         if item.config in rec.ADAPTIVE_CONFIGS:  # as `blockspec generate` decides, with a fresh policy per run
             policy = None if draft is None else adaptive_policy(
-                latency_probe(self.target, draft, item.batch_size), item.batch_size, item.draft_len)
+                latency_probe(self.target, draft, item.batch_size), item.batch_size, item.max_draft)
             lookup = PromptLookup() if item.config != "auto" else None
             if policy is None and lookup is None:  # speculation cannot pay here: the target alone
                 return SpeculativeDecoder(self.target, verifier="none")
             draft = draft if policy is not None else None  # lookup alone where the model's drafts cannot pay
             return SpeculativeDecoder(self.target, draft, verifier="block", policy=policy, lookup=lookup)
         policy, companion, method = self.sv.policy(item)  # a fresh policy: no history across runs
-        return SpeculativeDecoder(self.target, draft, verifier=method, draft_len=item.draft_len, policy=policy,
+        return SpeculativeDecoder(self.target, draft, verifier=method, max_draft=item.max_draft, policy=policy,
                                   companion=companion)
 
     def _generate(self, item: Run, max_new_tokens: int) -> dict:
@@ -422,7 +427,7 @@ class Executor:
         steps = result.stats  # per-row lists flattened in step order, then row order
         return {
             "new_tokens": result.new_tokens, "wall_time": result.wall_time, "prefill_time": result.prefill_s,
-            "accepted": [a for s in steps for a in s.accepted], "draft_lens": [k for s in steps for k in s.draft_len],
+            "accepted": [a for s in steps for a in s.accepted], "verified": [k for s in steps for k in s.verified],
             "expected_token": [e for s in steps if s.expected_token is not None for e in s.expected_token],
             "expected_block": [e for s in steps if s.expected_block is not None for e in s.expected_block],
             "drafted": [s.drafted for s in steps], "rows": [len(s.rows) for s in steps],
@@ -459,7 +464,7 @@ class _SVSetup:
         from ..policy import SVPolicy
 
         method, kind = self.SPEC[item.config]
-        policy = SVPolicy(self.profiles[item.temperature], self.latency, method=method, max_draft=item.draft_len,
+        policy = SVPolicy(self.profiles[item.temperature], self.latency, method=method, max_draft=item.max_draft,
                           kind=kind)
         return policy, (self.companion if kind == "companion" else None), method
 
@@ -514,7 +519,7 @@ class _Progress:
         if self.lines and record is not None:
             outcome = (f"{record.new_tokens} tokens in {record.wall_time:.1f} s" if record.ok
                        else f"failed: {record.error}")
-            print(f"bench run {self.done}/{self.total}: {record.prompt_id} {record.config} K={record.draft_len} "
+            print(f"bench run {self.done}/{self.total}: {record.prompt_id} {record.config} K={record.max_draft} "
                   f"T={record.temperature:g} B={record.batch_size}: {outcome}", file=sys.stderr, flush=True)
 
     def close(self) -> None:

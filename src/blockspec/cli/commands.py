@@ -22,10 +22,10 @@ DRAFTERS = ("model", "lookup", "lookup+model")
 
 EXAMPLES = """examples:
   blockspec generate "Write a Python function that reverses a string."
-  blockspec generate --verifier token --draft-len 8 --temperature 0 "def fib(n):"
+  blockspec generate --verifier token --max-draft 8 --temperature 0 "def fib(n):"
   blockspec generate --target smollm2-135m --verifier none --max-new-tokens 32 "Hello"
   blockspec sv profile && blockspec sv calibrate    # once per models and machine, then:
-  blockspec generate --policy sv --draft-len 8 "first prompt" "second prompt"   # Speculative Verification
+  blockspec generate --policy sv --max-draft 8 "first prompt" "second prompt"   # Speculative Verification
   blockspec models          # bundled presets: installed or not, cache state
   blockspec env             # versions, threads and device, for bug reports
 """
@@ -44,7 +44,7 @@ class GenerateConfig:
     target: str
     draft: str | None
     verifier: str
-    draft_len: int | None  # None: the policy's default
+    max_draft: int | None  # None: the policy's default
     temperature: float
     top_k: int
     top_p: float
@@ -139,9 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "the prompt, as in code editing); or lookup where it matches and the model elsewhere (its "
                      "lengths set by --policy auto or fixed). Lookup proposals adapt their own length "
                      "(default: %(default)s)")
-    gen.add_argument("--draft-len", type=sv_cli.int_at_least(1), default=None,
-                     help="tokens drafted per step, K, with --policy fixed (default: 4); the most a step drafts with "
-                     "--policy auto (default: 8) or sv (default: 4)")
+    sv_cli.renamed_flag(gen, "--draft-len", gen.add_argument(
+        "--max-draft", type=sv_cli.int_at_least(1), default=None,
+        help=f"tokens drafted per step, K, with --policy fixed (default: {defaults.MAX_DRAFT}); the most a step "
+        f"drafts with --policy auto (default: {defaults.ADAPTIVE_MAX_DRAFT}) or sv (default: {defaults.MAX_DRAFT})"))
     gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default: %(default)s)")
     gen.add_argument("--top-k", type=sv_cli.int_at_least(0), default=0,
                      help="keep the k most likely tokens, 0 = all (default: 0)")
@@ -166,8 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="auto: each step drafts the length with the most expected tokens per second, from this "
                      "machine's measured step latency (measured once, cached) and the acceptance seen so far, or "
                      "decodes with the target alone where speculation cannot pay; "
-                     "fixed: draft and verify --draft-len tokens every step; sv: Speculative Verification, "
-                     "verify per row only the drafted tokens predicted to pay for their cost, at most --draft-len "
+                     "fixed: draft and verify --max-draft tokens every step; sv: Speculative Verification, "
+                     "verify per row only the drafted tokens predicted to pay for their cost, at most --max-draft "
                      "(needs `blockspec sv profile` and `blockspec sv calibrate` first) (default: %(default)s)")
     sv_cli.add_arguments(gen)
     gen.add_argument("--allow-download", action="store_true", help=sv_cli.ALLOW_DOWNLOAD_HELP)
@@ -186,9 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
         "emitted token) and a tokens/s vs batch size plot. At batch size B a run decodes B consecutive prompts "
         "of a dataset together; hf-assisted runs at batch size 1 only. Resumable: records already written are "
         "skipped, so an interrupted or time-boxed run continues where it stopped.",
-        epilog="examples:\n  blockspec bench                        # quick preset, ~15 minutes\n"
+        epilog="examples:\n  blockspec bench                        # the quick preset\n"
         "  blockspec bench --preset paper --time-budget 3600   # run again to resume\n"
-        "  blockspec bench --datasets gsm8k --draft-lens 2 4 --prompts 5 --out results/mine\n"
+        "  blockspec bench --datasets gsm8k --max-draft 2 4 --prompts 5 --out results/mine\n"
         "  blockspec sv profile && blockspec sv calibrate      # once, then the SV grid (hours; resumable):\n"
         "  blockspec bench --preset sv --out results/bench-sv",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -200,7 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--draft", help="draft model (default: the preset's, the bundled 0.5B)")
     bench.add_argument("--datasets", nargs="+", help="prompt sets (see blockspec.bench.datasets.DATASETS)")
     bench.add_argument("--prompts", type=sv_cli.int_at_least(1), dest="prompts_per_dataset", help="prompts per dataset")
-    bench.add_argument("--draft-lens", type=sv_cli.int_at_least(1), nargs="+", help="draft lengths K to compare")
+    sv_cli.renamed_flag(bench, "--draft-lens", bench.add_argument(
+        "--max-draft", type=sv_cli.int_at_least(1), nargs="+", dest="max_drafts",
+        help="draft lengths K to compare (the most a step drafts for auto, lookup+model and SV: the largest)"))
     bench.add_argument("--temperatures", type=float, nargs="+", help="sampling temperatures (0 = greedy)")
     bench.add_argument("--configs", nargs="+", choices=KNOWN_CONFIGS, metavar="CONFIG",
                        help="configurations to run, any of " + ", ".join(KNOWN_CONFIGS) + "; token, block and "
@@ -209,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "hf-lookup: transformers' assisted generation / prompt lookup; sv-token / sv-block: "
                        "Speculative Verification with the companion predictor (token / block rule), sv-draft: with "
                        "the draft-only predictor (block rule); auto, lookup+model and SV draft at most "
-                       "max(--draft-lens) tokens (default: the preset's; quick and paper: "
+                       "max(--max-draft) tokens (default: the preset's; quick and paper: "
                        + " ".join(CONFIGS) + ")")
     bench.add_argument("--batch-sizes", type=sv_cli.int_at_least(1), nargs="+",
                        help="prompts decoded together per run, e.g. 1 4 16 32 64 (default: the preset's; quick: 1)")
@@ -257,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
         "prompts; a table (alignment.md), a JSON summary (the last stdout line) and a plot of gain vs overlap "
         "(alignment_gain_vs_overlap.png). No wall clock is measured. Resumable: records already written are "
         "skipped; round n runs prompt n of every dataset at every T_d, so a time-boxed run covers every T_d.",
-        epilog="examples:\n  blockspec align --time-budget 1200      # bundled pair, 3 datasets x 5 T_d, ~20 min\n"
+        epilog="examples:\n  blockspec align --time-budget 1200      # bundled pair, 3 datasets x 5 T_d\n"
         "  blockspec align --draft-temperatures 0.5 1 2 --prompts 8 --out results/align-8   # run again to resume\n"
         "  python -m blockspec.bench.alignment --records results/align/records.jsonl --out results/align  # re-report",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -275,8 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the draft's own sampling temperatures T_d; 0 = its argmax (default: %(default)s)")
     align.add_argument("--temperature", type=float, default=align_defaults.temperature,
                        help="the target's sampling temperature, > 0 (default: %(default)s)")
-    align.add_argument("--draft-len", type=sv_cli.int_at_least(1), default=align_defaults.draft_len,
-                       help="tokens drafted per step, K (default: %(default)s)")
+    sv_cli.renamed_flag(align, "--draft-len", align.add_argument(
+        "--max-draft", type=sv_cli.int_at_least(1), default=align_defaults.max_draft,
+        help="tokens drafted per step, K (default: %(default)s)"))
     align.add_argument("--max-new-tokens", type=sv_cli.int_at_least(1), default=align_defaults.max_new_tokens,
                        help="new tokens per prompt (default: %(default)s)")
     align.add_argument("--seed", type=int, default=align_defaults.seed,
@@ -298,8 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--json", action="store_true", help="print JSON instead of a table")
     models.add_argument("--verify", action="store_true",
                         help="hash every cached file (each GGUF and converted copy) in full and report any mismatch; "
-                        "slow: about 1 s per GB cached, more on a slow disk (a load checks sizes and fingerprints "
-                        "only)")
+                        "slow: it reads every cached byte (a load checks sizes and fingerprints only)")
     models.set_defaults(run=run_models)
 
     sv_cli.add_parsers(sub)
@@ -316,7 +319,7 @@ def run_generate(args) -> int:
     config = GenerateConfig(
         prompts=prompts, target=args.target,
         draft=None if args.verifier == "none" or args.drafter == "lookup" else args.draft, drafter=args.drafter,
-        verifier=args.verifier, draft_len=args.draft_len, temperature=args.temperature, top_k=args.top_k,
+        verifier=args.verifier, max_draft=args.max_draft, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed, dtype=args.dtype,
         device=args.device, chat=args.chat, stop=tuple(args.stop), policy=args.policy,
         companion=args.companion, sv_predictor=args.sv_predictor, sv_profile=args.sv_profile, latency=args.latency,
@@ -343,9 +346,9 @@ def generate(config: GenerateConfig) -> int:
             raise ValueError(f"--drafter {config.drafter} needs --policy fixed or auto and a verifier other than none")
         if config.drafter == "lookup":  # no draft model: the lengths of lookup proposals adapt on their own
             config = replace(config, policy="fixed")
-    if config.draft_len is None:  # the most a step drafts under auto; the length itself under fixed and sv
+    if config.max_draft is None:  # the most a step drafts under auto; the length itself under fixed and sv
         most = defaults.ADAPTIVE_MAX_DRAFT if config.policy == "auto" else defaults.MAX_DRAFT
-        config = replace(config, draft_len=most)
+        config = replace(config, max_draft=most)
     config = _resolve_arithmetic(config, device)
     models = {}
     for role, name, quant in (("target", config.target, config.target_quant), ("draft", config.draft, config.draft_quant)):
@@ -363,7 +366,7 @@ def generate(config: GenerateConfig) -> int:
         if policy is None:
             draft, verifier = None, verifier if config.drafter == "lookup+model" else "none"
     lookup = PromptLookup() if config.drafter != "model" else None
-    decoder = SpeculativeDecoder(target, draft, verifier=verifier, draft_len=config.draft_len, policy=policy,
+    decoder = SpeculativeDecoder(target, draft, verifier=verifier, max_draft=config.max_draft, policy=policy,
                                  companion=companion, lookup=lookup)
     if decoder.tokenizer is None:
         raise ValueError(f"{config.target} has no tokenizer: the CLI needs one to read and print text")
@@ -384,7 +387,7 @@ def generate(config: GenerateConfig) -> int:
         for i, text in enumerate(result.texts):
             print(f"--- prompt {i}\n{text}")
     print(
-        f"[{verifier}, {config.policy} K={decoder.draft_len}, {_drafted_per_step(result)} drafted per step] "
+        f"[{verifier}, {config.policy} K={decoder.max_draft}, {_drafted_per_step(result)} drafted per step] "
         f"{result.new_tokens} tokens in "
         f"{result.wall_time:.1f} s = "
         f"{result.tokens_per_second:.2f} tokens/s; acceptance length (1 + accepted/steps) "
@@ -417,7 +420,7 @@ def _adaptive_policy(config: GenerateConfig, target, draft):
     batch = len(config.prompts)
     _status("step latency of these models on this machine (measured on the first run, then cached)")
     latency = latency_probe(target, draft, batch)
-    policy = adaptive_policy(latency, batch, config.draft_len)
+    policy = adaptive_policy(latency, batch, config.max_draft)
     if policy is None:
         step, wider = latency.target(batch, 1), latency.target(batch, 2)
         _status(f"speculation cannot pay here: a target step costs {1e3 * step:.0f} ms and verifying one drafted "
@@ -431,7 +434,7 @@ def _adaptive_policy(config: GenerateConfig, target, draft):
 
 def _drafted_per_step(result) -> str:
     """Mean drafted tokens verified per row and step."""
-    return f"{sum(sum(s.draft_len) for s in result.stats) / max(result.row_steps, 1):.1f}"
+    return f"{sum(sum(s.verified) for s in result.stats) / max(result.row_steps, 1):.1f}"
 
 
 def _status(message: str) -> None:
@@ -504,11 +507,11 @@ def run_bench(args) -> int:
 
     preset = runner.PRESETS[args.preset]
     overrides = {name: getattr(args, name) for name in (
-        "target", "draft", "datasets", "prompts_per_dataset", "draft_lens", "temperatures", "configs",
+        "target", "draft", "datasets", "prompts_per_dataset", "max_drafts", "temperatures", "configs",
         "max_new_tokens", "time_budget", "precision", "seed", "dtype", "target_quant", "device", "out", "batch_sizes",
         "companion", "sv_profile", "latency", "allow_download", "retry_failed", "chat")
         if getattr(args, name) is not None}
-    for name in ("datasets", "draft_lens", "temperatures", "configs", "batch_sizes"):
+    for name in ("datasets", "max_drafts", "temperatures", "configs", "batch_sizes"):
         if name in overrides:
             overrides[name] = tuple(overrides[name])
     config = replace(preset, **overrides)
@@ -527,7 +530,7 @@ def run_align(args) -> int:
     config = alignment.AlignConfig(
         target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, datasets=tuple(args.datasets),
         prompts_per_dataset=args.prompts_per_dataset, draft_temperatures=tuple(args.draft_temperatures),
-        temperature=args.temperature, draft_len=args.draft_len, max_new_tokens=args.max_new_tokens, seed=args.seed,
+        temperature=args.temperature, max_draft=args.max_draft, max_new_tokens=args.max_new_tokens, seed=args.seed,
         chat=args.chat, time_budget=args.time_budget, out=args.out, allow_download=args.allow_download,
     )
     for temperature in (config.temperature, *config.draft_temperatures):  # refused here, not after the models load

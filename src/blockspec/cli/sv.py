@@ -50,6 +50,20 @@ def int_at_least(minimum: int):
     return parse
 
 
+class _Renamed(argparse.Action):
+    """An old flag kept for one release: stores its value under the new flag's name, with a warning."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"warning: {option_string} is deprecated: use {self.const}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def renamed_flag(parser: argparse.ArgumentParser, old: str, new: argparse.Action) -> None:
+    """Accept ``old`` (hidden from --help) as the flag ``new`` that ``add_argument`` returned."""
+    parser.add_argument(old, action=_Renamed, const=new.option_strings[0], dest=new.dest, type=new.type,
+                        nargs=new.nargs, help=argparse.SUPPRESS)
+
+
 def positive_float(text: str) -> float:
     """An argparse type: a finite number > 0 (time budgets, precisions)."""
     try:
@@ -100,8 +114,8 @@ def add_parsers(sub) -> None:
                            help="calibration prompts; keep them disjoint from your evaluation sets (default: %(default)s)")
     calibrate.add_argument("--prompts", type=int_at_least(1), default=24, help="(default: %(default)s)")
     calibrate.add_argument("--max-new-tokens", type=int_at_least(1), default=64, help="(default: %(default)s)")
-    calibrate.add_argument("--draft-len", type=int_at_least(1), default=8,
-                           help="K drafted and recorded per step (default: %(default)s)")
+    renamed_flag(calibrate, "--draft-len", calibrate.add_argument(
+        "--max-draft", type=int_at_least(1), default=8, help="K drafted and recorded per step (default: %(default)s)"))
     calibrate.add_argument("--batch-size", type=int_at_least(1), default=4, help="(default: %(default)s)")
     calibrate.add_argument("--temperature", type=float, default=1.0, help="(default: %(default)s)")
     calibrate.add_argument("--top-k", type=int_at_least(0), default=0, help="(default: %(default)s)")
@@ -144,7 +158,7 @@ def build_policy(config, target, sampling):
 
     companion_name = config.companion if config.sv_predictor == "companion" else None
     policy = SVPolicy.from_cache(target, None, sampling=sampling, method="token" if config.verifier == "token" else
-                                 "block", max_draft=config.draft_len, kind=config.sv_predictor,
+                                 "block", max_draft=config.max_draft, kind=config.sv_predictor,
                                  companion=config.companion, profile=config.sv_profile, latency=config.latency,
                                  names=(config.target, config.draft))
     companion = load_companion(companion_name, target, dtype=config.dtype, device=config.device,
@@ -195,8 +209,8 @@ def run_calibrate(args) -> int:
     draft = load_model(args.draft, dtype=args.dtype, device=args.device, allow_download=args.allow_download)
     companion = load_companion(args.companion, target, dtype=args.dtype, device=args.device,
                                allow_download=args.allow_download)
-    decoder = SpeculativeDecoder(target, draft, verifier="token", draft_len=args.draft_len,
-                                 policy=Recorder(args.draft_len), companion=companion)
+    decoder = SpeculativeDecoder(target, draft, verifier="token", max_draft=args.max_draft,
+                                 policy=Recorder(args.max_draft), companion=companion)
     prompts = load_prompts(args.dataset, args.prompts, seed=args.seed)
     ids = [encode_prompt(decoder.tokenizer, p.text, chat=True) for p in prompts]
     recording = record(decoder, ids, sampling=sampling, max_new_tokens=args.max_new_tokens,

@@ -21,9 +21,9 @@ import torch
 class LengthPolicy(Protocol):
     """How many tokens each row drafts and verifies; the engine calls these hooks, in this order, each step.
 
-    Glossary: B rows in this step, K = the positions drafted this step, V the vocabulary; position i (1-based) is
-    the i-th drafted token x_i. What each hook may look at is what keeps verification lossless; the engine hands
-    it nothing more:
+    Glossary (``blockspec.verify.base`` has the whole): B rows in this step, K = the positions drafted this step,
+    V the vocabulary; position i (1-based) is the i-th drafted token x_i. What each hook may look at is what keeps
+    verification lossless; the engine hands it nothing more:
 
     - ``reset()``: at the start of each ``generate`` call. A policy that learns online forgets what it learnt,
       unless it was built to carry its state over calls (then a call's output depends on the calls before it).
@@ -34,13 +34,14 @@ class LengthPolicy(Protocol):
       ``prefix`` [B] float64 = sum_{j<i} log draft(x_j).
     - ``keep_drafting(i, probs, prefix) -> bool``: once the draft's distribution ``probs`` [B, V] at position i is
       known and before x_i is sampled.
-    - ``lengths(draft_tokens, draft_probs, companion_probs, num_draft) -> [B] int64``: after drafting (and the
-      companion's scoring, if ``needs_companion``), each row's verified length, at most ``num_draft`` [B]. Known:
+    - ``lengths(draft_tokens, draft_probs, companion_probs, drafted) -> [B] int64``: after drafting (and the
+      companion's scoring, if ``needs_companion``), how many tokens each row verifies, at most ``drafted`` [B]
+      (the tokens each row drafted). Known:
       the whole block [B, K], the draft's distributions [B, K, V] (None when greedy), the companion's [B, K+1, V]
       or None. Lossless only if the decision to verify x_i reads columns < i of the tokens and columns <= i of
       the distributions (``stopping_lengths``): never x_i itself.
-    - ``observe(rows, draft_tokens, draft_probs, target_probs, num_draft, accepted)``: after verification, for
-      later steps only. ``num_draft`` [B] counts the positions of each row that the draft model drafted and the
+    - ``observe(rows, draft_tokens, draft_probs, target_probs, verified, accepted)``: after verification, for
+      later steps only. ``verified`` [B] counts the positions of each row that the draft model drafted and the
       target verified (0 for a row whose draft was a prompt lookup proposal); ``accepted`` [B] = tau per row.
 
     ``max_draft``: the most any step drafts (the engine sizes its random draws by it). ``needs_companion``: whether
@@ -61,10 +62,10 @@ class LengthPolicy(Protocol):
     def keep_drafting(self, position: int, probs: torch.Tensor, prefix: torch.Tensor) -> bool: ...
 
     def lengths(self, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
-                companion_probs: torch.Tensor | None, num_draft: torch.Tensor) -> torch.Tensor: ...
+                companion_probs: torch.Tensor | None, drafted: torch.Tensor) -> torch.Tensor: ...
 
     def observe(self, rows: list[int], draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
-                target_probs: torch.Tensor, num_draft: torch.Tensor, accepted: torch.Tensor) -> None: ...
+                target_probs: torch.Tensor, verified: torch.Tensor, accepted: torch.Tensor) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ def _interpolate(xs: tuple[int, ...], ys, x: float) -> float:
 
 def stopping_lengths(
     gains: torch.Tensor,  # [B, K]: predicted gain of verifying x_i, from information available before x_i
-    num_draft: torch.Tensor,  # [B] int64: drafted tokens available per row
+    drafted: torch.Tensor,  # [B] int64: the tokens each row drafted
     step_seconds: Callable[[int], float],  # verification width (drafted tokens per row) -> seconds of the step
     paid: Callable[[int], float] = lambda position: 0.0,  # seconds already spent when position i is decided
 ) -> torch.Tensor:
@@ -109,10 +110,10 @@ def stopping_lengths(
     the rows' summed gains at the next position pay for it, and stops at the first position that does not
     (a global argmax would be look-ahead). Column i of ``gains`` may depend only on what was known before
     x_{i+1} was sampled, so the verified length is a stopping time and verification stays lossless whatever
-    the predictor. Each row then verifies min(width, num_draft[b]). ``paid(i)`` (sunk costs, such as the
+    the predictor. Each row then verifies min(width, drafted[b]). ``paid(i)`` (sunk costs, such as the
     drafting already done) must likewise depend on i alone, not on how far drafting went.
     """
-    limit = num_draft.tolist()
+    limit = drafted.tolist()
     gains = gains.double().cpu().tolist()
     emitted, width = float(len(limit)), 0
     for i in range(len(gains[0]) if gains else 0):
@@ -121,4 +122,4 @@ def stopping_lengths(
                 sunk + step_seconds(i)):
             break
         emitted, width = emitted + gained, i + 1
-    return num_draft.clamp(max=width)
+    return drafted.clamp(max=width)

@@ -10,23 +10,19 @@ from ..verify import agreement, draft_distributions
 
 
 class FixedLength:
-    """Standard speculative decoding: draft ``draft_len`` tokens every step and verify them all (a
+    """Standard speculative decoding: draft ``max_draft`` tokens every step and verify them all (a
     ``LengthPolicy`` that learns nothing)."""
 
     needs_companion = False
 
-    def __init__(self, draft_len: int):
-        self.draft_len = draft_len
-
-    @property
-    def max_draft(self) -> int:
-        return self.draft_len
+    def __init__(self, max_draft: int):
+        self.max_draft = max_draft
 
     def reset(self) -> None:
         pass
 
     def draft_budget(self, batch: int, catch_up: int) -> int:
-        return self.draft_len
+        return self.max_draft
 
     def draft_next(self, position: int, prefix: torch.Tensor) -> bool:
         return True
@@ -34,10 +30,10 @@ class FixedLength:
     def keep_drafting(self, position: int, probs: torch.Tensor, prefix: torch.Tensor) -> bool:
         return True
 
-    def lengths(self, draft_tokens, draft_probs, companion_probs, num_draft: torch.Tensor) -> torch.Tensor:
-        return num_draft
+    def lengths(self, draft_tokens, draft_probs, companion_probs, drafted: torch.Tensor) -> torch.Tensor:
+        return drafted
 
-    def observe(self, rows, draft_tokens, draft_probs, target_probs, num_draft, accepted) -> None:
+    def observe(self, rows, draft_tokens, draft_probs, target_probs, verified, accepted) -> None:
         pass
 
 
@@ -74,21 +70,21 @@ class AdaptiveLength(FixedLength):
 
     def best_length(self, batch: int, catch_up: int = 1) -> int:
         """The K in 0..max_draft with the most expected tokens per second at this batch size."""
-        emitted = [sum(self.acceptance ** i for i in range(k + 1)) for k in range(self.draft_len + 1)]
+        emitted = [sum(self.acceptance ** i for i in range(k + 1)) for k in range(self.max_draft + 1)]
         goodput = [emitted[k] / (self.latency.drafting(batch, k, catch_up, companion=False)
-                                 + self.latency.target(batch, 1 + k)) for k in range(self.draft_len + 1)]
+                                 + self.latency.target(batch, 1 + k)) for k in range(self.max_draft + 1)]
         return max(range(len(goodput)), key=goodput.__getitem__)
 
     def draft_budget(self, batch: int, catch_up: int) -> int:
         return self.best_length(batch, catch_up)
 
-    def observe(self, rows, draft_tokens, draft_probs, target_probs, num_draft, accepted) -> None:
-        width = int(num_draft.max()) if len(num_draft) else 0
+    def observe(self, rows, draft_tokens, draft_probs, target_probs, verified, accepted) -> None:
+        width = int(verified.max()) if len(verified) else 0
         if width == 0:
             return
         probs = draft_distributions(draft_tokens[:, :width], None if draft_probs is None else draft_probs[:, :width],
                                     target_probs.shape[-1])
         accept = agreement(probs, target_probs[:, :width])  # [B, width]: P(accept x_i | x_<i accepted), token rule
-        verified = torch.arange(width, device=num_draft.device) < num_draft[:, None]  # [B, width]
-        step = float(accept[verified].mean())
+        mask = torch.arange(width, device=verified.device) < verified[:, None]  # [B, width]
+        step = float(accept[mask].mean())
         self.acceptance = self.memory * self.acceptance + (1 - self.memory) * step

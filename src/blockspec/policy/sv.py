@@ -171,28 +171,27 @@ class SVPolicy:
         seconds = self.step_seconds(self._batch, self._catch_up, drafted=drafted, sampled=position - 1)
         return int(stopping_lengths(gains, limit, seconds).max()) == position
 
-    def lengths(self, draft_tokens, draft_probs, companion_probs, num_draft: torch.Tensor) -> torch.Tensor:
+    def lengths(self, draft_tokens, draft_probs, companion_probs, drafted: torch.Tensor) -> torch.Tensor:
         features = torch.stack(self._draft_features[: draft_tokens.shape[1]], 1).to(draft_tokens.device)
         if self.kind == "companion":
             probs = draft_distributions(draft_tokens, draft_probs, companion_probs.shape[-1])
             features = companion_features(draft_tokens, probs, companion_probs, self.method, features)
-        return self.lengths_given(features, num_draft)
+        return self.lengths_given(features, drafted)
 
-    def lengths_given(self, features: torch.Tensor, num_draft: torch.Tensor) -> torch.Tensor:
+    def lengths_given(self, features: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
         """``lengths`` from the ``kind`` predictor's features [B, K, F] of the drafted positions."""
         gains = self.predict(self.kind, features)
         draft = gains if self.kind == "draft" else self.predict("draft", features[..., :len(DRAFT_FEATURES)])
         self._predicted = {"draft": draft, self.kind: gains}
-        drafted = gains.shape[1]
         # positions drafted move towards this step's predictions, the others towards the (recalibrated) prior's
-        now = torch.cat([gains.mean(0).cpu(), self.expected()[drafted:]])
+        now = torch.cat([gains.mean(0).cpu(), self.expected()[gains.shape[1]:]])
         self.history = self.memory * self.history + (1 - self.memory) * now
         # Drafting (and the companion's scoring) up to position i is paid by the time x_i is decided on; the
         # sunk seconds are those of i positions, never of how far drafting went (which depends on x_i).
         batch, catch_up = self._batch, self._catch_up
-        lengths = stopping_lengths(gains, num_draft, lambda width: self.latency.target(batch, 1 + width),
+        lengths = stopping_lengths(gains, drafted, lambda width: self.latency.target(batch, 1 + width),
                                    paid=lambda i: self.latency.drafting(batch, i, catch_up, self.needs_companion))
-        return lengths.to(num_draft.device)
+        return lengths.to(drafted.device)
 
     def expected(self) -> torch.Tensor:
         """The calibrated mean gain per position [max_draft], shifted by the learnt offset of the predictor."""
@@ -202,11 +201,11 @@ class SVPolicy:
         """Gains [B, K] predicted by the ``kind`` predictor from its features [B, K, F], with its learnt offset."""
         return torch.sigmoid(self.predictors[kind].logits(features) + self.offsets[kind])
 
-    def observe(self, rows, draft_tokens, draft_probs, target_probs, num_draft, accepted) -> None:
-        if not bool((num_draft > 0).any()):
+    def observe(self, rows, draft_tokens, draft_probs, target_probs, verified, accepted) -> None:
+        if not bool((verified > 0).any()):
             return
         probs = draft_distributions(draft_tokens, draft_probs, target_probs.shape[-1])
-        self.learn(position_gains(draft_tokens, probs, target_probs, self.method), num_draft)
+        self.learn(position_gains(draft_tokens, probs, target_probs, self.method), verified)
 
     def learn(self, labels: torch.Tensor, verified: torch.Tensor) -> None:
         """One online step on the exact gains ``labels`` [B, W] of the first ``verified`` [B] <= W positions of

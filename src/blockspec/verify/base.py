@@ -1,14 +1,20 @@
 """What every verifier shares: inputs and their validation, explicit randomness, the final-token draw, outputs.
 
-Glossary (used throughout blockspec):
+Glossary (used throughout blockspec). Shapes:
     B  batch size (rows)
-    K  drafted positions per row (padding beyond a row's own ``num_draft``)
+    K  the step's width: drafted positions per row in the verify tensors (a row's own ``num_verified`` may be less)
     V  vocabulary size
     draft_tokens [B, K]      x_1..x_K, the drafted tokens
     draft_probs  [B, K, V]   draft_probs[:, i] is the distribution x_{i+1} was sampled from
     target_probs [B, K+1, V] the target's distributions at the same contexts, from one forward
-    num_draft    [B]         n_b: row b drafted only x_1..x_{n_b}
-    tau                      accepted drafted tokens; a step emits tau + 1 tokens
+How many tokens, one name each (a count per row is ``num_<name>`` in this package's tensors):
+    max_draft     the most tokens any step drafts: a setting of the decoder, a length policy or a benchmark run
+    budget        the most tokens this step drafts, chosen by the length policy before drafting (<= max_draft)
+    drafted       tokens drafted this step (a lookup proposal counts; per row where rows differ, else the step's)
+    verified      n_b: drafted tokens the target verifies in row b, x_1..x_{n_b} (<= drafted; SV may verify fewer)
+    width         the step's widest row, max_b n_b: K above
+    accepted      tau: verified tokens accepted, the longest accepted prefix
+    emitted       tokens a step emits: tau + 1 (less any cut by EOS, stop strings or the length cap)
 Probabilities are the *processed* distributions actually sampled from (temperature, top-k, top-p applied).
 A verifier is a deterministic part (acceptance probabilities, final distributions) plus a thin random part
 that consumes explicit uniforms and exponentials; the exact tests integrate over the first.
@@ -16,9 +22,29 @@ that consumes explicit uniforms and exponentials; the exact tests integrate over
 
 from __future__ import annotations
 
+import functools
+import warnings
 from dataclasses import dataclass
 
 import torch
+
+
+def renamed(**new_names: str):
+    """Decorator: keyword arguments under their old names (``old="new"``) still work for one release, with a
+    DeprecationWarning naming the new one; giving both names is an error."""
+    def wrap(function):
+        @functools.wraps(function)
+        def call(*args, **kwargs):
+            for old, new in new_names.items():
+                if old in kwargs:
+                    if new in kwargs:
+                        raise TypeError(f"{function.__qualname__}() got both {old}= and {new}=; {old} is the old name")
+                    warnings.warn(f"{function.__qualname__}({old}=...) is deprecated: use {new}=", DeprecationWarning,
+                                  stacklevel=2)
+                    kwargs[new] = kwargs.pop(old)
+            return function(*args, **kwargs)
+        return call
+    return wrap
 
 
 @dataclass(frozen=True)
@@ -32,19 +58,19 @@ class Randomness:
     def draw(
         cls,
         batch: int,
-        draft_len: int,
+        width: int,
         vocab: int,
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         generator: torch.Generator | None = None,
     ) -> Randomness:
-        uniforms = torch.rand(batch, draft_len, dtype=dtype, device=device, generator=generator)
+        uniforms = torch.rand(batch, width, dtype=dtype, device=device, generator=generator)
         return cls(uniforms, draw_exponentials(batch, vocab, dtype=dtype, device=device, generator=generator))
 
 
 def draw_exponentials(rows: int, vocab: int, *, dtype, device, generator) -> torch.Tensor:
-    """[rows, V] Exp(1) variates, as -log(U): 6x faster here than Tensor.exponential_.
+    """[rows, V] Exp(1) variates, as -log(U): faster on CPU than Tensor.exponential_.
 
     U lies in [0, 1), so every variate is > 0; U = 0 is clamped to the smallest normal number first.
     """
@@ -66,34 +92,34 @@ def prepare(
     draft_tokens: torch.Tensor,
     draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
-    num_draft: torch.Tensor | None,
+    num_verified: torch.Tensor | None,
     randomness: Randomness | None,
     validate: bool,
 ) -> torch.Tensor:
-    """Checks the inputs (when ``validate``) and returns ``num_draft`` [B] int64, defaulting to K for every row."""
+    """Checks the inputs (when ``validate``) and returns ``num_verified`` [B] int64, defaulting to K for every row."""
     if validate:
-        _check_shapes(draft_tokens, draft_probs, target_probs, num_draft, randomness)
-    batch, draft_len = draft_tokens.shape
-    if num_draft is None:
-        num_draft = torch.full((batch,), draft_len, dtype=torch.long, device=draft_tokens.device)
+        _check_shapes(draft_tokens, draft_probs, target_probs, num_verified, randomness)
+    batch, width = draft_tokens.shape
+    if num_verified is None:
+        num_verified = torch.full((batch,), width, dtype=torch.long, device=draft_tokens.device)
     if validate:
-        _check_values(draft_tokens, draft_probs, target_probs, num_draft, randomness)
-    return num_draft
+        _check_values(draft_tokens, draft_probs, target_probs, num_verified, randomness)
+    return num_verified
 
 
-def draw_uniforms(randomness: Randomness | None, generator, target_probs: torch.Tensor, draft_len: int):
+def draw_uniforms(randomness: Randomness | None, generator, target_probs: torch.Tensor, width: int):
     """The caller's explicit uniforms [B, K], or a fresh draw from ``generator`` in the dtype of ``target_probs``."""
     if randomness is not None:
         return randomness.uniforms
-    return torch.rand(target_probs.shape[0], draft_len, dtype=target_probs.dtype, device=target_probs.device,
+    return torch.rand(target_probs.shape[0], width, dtype=target_probs.dtype, device=target_probs.device,
                       generator=generator)
 
 
 def row_chunks(batch: int, vocab: int) -> list[slice]:
     """Row ranges whose [rows, V] temporaries stay small (2**21 entries).
 
-    A fresh tensor of tens of MB is page-faulted in on every call (measured here: a [64, 7, 151936] product
-    took 180 ms to allocate, 24 ms to compute in place); small temporaries are reused by the allocator.
+    A fresh tensor of tens of MB is page-faulted in on every call, which can cost more than the arithmetic on it;
+    small temporaries are reused by the allocator.
     """
     rows = max(1, (1 << 21) // max(vocab, 1))
     return [slice(start, min(start + rows, batch)) for start in range(0, batch, rows)]
@@ -113,7 +139,7 @@ def sample_final(
     draft_tokens: torch.Tensor,
     draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
-    num_draft: torch.Tensor,
+    num_verified: torch.Tensor,
     tau: torch.Tensor,
     weight: torch.Tensor,
     randomness: Randomness | None,
@@ -129,7 +155,7 @@ def sample_final(
     for rows in row_chunks(batch, vocab):
         dist = final_distribution(
             draft_tokens[rows], None if draft_probs is None else draft_probs[rows], target_probs[rows],
-            num_draft[rows], tau[rows], weight[rows],
+            num_verified[rows], tau[rows], weight[rows],
         )
         if randomness is not None:
             exponentials = randomness.exponentials[rows]
@@ -140,9 +166,9 @@ def sample_final(
     return last
 
 
-def drafted_mask(num_draft: torch.Tensor, draft_len: int) -> torch.Tensor:
-    """[B, K] bool: position i (0-based) holds a real drafted token, i.e. i < num_draft[b]."""
-    return torch.arange(draft_len, device=num_draft.device) < num_draft[:, None]
+def verified_mask(num_verified: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, K] bool: position i (0-based) holds a real drafted token, i.e. i < num_verified[b]."""
+    return torch.arange(width, device=num_verified.device) < num_verified[:, None]
 
 
 def probs_of_drafted(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor):
@@ -161,13 +187,13 @@ def final_distribution(
     draft_tokens: torch.Tensor,  # [B, K] int64
     draft_probs: torch.Tensor | None,  # [B, K, V] or None (one-hot draft)
     target_probs: torch.Tensor,  # [B, K+1, V]
-    num_draft: torch.Tensor,  # [B] int64
-    tau: torch.Tensor,  # [B] int64, 0 <= tau <= num_draft
+    num_verified: torch.Tensor,  # [B] int64
+    tau: torch.Tensor,  # [B] int64, 0 <= tau <= num_verified
     weight: torch.Tensor,  # [B] float: w_tau (1 for token verification, Sun et al.'s w_tau for block)
 ) -> torch.Tensor:
     """Unnormalised distribution [B, V] of the token emitted after ``tau`` accepted drafted tokens.
 
-    The bonus ``target_probs[tau]`` when every drafted token was accepted (tau == num_draft), otherwise the
+    The bonus ``target_probs[tau]`` when every drafted token was accepted (tau == num_verified), otherwise the
     residual ``max(weight * target_probs[tau] - draft_probs[tau], 0)``.
     """
     rows = torch.arange(tau.shape[0], device=tau.device)
@@ -183,7 +209,7 @@ def final_distribution(
         residual.sub_(draft_probs[rows, draft_pos]).clamp_(min=0.0)
     # Numerical guard: a residual that rounds to all zeros has zero probability of being reached in exact
     # arithmetic; sample the target row instead of dividing by zero.
-    use_target = (tau == num_draft) | (residual.sum(-1) <= 0)
+    use_target = (tau == num_verified) | (residual.sum(-1) <= 0)
     return torch.where(use_target[:, None], target_row, residual)
 
 
@@ -197,8 +223,8 @@ def race(weights: torch.Tensor, exponentials: torch.Tensor) -> torch.Tensor:
 
 def emit(draft_tokens: torch.Tensor, tau: torch.Tensor, last: torch.Tensor) -> VerifyOutput:
     """Left-aligns the accepted prefix x_1..x_tau followed by ``last``, padding with -1, into a VerifyOutput."""
-    batch, draft_len = draft_tokens.shape
-    positions = torch.arange(draft_len + 1, device=draft_tokens.device)  # [K+1]
+    batch, width = draft_tokens.shape
+    positions = torch.arange(width + 1, device=draft_tokens.device)  # [K+1]
     padded = torch.nn.functional.pad(draft_tokens, (0, 1), value=-1)  # [B, K+1]
     tokens = torch.where(positions < tau[:, None], padded, -1)
     tokens.scatter_(1, tau[:, None], last[:, None])
@@ -208,40 +234,40 @@ def emit(draft_tokens: torch.Tensor, tau: torch.Tensor, last: torch.Tensor) -> V
 # --- validation --------------------------------------------------------------------------------------------
 
 
-def _check_shapes(draft_tokens, draft_probs, target_probs, num_draft, randomness) -> None:
+def _check_shapes(draft_tokens, draft_probs, target_probs, num_verified, randomness) -> None:
     if not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dim() != 2:
         raise ValueError(f"draft_tokens must be a [B, K] tensor, got {_describe(draft_tokens)}")
     if draft_tokens.dtype != torch.long:
         raise ValueError(f"draft_tokens must be int64, got {draft_tokens.dtype}")
-    batch, draft_len = draft_tokens.shape
+    batch, width = draft_tokens.shape
     if not isinstance(target_probs, torch.Tensor) or target_probs.dim() != 3:
         raise ValueError(f"target_probs must be a [B, K+1, V] tensor, got {_describe(target_probs)}")
     if target_probs.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"target_probs must be float32 or float64 probabilities, got {target_probs.dtype}")
-    if target_probs.shape[:2] != (batch, draft_len + 1):
+    if target_probs.shape[:2] != (batch, width + 1):
         raise ValueError(
-            f"target_probs must have shape [B, K+1, V] = [{batch}, {draft_len + 1}, V] to match draft_tokens "
-            f"[{batch}, {draft_len}], got {list(target_probs.shape)}"
+            f"target_probs must have shape [B, K+1, V] = [{batch}, {width + 1}, V] to match draft_tokens "
+            f"[{batch}, {width}], got {list(target_probs.shape)}"
         )
     vocab = target_probs.shape[2]
     if vocab == 0:
         raise ValueError("target_probs has an empty vocabulary (V = 0)")
     if draft_probs is not None:
-        if not isinstance(draft_probs, torch.Tensor) or list(draft_probs.shape) != [batch, draft_len, vocab]:
+        if not isinstance(draft_probs, torch.Tensor) or list(draft_probs.shape) != [batch, width, vocab]:
             raise ValueError(
-                f"draft_probs must have shape [B, K, V] = [{batch}, {draft_len}, {vocab}], got {_describe(draft_probs)}"
+                f"draft_probs must have shape [B, K, V] = [{batch}, {width}, {vocab}], got {_describe(draft_probs)}"
             )
         if draft_probs.dtype != target_probs.dtype:
             raise ValueError(f"draft_probs is {draft_probs.dtype} but target_probs is {target_probs.dtype}")
-    if num_draft is not None:
-        if not isinstance(num_draft, torch.Tensor) or list(num_draft.shape) != [batch]:
-            raise ValueError(f"num_draft must be a [B] = [{batch}] tensor, got {_describe(num_draft)}")
-        if num_draft.dtype != torch.long:
-            raise ValueError(f"num_draft must be int64, got {num_draft.dtype}")
+    if num_verified is not None:
+        if not isinstance(num_verified, torch.Tensor) or list(num_verified.shape) != [batch]:
+            raise ValueError(f"num_verified must be a [B] = [{batch}] tensor, got {_describe(num_verified)}")
+        if num_verified.dtype != torch.long:
+            raise ValueError(f"num_verified must be int64, got {num_verified.dtype}")
     if randomness is not None:
-        if list(randomness.uniforms.shape) != [batch, draft_len]:
+        if list(randomness.uniforms.shape) != [batch, width]:
             raise ValueError(
-                f"randomness.uniforms must have shape [B, K] = [{batch}, {draft_len}], "
+                f"randomness.uniforms must have shape [B, K] = [{batch}, {width}], "
                 f"got {list(randomness.uniforms.shape)}"
             )
         if list(randomness.exponentials.shape) != [batch, vocab]:
@@ -249,30 +275,30 @@ def _check_shapes(draft_tokens, draft_probs, target_probs, num_draft, randomness
                 f"randomness.exponentials must have shape [B, V] = [{batch}, {vocab}], "
                 f"got {list(randomness.exponentials.shape)}"
             )
-    devices = {t.device for t in (draft_tokens, draft_probs, target_probs, num_draft) if t is not None}
+    devices = {t.device for t in (draft_tokens, draft_probs, target_probs, num_verified) if t is not None}
     if len(devices) > 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
-def _check_values(draft_tokens, draft_probs, target_probs, num_draft, randomness) -> None:
-    batch, draft_len = draft_tokens.shape
+def _check_values(draft_tokens, draft_probs, target_probs, num_verified, randomness) -> None:
+    batch, width = draft_tokens.shape
     vocab = target_probs.shape[2]
-    if bool(((num_draft < 0) | (num_draft > draft_len)).any()):
-        raise ValueError(f"num_draft must lie in [0, K] = [0, {draft_len}], got {num_draft.tolist()}")
-    drafted = drafted_mask(num_draft, draft_len)  # [B, K]
-    bad_ids = drafted & ((draft_tokens < 0) | (draft_tokens >= vocab))
+    if bool(((num_verified < 0) | (num_verified > width)).any()):
+        raise ValueError(f"num_verified must lie in [0, K] = [0, {width}], got {num_verified.tolist()}")
+    verified = verified_mask(num_verified, width)  # [B, K]
+    bad_ids = verified & ((draft_tokens < 0) | (draft_tokens >= vocab))
     if bool(bad_ids.any()):
         b, i = bad_ids.nonzero()[0].tolist()
         raise ValueError(
             f"draft_tokens[{b}, {i}] = {int(draft_tokens[b, i])} is outside the vocabulary [0, {vocab})"
         )
-    # The target row at position num_draft (the bonus distribution) is used too.
-    target_used = torch.arange(draft_len + 1, device=num_draft.device) <= num_draft[:, None]  # [B, K+1]
+    # The target row at position num_verified (the bonus distribution) is used too.
+    target_used = torch.arange(width + 1, device=num_verified.device) <= num_verified[:, None]  # [B, K+1]
     _check_distributions("target_probs", target_probs, target_used)
     if draft_probs is not None:
-        _check_distributions("draft_probs", draft_probs, drafted)
+        _check_distributions("draft_probs", draft_probs, verified)
         draft_at, _ = probs_of_drafted(draft_tokens, draft_probs, target_probs)
-        impossible = drafted & (draft_at <= 0)
+        impossible = verified & (draft_at <= 0)
         if bool(impossible.any()):
             b, i = impossible.nonzero()[0].tolist()
             raise ValueError(

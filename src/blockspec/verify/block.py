@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from .base import (
-    Randomness, VerifyOutput, draw_uniforms, drafted_mask, emit, positive_part_mass, prepare,
-    probs_of_drafted, sample_final,
+    Randomness, VerifyOutput, draw_uniforms, emit, positive_part_mass, prepare, probs_of_drafted, renamed,
+    sample_final, verified_mask,
 )
 
 
@@ -21,11 +21,12 @@ def block_weights(log_ratio: torch.Tensor) -> torch.Tensor:
     return log_w
 
 
+@renamed(num_draft="num_verified")
 def block_acceptance(
     draft_tokens: torch.Tensor,  # [B, K] int64
     draft_probs: torch.Tensor | None,  # [B, K, V] or None (one-hot draft)
     target_probs: torch.Tensor,  # [B, K+1, V]
-    num_draft: torch.Tensor,  # [B] int64
+    num_verified: torch.Tensor,  # [B] int64
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The deterministic part of Algorithm 2: (h [B, K], log_w [B, K+1]).
 
@@ -35,16 +36,16 @@ def block_acceptance(
 
     Column i of ``h`` is h_{i+1} (1-based positions); column i of ``log_w`` is log w_i (column 0 is w_0 = 1).
     """
-    batch, draft_len = draft_tokens.shape
-    drafted = drafted_mask(num_draft, draft_len)  # [B, K]
+    batch, width = draft_tokens.shape
+    verified = verified_mask(num_verified, width)  # [B, K]
     draft_at, target_at = probs_of_drafted(draft_tokens, draft_probs, target_probs)
     # Padding gets ratio 0 (log -inf), so w is 0 past a row's own draft and never NaN.
-    log_ratio = (target_at.log() - draft_at.log()).masked_fill(~drafted, float("-inf"))  # [B, K]
+    log_ratio = (target_at.log() - draft_at.log()).masked_fill(~verified, float("-inf"))  # [B, K]
     log_w = block_weights(log_ratio)
     w = log_w.exp()
 
     # Z_i for the positions i = 1..m-1 below the longest row's draft m, all at once: [B, m-1].
-    inner = slice(1, max(int(num_draft.max()) if batch else 0, 1))
+    inner = slice(1, max(int(num_verified.max()) if batch else 0, 1))
     if draft_probs is None:
         # max(w t - onehot(x_{i+1}), 0) sums to w (1 - t(x_{i+1})) since w t <= 1: no vocabulary pass.
         z = w[:, inner] * (1.0 - target_at[:, inner])
@@ -56,18 +57,19 @@ def block_acceptance(
     # Guard: the denominator is 0 only if w_i = 1 and the two distributions agree; then P(tau = i) = 0
     # whatever h_i is, and 1 is exact.
     h = torch.where(denominator > 0, z / denominator.clamp(min=torch.finfo(w.dtype).tiny), 1.0)
-    h = torch.nn.functional.pad(h, (0, draft_len - h.shape[1]))  # [B, K]: column i - 1 is h_i
-    positions = torch.arange(1, draft_len + 1, device=num_draft.device)  # 1-based
-    h = torch.where(positions == num_draft[:, None], w[:, 1:], torch.where(drafted, h, 0.0))
+    h = torch.nn.functional.pad(h, (0, width - h.shape[1]))  # [B, K]: column i - 1 is h_i
+    positions = torch.arange(1, width + 1, device=num_verified.device)  # 1-based
+    h = torch.where(positions == num_verified[:, None], w[:, 1:], torch.where(verified, h, 0.0))
     return h, log_w
 
 
+@renamed(num_draft="num_verified")
 def verify_block(
     draft_tokens: torch.Tensor,  # [B, K] int64
     draft_probs: torch.Tensor | None,  # [B, K, V] float32/64, or None for a one-hot draft
     target_probs: torch.Tensor,  # [B, K+1, V] same dtype
     *,
-    num_draft: torch.Tensor | None = None,  # [B] int64 in [0, K]; default K
+    num_verified: torch.Tensor | None = None,  # [B] int64 in [0, K]; default K
     generator: torch.Generator | None = None,
     randomness: Randomness | None = None,
     validate: bool = True,
@@ -79,12 +81,12 @@ def verify_block(
     accepted tokens (so never worse than token verification on average over drafts), at the cost of K - 1
     vocabulary reductions instead of one.
     """
-    num_draft = prepare(draft_tokens, draft_probs, target_probs, num_draft, randomness, validate)
+    num_verified = prepare(draft_tokens, draft_probs, target_probs, num_verified, randomness, validate)
     uniforms = draw_uniforms(randomness, generator, target_probs, draft_tokens.shape[1])  # [B, K]
-    h, log_w = block_acceptance(draft_tokens, draft_probs, target_probs, num_draft)
+    h, log_w = block_acceptance(draft_tokens, draft_probs, target_probs, num_verified)
     positions = torch.arange(1, draft_tokens.shape[1] + 1, device=h.device)
     hits = uniforms < h  # [B, K]; P(u < h) = h, and h = 0 (padding) never hits
     tau = torch.nn.functional.pad(hits * positions, (1, 0)).amax(-1)  # [B]: the last hit, 0 if none
     weight = log_w.gather(1, tau[:, None]).squeeze(1).exp()  # w_tau, with w_0 = 1
-    last = sample_final(draft_tokens, draft_probs, target_probs, num_draft, tau, weight, randomness, generator)
+    last = sample_final(draft_tokens, draft_probs, target_probs, num_verified, tau, weight, randomness, generator)
     return emit(draft_tokens, tau, last)

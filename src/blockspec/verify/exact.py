@@ -8,19 +8,20 @@ from __future__ import annotations
 
 import torch
 
-from .base import final_distribution, positive_part_mass, prepare
+from .base import final_distribution, positive_part_mass, prepare, renamed
 from .block import block_acceptance, block_weights
 from .token import token_acceptance
 
 METHODS = ("token", "block")
 
 
+@renamed(num_draft="num_verified")
 def acceptance_survival(
     draft_tokens: torch.Tensor,  # [B, K] int64
     draft_probs: torch.Tensor | None,  # [B, K, V] or None (one-hot draft)
     target_probs: torch.Tensor,  # [B, K+1, V]
     method: str,
-    num_draft: torch.Tensor | None = None,  # [B] int64
+    num_verified: torch.Tensor | None = None,  # [B] int64
     *,
     validate: bool = True,
 ) -> torch.Tensor:
@@ -29,67 +30,70 @@ def acceptance_survival(
     token: prod_{k <= i} min(1, ratio_k).   block: 1 - prod_{j >= i} (1 - h_j) (tau is the LAST hit).
     """
     _check_method(method)
-    num_draft = prepare(draft_tokens, draft_probs, target_probs, num_draft, None, validate)
+    num_verified = prepare(draft_tokens, draft_probs, target_probs, num_verified, None, validate)
     if method == "token":
-        accept = token_acceptance(draft_tokens, draft_probs, target_probs, num_draft)
+        accept = token_acceptance(draft_tokens, draft_probs, target_probs, num_verified)
         survival = accept.cumprod(-1)
     else:
-        h, _ = block_acceptance(draft_tokens, draft_probs, target_probs, num_draft)
+        h, _ = block_acceptance(draft_tokens, draft_probs, target_probs, num_verified)
         # prod_{j >= i} (1 - h_j): a cumulative product over the reversed positions.
         none_from = (1.0 - h).flip(-1).cumprod(-1).flip(-1)
         survival = 1.0 - none_from
     return torch.nn.functional.pad(survival, (1, 0), value=1.0)
 
 
+@renamed(num_draft="num_verified")
 def expected_accepted(
     draft_tokens: torch.Tensor,  # [B, K] int64
     draft_probs: torch.Tensor | None,  # [B, K, V] or None (one-hot draft)
     target_probs: torch.Tensor,  # [B, K+1, V]
     method: str,
-    num_draft: torch.Tensor | None = None,  # [B] int64
+    num_verified: torch.Tensor | None = None,  # [B] int64
     *,
     validate: bool = True,
 ) -> torch.Tensor:
     """E[num_accepted | drafted block] under ``method`` ("token" or "block"), as [B] float."""
-    survival = acceptance_survival(draft_tokens, draft_probs, target_probs, method, num_draft, validate=validate)
+    survival = acceptance_survival(draft_tokens, draft_probs, target_probs, method, num_verified, validate=validate)
     return survival[:, 1:].sum(-1)
 
 
+@renamed(num_draft="num_verified")
 def accepted_length_law(
     draft_tokens: torch.Tensor,
     draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
     method: str,
-    num_draft: torch.Tensor | None = None,
+    num_verified: torch.Tensor | None = None,
     *,
     validate: bool = True,
 ) -> torch.Tensor:
     """P(tau = i | drafted block) for i = 0..K, as [B, K+1]; each row sums to 1."""
-    survival = acceptance_survival(draft_tokens, draft_probs, target_probs, method, num_draft, validate=validate)
+    survival = acceptance_survival(draft_tokens, draft_probs, target_probs, method, num_verified, validate=validate)
     return survival - torch.nn.functional.pad(survival[:, 1:], (0, 1), value=0.0)
 
 
+@renamed(num_draft="num_verified")
 def final_distributions(
     draft_tokens: torch.Tensor,
     draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
     method: str,
-    num_draft: torch.Tensor | None = None,
+    num_verified: torch.Tensor | None = None,
     *,
     validate: bool = True,
 ) -> torch.Tensor:
     """[B, K+1, V]: row i is the normalised law of the token emitted after tau = i (meaningful for i <= n)."""
     _check_method(method)
-    num_draft = prepare(draft_tokens, draft_probs, target_probs, num_draft, None, validate)
-    batch, draft_len = draft_tokens.shape
+    num_verified = prepare(draft_tokens, draft_probs, target_probs, num_verified, None, validate)
+    batch, width = draft_tokens.shape
     if method == "block":
-        _, log_w = block_acceptance(draft_tokens, draft_probs, target_probs, num_draft)
+        _, log_w = block_acceptance(draft_tokens, draft_probs, target_probs, num_verified)
     else:
-        log_w = torch.zeros(batch, draft_len + 1, dtype=target_probs.dtype, device=target_probs.device)
+        log_w = torch.zeros(batch, width + 1, dtype=target_probs.dtype, device=target_probs.device)
     rows = []
-    for i in range(draft_len + 1):
-        tau = torch.minimum(torch.full_like(num_draft, i), num_draft)
-        dist = final_distribution(draft_tokens, draft_probs, target_probs, num_draft, tau, log_w[:, i].exp())
+    for i in range(width + 1):
+        tau = torch.minimum(torch.full_like(num_verified, i), num_verified)
+        dist = final_distribution(draft_tokens, draft_probs, target_probs, num_verified, tau, log_w[:, i].exp())
         rows.append(dist / dist.sum(-1, keepdim=True))
     return torch.stack(rows, dim=1)
 

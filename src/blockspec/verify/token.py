@@ -5,29 +5,30 @@ from __future__ import annotations
 import torch
 
 from .base import (
-    Randomness, VerifyOutput, draw_uniforms, drafted_mask, emit, prepare, probs_of_drafted,
-    sample_final,
+    Randomness, VerifyOutput, draw_uniforms, emit, prepare, probs_of_drafted, renamed, sample_final, verified_mask,
 )
 
 
+@renamed(num_draft="num_verified")
 def token_acceptance(
     draft_tokens: torch.Tensor,  # [B, K] int64
     draft_probs: torch.Tensor | None,  # [B, K, V] or None (one-hot draft)
     target_probs: torch.Tensor,  # [B, K+1, V]
-    num_draft: torch.Tensor,  # [B] int64
+    num_verified: torch.Tensor,  # [B] int64
 ) -> torch.Tensor:
     """a_i = min(1, ratio_i), the probability of accepting x_i once x_1..x_{i-1} were accepted; [B, K], 0 on padding."""
     draft_at, target_at = probs_of_drafted(draft_tokens, draft_probs, target_probs)
     accept = (target_at / draft_at).clamp(max=1.0)
-    return torch.where(drafted_mask(num_draft, draft_tokens.shape[1]), accept, 0.0)
+    return torch.where(verified_mask(num_verified, draft_tokens.shape[1]), accept, 0.0)
 
 
+@renamed(num_draft="num_verified")
 def verify_token(
     draft_tokens: torch.Tensor,  # [B, K] int64
     draft_probs: torch.Tensor | None,  # [B, K, V] float32/64, or None for a one-hot draft
     target_probs: torch.Tensor,  # [B, K+1, V] same dtype
     *,
-    num_draft: torch.Tensor | None = None,  # [B] int64 in [0, K]; default K
+    num_verified: torch.Tensor | None = None,  # [B] int64 in [0, K]; default K
     generator: torch.Generator | None = None,
     randomness: Randomness | None = None,
     validate: bool = True,
@@ -38,11 +39,11 @@ def verify_token(
     after all n drafted tokens from target_probs[n]. Guarantee: if x_i ~ draft_probs[i-1], the emitted tokens
     are distributed exactly as the target's own samples.
     """
-    num_draft = prepare(draft_tokens, draft_probs, target_probs, num_draft, randomness, validate)
+    num_verified = prepare(draft_tokens, draft_probs, target_probs, num_verified, randomness, validate)
     uniforms = draw_uniforms(randomness, generator, target_probs, draft_tokens.shape[1])  # [B, K]
-    accept = token_acceptance(draft_tokens, draft_probs, target_probs, num_draft)  # [B, K]
+    accept = token_acceptance(draft_tokens, draft_probs, target_probs, num_verified)  # [B, K]
     accepted = uniforms < accept  # P(u < a) = a for u ~ U[0, 1); a = 0 (padding) never accepts
     tau = accepted.long().cumprod(-1).sum(-1)  # [B]: length of the accepted prefix
     weight = torch.ones_like(target_probs[:, 0, 0])
-    last = sample_final(draft_tokens, draft_probs, target_probs, num_draft, tau, weight, randomness, generator)
+    last = sample_final(draft_tokens, draft_probs, target_probs, num_verified, tau, weight, randomness, generator)
     return emit(draft_tokens, tau, last)

@@ -7,6 +7,10 @@
 All three take (draft_tokens [B, K], draft_probs [B, K, V] | None, target_probs [B, K+1, V]) and return a
 VerifyOutput. See base.py for the glossary and exact.py for closed forms given a drafted block (the law of
 tau, the gain of each drafted position) that length policies and the exact tests build on.
+
+tree.py verifies a drafted tree (several candidates per position, one target forward over all of them):
+verify_tree_token (recursive rejection sampling), verify_tree_block (Traversal Verification, block verification
+extended to trees) and verify_tree_greedy; tree_law and expected_accepted_tree are their closed forms.
 """
 
 from .base import Randomness, VerifyOutput, positive_part_mass, row_chunks
@@ -15,12 +19,16 @@ from .exact import (accepted_length_law, acceptance_survival, agreement, draft_d
                     final_distributions, position_gains)
 from .greedy import verify_greedy
 from .token import token_acceptance, verify_token
+from .tree import (TreeLaw, TreeVerifyOutput, expected_accepted_tree, tree_law, verify_tree_block, verify_tree_greedy,
+                   verify_tree_token)
 
 VERIFIERS = {"token": verify_token, "block": verify_block, "greedy": verify_greedy}
 
 __all__ = [
     "VERIFIERS",
     "Randomness",
+    "TreeLaw",
+    "TreeVerifyOutput",
     "VerifyOutput",
     "accepted_length_law",
     "acceptance_survival",
@@ -29,12 +37,17 @@ __all__ = [
     "block_weights",
     "draft_distributions",
     "expected_accepted",
+    "expected_accepted_tree",
     "final_distributions",
     "position_gains",
     "positive_part_mass",
     "row_chunks",
     "token_acceptance",
+    "tree_law",
     "verify_block",
     "verify_greedy",
     "verify_token",
+    "verify_tree_block",
+    "verify_tree_greedy",
+    "verify_tree_token",
 ]

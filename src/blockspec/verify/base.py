@@ -236,12 +236,12 @@ def emit(draft_tokens: torch.Tensor, tau: torch.Tensor, last: torch.Tensor) -> V
 
 def _check_shapes(draft_tokens, draft_probs, target_probs, num_verified, randomness) -> None:
     if not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dim() != 2:
-        raise ValueError(f"draft_tokens must be a [B, K] tensor, got {_describe(draft_tokens)}")
+        raise ValueError(f"draft_tokens must be a [B, K] tensor, got {describe(draft_tokens)}")
     if draft_tokens.dtype != torch.long:
         raise ValueError(f"draft_tokens must be int64, got {draft_tokens.dtype}")
     batch, width = draft_tokens.shape
     if not isinstance(target_probs, torch.Tensor) or target_probs.dim() != 3:
-        raise ValueError(f"target_probs must be a [B, K+1, V] tensor, got {_describe(target_probs)}")
+        raise ValueError(f"target_probs must be a [B, K+1, V] tensor, got {describe(target_probs)}")
     if target_probs.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"target_probs must be float32 or float64 probabilities, got {target_probs.dtype}")
     if target_probs.shape[:2] != (batch, width + 1):
@@ -255,13 +255,13 @@ def _check_shapes(draft_tokens, draft_probs, target_probs, num_verified, randomn
     if draft_probs is not None:
         if not isinstance(draft_probs, torch.Tensor) or list(draft_probs.shape) != [batch, width, vocab]:
             raise ValueError(
-                f"draft_probs must have shape [B, K, V] = [{batch}, {width}, {vocab}], got {_describe(draft_probs)}"
+                f"draft_probs must have shape [B, K, V] = [{batch}, {width}, {vocab}], got {describe(draft_probs)}"
             )
         if draft_probs.dtype != target_probs.dtype:
             raise ValueError(f"draft_probs is {draft_probs.dtype} but target_probs is {target_probs.dtype}")
     if num_verified is not None:
         if not isinstance(num_verified, torch.Tensor) or list(num_verified.shape) != [batch]:
-            raise ValueError(f"num_verified must be a [B] = [{batch}] tensor, got {_describe(num_verified)}")
+            raise ValueError(f"num_verified must be a [B] = [{batch}] tensor, got {describe(num_verified)}")
         if num_verified.dtype != torch.long:
             raise ValueError(f"num_verified must be int64, got {num_verified.dtype}")
     if randomness is not None:
@@ -294,9 +294,9 @@ def _check_values(draft_tokens, draft_probs, target_probs, num_verified, randomn
         )
     # The target row at position num_verified (the bonus distribution) is used too.
     target_used = torch.arange(width + 1, device=num_verified.device) <= num_verified[:, None]  # [B, K+1]
-    _check_distributions("target_probs", target_probs, target_used)
+    check_distributions("target_probs", target_probs, target_used)
     if draft_probs is not None:
-        _check_distributions("draft_probs", draft_probs, verified)
+        check_distributions("draft_probs", draft_probs, verified)
         draft_at, _ = probs_of_drafted(draft_tokens, draft_probs, target_probs)
         impossible = verified & (draft_at <= 0)
         if bool(impossible.any()):
@@ -306,14 +306,19 @@ def _check_values(draft_tokens, draft_probs, target_probs, num_verified, randomn
                 "the drafted tokens must be sampled from draft_probs"
             )
     if randomness is not None:
-        u = randomness.uniforms
-        if bool(((u < 0) | (u >= 1) | u.isnan()).any()):
-            raise ValueError("randomness.uniforms must lie in [0, 1)")
-        if bool((~(randomness.exponentials > 0)).any()):
-            raise ValueError("randomness.exponentials must be > 0")
+        check_randomness_values(randomness)
 
 
-def _check_distributions(name: str, probs: torch.Tensor, used: torch.Tensor) -> None:
+def check_randomness_values(randomness: Randomness) -> None:
+    """Uniforms in [0, 1) and exponentials > 0 (NaN fails both)."""
+    u = randomness.uniforms
+    if bool(((u < 0) | (u >= 1) | u.isnan()).any()):
+        raise ValueError("randomness.uniforms must lie in [0, 1)")
+    if bool((~(randomness.exponentials > 0)).any()):
+        raise ValueError("randomness.exponentials must be > 0")
+
+
+def check_distributions(name: str, probs: torch.Tensor, used: torch.Tensor) -> None:
     """Each used row of ``probs`` [B, N, V] must be a probability vector: no NaN, no negatives, sum 1."""
     # Summing V rounded entries loses about half the significant digits at worst: float32 ~3e-4, float64 ~1e-8.
     tolerance = torch.finfo(probs.dtype).eps ** 0.5
@@ -330,7 +335,7 @@ def _check_distributions(name: str, probs: torch.Tensor, used: torch.Tensor) -> 
             raise ValueError(f"{name}[{b}, {i}] {problem}: sum = {float(sums[b, i]):.9g}; pass probabilities, not logits")
 
 
-def _describe(value) -> str:
+def describe(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"tensor of shape {list(value.shape)} and dtype {value.dtype}"
     return type(value).__name__

@@ -228,7 +228,7 @@ def test_align_and_hub_companions_download_only_when_allowed(flag, expected, mon
         loads.append((name, kwargs["allow_download"]))
         raise ValueError("stopped before loading")
 
-    monkeypatch.setattr(hf, "load_model", fake_load)  # alignment imports it when it runs
+    monkeypatch.setattr(hf, "load_model", fake_load)  # the runner imports it when it runs
     assert cli.main(["align", *flag, "--out", str(tmp_path), "--target", "some/model"]) == 2
     monkeypatch.setattr(companion, "load_model", fake_load)
     with pytest.raises(ValueError, match="stopped before loading"):

@@ -18,8 +18,11 @@ Schema 2 added ``drafted``, ``rows``, ``prompt_ids`` and ``finish_reasons`` (and
 schema 3 added ``status`` and ``error``, and the machine's state in ``meta`` (``cpu_flags``, ``threads``, and
 ``others_cpu_s`` / ``others_cores``: the CPU time other processes used while the run was timed, see
 ``blockspec.machine``); schema 4 renamed ``draft_len`` to ``max_draft`` and ``draft_lens`` to ``verified`` (the
-glossary of ``blockspec.verify.base``). Older records still load, under the new names and with the new fields at
-their defaults; the runner refuses to add records to a file of an older schema.
+glossary of ``blockspec.verify.base``), and added ``draft_temperature`` (the draft's own sampling temperature T_d, or
+None when it samples at the target's: every run but the alignment sweep's) and ``overlap`` (per row-step, the mean
+over its verified positions of sum_v min(draft, target), None where nothing was verified). Older records still load,
+under the new names and with the new fields at their defaults; the runner refuses to add records to a file of an
+older schema.
 
 The settings a run directory was made with are stored beside its records (the runner's ``config.json``);
 ``refuse_other_settings`` is the check that a resume does not pool another experiment's runs under the same keys.
@@ -81,10 +84,14 @@ class Record:
     # schema 3
     status: str = OK  # OK or FAILED (the run raised: no measurement)
     error: str | None = None  # of a failed run: "<exception type>: <message>"
+    # schema 4
+    draft_temperature: float | None = None  # T_d; None: the draft samples at the target's temperature
+    overlap: list[float | None] = field(default_factory=list)  # per row-step (fixed-K configurations)
 
     @property
     def key(self) -> tuple:
-        return (self.dataset, self.prompt_id, self.config, self.max_draft, self.temperature, self.batch_size)
+        return (self.dataset, self.prompt_id, self.config, self.max_draft, self.temperature, self.batch_size,
+                self.draft_temperature)
 
     @property
     def ok(self) -> bool:
@@ -160,6 +167,9 @@ def read(path: Path) -> Iterator[Record]:
         if not isinstance(data, dict):
             log.warning("%s: not a record but a JSON %s: skipped", where, type(data).__name__)
             continue
+        if data.get("kind") == "align":
+            raise ValueError(f"{where}: a record of the alignment sweep of an older blockspec, which wrote its own "
+                             "kind of record: these cannot be read any more; run `blockspec align` again")
         if data.get("schema") not in READABLE_SCHEMAS:
             raise ValueError(f"{where}: record schema {data.get('schema')} is not one of {READABLE_SCHEMAS}")
         if data["schema"] < 4:

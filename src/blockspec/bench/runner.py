@@ -11,10 +11,10 @@ error, and the bench goes on; a resume does not retry failed runs unless ``retry
 Resuming: ``<out>/config.json`` holds the settings of the run directory (every BenchConfig field, the CPU flags
 and the thread count, ``blockspec.machine.facts``). A resume whose settings differ is refused, naming the fields,
 except for RESUMABLE: the fields that only steer how much runs, and the lists that only select which runs are
-planned (each run is recorded under its own key: dataset, prompt, configuration, K, temperature, batch size), so
-they may grow (or shrink) between calls. A directory with records but no config.json (from an older blockspec)
-can be reported but not resumed. Both checks, and the one that ``out`` is a directory, come before any model
-loads.
+planned (each run is recorded under its own key: dataset, prompt, configuration, K, temperature, batch size,
+draft temperature), so they may grow (or shrink) between calls. A directory with records but no config.json (from
+an older blockspec) can be reported but not resumed. Both checks, and the one that ``out`` is a directory, come
+before any model loads.
 
 Machine state: each record's meta holds the CPU flags, the thread count and the CPU time other processes used
 while the run was timed (``others_cpu_s``, ``others_cores``); the report leaves contended runs out of its speeds.
@@ -40,6 +40,15 @@ draft-only predictor, block rule, no companion forward). SV needs a calibration 
 latency profile (``blockspec sv calibrate`` / ``blockspec sv profile``); by default they are read from where
 those commands save them for these models, sampling, dtype and device.
 
+Draft temperatures (the alignment sweep, preset "align", ``blockspec align``): with ``draft_temperatures``, the
+fixed-K configurations run once at each draft temperature T_d, the draft sampling at T_d while the target keeps its
+temperature T (lossless at any T_d: verification sees the distribution the draft actually sampled from, so T_d only
+changes how well the draft matches the target). Such runs score every step's draft under both rules (the exact
+expected accepted lengths) and record the draft-target overlap; the report shows the paired analytic gain of block
+over token against the mean overlap per T_d (``report.alignment``). The draft temperatures of one prompt are
+neighbours in the plan and share its seed (common random numbers across the sweep), so a time-boxed run covers
+every T_d early.
+
 ``dtype="auto"`` (the default) is what ``auto.choose_arithmetic`` measured fastest on this machine; each record's
 meta holds the dtype used and the draft's quantization. ``target_quant="int8"`` benchmarks a quantized target
 (every configuration, target-only included, decodes that same target).
@@ -49,6 +58,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import platform
 import sys
 import time
@@ -95,6 +105,8 @@ class BenchConfig:
     latency: Path | None = None  # SV latency profile; None = `blockspec sv profile`'s for these models and device
     retry_failed: bool = False  # rerun the runs recorded as failed (a resume skips them otherwise)
     allow_download: bool = False  # let load_model fetch hub ids missing from the local cache
+    # T_d: the draft's own temperatures, each run by the fixed-K configurations; empty: the target's temperature
+    draft_temperatures: tuple[float, ...] = ()
 
     def __post_init__(self):
         unknown = sorted(set(self.configs) - set(rec.KNOWN_CONFIGS))
@@ -107,6 +119,16 @@ class BenchConfig:
                 f"batch size {max(self.batch_sizes)} needs at least {max(self.batch_sizes)} prompts per dataset, "
                 f"not {self.prompts_per_dataset}: raise --prompts or lower --batch-sizes"
             )
+        if self.draft_temperatures:
+            if not all(t > 0 for t in self.temperatures):
+                raise ValueError(f"the target temperature must be > 0 for a draft temperature to mean anything "
+                                 f"(at 0 the draft proposes its argmax), got {self.temperatures}")
+            if not all(t >= 0 for t in self.draft_temperatures):
+                raise ValueError(f"draft temperatures must be >= 0 (0 = argmax draft), got {self.draft_temperatures}")
+            if len(set(self.draft_temperatures)) != len(self.draft_temperatures):
+                raise ValueError(f"draft temperatures repeat: {self.draft_temperatures}")
+            if self.batch_sizes != (1,):
+                raise ValueError(f"draft temperatures are run at batch size 1 only, not {self.batch_sizes}")
 
 
 PRESETS = {
@@ -125,6 +147,12 @@ PRESETS = {
         datasets=("gsm8k", "humaneval"), prompts_per_dataset=64, max_drafts=(2, 4, 8), batch_sizes=(1, 4, 16, 32, 64),
         configs=("target-only", "token", "block", "sv-draft", "sv-token", "sv-block"), time_budget=3 * 3600.0,
     ),
+    # The alignment sweep (`blockspec align`): block at K = 4 with the draft at five temperatures of its own, the
+    # target at 1; what it measures needs no wall clock (expected accepted lengths, overlap).
+    "align": BenchConfig(
+        dtype="bfloat16", prompts_per_dataset=4, max_drafts=(4,), configs=("block",),
+        draft_temperatures=(0.4, 0.7, 1.0, 1.5, 2.0), out=Path("results/align"),
+    ),
 }
 
 
@@ -140,6 +168,7 @@ class Run:
     temperature: float
     seed: int  # row b uses seed + b
     round: int = 0  # batch index within its dataset and batch size; runs are interleaved round by round
+    draft_temperature: float | None = None  # T_d; None: the draft samples at ``temperature``
 
     @property
     def prompt_id(self) -> str:
@@ -151,7 +180,8 @@ class Run:
 
     @property
     def key(self) -> tuple:
-        return (self.dataset, self.prompt_id, self.config, self.max_draft, self.temperature, self.batch_size)
+        return (self.dataset, self.prompt_id, self.config, self.max_draft, self.temperature, self.batch_size,
+                self.draft_temperature)
 
 
 AUTO_DRAFT = ("auto", "lookup+model")  # draft with the model auto.choose_arithmetic picked (int8 or not)
@@ -177,8 +207,9 @@ def draft_quant_of(name: str, arithmetic) -> str | None:
 
 def plan(config: BenchConfig, prompts: dict[str, list[tuple[str, list[int]]]]) -> list[Run]:
     """Every run, interleaved: round n takes batch n (prompt n at batch size 1) of every dataset, at every batch
-    size, at every temperature, through all configurations in turn; so a run cut short by its budget still
-    covers every dataset, batch size and configuration."""
+    size, at every temperature, through all configurations in turn (the fixed-K ones at every draft temperature);
+    so a run cut short by its budget still covers every dataset, batch size, configuration and draft
+    temperature."""
     batch_sizes = sorted(set(config.batch_sizes))
     short = {dataset: len(items) for dataset, items in prompts.items() if len(items) < batch_sizes[-1]}
     if short:
@@ -204,8 +235,10 @@ def plan(config: BenchConfig, prompts: dict[str, list[tuple[str, list[int]]]]) -
                     for name in config.configs:
                         if name in rec.HF_CONFIGS and batch_size > 1:
                             continue  # transformers' assisted generation decodes one row
-                        runs.extend(Run(dataset, ids, rows, name, k, temperature, seed, n)
-                                    for k in max_drafts_of(config, name))
+                        draft_temperatures = (config.draft_temperatures or (None,)) \
+                            if name in rec.FIXED_CONFIGS else (None,)
+                        runs.extend(Run(dataset, ids, rows, name, k, temperature, seed, n, draft_temperature)
+                                    for k in max_drafts_of(config, name) for draft_temperature in draft_temperatures)
     return runs
 
 
@@ -214,7 +247,7 @@ RECORDS, CONFIG = "records.jsonl", "config.json"
 # or only select which runs are planned, each recorded under its own key (nested prompt samples: more prompts
 # add prompts, the first ones keep their seeds). Every other field, and the machine's facts, must match.
 RESUMABLE = ("time_budget", "precision", "retry_failed", "allow_download", "out", "datasets", "prompts_per_dataset",
-             "max_drafts", "temperatures", "configs", "batch_sizes")
+             "max_drafts", "temperatures", "configs", "batch_sizes", "draft_temperatures")
 
 
 def settings(config: BenchConfig) -> dict:
@@ -262,7 +295,7 @@ def gain_is_known(records_file: Path, precision: float) -> bool:
     temperature is not stopped by the records of another)."""
     from .report import build_report, summary
 
-    records = [r for r in rec.read(records_file) if r.batch_size == 1 and r.ok]
+    records = [r for r in rec.read(records_file) if r.batch_size == 1 and r.ok and r.draft_temperature is None]
     prompts = Counter((t, dataset) for t, dataset, _ in
                       {(r.temperature, r.dataset, r.prompt_id) for r in records if r.config == "block"})
     if not prompts or min(prompts.values()) < MIN_PROMPTS:
@@ -386,7 +419,7 @@ class Executor:
         return rec.Record(
             dataset=item.dataset, prompt_id=item.prompt_id, config=item.config, max_draft=item.max_draft,
             temperature=item.temperature, batch_size=item.batch_size, seed=item.seed,
-            prompt_ids=list(item.prompt_ids), **result, meta=meta,
+            prompt_ids=list(item.prompt_ids), draft_temperature=item.draft_temperature, **result, meta=meta,
         )
 
     def _decoder(self, item: Run):
@@ -416,6 +449,7 @@ class Executor:
         from ..sampling import SamplingParams
 
         sampling = SamplingParams(temperature=item.temperature)
+        draft_sampling = None if item.draft_temperature is None else SamplingParams(item.draft_temperature)
         if item.config == "hf-assisted":
             return run_assisted(self.target, self.drafts[None], list(item.prompts[0]), sampling, max_new_tokens,
                                 item.seed)
@@ -423,13 +457,16 @@ class Executor:
             return run_lookup(self.target, list(item.prompts[0]), sampling, max_new_tokens, item.seed)
         decoder = self._decoder(item)
         result = decoder.generate([list(p) for p in item.prompts], max_new_tokens=max_new_tokens, sampling=sampling,
-                                  seed=item.seed, expected=item.config in rec.FIXED_CONFIGS)
+                                  draft_sampling=draft_sampling, seed=item.seed,
+                                  expected=item.config in rec.FIXED_CONFIGS)
         steps = result.stats  # per-row lists flattened in step order, then row order
         return {
             "new_tokens": result.new_tokens, "wall_time": result.wall_time, "prefill_time": result.prefill_s,
             "accepted": [a for s in steps for a in s.accepted], "verified": [k for s in steps for k in s.verified],
             "expected_token": [e for s in steps if s.expected_token is not None for e in s.expected_token],
             "expected_block": [e for s in steps if s.expected_block is not None for e in s.expected_block],
+            # NaN (a row-step that verified nothing) is not JSON: stored as null
+            "overlap": [None if math.isnan(o) else o for s in steps if s.overlap is not None for o in s.overlap],
             "drafted": [s.drafted for s in steps], "rows": [len(s.rows) for s in steps],
             "finish_reason": result.finish_reasons[0], "finish_reasons": list(result.finish_reasons),
         }
@@ -519,8 +556,9 @@ class _Progress:
         if self.lines and record is not None:
             outcome = (f"{record.new_tokens} tokens in {record.wall_time:.1f} s" if record.ok
                        else f"failed: {record.error}")
+            draft = "" if record.draft_temperature is None else f" T_d={record.draft_temperature:g}"
             print(f"bench run {self.done}/{self.total}: {record.prompt_id} {record.config} K={record.max_draft} "
-                  f"T={record.temperature:g} B={record.batch_size}: {outcome}", file=sys.stderr, flush=True)
+                  f"T={record.temperature:g}{draft} B={record.batch_size}: {outcome}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         self.bar.close()

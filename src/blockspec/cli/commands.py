@@ -194,9 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
         "  blockspec bench --preset sv --out results/bench-sv",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bench.add_argument("--preset", default="quick", choices=["quick", "paper", "sv"],
+    bench.add_argument("--preset", default="quick", choices=["quick", "paper", "sv", "align"],
                        help="quick: 3 datasets, a few prompts, K in {4, 8}, T=1; paper: the full token-vs-block grid; "
-                       "sv: target-only, token, block (K in {2, 4, 8}) and SV at batch sizes 1 to 64 (default: quick)")
+                       "sv: target-only, token, block (K in {2, 4, 8}) and SV at batch sizes 1 to 64; align: the "
+                       "alignment sweep of `blockspec align` (default: quick)")
     bench.add_argument("--target", help="target model (default: the preset's, the bundled 1.5B)")
     bench.add_argument("--draft", help="draft model (default: the preset's, the bundled 0.5B)")
     bench.add_argument("--datasets", nargs="+", help="prompt sets (see blockspec.bench.datasets.DATASETS)")
@@ -205,6 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-draft", type=sv_cli.int_at_least(1), nargs="+", dest="max_drafts",
         help="draft lengths K to compare (the most a step drafts for auto, lookup+model and SV: the largest)"))
     bench.add_argument("--temperatures", type=float, nargs="+", help="sampling temperatures (0 = greedy)")
+    bench.add_argument("--draft-temperatures", type=float, nargs="+",
+                       help="the draft's own sampling temperatures T_d, each run by token, block and block-int8 at "
+                       "batch size 1 (the alignment sweep; see `blockspec align`) (default: the preset's; align: "
+                       "0.4 0.7 1 1.5 2; others: none, the draft samples at the target's temperature)")
     bench.add_argument("--configs", nargs="+", choices=KNOWN_CONFIGS, metavar="CONFIG",
                        help="configurations to run, any of " + ", ".join(KNOWN_CONFIGS) + "; token, block and "
                        "block-int8 (the draft quantized to int8) at each K; auto: what `generate` runs by default; "
@@ -243,9 +248,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="rerun the runs a previous call recorded as failed (default: keep their failure records)")
     bench.set_defaults(run=run_bench)
 
-    from ..bench.alignment import AlignConfig  # stdlib-only at import: --help stays instant
-
-    align_defaults = AlignConfig()
     align = sub.add_parser(
         "align", help="alignment sweep: block-vs-token gain against draft-target overlap, the draft sampling at "
         "several temperatures of its own",
@@ -257,46 +259,41 @@ def build_parser() -> argparse.ArgumentParser:
         "overlap sum_v min(draft, target) at the verified positions. Measured and reported per T_d, pooled over "
         "datasets and per dataset: mean overlap, analytic block efficiency of each rule (1 + mean expected "
         "accepted per step) and the paired analytic gain (BE block / BE token - 1) with a bootstrap interval over "
-        "prompts; a table (alignment.md), a JSON summary (the last stdout line) and a plot of gain vs overlap "
-        "(alignment_gain_vs_overlap.png). No wall clock is measured. Resumable: records already written are "
-        "skipped; round n runs prompt n of every dataset at every T_d, so a time-boxed run covers every T_d.",
+        "prompts; a table (alignment.md), a JSON summary (the last stdout line, under \"alignment\") and a plot of "
+        "gain vs overlap (alignment_gain_vs_overlap.png). No wall clock is measured. This is `blockspec bench "
+        "--preset align`: resumable (records already written are skipped; round n runs prompt n of every dataset "
+        "at every T_d, so a time-boxed run covers every T_d), failed runs recorded and listed. Defaults: the align "
+        "preset's (blockspec.bench.runner.PRESETS).",
         epilog="examples:\n  blockspec align --time-budget 1200      # bundled pair, 3 datasets x 5 T_d\n"
         "  blockspec align --draft-temperatures 0.5 1 2 --prompts 8 --out results/align-8   # run again to resume\n"
-        "  python -m blockspec.bench.alignment --records results/align/records.jsonl --out results/align  # re-report",
+        "  python -m blockspec.bench.report --records results/align/records.jsonl --out results/align  # re-report",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    align.add_argument("--target", default=defaults.TARGET,
-                       help="the model whose distribution is kept (default: %(default)s)")
-    align.add_argument("--draft", default=defaults.DRAFT,
-                       help="the small model that proposes tokens (default: %(default)s)")
-    align.add_argument("--datasets", nargs="+", default=list(align_defaults.datasets),
-                       help="prompt sets (see blockspec.bench.datasets.DATASETS) (default: %(default)s)")
+    # default None: only the flags given override the align preset
+    align.add_argument("--target", help="the model whose distribution is kept (default: the bundled 1.5B)")
+    align.add_argument("--draft", help="the small model that proposes tokens (default: the bundled 0.5B)")
+    align.add_argument("--datasets", nargs="+",
+                       help="prompt sets (see blockspec.bench.datasets.DATASETS) (default: gsm8k humaneval sharegpt)")
     align.add_argument("--prompts", type=sv_cli.int_at_least(1), dest="prompts_per_dataset",
-                       default=align_defaults.prompts_per_dataset,
-                       help="prompts per dataset (default: %(default)s)")
-    align.add_argument("--draft-temperatures", type=float, nargs="+", default=list(align_defaults.draft_temperatures),
-                       help="the draft's own sampling temperatures T_d; 0 = its argmax (default: %(default)s)")
-    align.add_argument("--temperature", type=float, default=align_defaults.temperature,
-                       help="the target's sampling temperature, > 0 (default: %(default)s)")
+                       help="prompts per dataset (default: 4)")
+    align.add_argument("--draft-temperatures", type=float, nargs="+",
+                       help="the draft's own sampling temperatures T_d; 0 = its argmax (default: 0.4 0.7 1 1.5 2)")
+    align.add_argument("--temperature", type=float, help="the target's sampling temperature, > 0 (default: 1)")
     sv_cli.renamed_flag(align, "--draft-len", align.add_argument(
-        "--max-draft", type=sv_cli.int_at_least(1), default=align_defaults.max_draft,
-        help="tokens drafted per step, K (default: %(default)s)"))
-    align.add_argument("--max-new-tokens", type=sv_cli.int_at_least(1), default=align_defaults.max_new_tokens,
-                       help="new tokens per prompt (default: %(default)s)")
-    align.add_argument("--seed", type=int, default=align_defaults.seed,
-                       help="base seed: prompt n of a set uses seed + n at every T_d (default: %(default)s)")
-    align.add_argument("--dtype", default=align_defaults.dtype, choices=DTYPES,
-                       help="(default: %(default)s)")
-    align.add_argument("--device", default=align_defaults.device,
-                       help="cpu, cuda, cuda:N or auto (default: %(default)s)")
-    align.add_argument("--no-chat", dest="chat", action="store_false",
+        "--max-draft", type=sv_cli.int_at_least(1), help="tokens drafted per step, K (default: 4)"))
+    align.add_argument("--max-new-tokens", type=sv_cli.int_at_least(1), help="new tokens per prompt (default: 64)")
+    align.add_argument("--seed", type=int,
+                       help="base seed: prompt n of a set uses seed + n at every T_d (default: 0)")
+    align.add_argument("--dtype", choices=DTYPES, help="(default: bfloat16)")
+    align.add_argument("--device", help="cpu, cuda, cuda:N or auto (default: cpu)")
+    align.add_argument("--no-chat", dest="chat", action="store_false", default=None,
                        help="send the raw prompts instead of wrapping them in the model's chat template")
-    align.add_argument("--allow-download", action="store_true", help=sv_cli.ALLOW_DOWNLOAD_HELP)
+    align.add_argument("--allow-download", action="store_true", default=None, help=sv_cli.ALLOW_DOWNLOAD_HELP)
     align.add_argument("--time-budget", type=sv_cli.positive_float,
                        help="seconds; stop scheduling runs after this (resume later)")
-    align.add_argument("--out", type=Path, default=align_defaults.out,
-                       help="output directory for records, table, summary and plot (default: %(default)s)")
-    align.set_defaults(run=run_align)
+    align.add_argument("--out", type=Path,
+                       help="output directory for records, tables, summary and plot (default: results/align)")
+    align.set_defaults(run=run_bench, preset="align")
 
     models = sub.add_parser("models", help="list the bundled model presets, installed or not, and their cache state")
     models.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -498,46 +495,39 @@ class _Streamer:
         sys.stdout.write("\n")
 
 
-def run_bench(args) -> int:
-    from dataclasses import replace
+# `blockspec align` takes one target temperature and one K: the BenchConfig fields its flags set
+ALIGN_FIELDS = {"temperature": "temperatures", "max_draft": "max_drafts"}
 
+
+def bench_config(args):
+    """The BenchConfig `blockspec bench` (or `align`) runs: the preset's, with every flag given in its place."""
+    from dataclasses import fields
+
+    from ..bench import runner
+
+    preset = runner.PRESETS[args.preset]
+    given = {ALIGN_FIELDS.get(name, name): value for name, value in vars(args).items() if value is not None}
+    overrides = {}
+    for field in fields(preset):
+        if field.name in given:
+            value = given[field.name]
+            if isinstance(getattr(preset, field.name), tuple):  # the lists (one value for align's single flags)
+                value = tuple(value) if isinstance(value, list) else (value,)
+            overrides[field.name] = value
+    return replace(preset, **overrides)
+
+
+def run_bench(args) -> int:
     from ..bench import report, runner
     from ..models.hf import resolve_device
     from ..sampling import SamplingParams
 
-    preset = runner.PRESETS[args.preset]
-    overrides = {name: getattr(args, name) for name in (
-        "target", "draft", "datasets", "prompts_per_dataset", "max_drafts", "temperatures", "configs",
-        "max_new_tokens", "time_budget", "precision", "seed", "dtype", "target_quant", "device", "out", "batch_sizes",
-        "companion", "sv_profile", "latency", "allow_download", "retry_failed", "chat")
-        if getattr(args, name) is not None}
-    for name in ("datasets", "max_drafts", "temperatures", "configs", "batch_sizes"):
-        if name in overrides:
-            overrides[name] = tuple(overrides[name])
-    config = replace(preset, **overrides)
-    for temperature in config.temperatures:  # refused here, not after the models load
+    config = bench_config(args)
+    for temperature in (*config.temperatures, *config.draft_temperatures):  # refused here, not after the models load
         SamplingParams(temperature=temperature)
     resolve_device(config.device)
     records_file = runner.run(config)
     return report.main(["--records", str(records_file), "--out", str(config.out)])
-
-
-def run_align(args) -> int:
-    from ..bench import alignment
-    from ..models.hf import resolve_device
-    from ..sampling import SamplingParams
-
-    config = alignment.AlignConfig(
-        target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, datasets=tuple(args.datasets),
-        prompts_per_dataset=args.prompts_per_dataset, draft_temperatures=tuple(args.draft_temperatures),
-        temperature=args.temperature, max_draft=args.max_draft, max_new_tokens=args.max_new_tokens, seed=args.seed,
-        chat=args.chat, time_budget=args.time_budget, out=args.out, allow_download=args.allow_download,
-    )
-    for temperature in (config.temperature, *config.draft_temperatures):  # refused here, not after the models load
-        SamplingParams(temperature=temperature)
-    resolve_device(config.device)
-    records_file = alignment.run(config)
-    return alignment.main(["--records", str(records_file), "--out", str(config.out)])
 
 
 def run_models(args) -> int:

@@ -1,63 +1,20 @@
-"""Benchmark report: paper-style tables and plots from saved JSONL records (re-runnable at any time).
-
-Glossary (docs/algorithms.md conventions):
-    BE          block efficiency = tokens emitted per target forward = 1 + mean accepted draft tokens per
-                step, POOLED over all steps of all prompts of a configuration (sum accepted / sum steps).
-    gain        BE_block / BE_token - 1, measured from the accepted lengths actually observed.
-    analytic    1 + mean of the per-step exact E[accepted | this step's draft] under each rule, over the
-                steps of BOTH the token and the block runs: every step's draft is scored under both rules,
-                so the two BEs share their drafts and the paired gain is far less noisy than the measured one.
-    tok/s       sum new_tokens / sum wall_time of a configuration (prefill included).
-    unit        a prompt, (dataset, prompt_id). Confidence intervals resample prompts, never steps: the steps
-                of one prompt share its context and difficulty, so they are not independent draws.
-
-The token-vs-block tables are built from batch-1 records (one prompt per run). Batched runs (a batch of B
-consecutive prompts per record, see ``records``) and the Speculative Verification configurations go to a
-second table, pooled over datasets, one row per (temperature, batch size, configuration, K), whose unit is a
-batch (at B = 1, a prompt):
-    tok/s       decode throughput: sum new_tokens / sum (wall_time - prefill_time) over the batches of a
-                configuration. The prompts' forwards are left out: at batch 64 with short generations they
-                would dominate, and serving overlaps them with other batches' decoding. transformers'
-                assisted generation and prompt lookup (hf-assisted, hf-lookup) do not report their prefill: their
-                tok/s and x target-only (against target-only's) use whole wall times, so that the comparison
-                counts prefill on both sides.
-    x best K    tok/s over that of the best fixed-K configuration (token or block, any K: the highest tok/s
-                on the batches all of them ran), re-selected inside every bootstrap resample.
-    rejected    1 - accepted / verified: the fraction of verified drafted tokens the target rejected.
-    verified / emitted, drafted / emitted   drafted tokens the target verified (drafted) per new token.
-
-Runs left out (listed in a section of the report and under "left_out" in the JSON summary):
-    failed      runs that raised (``Record.ok`` is false): left out of every figure, so a prompt whose
-                target-only (or hf-assisted) run failed has no speedup over it; the report names such prompts.
-    contended   runs timed while other processes used more than MAX_OTHERS_CORES CPU-seconds per wall second
-                (``others_cores`` in the record's meta): left out of tok/s and of every speedup, kept in the
-                block efficiencies (accepted lengths do not depend on timing).
-Records from different machine kinds (CPU flags) or thread counts are never pooled: ``build_report`` refuses them.
-
-Confidence intervals are percentile bootstrap intervals over prompts, paired (one resample picks the same
-prompts for every configuration compared), stratified by dataset (each dataset keeps its prompt count), with
-an explicit seeded ``numpy.random.Generator``. Speedups compare tok/s on the prompts both configurations ran.
-
-Library entry points: ``build_report(records) -> Report``, ``format_table(report) -> str``,
-``summary(report) -> dict``, ``render(report, out_dir) -> list[Path]``. The CLI
-``python -m blockspec.bench.report --records FILE --out DIR`` prints the tables, then one JSON line.
-"""
+"""The benchmark report's tables as data, built from records: token vs block per dataset and pooled (``Row``),
+the baselines, the accepted-length histograms, the batch table (``BatchRow``), the runs left out; and the JSON
+summary of them. The conventions (how each figure is computed) are in the package's docstring and in
+``CONVENTION`` / ``BATCH_CONVENTION``, printed above the tables."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
-import sys
 from collections import defaultdict
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Callable, Iterable
 
 import numpy as np
 
-from blockspec.bench import records as records_io
-from blockspec.bench.records import Record
+from .. import records as records_io
+from ..records import Record
+from .stats import Estimate, ReportConfig, bootstrap
 
 log = logging.getLogger(__name__)
 
@@ -88,23 +45,6 @@ BATCH_CONVENTION = (
     "once every dataset has 2 batches), {n_boot} resamples, seed {seed}"
 )
 
-
-@dataclass(frozen=True)
-class ReportConfig:
-    """Defaults of the report (the CLI reads them from here)."""
-
-    n_boot: int = 2000  # bootstrap resamples of prompts
-    confidence: float = 0.95
-    seed: int = 0  # seed of the bootstrap's numpy Generator: the same records give the same report
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """A point value and its bootstrap interval (lo/hi are None with fewer than two prompts)."""
-
-    value: float
-    lo: float | None = None
-    hi: float | None = None
 
 
 @dataclass(frozen=True)
@@ -203,55 +143,6 @@ class Report:
 
     def rows_of(self, dataset: str) -> list[Row]:
         return [row for row in self.rows if row.dataset == dataset]
-
-
-# ----------------------------------------------------------------------------------------- bootstrap
-
-
-def resample_counts(strata: np.ndarray, n_boot: int, generator: np.random.Generator) -> np.ndarray:
-    """[n_boot, P] float: how often each of P prompts is drawn in each resample.
-
-    Prompts are redrawn with replacement within their stratum (dataset), so every resample keeps each
-    dataset's prompt count. A statistic of the resample is then a function of ``counts @ per_prompt_sums``.
-    """
-    counts = np.zeros((n_boot, len(strata)))
-    for stratum in np.unique(strata):  # sorted: the draw order is deterministic
-        members = np.flatnonzero(strata == stratum)
-        m = len(members)
-        draws = generator.integers(0, m, size=(n_boot, m))  # [n_boot, m] indices into members
-        flat = draws + m * np.arange(n_boot)[:, None]  # one bincount for all resamples: offset row b by b*m
-        counts[:, members] = np.bincount(flat.ravel(), minlength=n_boot * m).reshape(n_boot, m)
-    return counts
-
-
-def bootstrap(
-    statistic: Callable[[dict], float | np.ndarray],
-    columns: dict[str, np.ndarray],
-    strata: np.ndarray,
-    config: ReportConfig,
-) -> Estimate:
-    """Point value and percentile CI of ``statistic`` over prompts.
-
-    ``columns`` maps a name to per-prompt sums [P] (all aligned on the same prompts, so the bootstrap is
-    paired); ``statistic`` receives the same names mapped to totals: scalars for the point value, arrays
-    [n_boot] for the resamples (numpy broadcasting serves both).
-    """
-    point = float(statistic({name: column.sum() for name, column in columns.items()}))
-    # A stratum with a single prompt resamples to itself: its interval would be falsely narrow (zero-width
-    # with one prompt per dataset), so no interval is given until every stratum has two prompts.
-    if len(strata) < 2 or np.unique(strata, return_counts=True)[1].min() < 2:
-        return Estimate(point)
-    generator = np.random.default_rng(config.seed)  # fresh per call: a cell's CI does not depend on call order
-    counts = resample_counts(strata, config.n_boot, generator)
-    with np.errstate(divide="ignore", invalid="ignore"):  # a resample can draw only zero-step prompts
-        replicas = np.asarray(statistic({name: counts @ column for name, column in columns.items()}), float)
-    replicas = replicas[np.isfinite(replicas)]
-    if len(replicas) == 0:
-        return Estimate(point)
-    tail = (1 - config.confidence) / 2
-    lo, hi = np.quantile(replicas, [tail, 1 - tail])
-    return Estimate(point, float(lo), float(hi))
-
 
 # ------------------------------------------------------------------------------------ record helpers
 
@@ -475,15 +366,16 @@ def build_report(records: list[Record], config: ReportConfig = ReportConfig()) -
     without the other rule at the same (temperature, K, batch size), which the paired tables leave out.
 
     Unknown configurations are ignored with a warning; missing ones leave their columns empty (None). Failed
-    runs are left out of every figure, contended ones out of tok/s and speedups (``LeftOut``). Raises ValueError
-    for records of more than one machine kind or thread count.
+    runs are left out of every figure, contended ones out of tok/s and speedups (``LeftOut``). Runs at a draft
+    temperature of their own are left to the alignment report (``alignment``), but for the failed ones, listed here.
+    Raises ValueError for records of more than one machine kind or thread count.
     """
     known = [r for r in records if r.config in records_io.KNOWN_CONFIGS]
     if len(known) < len(records):
         log.warning("%d records with an unknown config are ignored", len(records) - len(known))
     machine = _one_machine(known)
     left_out = _left_out(known)
-    n_records, known = len(known), [r for r in known if r.ok]
+    n_records, known = len(known), [r for r in known if r.ok and r.draft_temperature is None]
     batch = tuple(_batch_rows(known, config)) if _unpaired(_cells(known)) or any(
         r.batch_size > 1 or r.config in BATCH_TABLE_ONLY for r in known) else ()
     paper = [r for r in known if r.batch_size == 1 and r.config not in records_io.SV_CONFIGS]
@@ -518,8 +410,9 @@ def _one_machine(records: list[Record]) -> dict | None:
 
 
 def _key_fields(record: Record) -> dict:
+    draft = {} if record.draft_temperature is None else {"draft_temperature": record.draft_temperature}
     return dict(dataset=record.dataset, prompt_id=record.prompt_id, config=record.config, max_draft=record.max_draft,
-                temperature=record.temperature, batch_size=record.batch_size)
+                temperature=record.temperature, batch_size=record.batch_size, **draft)
 
 
 def _left_out(records: list[Record]) -> LeftOut:
@@ -527,7 +420,7 @@ def _left_out(records: list[Record]) -> LeftOut:
     return LeftOut(
         failed=tuple(dict(_key_fields(r), error=r.error) for r in records_io.still_failed(records).values()),
         contended=tuple(dict(_key_fields(r), others_cores=r.meta["others_cores"]) for r in records
-                        if r.ok and not _timed(r)),
+                        if r.ok and r.draft_temperature is None and not _timed(r)),
     )
 
 
@@ -633,140 +526,6 @@ def _paired_speedup(cell: dict, others: list[dict], config: ReportConfig, decode
     return bootstrap(statistic, columns, _strata(units), config)
 
 
-# ------------------------------------------------------------------------------------------ formatting
-
-DASH = "-"
-HEADER = (
-    "T", "K", "B", "config", "prompts", "BE token", "BE block", "gain (CI)", "analytic BE token",
-    "analytic BE block", "analytic gain (CI)", "tok/s token / block", "x target-only token / block",
-    "x hf-assisted token / block", "block / token wall (CI)",
-)
-
-
-def _num(value: float | None, spec: str = ".3f", suffix: str = "") -> str:
-    return DASH if value is None else f"{value:{spec}}{suffix}"
-
-
-def _pair(a: float | None, b: float | None, spec: str, suffix: str = "") -> str:
-    return DASH if a is None and b is None else f"{_num(a, spec, suffix)} / {_num(b, spec, suffix)}"
-
-
-def _interval(estimate: Estimate | None, spec: str = ".3f", suffix: str = "", scale: float = 1.0) -> str:
-    """``value<suffix> [lo, hi]`` (the interval only when there is one), every number scaled and formatted alike."""
-    if estimate is None:
-        return DASH
-    text = f"{scale * estimate.value:{spec}}{suffix}"
-    return text if estimate.lo is None else f"{text} [{scale * estimate.lo:{spec}}, {scale * estimate.hi:{spec}}]"
-
-
-def _percent(estimate: Estimate | None) -> str:
-    return _interval(estimate, "+.1f", "%", 100.0)
-
-
-def _times(estimate: Estimate | None) -> str:
-    return _interval(estimate, ".3f", "x")
-
-
-def _spec_cells(row: Row) -> list[str]:
-    return [
-        f"{row.temperature:g}", str(row.max_draft), str(row.batch_size), "token vs block", str(row.prompts),
-        _num(row.be_token), _num(row.be_block), _percent(row.gain),
-        _num(row.analytic_be_token), _num(row.analytic_be_block), _percent(row.analytic_gain),
-        _pair(row.tokens_per_s_token, row.tokens_per_s_block, ".2f"),
-        _pair(row.speedup_token_vs_target, row.speedup_block_vs_target, ".3f", "x"),
-        _pair(row.speedup_token_vs_hf, row.speedup_block_vs_hf, ".3f", "x"),
-        _times(row.speedup_block_vs_token),
-    ]
-
-
-def _baseline_cells(row: BaselineRow) -> list[str]:
-    return [
-        f"{row.temperature:g}", str(row.max_draft), str(row.batch_size), row.config, str(row.prompts),
-        *[DASH] * 6, _num(row.tokens_per_s, ".2f"),
-        "1.000x" if row.config == "target-only" else _num(row.speedup_vs_target, ".3f", "x"), DASH, DASH,
-    ]
-
-
-def _markdown(header: tuple[str, ...], body: list[list[str]]) -> str:
-    widths = [max(len(cell) for cell in column) for column in zip(header, *body)]
-    line = lambda cells: "| " + " | ".join(cell.ljust(w) for cell, w in zip(cells, widths)) + " |"  # noqa: E731
-    return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, body)])
-
-
-BATCH_HEADER = (
-    "T", "B", "config", "K", "batches", "tok/s (CI)", "x target-only (CI)", "x best fixed K (CI)",
-    "x transformers (CI)",
-    "rejected / verified (CI)", "verified / emitted (CI)", "drafted / emitted", "BE",
-)
-
-
-def _batch_cells(row: BatchRow) -> list[str]:
-    return [
-        f"{row.temperature:g}", str(row.batch_size), row.config + (" *" if row.best_fixed else ""), str(row.max_draft),
-        str(row.batches), _interval(row.tokens_per_s, ".2f"),
-        "1.000x" if row.config == "target-only" else _times(row.speedup_vs_target),
-        "1.000x" if row.best_fixed else _times(row.speedup_vs_best_fixed), _times(row.speedup_vs_hf),
-        _percent(row.rejected).replace("+", ""), _interval(row.verified_per_emitted),
-        _num(row.drafted_per_emitted), _num(row.block_efficiency),
-    ]
-
-
-def format_batch_table(report: Report) -> str:
-    """The batch table (markdown, with its convention), or "" when ``build_report`` made none."""
-    if not report.batch:
-        return ""
-    cfg = report.config
-    caption = BATCH_CONVENTION.format(conf=100 * cfg.confidence, n_boot=cfg.n_boot, seed=cfg.seed)
-    body = [_batch_cells(row) for row in report.batch]
-    return f"## batch sizes and Speculative Verification: all datasets pooled\n\n{caption}.\n\n" \
-        f"{_markdown(BATCH_HEADER, body)}"
-
-
-def _run_name(run: dict) -> str:
-    return f"{run['prompt_id']} {run['config']} K={run['max_draft']} T={run['temperature']:g} B={run['batch_size']}"
-
-
-def format_left_out(left_out: LeftOut) -> str:
-    """The report's section on the runs its figures leave out, or "" when there are none."""
-    lines = []
-    if left_out.failed:
-        lines.append(f"- failed runs ({len(left_out.failed)}), in no figure (a resume reruns them only when asked "
-                     "to retry failed runs):")
-        lines += [f"    - {_run_name(run)}: {run['error']}" for run in left_out.failed]
-        lines += [f"- {run['config']} failed on {run['prompt_id']} (T={run['temperature']:g}, B={run['batch_size']}): "
-                  f"the speedups over {run['config']} leave that prompt out" for run in left_out.failed
-                  if run["config"] in BASELINES]
-    if left_out.contended:
-        lines.append(f"- {len(left_out.contended)} runs measured while other processes used more than "
-                     f"{MAX_OTHERS_CORES} CPU-seconds per wall second: left out of tok/s and speedups, kept in the "
-                     "block efficiencies:")
-        lines += [f"    - {_run_name(run)}: others used {run['others_cores']:.2f}" for run in left_out.contended]
-    return "## runs left out\n\n" + "\n".join(lines) if lines else ""
-
-
-def format_table(report: Report) -> str:
-    """Markdown tables: one per dataset, then the summary pooled over datasets; the convention and the machine on
-    top, then the runs left out, if any."""
-    cfg = report.config
-    parts = [CONVENTION.format(conf=100 * cfg.confidence, n_boot=cfg.n_boot, seed=cfg.seed) + "."]
-    if report.machine:
-        flags = " ".join(report.machine["cpu_flags"]) or "none of AVX2, AVX-512, AMX"
-        parts.append(f"Machine: CPU flags {flags}; {report.machine['threads']} threads.")
-    left_out = format_left_out(report.left_out)
-    if left_out:
-        parts.append(left_out)
-    for label in (*report.datasets, ALL):
-        body = [_baseline_cells(b) for b in report.baselines if b.dataset == label]
-        body += [_spec_cells(r) for r in report.rows_of(label)]
-        if not body:
-            continue
-        title = "summary: all datasets pooled" if label == ALL else f"dataset: {label}"
-        parts.append(f"## {title}\n\n{_markdown(HEADER, body)}")
-    if report.batch:
-        parts.append(format_batch_table(report))
-    return "\n\n".join(parts)
-
-
 def _fastest(report: Report) -> list[dict]:
     """Per (temperature, batch size), the configuration and K with the highest pooled tok/s."""
     candidates = [(b.temperature, b.batch_size, b.config, b.max_draft, b.tokens_per_s)
@@ -809,219 +568,3 @@ def _best_fixed(report: Report) -> list[dict]:
                  tokens_per_s=r.tokens_per_s.value if r.tokens_per_s else None)
             for r in report.batch if r.best_fixed]
 
-
-# ----------------------------------------------------------------------------------------------- plots
-
-
-def _panels(report: Report) -> list[tuple[float, int]]:
-    return sorted({(row.temperature, row.batch_size) for row in report.rows})
-
-
-def new_figure(n_panels: int, title: str):
-    """A figure with n_panels side by side, drawn by the Agg canvas (no pyplot, no global backend state)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(5.5 * max(n_panels, 1), 4.2), layout="constrained")
-    FigureCanvasAgg(figure)
-    figure.suptitle(title)
-    axes = figure.subplots(1, max(n_panels, 1), squeeze=False)[0]
-    return figure, axes
-
-
-def plot_efficiency(report: Report, path: Path) -> Path:
-    """BE vs K: token (dashed) vs block (solid) per dataset; analytic values as hollow markers."""
-    panels = _panels(report)
-    figure, axes = new_figure(len(panels), "block efficiency (1 + mean accepted per step) vs K")
-    for ax, (temperature, batch_size) in zip(axes, panels):
-        for index, label in enumerate((*report.datasets, ALL)):
-            rows = [r for r in report.rows_of(label) if (r.temperature, r.batch_size) == (temperature, batch_size)]
-            if not rows:
-                continue
-            color, ks = ("black" if label == ALL else f"C{index}"), [r.max_draft for r in rows]
-            ax.plot(ks, [r.be_token for r in rows], "o--", color=color, label=f"{label} token")
-            ax.plot(ks, [r.be_block for r in rows], "s-", color=color, label=f"{label} block")
-            ax.plot(ks, [r.analytic_be_token for r in rows], "o", mfc="none", color=color, alpha=0.6)
-            ax.plot(ks, [r.analytic_be_block for r in rows], "s", mfc="none", color=color, alpha=0.6)
-        ax.set(title=f"T={temperature:g}, B={batch_size} (hollow: analytic)", xlabel="K (draft length)",
-               ylabel="block efficiency")
-        ax.set_xticks(sorted({r.max_draft for r in report.rows}))
-        ax.legend(fontsize=7)
-    figure.savefig(path, dpi=110)
-    return path
-
-
-def plot_speedup(report: Report, path: Path) -> Path:
-    """Wall-clock speedup over target-only vs K: token (dashed), block (solid), hf-assisted (x)."""
-    panels = _panels(report)
-    figure, axes = new_figure(len(panels), "wall-clock speedup over target-only vs K")
-    for ax, (temperature, batch_size) in zip(axes, panels):
-        ax.axhline(1.0, color="grey", lw=0.8)
-        for index, label in enumerate((*report.datasets, ALL)):
-            rows = [r for r in report.rows_of(label) if (r.temperature, r.batch_size) == (temperature, batch_size)]
-            color, ks = ("black" if label == ALL else f"C{index}"), [r.max_draft for r in rows]
-            ax.plot(ks, [_nan(r.speedup_token_vs_target) for r in rows], "o--", color=color, label=f"{label} token")
-            ax.plot(ks, [_nan(r.speedup_block_vs_target) for r in rows], "s-", color=color, label=f"{label} block")
-            hf = [b for b in report.baselines if b.dataset == label and b.config == "hf-assisted"
-                  and (b.temperature, b.batch_size) == (temperature, batch_size) and b.speedup_vs_target]
-            for b in hf:  # own schedule (K=0): a horizontal line; fixed K: a point
-                if b.max_draft:
-                    ax.plot([b.max_draft], [b.speedup_vs_target], "x", color=color, ms=9)
-                else:
-                    ax.axhline(b.speedup_vs_target, color=color, ls=":", lw=1)
-        ax.set(title=f"T={temperature:g}, B={batch_size} (x / dotted: hf-assisted)", xlabel="K (draft length)",
-               ylabel="tok/s over target-only")
-        ax.set_xticks(sorted({r.max_draft for r in report.rows}))
-        ax.legend(fontsize=7)
-    figure.savefig(path, dpi=110)
-    return path
-
-
-def plot_accepted(report: Report, path: Path) -> Path:
-    """Histogram of accepted lengths per step, token vs block, one panel per (T, K), pooled over datasets."""
-    panels = sorted({(h.temperature, h.max_draft) for h in report.histograms})
-    figure, axes = new_figure(len(panels), "accepted draft tokens per step (fraction of steps)")
-    for ax, (temperature, max_draft) in zip(axes, panels):
-        for offset, name in ((-0.2, "token"), (0.2, "block")):
-            for h in report.histograms:
-                if (h.config, h.temperature, h.max_draft) == (name, temperature, max_draft):
-                    counts = np.array(h.counts, float)
-                    ax.bar(np.arange(len(counts)) + offset, counts / counts.sum(), width=0.4, label=name)
-        ax.set(title=f"T={temperature:g}, K={max_draft}", xlabel="accepted tokens", ylabel="fraction of steps")
-        ax.legend(fontsize=8)
-    figure.savefig(path, dpi=110)
-    return path
-
-
-FIXED_COLORS = ("C0", "C1", "C2", "C6", "C8", "C9")  # one per K; C3-C5 are the SV configurations
-
-
-def plot_batch(report: Report, path: Path) -> Path:
-    """tok/s vs batch size per configuration (and K), one panel per temperature, pooled over datasets."""
-    temperatures = sorted({row.temperature for row in report.batch})
-    figure, axes = new_figure(len(temperatures), "tokens/s vs batch size (all datasets pooled)")
-    style = {"target-only": ("o-", "black"), "hf-assisted": ("x", "grey"), "hf-lookup": ("+", "grey"),
-             "sv-draft": ("D-", "C3"), "sv-token": ("^-", "C4"), "sv-block": ("v-", "C5"), "auto": ("*-", "C7"),
-             "lookup": ("P-", "darkgreen"), "lookup+model": ("X-", "darkred")}
-    for ax, temperature in zip(axes, temperatures):
-        rows = [r for r in report.batch if r.temperature == temperature]
-        ks = sorted({r.max_draft for r in rows if r.config in records_io.FIXED_CONFIGS})
-        for name, k in sorted({(r.config, r.max_draft) for r in rows}):
-            line = sorted((r.batch_size, r.tokens_per_s.value) for r in rows
-                          if (r.config, r.max_draft) == (name, k) and r.tokens_per_s is not None)
-            if not line:
-                continue
-            if name in records_io.FIXED_CONFIGS:  # one colour per K; token dashed, block solid
-                fmt = {"token": "o--", "block": "s-", "block-int8": "s:"}[name]
-                color = FIXED_COLORS[ks.index(k) % len(FIXED_COLORS)]
-                label = f"{name} K={k}"
-            else:
-                (fmt, color), label = style[name], name + (f" (K<={k})" if k else "")
-            xs, ys = zip(*line)
-            ax.plot(xs, ys, fmt, color=color, label=label, lw=2 if name in records_io.SV_CONFIGS else 1)
-        sizes = sorted({r.batch_size for r in rows})
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sizes, [str(b) for b in sizes])
-        ax.set(title=f"T={temperature:g}", xlabel="batch size B", ylabel="tokens/s (all rows)")
-        ax.legend(fontsize=7)
-    figure.savefig(path, dpi=110)
-    return path
-
-
-def _nan(value: float | None) -> float:
-    return float("nan") if value is None else value
-
-
-def render(report: Report, out_dir: Path, plots: bool = True) -> list[Path]:
-    """Write report.md (the tables), summary.json and, if ``plots``, three PNG plots (four with the batch
-    table: tokens/s vs batch size); return the paths.
-
-    Plots need matplotlib (``pip install 'blockspec[bench]'``); without it this raises ImportError rather
-    than silently skipping them.
-    """
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = [out_dir / "report.md", out_dir / "summary.json"]
-    written[0].write_text(format_table(report) + "\n")
-    written[1].write_text(json.dumps(summary(report), indent=1) + "\n")
-    if plots:
-        written += [
-            plot_efficiency(report, out_dir / "block_efficiency_vs_k.png"),
-            plot_speedup(report, out_dir / "speedup_vs_k.png"),
-            plot_accepted(report, out_dir / "accepted_hist.png"),
-        ]
-        if report.batch:
-            written.append(plot_batch(report, out_dir / "tokens_per_s_vs_batch.png"))
-    log.info("report written: %s", ", ".join(str(p) for p in written))
-    return written
-
-
-# ------------------------------------------------------------------------------------------------- CLI
-
-
-@dataclass(frozen=True)
-class ReportTool:
-    """What a report command reads and writes: this module's benchmark report, or another report built on the
-    same bootstrap (``alignment``), so both share one command line."""
-
-    prog: str
-    description: str
-    outputs: str  # what --out receives
-    read: Callable
-    build_report: Callable
-    format_table: Callable
-    summary: Callable
-    render: Callable
-
-
-def build_parser(tool: ReportTool) -> argparse.ArgumentParser:
-    defaults = ReportConfig()
-    parser = argparse.ArgumentParser(prog=tool.prog, description=tool.description)
-    parser.add_argument("--records", type=Path, nargs="+", required=True, help="JSONL record file(s)")
-    parser.add_argument("--out", type=Path, help=f"directory for {tool.outputs}")
-    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    parser.add_argument("--n-boot", type=int, default=defaults.n_boot,
-                        help="bootstrap resamples (default: %(default)s)")
-    parser.add_argument("--confidence", type=float, default=defaults.confidence, help="(default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=defaults.seed, help="bootstrap seed (default: %(default)s)")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
-    return parser
-
-
-def run_tool(tool: ReportTool, argv: list[str] | None = None) -> int:
-    """Read the records, print the table and then one JSON line; write files under --out."""
-    args = build_parser(tool).parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
-    name = tool.prog.rsplit(".", 1)[-1]
-    try:
-        loaded = [record for path in args.records for record in tool.read(path)]
-        if not loaded:
-            raise ValueError("no records")
-        report = tool.build_report(loaded, ReportConfig(n_boot=args.n_boot, confidence=args.confidence,
-                                                        seed=args.seed))
-    except (FileNotFoundError, ValueError, TypeError) as error:  # e.g. records of two machine kinds
-        print(f"{name}: error: {error}", file=sys.stderr)
-        return 2
-    if args.out:
-        tool.render(report, args.out, plots=not args.no_plots)
-    print(tool.format_table(report))
-    summary = tool.summary(report)
-    print(json.dumps(summary))
-    failed = summary.get("left_out", {}).get("failed", [])
-    if failed:  # the figures are complete only without them: a script must see it
-        print(f"{name}: {len(failed)} runs failed (listed in the report with their errors)", file=sys.stderr)
-        return 1
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run_tool(ReportTool(
-        prog="python -m blockspec.bench.report",
-        description="Tables and plots from saved benchmark records; the last stdout line is a JSON summary.",
-        outputs="report.md, summary.json and plots", read=records_io.read, build_report=build_report,
-        format_table=format_table, summary=summary, render=render,
-    ), argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -149,10 +149,7 @@ PRESETS = {
     ),
     # The alignment sweep (`blockspec align`): block at K = 4 with the draft at five temperatures of its own, the
     # target at 1; what it measures needs no wall clock (expected accepted lengths, overlap).
-    "align": BenchConfig(
-        dtype="bfloat16", prompts_per_dataset=4, max_drafts=(4,), configs=("block",),
-        draft_temperatures=(0.4, 0.7, 1.0, 1.5, 2.0), out=Path("results/align"),
-    ),
+    "align": BenchConfig(**{**defaults.ALIGN, "out": Path(defaults.ALIGN["out"])}),
 }
 
 

@@ -209,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--draft-temperatures", type=float, nargs="+",
                        help="the draft's own sampling temperatures T_d, each run by token, block and block-int8 at "
                        "batch size 1 (the alignment sweep; see `blockspec align`) (default: the preset's; align: "
-                       "0.4 0.7 1 1.5 2; others: none, the draft samples at the target's temperature)")
+                       f"{' '.join(f'{t:g}' for t in defaults.ALIGN['draft_temperatures'])}; others: none, the draft "
+                       "samples at the target's temperature)")
     bench.add_argument("--configs", nargs="+", choices=KNOWN_CONFIGS, metavar="CONFIG",
                        help="configurations to run, any of " + ", ".join(KNOWN_CONFIGS) + "; token, block and "
                        "block-int8 (the draft quantized to int8) at each K; auto: what `generate` runs by default; "
@@ -273,26 +274,31 @@ def build_parser() -> argparse.ArgumentParser:
     align.add_argument("--target", help="the model whose distribution is kept (default: the bundled 1.5B)")
     align.add_argument("--draft", help="the small model that proposes tokens (default: the bundled 0.5B)")
     align.add_argument("--datasets", nargs="+",
-                       help="prompt sets (see blockspec.bench.datasets.DATASETS) (default: gsm8k humaneval sharegpt)")
+                       help="prompt sets (see blockspec.bench.datasets.DATASETS) (default: the bench's)")
     align.add_argument("--prompts", type=sv_cli.int_at_least(1), dest="prompts_per_dataset",
-                       help="prompts per dataset (default: 4)")
+                       help=f"prompts per dataset (default: {defaults.ALIGN['prompts_per_dataset']})")
     align.add_argument("--draft-temperatures", type=float, nargs="+",
-                       help="the draft's own sampling temperatures T_d; 0 = its argmax (default: 0.4 0.7 1 1.5 2)")
-    align.add_argument("--temperature", type=float, help="the target's sampling temperature, > 0 (default: 1)")
+                       help="the draft's own sampling temperatures T_d; 0 = its argmax (default: "
+                       f"{' '.join(f'{t:g}' for t in defaults.ALIGN['draft_temperatures'])})")
+    align.add_argument("--temperature", type=float,
+                       help="the target's sampling temperature, > 0 (default: the bench's)")
     sv_cli.renamed_flag(align, "--draft-len", align.add_argument(
-        "--max-draft", type=sv_cli.int_at_least(1), help="tokens drafted per step, K (default: 4)"))
-    align.add_argument("--max-new-tokens", type=sv_cli.int_at_least(1), help="new tokens per prompt (default: 64)")
+        "--max-draft", type=sv_cli.int_at_least(1),
+        help=f"tokens drafted per step, K (default: {defaults.ALIGN['max_drafts'][0]})"))
+    align.add_argument("--max-new-tokens", type=sv_cli.int_at_least(1),
+                       help="new tokens per prompt (default: the bench's)")
     align.add_argument("--seed", type=int,
-                       help="base seed: prompt n of a set uses seed + n at every T_d (default: 0)")
-    align.add_argument("--dtype", choices=DTYPES, help="(default: bfloat16)")
-    align.add_argument("--device", help="cpu, cuda, cuda:N or auto (default: cpu)")
+                       help="base seed: prompt n of a set uses seed + n at every T_d (default: the bench's)")
+    align.add_argument("--dtype", choices=DTYPES, help=f"(default: {defaults.ALIGN['dtype']})")
+    align.add_argument("--device", help="cpu, cuda, cuda:N or auto (default: the bench's)")
     align.add_argument("--no-chat", dest="chat", action="store_false", default=None,
                        help="send the raw prompts instead of wrapping them in the model's chat template")
     align.add_argument("--allow-download", action="store_true", default=None, help=sv_cli.ALLOW_DOWNLOAD_HELP)
     align.add_argument("--time-budget", type=sv_cli.positive_float,
                        help="seconds; stop scheduling runs after this (resume later)")
     align.add_argument("--out", type=Path,
-                       help="output directory for records, tables, summary and plot (default: results/align)")
+                       help="output directory for records, tables, summary and plot "
+                       f"(default: {defaults.ALIGN['out']})")
     align.set_defaults(run=run_bench, preset="align")
 
     models = sub.add_parser("models", help="list the bundled model presets, installed or not, and their cache state")

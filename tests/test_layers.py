@@ -18,7 +18,7 @@ import blockspec
 
 LAYERS = (  # lowest first
     ("blockspec.defaults", "blockspec.machine", "blockspec.verify"),  # no imports from the package
-    ("blockspec.sampling",),  # logits -> probabilities
+    ("blockspec.sampling", "blockspec.vllm"),  # logits -> probabilities; the rules on vLLM's layout
     ("blockspec.models",),  # adapters, presets, quantization, companions, prompt encoding
     ("blockspec.policy",),  # length policies and what SV runs on
     ("blockspec.drafting", "blockspec.lookup", "blockspec.engine"),  # the decoding loop

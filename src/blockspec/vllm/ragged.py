@@ -1,0 +1,70 @@
+"""Block verification on vLLM's flattened ragged layout.
+
+vLLM's rejection sampler hands its verification rule every request's drafted tokens one after another:
+    draft_token_ids      [T]       int: request b's n_b tokens at rows cu[b] - n_b .. cu[b] - 1
+    num_draft_tokens     [B]       n_b, possibly 0 (a request that drafted nothing)
+    cu_num_draft_tokens  [B]       cumulative n_b
+    draft_probs          [T, V]    the distribution each drafted token was sampled from
+    target_probs         [T, V]    the target's processed distribution at each drafted position
+    bonus_token_ids      [B, 1]    a token vLLM already sampled from the target after all n_b drafted tokens
+and its random draws for the requests that sample, from each request's own generator when it has one:
+    uniforms             [T]       float64, one per drafted token
+    exponentials         [B, V]    Exp(1), one vector per request (the recovered token wins a race)
+The output is vLLM's: [B, max_spec_len + 1] int32, the accepted tokens and then one more, -1 after.
+
+``block_verify_ragged`` runs Sun et al.'s block verification (``verify_block``) on those rows with those draws:
+the uniforms decide tau, the exponentials the token after a rejection, and after all n_b tokens are accepted
+the token is the bonus token, which vLLM drew from the same target distribution. So each request's output
+follows the target's law as under vLLM's token rule, and one random draw serves either rule.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..verify import Randomness, verify_block
+
+PLACEHOLDER = -1  # vLLM's PLACEHOLDER_TOKEN_ID: an empty output slot, or a drafted token to be rejected
+
+
+def pad_ragged(flat: torch.Tensor, num_draft_tokens: torch.Tensor, width: int, fill) -> torch.Tensor:
+    """[T, ...] rows, request by request, -> [B, width, ...]: request b's n_b rows first, then ``fill``."""
+    real = torch.arange(width, device=flat.device) < num_draft_tokens[:, None]  # [B, width]
+    padded = torch.full((len(num_draft_tokens), width, *flat.shape[1:]), fill, dtype=flat.dtype, device=flat.device)
+    padded[real] = flat  # row-major order over `real` is request by request: the flattened order
+    return padded
+
+
+def block_verify_ragged(
+    draft_token_ids: torch.Tensor,  # [T] int
+    num_draft_tokens: torch.Tensor,  # [B] int64
+    max_spec_len: int,
+    draft_probs: torch.Tensor,  # [T, V] float
+    target_probs: torch.Tensor,  # [T, V] float
+    bonus_token_ids: torch.Tensor,  # [B, 1] int
+    uniforms: torch.Tensor,  # [T] float64
+    exponentials: torch.Tensor,  # [B, V] float
+) -> torch.Tensor:
+    """vLLM's output [B, max_spec_len + 1] int32 under block verification; every request given samples (the
+    caller keeps greedy requests on vLLM's greedy path) and every drafted token is a real token (no -1)."""
+    if bool((draft_token_ids < 0).any()):
+        raise ValueError("block_verify_ragged: a drafted token is the -1 placeholder; rows cut by a grammar "
+                         "need the exact rule for cut drafts, not this one")
+    num_draft_tokens = num_draft_tokens.to(torch.long)
+    if int(num_draft_tokens.sum()) != len(draft_token_ids) or bool((num_draft_tokens > max_spec_len).any()):
+        raise ValueError(f"num_draft_tokens {num_draft_tokens.tolist()} must sum to the {len(draft_token_ids)} drafted "
+                         f"tokens, each at most max_spec_len = {max_spec_len}")
+    batch, vocab = len(num_draft_tokens), target_probs.shape[-1]
+    width = max(int(num_draft_tokens.max()), 1) if batch else 1
+    tokens = pad_ragged(draft_token_ids.to(torch.long), num_draft_tokens, width, 0)
+    draft = pad_ragged(draft_probs, num_draft_tokens, width, 1.0 / vocab)
+    # row n_b, the target after all drafted tokens, is never read: that token is the bonus token
+    target = pad_ragged(target_probs, num_draft_tokens, width + 1, 1.0 / vocab)
+    randomness = Randomness(pad_ragged(uniforms, num_draft_tokens, width, 0.5), exponentials)
+    out = verify_block(tokens, draft, target, num_verified=num_draft_tokens, randomness=randomness, validate=False)
+    emitted = out.tokens  # [B, width + 1]: x_1..x_tau, then one more token, -1 after
+    all_accepted = out.num_accepted == num_draft_tokens
+    emitted[all_accepted, num_draft_tokens[all_accepted]] = bonus_token_ids[all_accepted, 0].to(emitted.dtype)
+    output = torch.full((batch, max_spec_len + 1), PLACEHOLDER, dtype=torch.int32, device=emitted.device)
+    output[:, :width + 1] = emitted.to(torch.int32)
+    return output

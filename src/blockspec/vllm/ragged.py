@@ -58,7 +58,7 @@ def block_verify_ragged(
     width = max(int(num_draft_tokens.max()), 1) if batch else 1
     tokens = pad_ragged(draft_token_ids.to(torch.long), num_draft_tokens, width, 0)
     draft = pad_ragged(draft_probs, num_draft_tokens, width, 1.0 / vocab)
-    # row n_b, the target after all drafted tokens, is never read: that token is the bonus token
+    # row n_b, the target after all drafted tokens, is padding: the token drawn from it is replaced by the bonus
     target = pad_ragged(target_probs, num_draft_tokens, width + 1, 1.0 / vocab)
     randomness = Randomness(pad_ragged(uniforms, num_draft_tokens, width, 0.5), exponentials)
     out = verify_block(tokens, draft, target, num_verified=num_draft_tokens, randomness=randomness, validate=False)

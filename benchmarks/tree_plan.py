@@ -193,14 +193,18 @@ def measure_acceptance(args) -> list[dict]:
 
 
 def forward_cost(costs: dict, variant: str):
-    """t(n) in ms for a variant of a forward_costs.py result, interpolated linearly between measured n."""
+    """t(n) in ms for a variant of a forward_costs.py result, interpolated linearly between measured n (the
+    engine's own ``LatencyTable``, at batch 1); n outside the measured range is refused, not extrapolated."""
+    from blockspec.policy.base import LatencyTable
+
     measured = sorted((int(n), ms) for n, ms in costs["ms"][variant].items())
-    xs, ys = zip(*measured)
+    tokens, ms = zip(*measured)
+    table = LatencyTable((1,), tokens, (ms,))
 
     def cost(n: int) -> float:
-        if not xs[0] <= n <= xs[-1]:
-            raise ValueError(f"{variant}: {n} tokens lie outside the measured {xs[0]}..{xs[-1]}")
-        return float(np.interp(n, xs, ys))
+        if not tokens[0] <= n <= tokens[-1]:
+            raise ValueError(f"{variant}: {n} tokens lie outside the measured {tokens[0]}..{tokens[-1]}")
+        return table(1, n)
 
     return cost
 

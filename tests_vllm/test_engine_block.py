@@ -1,0 +1,82 @@
+"""End to end: vLLM's offline engine with blockspec's plugin (BLOCKSPEC_VLLM_RULE=block), on a tiny target and
+draft built in-process. The first three tokens' joint law is the target's (chi-square against the exact law from
+the same float32 weights, cells expected fewer than 5 times pooled), with and without a repetition penalty;
+greedy decoding is the target's own; logprobs are the target's; the worker reports the block rule in place.
+test_engine_stock.py runs the same law test on vLLM CPU as shipped, which must fail it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lawkit
+import tinyvllm
+
+from blockspec.vllm import plugin
+
+SAMPLES, LENGTH = 6000, 3
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    engine = tinyvllm.start(tmp_path_factory.mktemp("models"), "block")
+    yield engine
+    del engine
+
+
+@pytest.fixture(scope="module")
+def target(llm):
+    return llm.llm_engine.model_config.model
+
+
+def law_test(sequences, law):
+    counts = lawkit.joint_counts(sequences, tinyvllm.VOCAB)
+    groups = lawkit.sparse_cell_groups(law, len(sequences))
+    return lawkit.chi_square(lawkit.pool_cells(counts, groups), lawkit.pool_cells(law, groups))
+
+
+def test_every_worker_runs_the_block_rule(llm):
+    statuses = plugin.check(llm, "block")
+    assert statuses and all(s["expand"] in ("fixed", "triton") for s in statuses)
+    with pytest.raises(RuntimeError, match="asked for the token rule"):
+        plugin.check(llm, "token")
+
+
+def test_first_tokens_follow_the_target_at_temperature_1(llm, target):
+    before = plugin.check(llm, "block")[0]["steps"]["block"]
+    result = law_test(tinyvllm.first_tokens(llm, SAMPLES, LENGTH, temperature=1.0), tinyvllm.exact_law(target, 3))
+    assert result.passed, result
+    steps = plugin.check(llm, "block")[0]["steps"]
+    assert steps["block"] - before > steps["token"], steps  # the block rule verified (nearly) every step
+
+
+def test_first_tokens_follow_the_penalised_target(llm, target):
+    """The repetition penalty is applied by vLLM to the target before verification, never again by the rule."""
+    sequences = tinyvllm.first_tokens(llm, SAMPLES, LENGTH, temperature=1.0, repetition_penalty=1.6)
+    penalised = tinyvllm.exact_law(target, 3, repetition_penalty=1.6)
+    assert law_test(sequences, penalised).passed
+    assert not law_test(sequences, tinyvllm.exact_law(target, 3)).passed  # the penalty changes the law
+
+
+def test_greedy_is_the_target_s_own(llm, target):
+    assert tinyvllm.first_tokens(llm, 1, 12, temperature=0.0)[0] == tinyvllm.greedy_continuation(target, 12)
+
+
+def test_logprobs_are_the_target_s(llm, target):
+    from transformers import LlamaForCausalLM
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=tinyvllm.PROMPT)] * 20,
+                           SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, logprobs=5),
+                           use_tqdm=False)
+    model = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    for output in outputs:
+        tokens = list(output.outputs[0].token_ids)
+        with torch.no_grad():
+            logits = model(torch.tensor([tinyvllm.PROMPT + tokens])).logits[0, len(tinyvllm.PROMPT) - 1:-1]
+        expected = logits.double().log_softmax(-1)
+        for position, (token, top) in enumerate(zip(tokens, output.outputs[0].logprobs)):
+            assert abs(top[token].logprob - float(expected[position, token])) < 1e-3
+            assert len(top) >= 5

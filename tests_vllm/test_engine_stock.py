@@ -1,0 +1,28 @@
+"""End to end, vLLM CPU 0.32.0 as shipped (no BLOCKSPEC_VLLM_RULE): speculative decoding at temperature 1 does
+not follow the target's law, the defect blockspec's plugin fixes (its expand kernel leaves per-token temperatures
+uninitialised). Same tiny pair, samples and test as test_engine_block.py, which passes it with the plugin."""
+
+from __future__ import annotations
+
+import pytest
+
+import tinyvllm
+from test_engine_block import LENGTH, SAMPLES, law_test
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    engine = tinyvllm.start(tmp_path_factory.mktemp("models"), None)
+    yield engine
+    del engine
+
+
+def test_stock_vllm_cpu_first_tokens_do_not_follow_the_target(llm):
+    target = llm.llm_engine.model_config.model
+    result = law_test(tinyvllm.first_tokens(llm, SAMPLES, LENGTH, temperature=1.0), tinyvllm.exact_law(target, 3))
+    assert not result.passed, result
+
+
+def test_stock_vllm_cpu_greedy_is_right(llm):
+    target = llm.llm_engine.model_config.model
+    assert tinyvllm.first_tokens(llm, 1, 12, temperature=0.0)[0] == tinyvllm.greedy_continuation(target, 12)

@@ -1,0 +1,176 @@
+"""The exact-law harness on vLLM 0.32's own sampling path: ``RejectionSampler.forward`` called as the V1 model
+runner calls it, on random context-dependent tables (tests/lawkit.py), for vLLM CPU's stock token rule, the token
+rule with blockspec's expand kernel, and blockspec's block rule.
+
+Lossless means the K + 1 tokens of one step, completed from the target where fewer were emitted, follow the
+target's joint law exactly; a chi-square with a computed power checks it, and two broken variants must fail the
+same test: vLLM CPU as shipped (its expand kernel leaves the temperatures uninitialised) and two subtly wrong
+block rules.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lawkit
+from vllmkit import Batch, OneStep, configure, emitted
+
+from blockspec.verify import accepted_length_law
+from blockspec.vllm import plugin
+
+VOCAB, WIDTH, SAMPLES = 4, 2, 30_000
+
+
+@pytest.fixture(scope="module")
+def tables():
+    return lawkit.random_tables(VOCAB, WIDTH, seed=7)
+
+
+def step_counts(tables, rule: str, temperature: float, with_draft_probs: bool = True, seed: int = 0):
+    configure(rule)
+    torch.manual_seed(seed)  # vLLM draws unseeded requests' randomness from the global generator
+    generator = torch.Generator().manual_seed(seed)
+    return lawkit.sample_emissions(tables, WIDTH, SAMPLES, OneStep(temperature, with_draft_probs), generator)
+
+
+@pytest.mark.parametrize("rule", ["token", "block"])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_fixed_rules_follow_the_target(tables, rule, temperature):
+    result = lawkit.chi_square(step_counts(tables, rule, temperature), lawkit.target_law(tables, WIDTH + 1))
+    assert result.passed, result
+
+
+def test_stock_vllm_cpu_does_not_follow_the_target_at_temperature_1(tables):
+    result = lawkit.chi_square(step_counts(tables, "stock", 1.0), lawkit.target_law(tables, WIDTH + 1))
+    assert not result.passed, result
+
+
+@pytest.mark.parametrize("broken", ["temperature applied twice", "draft rows one late"])
+def test_broken_block_rules_fail(tables, broken):
+    """Two subtly wrong plugs must fail the same test: one re-applies the temperature to the target vLLM already
+    processed, one reads each drafted token's distribution one row late."""
+    result = lawkit.chi_square(step_counts(tables, broken, 0.6), lawkit.target_law(tables, WIDTH + 1))
+    assert not result.passed and result.statistic > 2 * result.threshold, result
+
+
+def test_drafts_without_probabilities_go_to_the_token_rule_with_a_warning(tables):
+    """A drafter without probabilities (ngram, suffix, a custom proposer) is verified by the token rule, which is
+    exact for drafts scored as one-hot whatever drafted them."""
+    with pytest.warns(UserWarning, match="no draft probabilities"):
+        counts = step_counts(tables, "block", 1.0, with_draft_probs=False)
+    result = lawkit.chi_square(counts, lawkit.target_law(tables, WIDTH + 1))
+    assert result.passed, result
+
+
+def test_block_rule_accepts_more_than_the_token_rule(tables):
+    """Same drafts and tables: block verification's expected accepted length is the larger (Sun et al.), and
+    the rule in place really is the block rule, not the token rule under its name."""
+    accepted = {}
+    for rule in ("token", "block"):
+        configure(rule)
+        torch.manual_seed(1)
+        generator = torch.Generator().manual_seed(1)
+        drafts = torch.zeros(SAMPLES, 0, dtype=torch.long)
+        for _ in range(WIDTH):
+            drafts = torch.cat([drafts, torch.multinomial(tables.draft_at(drafts), 1, generator=generator)], 1)
+        draft_probs, target_probs = tables.block_inputs(drafts)
+        accepted[rule] = OneStep()(drafts, draft_probs, target_probs).num_accepted.double()
+        exact = accepted_length_law(drafts, draft_probs, target_probs, rule) @ torch.arange(WIDTH + 1.0).double()
+        error = float(accepted[rule].mean() - exact.mean())
+        assert abs(error) < 5 * float(accepted[rule].std()) / SAMPLES**0.5, (rule, error)
+    assert accepted["block"].mean() > accepted["token"].mean()
+
+
+def mixed_batch(tables, generator) -> Batch:
+    """Requests of four kinds, in turn: sampled at T = 1, greedy, sampled at T = 0.6 with its own seed, and
+    sampled with no drafted token (the engine had nothing to draft)."""
+    drafts, draft_rows, logit_rows, temperature, seeds = [], [], [], [], {}
+    for b in range(400):
+        kind = b % 4
+        t = (1.0, 0.0, 0.6, 1.0)[kind]
+        block = torch.zeros(1, 0, dtype=torch.long)
+        for _ in range(WIDTH if kind < 3 else 0):
+            block = torch.cat([block, torch.multinomial(tables.draft_at(block), 1, generator=generator)], 1)
+        if block.shape[1]:
+            draft_probs, target_probs = tables.block_inputs(block)
+            draft_rows.append(draft_probs[0])
+        else:
+            target_probs = tables.target_at(block)[:, None]
+        drafts.append(block[0].tolist())
+        logit_rows.append((max(t, 1.0) * target_probs[0].log()).float())
+        temperature.append(t)
+        if kind == 2:
+            seeds[b] = 1000 + b
+    return Batch(drafts, torch.cat(draft_rows).float(), torch.cat(logit_rows), temperature, seeds)
+
+
+def test_mixed_batch_greedy_rows_and_the_draws_are_vllm_s(tables):
+    """Greedy rows come out exactly as under vLLM's token rule; the block rule consumes exactly the random
+    draws the token rule consumes (each seeded request's generator ends in the same state, requests without
+    drafts draw nothing from theirs); the whole batch is reproducible from the seeds."""
+    batch = mixed_batch(tables, torch.Generator().manual_seed(3))
+    runs = {}
+    for rule in ("token", "block", "block"):
+        configure(rule)
+        torch.manual_seed(5)
+        generators = {b: torch.Generator().manual_seed(s) for b, s in batch.seeds.items()}
+        tokens = batch.run(generators=generators).sampled_token_ids
+        states = {b: g.get_state() for b, g in generators.items()}
+        runs.setdefault(rule, []).append((tokens, states, torch.get_rng_state()))
+    (token_out, token_states, token_global), = runs["token"]
+    (block_out, block_states, block_global), (again, _, _) = runs["block"]
+    greedy = [b for b, t in enumerate(batch.temperature) if t == 0]
+    assert torch.equal(block_out[greedy], token_out[greedy])
+    assert all(torch.equal(block_states[b], token_states[b]) for b in batch.seeds)
+    assert torch.equal(block_global, token_global)
+    assert torch.equal(block_out, again)
+    assert any(len(row) > 1 for row in emitted(block_out[greedy]))  # greedy rows accepted something
+
+
+def test_requests_without_drafts_draw_nothing_from_their_generator(tables):
+    configure("block")
+    batch = mixed_batch(tables, torch.Generator().manual_seed(4))
+    batch.seeds = {3: 11, 7: 12}  # two requests without drafts, seeded
+    generators = {b: torch.Generator().manual_seed(s) for b, s in batch.seeds.items()}
+    before = {b: g.get_state() for b, g in generators.items()}
+    batch.run(generators=generators)
+    # the bonus token (vLLM's sampler) draws from them; the verification does not
+    reference = {b: torch.Generator().manual_seed(s) for b, s in batch.seeds.items()}
+    configure("token")
+    batch.run(generators=reference)
+    assert all(torch.equal(generators[b].get_state(), reference[b].get_state()) for b in batch.seeds)
+    assert not all(torch.equal(generators[b].get_state(), before[b]) for b in batch.seeds)
+
+
+def test_logprobs_are_the_target_s_for_the_emitted_tokens(tables):
+    """logprobs=3: each emitted token's log-probability under the target's logits at its position, as with
+    vLLM's token rule (its default logprobs mode reads the logits before processing)."""
+    configure("block")
+    torch.manual_seed(2)
+    batch = mixed_batch(tables, torch.Generator().manual_seed(6))
+    out = batch.run(max_num_logprobs=3)
+    width = out.sampled_token_ids.shape[1]
+    row_start = 0
+    checked = 0
+    for b, tokens in enumerate(emitted(out.sampled_token_ids)):
+        for j, token in enumerate(tokens):
+            expected = batch.logits[row_start + j].log_softmax(-1)[token]
+            got = out.logprobs_tensors.logprobs[b * width + j, 0]
+            assert out.logprobs_tensors.logprob_token_ids[b * width + j, 0] == token
+            assert torch.allclose(got, expected, atol=1e-5), (b, j, float(got), float(expected))
+            checked += 1
+        row_start += len(batch.drafts[b]) + 1
+    assert checked > len(batch.drafts)
+
+
+def test_the_plugin_refuses_other_vllm_versions(monkeypatch):
+    import vllm
+
+    monkeypatch.setenv(plugin.SWITCH, "block")
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    with pytest.raises(RuntimeError, match="0.32.0"):
+        plugin.register()
+    monkeypatch.setenv(plugin.SWITCH, "fast")
+    with pytest.raises(ValueError, match="BLOCKSPEC_VLLM_RULE"):
+        plugin.register()

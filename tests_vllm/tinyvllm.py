@@ -1,0 +1,116 @@
+"""A tiny target and draft for vLLM, built in-process: Llama models over a 16-token WordLevel tokenizer, saved
+in float32, and the target's exact joint law of its first tokens computed from the same weights.
+
+With 16 tokens the joint law of 3 tokens has 4096 cells, few enough to test by chi-square against samples.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import torch
+
+VOCAB = 16
+WORDS = ["<pad>", "<eos>"] + [f"w{i}" for i in range(VOCAB - 2)]
+PROMPT = [2, 5, 9]  # token ids: the prompt is given to vLLM as ids, so no tokenizer decides it
+
+
+def tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
+
+
+def model(seed: int, noise: float = 0.0, base_seed: int | None = None):
+    """A float32 Llama; with ``noise``, the model of ``base_seed`` with Gaussian noise on every weight."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                         bos_token_id=0, eos_token_id=1, pad_token_id=0, tie_word_embeddings=False,
+                         torch_dtype="float32")
+    torch.manual_seed(seed if base_seed is None else base_seed)
+    built = LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():
+        built.lm_head.weight.mul_(12.0)  # laws peaked enough that a 3-token outcome has few likely cells
+        if noise:
+            generator = torch.Generator().manual_seed(seed)
+            for param in built.parameters():
+                param.add_(noise * param.std() * torch.randn(param.shape, generator=generator))
+    return built
+
+
+def save(directory: Path) -> tuple[str, str]:
+    """(target path, draft path): the target and a draft that agrees with it often but not always."""
+    paths = []
+    for name, built in (("target", model(0)), ("draft", model(1, noise=0.5, base_seed=0))):
+        path = directory / name
+        built.save_pretrained(path)
+        tokenizer().save_pretrained(path)
+        paths.append(str(path))
+    return paths[0], paths[1]
+
+
+def exact_law(path: str, length: int, repetition_penalty: float = 1.0) -> torch.Tensor:
+    """The saved model's exact joint law of its first ``length`` tokens after PROMPT, [V] * length float64, with
+    vLLM's repetition penalty: a logit of a token already in the prompt or the output is divided by the penalty
+    if positive, multiplied by it otherwise."""
+    from transformers import LlamaForCausalLM
+
+    built = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    law = torch.ones((), dtype=torch.float64)
+    with torch.no_grad():
+        for i in range(length):
+            prefixes = torch.tensor(list(itertools.product(range(VOCAB), repeat=i)), dtype=torch.long)
+            prompt = torch.tensor(PROMPT).expand(len(prefixes), -1)
+            contexts = torch.cat([prompt, prefixes.reshape(len(prefixes), i)], 1)
+            logits = built(contexts).logits[:, -1].double()
+            seen = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, contexts, True)
+            penalised = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
+            law = law.reshape(-1, 1) * torch.where(seen, penalised, logits).softmax(-1)
+    return law.reshape([VOCAB] * length)
+
+
+def greedy_continuation(path: str, length: int) -> list[int]:
+    from transformers import LlamaForCausalLM
+
+    built = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokens = list(PROMPT)
+    with torch.no_grad():
+        for _ in range(length):
+            tokens.append(int(built(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(PROMPT):]
+
+
+def start(directory: Path, rule: str | None, num_speculative_tokens: int = 2):
+    """vLLM's offline engine on the tiny pair, float32, drafting with probabilities; the worker process inherits
+    ``BLOCKSPEC_VLLM_RULE`` = ``rule`` (None: unset, vLLM as shipped)."""
+    import os
+
+    from vllm import LLM
+
+    target, draft = save(directory)
+    os.environ.pop("BLOCKSPEC_VLLM_RULE", None)
+    if rule:
+        os.environ["BLOCKSPEC_VLLM_RULE"] = rule
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    try:
+        return LLM(model=target, dtype="float32", max_model_len=64, seed=0, enforce_eager=True,
+                   speculative_config={"method": "draft_model", "model": draft,
+                                       "num_speculative_tokens": num_speculative_tokens,
+                                       "draft_sample_method": "probabilistic", "rejection_sample_method": "standard"})
+    finally:
+        os.environ.pop("BLOCKSPEC_VLLM_RULE", None)
+
+
+def first_tokens(llm, samples: int, length: int, **params) -> list[list[int]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)] * samples,
+                           SamplingParams(max_tokens=length, ignore_eos=True, **params), use_tqdm=False)
+    return [list(output.outputs[0].token_ids) for output in outputs]

@@ -16,9 +16,9 @@ emitted was 0. The replacement repeats each request's value over its drafted tok
 The plugin is pinned to the vLLM version whose internals it replaces and refuses any other. vLLM only logs a
 plugin that fails to import, so ``check(llm)`` asks every worker which rule it runs and raises if that is not
 the one asked for. Keep ``rejection_sample_method="standard"`` and ``draft_sample_method="probabilistic"`` in
-the speculative config: vLLM hands the verifier draft probabilities only then. Drafters without them (ngram,
-suffix, custom proposers) are verified by the token rule, which for a one-hot draft accepts exactly the same
-tokens, with a warning.
+the speculative config: vLLM hands the verifier draft probabilities only then. Steps without them (ngram,
+suffix or custom drafters, or a step where vLLM lost them) are verified by the token rule, with a warning: for a
+draft scored as one-hot the token rule is exact whatever drafted it.
 """
 
 from __future__ import annotations
@@ -88,20 +88,15 @@ def block_rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_n
     """
     from vllm.v1.sample import rejection_sampler as sampler
 
-    stock = block_rejection_sample.stock
-    if sampling_metadata.all_greedy or synthetic_mode:
-        return stock(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
-                     target_logits, bonus_token_ids, sampling_metadata, synthetic_mode,
-                     synthetic_conditional_rates, use_fp64_gumbel)
-    if draft_probs is None:
-        STEPS["token"] += 1
-        warnings.warn("blockspec: this drafter gives no draft probabilities (ngram, suffix or a custom proposer, "
-                      "or rejection_sample_method is not 'standard'); its drafts are verified by vLLM's token "
-                      "rule, which accepts the same tokens as block verification for a one-hot draft",
-                      stacklevel=2)
-        return stock(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
-                     target_logits, bonus_token_ids, sampling_metadata, synthetic_mode,
-                     synthetic_conditional_rates, use_fp64_gumbel)
+    if sampling_metadata.all_greedy or synthetic_mode or draft_probs is None:
+        if draft_probs is None and not sampling_metadata.all_greedy:
+            STEPS["token"] += 1
+            warnings.warn("blockspec: this drafter gives no draft probabilities (ngram, suffix or a custom "
+                          "proposer, or draft_sample_method is not 'probabilistic'); its drafts are verified by "
+                          "vLLM's token rule, which is exact for a draft scored as one-hot", stacklevel=2)
+        return block_rejection_sample.stock(
+            draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs, target_logits,
+            bonus_token_ids, sampling_metadata, synthetic_mode, synthetic_conditional_rates, use_fp64_gumbel)
     STEPS["block"] += 1
     device = target_logits.device
     output = torch.full((len(num_draft_tokens), max_spec_len + 1), sampler.PLACEHOLDER_TOKEN_ID,

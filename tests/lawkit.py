@@ -43,10 +43,18 @@ class Tables:
         weights = self.vocab ** torch.arange(context.shape[1] - 1, -1, -1)
         return (context * weights).sum(-1)
 
+    def draw_blocks(self, samples: int, width: int, generator: torch.Generator) -> torch.Tensor:
+        """[samples, width] int64: independent blocks drafted token by token from the draft table."""
+        blocks = torch.zeros(samples, 0, dtype=torch.long)
+        for _ in range(width):
+            blocks = torch.cat([blocks, torch.multinomial(self.draft_at(blocks), 1, generator=generator)], dim=1)
+        return blocks
+
     def block_inputs(self, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(draft_probs [N, K, V], target_probs [N, K+1, V]) along each drafted block [N, K]."""
         width = draft_tokens.shape[1]
-        draft_probs = torch.stack([self.draft_at(draft_tokens[:, :i]) for i in range(width)], dim=1)
+        draft_probs = (torch.stack([self.draft_at(draft_tokens[:, :i]) for i in range(width)], dim=1) if width
+                       else torch.empty(len(draft_tokens), 0, self.vocab, dtype=self.draft[0].dtype))
         target_probs = torch.stack([self.target_at(draft_tokens[:, :i]) for i in range(width + 1)], dim=1)
         return draft_probs, target_probs
 
@@ -140,10 +148,7 @@ def sample_emissions(
     exact target samples.
     """
     vocab, length = tables.vocab, width + 1
-    draft_tokens = torch.zeros(samples, 0, dtype=torch.long)
-    for _ in range(width):
-        probs = tables.draft_at(draft_tokens)
-        draft_tokens = torch.cat([draft_tokens, torch.multinomial(probs, 1, generator=generator)], dim=1)
+    draft_tokens = tables.draw_blocks(samples, width, generator)
     draft_probs, target_probs = tables.block_inputs(draft_tokens)
     out = verifier(draft_tokens, draft_probs.to(dtype), target_probs.to(dtype), generator=generator)
     sequences = out.tokens.clone()  # [N, K+1]: filled up to index tau, -1 after

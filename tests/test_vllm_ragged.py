@@ -146,9 +146,7 @@ def grammar_batch(seed: int, samples: int) -> tuple[dict, lawkit.Tables, torch.T
     raw, masked, allowed = grammar_tables(GRAMMAR_SEED)
     generator = torch.Generator().manual_seed(seed)
     counts = torch.randint(2, GRAMMAR_SPEC_LEN + 1, (samples,), generator=generator)  # [N] n_b
-    drafted = torch.zeros(samples, 0, dtype=torch.long)  # drafts K tokens; request b keeps its first n_b
-    for _ in range(GRAMMAR_SPEC_LEN):
-        drafted = torch.cat([drafted, torch.multinomial(raw.draft_at(drafted), 1, generator=generator)], dim=1)
+    drafted = raw.draw_blocks(samples, GRAMMAR_SPEC_LEN, generator)  # K tokens; request b keeps its first n_b
     grammar = lawkit.Tables(GRAMMAR_VOCAB, allowed, allowed)  # a table lookup: allowed sets after each context
     real = torch.arange(GRAMMAR_SPEC_LEN) < counts[:, None]  # [N, K]
     ok = torch.stack([grammar.target_at(drafted[:, :i]).gather(1, drafted[:, i:i + 1]).squeeze(1)

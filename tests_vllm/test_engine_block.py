@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import lawkit
 import tinyvllm
 
 from blockspec.vllm import plugin
@@ -30,12 +29,6 @@ def target(llm):
     return llm.llm_engine.model_config.model
 
 
-def law_test(sequences, law):
-    counts = lawkit.joint_counts(sequences, tinyvllm.VOCAB)
-    groups = lawkit.sparse_cell_groups(law, len(sequences))
-    return lawkit.chi_square(lawkit.pool_cells(counts, groups), lawkit.pool_cells(law, groups))
-
-
 def test_every_worker_runs_the_block_rule(llm):
     statuses = plugin.check(llm, "block")
     assert statuses and all(s["expand"] in ("fixed", "triton") for s in statuses)
@@ -45,7 +38,8 @@ def test_every_worker_runs_the_block_rule(llm):
 
 def test_first_tokens_follow_the_target_at_temperature_1(llm, target):
     before = plugin.check(llm, "block")[0]["steps"]["block"]
-    result = law_test(tinyvllm.first_tokens(llm, SAMPLES, LENGTH, temperature=1.0), tinyvllm.exact_law(target, 3))
+    sequences = tinyvllm.first_tokens(llm, SAMPLES, LENGTH, temperature=1.0)
+    result = tinyvllm.law_test(sequences, tinyvllm.exact_law(target, LENGTH))
     assert result.passed, result
     steps = plugin.check(llm, "block")[0]["steps"]
     assert steps["block"] - before > steps["token"], steps  # the block rule verified (nearly) every step
@@ -54,9 +48,9 @@ def test_first_tokens_follow_the_target_at_temperature_1(llm, target):
 def test_first_tokens_follow_the_penalised_target(llm, target):
     """The repetition penalty is applied by vLLM to the target before verification, never again by the rule."""
     sequences = tinyvllm.first_tokens(llm, SAMPLES, LENGTH, temperature=1.0, repetition_penalty=1.6)
-    penalised = tinyvllm.exact_law(target, 3, repetition_penalty=1.6)
-    assert law_test(sequences, penalised).passed
-    assert not law_test(sequences, tinyvllm.exact_law(target, 3)).passed  # the penalty changes the law
+    penalised = tinyvllm.exact_law(target, LENGTH, repetition_penalty=1.6)
+    assert tinyvllm.law_test(sequences, penalised).passed
+    assert not tinyvllm.law_test(sequences, tinyvllm.exact_law(target, LENGTH)).passed  # the penalty matters
 
 
 def test_greedy_is_the_target_s_own(llm, target):
@@ -64,14 +58,13 @@ def test_greedy_is_the_target_s_own(llm, target):
 
 
 def test_logprobs_are_the_target_s(llm, target):
-    from transformers import LlamaForCausalLM
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     outputs = llm.generate([TokensPrompt(prompt_token_ids=tinyvllm.PROMPT)] * 20,
                            SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, logprobs=5),
                            use_tqdm=False)
-    model = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    model = tinyvllm.load(target)
     for output in outputs:
         tokens = list(output.outputs[0].token_ids)
         with torch.no_grad():

@@ -71,9 +71,7 @@ def test_block_rule_accepts_more_than_the_token_rule(tables):
         configure(rule)
         torch.manual_seed(1)
         generator = torch.Generator().manual_seed(1)
-        drafts = torch.zeros(SAMPLES, 0, dtype=torch.long)
-        for _ in range(WIDTH):
-            drafts = torch.cat([drafts, torch.multinomial(tables.draft_at(drafts), 1, generator=generator)], 1)
+        drafts = tables.draw_blocks(SAMPLES, WIDTH, generator)
         draft_probs, target_probs = tables.block_inputs(drafts)
         accepted[rule] = OneStep()(drafts, draft_probs, target_probs).num_accepted.double()
         exact = accepted_length_law(drafts, draft_probs, target_probs, rule) @ torch.arange(WIDTH + 1.0).double()
@@ -89,14 +87,9 @@ def mixed_batch(tables, generator) -> Batch:
     for b in range(400):
         kind = b % 4
         t = (1.0, 0.0, 0.6, 1.0)[kind]
-        block = torch.zeros(1, 0, dtype=torch.long)
-        for _ in range(WIDTH if kind < 3 else 0):
-            block = torch.cat([block, torch.multinomial(tables.draft_at(block), 1, generator=generator)], 1)
-        if block.shape[1]:
-            draft_probs, target_probs = tables.block_inputs(block)
-            draft_rows.append(draft_probs[0])
-        else:
-            target_probs = tables.target_at(block)[:, None]
+        block = tables.draw_blocks(1, WIDTH if kind < 3 else 0, generator)
+        draft_probs, target_probs = tables.block_inputs(block)  # a request without drafts has no draft rows
+        draft_rows.append(draft_probs[0])
         drafts.append(block[0].tolist())
         logit_rows.append((max(t, 1.0) * target_probs[0].log()).float())
         temperature.append(t)

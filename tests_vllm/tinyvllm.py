@@ -6,10 +6,12 @@ With 16 tokens the joint law of 3 tokens has 4096 cells, few enough to test by c
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 
 import torch
+
+import lawkit
+from tiny import exact_law_of_first_tokens
 
 VOCAB = 16
 WORDS = ["<pad>", "<eos>"] + [f"w{i}" for i in range(VOCAB - 2)]
@@ -55,35 +57,31 @@ def save(directory: Path) -> tuple[str, str]:
     return paths[0], paths[1]
 
 
-def exact_law(path: str, length: int, repetition_penalty: float = 1.0) -> torch.Tensor:
-    """The saved model's exact joint law of its first ``length`` tokens after PROMPT, [V] * length float64, with
-    vLLM's repetition penalty: a logit of a token already in the prompt or the output is divided by the penalty
-    if positive, multiplied by it otherwise."""
+def load(path: str):
     from transformers import LlamaForCausalLM
 
-    built = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    law = torch.ones((), dtype=torch.float64)
-    with torch.no_grad():
-        for i in range(length):
-            prefixes = torch.tensor(list(itertools.product(range(VOCAB), repeat=i)), dtype=torch.long)
-            prompt = torch.tensor(PROMPT).expand(len(prefixes), -1)
-            contexts = torch.cat([prompt, prefixes.reshape(len(prefixes), i)], 1)
-            logits = built(contexts).logits[:, -1].double()
-            seen = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, contexts, True)
-            penalised = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
-            law = law.reshape(-1, 1) * torch.where(seen, penalised, logits).softmax(-1)
-    return law.reshape([VOCAB] * length)
+    return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def exact_law(path: str, length: int, repetition_penalty: float = 1.0) -> torch.Tensor:
+    """The saved model's exact joint law of its first ``length`` tokens after PROMPT, [V] * length float64."""
+    return exact_law_of_first_tokens(load(path), PROMPT, length, repetition_penalty)
 
 
 def greedy_continuation(path: str, length: int) -> list[int]:
-    from transformers import LlamaForCausalLM
-
-    built = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    built = load(path)
     tokens = list(PROMPT)
     with torch.no_grad():
         for _ in range(length):
             tokens.append(int(built(torch.tensor([tokens])).logits[0, -1].argmax()))
     return tokens[len(PROMPT):]
+
+
+def law_test(sequences, law: torch.Tensor) -> lawkit.ChiSquare:
+    """Chi-square of sampled sequences against an exact joint law, cells expected fewer than 5 times pooled."""
+    counts = lawkit.joint_counts(sequences, VOCAB)
+    groups = lawkit.sparse_cell_groups(law, len(sequences))
+    return lawkit.chi_square(lawkit.pool_cells(counts, groups), lawkit.pool_cells(law, groups))
 
 
 def start(directory: Path, rule: str | None, num_speculative_tokens: int = 2):

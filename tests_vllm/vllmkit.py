@@ -25,6 +25,8 @@ from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
+from blockspec.verify import VerifyOutput
+
 STOCK_EXPAND = cpu_kernels._expand_kernel_impl  # taken before blockspec's plugin replaces it
 STOCK_RULE = sampler.rejection_sample
 EXPAND = [STOCK_EXPAND]  # the expand kernel in place; a kernel override is registered once per process
@@ -135,10 +137,4 @@ class OneStep:
                       draft_probs=draft_probs.reshape(rows * width, vocab).float() if self.with_draft_probs else None,
                       logits=logits, temperature=[self.temperature] * rows)
         tokens = batch.run().sampled_token_ids.long()
-        return Emitted(tokens, (tokens != sampler.PLACEHOLDER_TOKEN_ID).sum(-1) - 1)
-
-
-@dataclass
-class Emitted:
-    tokens: torch.Tensor  # [N, K+1], -1 after the emitted tokens
-    num_accepted: torch.Tensor  # [N]
+        return VerifyOutput(tokens, (tokens != sampler.PLACEHOLDER_TOKEN_ID).sum(-1) - 1)

@@ -1,7 +1,8 @@
 """End to end: vLLM's offline engine with blockspec's plugin (BLOCKSPEC_VLLM_RULE=block), on a tiny target and
 draft built in-process. The first three tokens' joint law is the target's (chi-square against the exact law from
 the same float32 weights, cells expected fewer than 5 times pooled), with and without a repetition penalty;
-greedy decoding is the target's own; logprobs are the target's; the worker reports the block rule in place.
+greedy decoding is the target's own; logprobs are the target's; the worker reports the block rule in place; structured
+outputs with sampled drafts, which vLLM cannot verify exactly, are refused.
 test_engine_stock.py runs the same law test on vLLM CPU as shipped, which must fail it.
 """
 
@@ -73,3 +74,19 @@ def test_logprobs_are_the_target_s(llm, target):
         for position, (token, top) in enumerate(zip(tokens, output.outputs[0].logprobs)):
             assert abs(top[token].logprob - float(expected[position, token])) < 1e-3
             assert len(top) >= 5
+
+
+def test_structured_outputs_with_sampled_drafts_are_refused(llm):
+    """vLLM cuts a sampled draft at the first token the grammar refuses, which is not the target's law: the plugin
+    refuses such requests and lets greedy ones through (for those the cut is exact)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import StructuredOutputsParams
+
+    prompt = [TokensPrompt(prompt_token_ids=tinyvllm.PROMPT)]
+    choice = StructuredOutputsParams(choice=["w3", "w5"])  # token ids 5 and 7
+    with pytest.raises(ValueError, match="structured outputs at temperature > 0"):
+        llm.generate(prompt, SamplingParams(temperature=1.0, max_tokens=2, structured_outputs=choice), use_tqdm=False)
+    greedy = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2, structured_outputs=choice),
+                          use_tqdm=False)
+    assert greedy[0].outputs[0].token_ids[0] in (5, 7)

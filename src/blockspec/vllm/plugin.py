@@ -18,7 +18,8 @@ plugin that fails to import, so ``check(llm)`` asks every worker which rule it r
 the one asked for. Keep ``rejection_sample_method="standard"`` and ``draft_sample_method="probabilistic"`` in
 the speculative config: vLLM hands the verifier draft probabilities only then. Steps without them (ngram,
 suffix or custom drafters, or a step where vLLM lost them) are verified by the token rule, with a warning: for a
-draft scored as one-hot the token rule is exact whatever drafted it.
+draft scored as one-hot the token rule is exact whatever drafted it. Requests vLLM cannot verify exactly with
+sampled drafts (structured outputs at temperature > 0) are refused with a ValueError.
 """
 
 from __future__ import annotations
@@ -60,8 +61,12 @@ def register() -> None:
                            f"or unset {SWITCH}.")
     import vllm.utils.cpu_triton_utils as cpu_kernels
     import vllm.v1.sample.rejection_sampler as sampler
+    from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.worker.worker_base import WorkerBase
 
+    if not hasattr(refuse_cut_grammar_drafts, "stock"):  # vLLM's request validation, run after the refusal
+        refuse_cut_grammar_drafts.stock = InputProcessor._validate_params
+    InputProcessor._validate_params = refuse_cut_grammar_drafts
     cpu_kernels._expand_kernel_impl = expand_in_place  # read when the CPU worker registers its kernels
     if rule == "block":
         if not hasattr(block_rejection_sample, "stock"):  # vLLM's token rule, kept for what stays on it
@@ -76,6 +81,26 @@ def expand_in_place(output, input_val, cu_num_tokens, replace_from, replace_to, 
     counts = torch.diff(cu_num_tokens.to(torch.long), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
     values = torch.where(input_val == replace_from, torch.tensor(replace_to, dtype=input_val.dtype), input_val)
     output.copy_(values.repeat_interleave(counts, output_size=output.numel()))
+
+
+def refuse_cut_grammar_drafts(self, params, supported_tasks):
+    """vLLM's request validation, refusing first a sampled request with structured outputs when the drafter
+    samples its drafts: vLLM's synchronous scheduler (the only one on CPU) cuts such a draft at the first token
+    the grammar refuses and verifies the rest as if nothing had been drafted there, which is not the target's
+    law (ALGORITHMS.md's thinning keeps the refused token's position as a rejected sentinel). Greedy requests
+    and one-hot drafters lose nothing to the cut. The asynchronous scheduler (GPU) keeps the position as -1,
+    which the block rule verifies exactly, but vLLM's token rule there is untested, so both are refused."""
+    from vllm.sampling_params import SamplingParams, SamplingType
+
+    spec = self.speculative_config
+    if (isinstance(params, SamplingParams) and params.structured_outputs is not None
+            and params.sampling_type != SamplingType.GREEDY and spec is not None
+            and spec.draft_sample_method == "probabilistic"):
+        raise ValueError("blockspec: structured outputs at temperature > 0 with sampled drafts "
+                         "(draft_sample_method='probabilistic') are not exact in vLLM's synchronous scheduler: it "
+                         "cuts a draft at the first token the grammar refuses. Use temperature 0, "
+                         "draft_sample_method='greedy', or no speculative decoding for these requests.")
+    return refuse_cut_grammar_drafts.stock(self, params, supported_tasks)
 
 
 def block_rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,

@@ -60,10 +60,10 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [encode_prompt(target.tokenizer, text) for text in PROMPTS[: args.prompts]]
     configs = [("target-only", "none", 0, None)] + [
         (f"{verifier} K={k}{label}", verifier, k, draft) for label, draft in drafts.items()
-        for verifier in ("token", "block") for k in args.verified
+        for verifier in ("token", "block") for k in args.max_draft
     ] + ([("hf-assisted", "assisted", 0, drafts[""])] if args.assisted else [])
     if args.int8:
-        configs.append(("auto", "auto", max(args.verified), drafts[" int8"]))
+        configs.append(("auto", "auto", max(args.max_draft), drafts[" int8"]))
 
     records = []
     for temperature in args.temperatures:

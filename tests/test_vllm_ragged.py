@@ -16,9 +16,9 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-from blockspec.verify import Randomness, verify_block
+from blockspec.verify import Randomness, expected_accepted, verify_block
 from blockspec.verify.base import race
-from blockspec.vllm.ragged import PLACEHOLDER, block_verify_ragged, pad_ragged
+from blockspec.vllm.ragged import PLACEHOLDER, block_verify_ragged, expected_accepted_ragged, pad_ragged
 
 
 def ragged_batch(counts: list[int], vocab: int, generator: torch.Generator, max_spec_len: int):
@@ -64,6 +64,25 @@ def test_each_request_is_verify_block_alone(counts):
             expected = one_request(batch, after, b)
             assert output[b, :len(expected)].tolist() == expected
             assert (output[b, len(expected):] == PLACEHOLDER).all()
+
+
+@pytest.mark.parametrize("counts", [[3], [2, 0, 1], [1, 3, 2, 3]])
+def test_expected_accepted_is_each_request_s_own(counts):
+    """The analytic score of the vLLM benchmark: per request, what blockspec.verify scores on that request alone,
+    and the two rules differ (so a score of one rule under the other's name would fail)."""
+    batch, _ = ragged_batch(counts, 5, torch.Generator().manual_seed(7), max_spec_len=4)
+    scored = expected_accepted_ragged(batch["draft_token_ids"], batch["num_draft_tokens"], batch["draft_probs"],
+                                      batch["target_probs"])
+    start = 0
+    for b, n in enumerate(counts):
+        rows = slice(start, start + n)
+        start += n
+        target = torch.cat([batch["target_probs"][rows], torch.full((1, 5), 0.2, dtype=torch.float64)])[None]
+        for method in ("token", "block"):
+            alone = expected_accepted(batch["draft_token_ids"][rows][None], batch["draft_probs"][rows][None], target,
+                                      method) if n else torch.zeros(1, dtype=torch.float64)
+            assert torch.allclose(scored[method][b], alone[0], rtol=1e-12, atol=1e-12), (method, b)
+    assert (scored["block"] - scored["token"]).abs().max() > 1e-3
 
 
 def test_pad_ragged_places_each_request_s_rows_first():

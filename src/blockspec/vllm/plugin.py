@@ -15,11 +15,12 @@ emitted was 0. The replacement repeats each request's value over its drafted tok
 
 The plugin is pinned to the vLLM version whose internals it replaces and refuses any other. vLLM only logs a
 plugin that fails to import, so ``check(llm)`` asks every worker which rule it runs and raises if that is not
-the one asked for. Keep ``rejection_sample_method="standard"`` and ``draft_sample_method="probabilistic"`` in
-the speculative config: vLLM hands the verifier draft probabilities only then. Steps without them (ngram,
-suffix or custom drafters, or a step where vLLM lost them) are verified by the token rule, with a warning: for a
-draft scored as one-hot the token rule is exact whatever drafted it. Requests vLLM cannot verify exactly with
-sampled drafts (structured outputs at temperature > 0) are refused with a ValueError.
+the one asked for (``check_server(url)`` asks a running ``vllm serve``). Keep
+``rejection_sample_method="standard"`` and ``draft_sample_method="probabilistic"`` in the speculative config:
+vLLM hands the verifier draft probabilities only then. Steps without them (ngram, suffix or custom drafters, or a
+step where vLLM lost them) are verified by the token rule, with a warning: for a draft scored as one-hot the
+token rule is exact whatever drafted it. Requests vLLM cannot verify exactly with sampled drafts (structured
+outputs at temperature > 0) are refused with a ValueError.
 """
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ import warnings
 
 import torch
 
-from .ragged import block_verify_ragged
+from .ragged import block_verify_ragged, expected_accepted_ragged
 
 VLLM_VERSION = "0.32.0"  # the version whose rejection sampler and CPU kernels this module replaces
 SWITCH = "BLOCKSPEC_VLLM_RULE"
 RULES = ("block", "token")
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 STEPS = {"block": 0, "token": 0}  # this process's verification steps with sampled requests, by the rule used
+ANALYTIC_SWITCH = "BLOCKSPEC_VLLM_ANALYTIC"  # =1: also score every block step's drafts under both rules (slower)
+ANALYTIC = {"rows": 0, "token": 0.0, "block": 0.0}  # sampled request-steps with drafts, sums of E[accepted]
 
 
 def requested_rule() -> str | None:
@@ -134,13 +137,25 @@ def block_rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_n
         sampler._rejection_greedy_sample(output, cu_num_draft_tokens, draft_token_ids,
                                          target_logits.argmax(dim=-1), bonus_token_ids, ~sampled, max_spec_len,
                                          uniforms, None)
-    target_probs = target_logits.softmax(dim=-1, dtype=torch.float32)
+    target_probs = target_logits.softmax(dim=-1, dtype=torch.float32).to(draft_probs)
     exponentials = recovery_exponentials(num_draft_tokens, target_probs.shape[-1], sampling_metadata.generators,
                                          torch.float64 if use_fp64_gumbel else torch.float32, device)
     counts = torch.tensor(num_draft_tokens, dtype=torch.long, device=device)
-    block = block_verify_ragged(draft_token_ids, counts, max_spec_len, draft_probs, target_probs.to(draft_probs),
-                                bonus_token_ids, uniforms, exponentials.to(draft_probs))
+    block = block_verify_ragged(draft_token_ids, counts, max_spec_len, draft_probs, target_probs, bonus_token_ids,
+                                uniforms, exponentials.to(draft_probs))
+    if os.environ.get(ANALYTIC_SWITCH) == "1":
+        score_both_rules(draft_token_ids, counts, draft_probs, target_probs, sampled)
     return torch.where(sampled[:, None], block, output)
+
+
+def score_both_rules(draft_token_ids, counts, draft_probs, target_probs, sampled) -> None:
+    """Add this step's expected accepted lengths under the token and the block rule, on the same drafts, for
+    every sampled request that drafted something, to ``ANALYTIC`` (the paired analytic gain of the benchmarks)."""
+    expected = expected_accepted_ragged(draft_token_ids, counts, draft_probs, target_probs)
+    rows = sampled & (counts > 0)
+    ANALYTIC["rows"] += int(rows.sum())
+    for method, values in expected.items():
+        ANALYTIC[method] += float(values[rows].sum())
 
 
 def recovery_exponentials(num_draft_tokens: list[int], vocab: int, generators: dict[int, torch.Generator],
@@ -155,8 +170,8 @@ def recovery_exponentials(num_draft_tokens: list[int], vocab: int, generators: d
 
 
 def worker_status(self) -> dict:
-    """Which verification rule and expand kernel this worker runs, and how many steps with sampled requests it
-    verified by each rule; ``check`` calls it on every worker."""
+    """Which verification rule and expand kernel this worker runs, how many steps with sampled requests it
+    verified by each rule, and the analytic sums (``ANALYTIC``); ``check`` calls it on every worker."""
     from vllm.triton_utils import HAS_TRITON
     from vllm.triton_utils.dispatcher import _registry
     from vllm.v1.sample import rejection_sampler as sampler
@@ -164,21 +179,52 @@ def worker_status(self) -> dict:
     expand = _registry.get(EXPAND_KERNEL, (None, None))[1]
     return {"rule": "block" if sampler.rejection_sample is block_rejection_sample else "token",
             "expand": "triton" if HAS_TRITON else ("fixed" if expand is expand_in_place else "stock"),
-            "steps": dict(STEPS)}
+            "steps": dict(STEPS), "analytic": dict(ANALYTIC)}
 
 
 def check(llm, rule: str | None = None) -> list[dict]:
     """Raise unless every worker of the vLLM ``LLM`` runs ``rule`` (default: what ``BLOCKSPEC_VLLM_RULE`` asks)
     with a working expand kernel; returns the workers' statuses."""
-    rule = rule or requested_rule()
-    if rule not in RULES:
-        raise ValueError(f"check: no rule asked for (set {SWITCH} to one of {', '.join(RULES)})")
+    rule = asked(rule)
     try:
         statuses = llm.collective_rpc("blockspec_status")
     except Exception as error:  # an AttributeError raised in the worker comes back wrapped
         raise RuntimeError(f"blockspec's vLLM plugin is not loaded in vLLM's worker ({error}); is blockspec "
                            f"installed in vLLM's environment and {SWITCH} set where vLLM starts?") from error
+    return require(statuses, rule)
+
+
+def check_server(url: str, rule: str | None = None, timeout: float = 60) -> list[dict]:
+    """``check`` for a running ``vllm serve`` at ``url`` (e.g. http://127.0.0.1:8000), through its development
+    endpoint /collective_rpc, which vLLM serves only when started with VLLM_SERVER_DEV_MODE=1 (it lets any
+    client call methods of the workers: serve it on a trusted network only)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    rule = asked(rule)
+    request = urllib.request.Request(url.rstrip("/") + "/collective_rpc", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"method": "blockspec_status"}).encode())
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            statuses = json.loads(response.read())["results"]
+    except urllib.error.HTTPError as error:
+        hint = ("start vllm serve with VLLM_SERVER_DEV_MODE=1" if error.code == 404 else
+                f"is blockspec installed in vLLM's environment and {SWITCH} set where vLLM starts?")
+        raise RuntimeError(f"{url}: no blockspec status from vLLM's workers (HTTP {error.code}); {hint}") from error
+    return require(statuses, rule)
+
+
+def asked(rule: str | None) -> str:
+    rule = rule or requested_rule()
+    if rule not in RULES:
+        raise ValueError(f"check: no rule asked for (set {SWITCH} to one of {', '.join(RULES)})")
+    return rule
+
+
+def require(statuses: list[dict], rule: str) -> list[dict]:
     wrong = [status for status in statuses if status["rule"] != rule or status["expand"] == "stock"]
-    if wrong:
-        raise RuntimeError(f"blockspec's vLLM plugin asked for the {rule} rule, but a worker runs {wrong[0]}")
+    if wrong or not statuses:
+        raise RuntimeError(f"blockspec's vLLM plugin asked for the {rule} rule, but a worker runs "
+                           f"{wrong[0] if wrong else 'nothing'}")
     return statuses

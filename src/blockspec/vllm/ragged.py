@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ..verify import Randomness, verify_block
+from ..verify import Randomness, expected_accepted, verify_block
 
 PLACEHOLDER = -1  # vLLM's PLACEHOLDER_TOKEN_ID: an empty output slot, or a drafted token to be rejected
 
@@ -57,23 +57,43 @@ def block_verify_ragged(
     if int(num_draft_tokens.sum()) != len(draft_token_ids) or bool((num_draft_tokens > max_spec_len).any()):
         raise ValueError(f"num_draft_tokens {num_draft_tokens.tolist()} must sum to the {len(draft_token_ids)} drafted "
                          f"tokens, each at most max_spec_len = {max_spec_len}")
+    tokens, draft, target, exponentials = padded_block(draft_token_ids, num_draft_tokens, draft_probs, target_probs,
+                                                       exponentials)
+    randomness = Randomness(pad_ragged(uniforms, num_draft_tokens, tokens.shape[1], 0.5), exponentials)
+    out = verify_block(tokens, draft, target, num_verified=num_draft_tokens, randomness=randomness, validate=False)
+    emitted = out.tokens  # [B, width + 1]: x_1..x_tau, then one more token, -1 after
+    all_accepted = out.num_accepted == num_draft_tokens
+    emitted[all_accepted, num_draft_tokens[all_accepted]] = bonus_token_ids[all_accepted, 0].to(emitted.dtype)
+    output = torch.full((len(num_draft_tokens), max_spec_len + 1), PLACEHOLDER, dtype=torch.int32,
+                        device=emitted.device)
+    output[:, :emitted.shape[1]] = emitted.to(torch.int32)
+    return output
+
+
+def padded_block(draft_token_ids, num_draft_tokens, draft_probs, target_probs, exponentials=None):
+    """The ragged rows as one padded block for ``blockspec.verify``: (tokens [B, W], draft [B, W, V'],
+    target [B, W + 1, V'], exponentials [B, V'] or None), W the longest draft (at least 1); a drafted -1
+    becomes the sentinel, token V of a vocabulary one longer (V' = V + 1), only if some token is -1."""
     batch, vocab = len(num_draft_tokens), target_probs.shape[-1]
     sentinel = draft_token_ids == PLACEHOLDER
     if bool(sentinel.any()):  # one more token, V: drafted with some probability, never by the target
         draft_token_ids = draft_token_ids.masked_fill(sentinel, vocab)
         draft_probs = torch.cat([draft_probs, sentinel[:, None].to(draft_probs.dtype)], dim=1)
         target_probs = torch.nn.functional.pad(target_probs, (0, 1))
-        exponentials = torch.nn.functional.pad(exponentials, (0, 1), value=1.0)  # the sentinel never wins a race
+        if exponentials is not None:  # the sentinel never wins a race
+            exponentials = torch.nn.functional.pad(exponentials, (0, 1), value=1.0)
     width = max(int(num_draft_tokens.max()), 1) if batch else 1
     tokens = pad_ragged(draft_token_ids.to(torch.long), num_draft_tokens, width, 0)
     draft = pad_ragged(draft_probs, num_draft_tokens, width, 1.0 / vocab)
     # row n_b, the target after all drafted tokens, is padding: the token drawn from it is replaced by the bonus
     target = pad_ragged(target_probs, num_draft_tokens, width + 1, 1.0 / vocab)
-    randomness = Randomness(pad_ragged(uniforms, num_draft_tokens, width, 0.5), exponentials)
-    out = verify_block(tokens, draft, target, num_verified=num_draft_tokens, randomness=randomness, validate=False)
-    emitted = out.tokens  # [B, width + 1]: x_1..x_tau, then one more token, -1 after
-    all_accepted = out.num_accepted == num_draft_tokens
-    emitted[all_accepted, num_draft_tokens[all_accepted]] = bonus_token_ids[all_accepted, 0].to(emitted.dtype)
-    output = torch.full((batch, max_spec_len + 1), PLACEHOLDER, dtype=torch.int32, device=emitted.device)
-    output[:, :width + 1] = emitted.to(torch.int32)
-    return output
+    return tokens, draft, target, exponentials
+
+
+def expected_accepted_ragged(draft_token_ids, num_draft_tokens, draft_probs, target_probs) -> dict[str, torch.Tensor]:
+    """E[accepted | the drafted tokens] per request [B] under the token and the block rule: both rules scored on
+    the same drafts, so their ratio carries no sampling noise (``blockspec.verify.expected_accepted``)."""
+    num_draft_tokens = num_draft_tokens.to(torch.long)
+    tokens, draft, target, _ = padded_block(draft_token_ids, num_draft_tokens, draft_probs, target_probs)
+    return {method: expected_accepted(tokens, draft, target, method, num_draft_tokens, validate=False)
+            for method in ("token", "block")}

@@ -4,17 +4,20 @@ Each table of the page follows a line that names the command which regenerates i
 taken from:
 
     Reproduce: `python -m blockspec.bench.report --records benchmarks/results/<run>/records.jsonl.gz`, section "<title>".
+    Reproduce: `python benchmarks/vllm_serve.py report --out benchmarks/results/<run>`, section "<title>".
 
-The tests run that command's code path (``blockspec.bench.report.main``) on the kept records and require the
-page's table to equal the section's table line for line, so an edited figure, or records that no longer give the
-published figure, fail here. They also require the machine the records name (CPU flags, threads) to be stated
-with the table, and every file kept under benchmarks/results/ to be cited by the page. No model is loaded.
+The tests run that command's code path (``blockspec.bench.report.main``, or the vLLM benchmark's ``main``, which
+reads <run>/records.jsonl.gz) on the kept records and require the page's table to equal the section's table line
+for line, so an edited figure, or records that no longer give the published figure, fail here. They also require
+the machine the records name (CPU flags, threads) to be stated with the table, and every file kept under
+benchmarks/results/ to be cited by the page. No model is loaded.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import io
 import re
 import shlex
@@ -27,7 +30,9 @@ from blockspec.bench import report
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "results.md"
 KEPT = ROOT / "benchmarks" / "results"
-COMMAND = re.compile(r'^Reproduce: `python -m blockspec\.bench\.report (?P<args>[^`]+)`, section "(?P<section>[^"]+)"\.$')
+COMMAND = re.compile(r'^Reproduce: `(?P<command>python -m blockspec\.bench\.report|python benchmarks/vllm_serve\.py '
+                     r'report) (?P<args>[^`]+)`, section "(?P<section>[^"]+)"\.$')
+VLLM_BENCHMARK = "python benchmarks/vllm_serve.py report"
 MACHINE = re.compile(r"^Machine: CPU flags (?P<flags>.+); (?P<threads>\d+) threads\.$", re.M)
 
 
@@ -55,17 +60,23 @@ def documented_tables(text: str) -> list[dict]:
                 break
         assert match, f"docs/results.md:{start + 1}: a table without a 'Reproduce:' line above it"
         heading = max((n for n in range(start) if lines[n].startswith("#")), default=0)
-        tables.append(dict(line=start + 1, args=match["args"], section=match["section"], table=table,
-                           context=" ".join(" ".join(lines[heading:start]).split())))  # lines rewrapped
+        tables.append(dict(line=start + 1, command=match["command"], args=match["args"], section=match["section"],
+                           table=table, context=" ".join(" ".join(lines[heading:start]).split())))  # lines rewrapped
     return tables
 
 
 @functools.lru_cache(maxsize=None)
-def report_output(args: str) -> str:
-    """What ``python -m blockspec.bench.report <args>`` prints, run from the repository's root."""
+def report_output(args: str, command: str = "python -m blockspec.bench.report") -> str:
+    """What ``<command> <args>`` prints, run from the repository's root."""
+    main = report.main
+    if command == VLLM_BENCHMARK:
+        spec = importlib.util.spec_from_file_location("vllm_serve", ROOT / "benchmarks" / "vllm_serve.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        main = lambda argv: module.main(["report", *argv])  # noqa: E731
     out = io.StringIO()
     with contextlib.chdir(ROOT), contextlib.redirect_stdout(out):
-        status = report.main(shlex.split(args))
+        status = main(shlex.split(args))
     assert status == 0, f"the report exited {status} on {args}"
     return out.getvalue()
 
@@ -95,14 +106,17 @@ TABLES = documented_tables(PAGE.read_text())
 def test_the_page_has_its_tables_each_with_a_command_over_kept_records():
     assert len(TABLES) >= 6
     for table in TABLES:
-        records = shlex.split(table["args"])
-        paths = [Path(p) for p in records[records.index("--records") + 1:] if not p.startswith("-")]
+        args = shlex.split(table["args"])
+        if table["command"] == VLLM_BENCHMARK:
+            paths = [Path(args[args.index("--out") + 1]) / "records.jsonl.gz"]
+        else:
+            paths = [Path(p) for p in args[args.index("--records") + 1:] if not p.startswith("-")]
         assert paths and all(p.name == "records.jsonl.gz" and (ROOT / p).is_file() for p in paths), table["args"]
 
 
 @pytest.mark.parametrize("table", TABLES, ids=lambda t: f"line{t['line']}")
 def test_the_table_equals_the_report_regenerated_from_the_records(table):
-    regenerated = section_table(report_output(table["args"]), table["section"])
+    regenerated = section_table(report_output(table["args"], table["command"]), table["section"])
     wrong = differences(table["table"], regenerated)
     assert not wrong, f"docs/results.md:{table['line']} differs from the regenerated report:\n" + "\n".join(wrong)
 
@@ -111,7 +125,7 @@ def test_the_table_equals_the_report_regenerated_from_the_records(table):
 def test_the_machine_the_records_name_is_stated_with_the_table(table):
     """Records of schema 3 name their machine kind; the page must say it above the table (records without it
     have their machine described in words, which this cannot check)."""
-    machine = MACHINE.search(report_output(table["args"]))
+    machine = MACHINE.search(report_output(table["args"], table["command"]))
     if machine:
         assert f"CPU flags {machine['flags']}" in table["context"], table["line"]
         assert f"{machine['threads']} threads" in table["context"], table["line"]

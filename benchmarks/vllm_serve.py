@@ -274,22 +274,26 @@ def summary_line(record) -> str:
 
 
 def analytic_line(per_request) -> str:
+    """Analytic BE of each rule, pooled, and the gain of block over token, (1 + sum E_block / steps) /
+    (1 + sum E_token / steps) - 1, with its interval over requests."""
     token, block, rows = (sum(r[key] for r in per_request) for key in ("token", "block", "rows"))
-    return f"{1 + token / rows:.3f} | {1 + block / rows:.3f} | {interval(per_request, analytic_gain, '{:+.1%}')}"
+    columns = {key: [r[key] for r in per_request] for key in ("token", "block", "rows")}
+    gain = interval(columns, lambda s: (s["rows"] + s["block"]) / (s["rows"] + s["token"]) - 1, "{:+.1%}")
+    return f"{1 + token / rows:.3f} | {1 + block / rows:.3f} | {gain}"
 
 
-def analytic_gain(sample) -> float:
-    """Analytic BE of block over token - 1, pooled: (1 + sum E_block / steps) / (1 + sum E_token / steps) - 1."""
-    rows = sum(r["rows"] for r in sample)
-    return (rows + sum(r["block"] for r in sample)) / (rows + sum(r["token"] for r in sample)) - 1
+def interval(columns: dict[str, list[float]], statistic, form: str) -> str:
+    """statistic of the columns' totals with the reports' 95 % percentile bootstrap interval, resampling the
+    units the columns are aligned on (``blockspec.bench.report.stats.bootstrap``, one stratum)."""
+    import numpy as np
 
+    from blockspec.bench.report.stats import ReportConfig, bootstrap
 
-def interval(items, statistic, form: str, resamples: int = 2000) -> str:
-    """statistic(items) with its 95 % percentile bootstrap interval, resampling the items (seed 0)."""
-    generator = random.Random(0)
-    values = sorted(statistic([generator.choice(items) for _ in items]) for _ in range(resamples))
-    low, high = values[int(0.025 * resamples)], values[int(0.975 * resamples) - 1]
-    return f"{form.format(statistic(items))} [{form.format(low)}, {form.format(high)}]"
+    arrays = {name: np.asarray(values, float) for name, values in columns.items()}
+    estimate = bootstrap(statistic, arrays, np.zeros(len(next(iter(arrays.values())))), ReportConfig())
+    if estimate.lo is None:
+        return form.format(estimate.value)
+    return f"{form.format(estimate.value)} [{form.format(estimate.lo)}, {form.format(estimate.hi)}]"
 
 
 def speed(record) -> float:
@@ -352,9 +356,8 @@ def report(args) -> int:
                         for c in ("token", "block"))
         ratio = f"{block / token:.3f}x"
         if r["concurrency"] == 1:  # the same requests one at a time, run after run: pair them
-            pairs = [pair for t, b in zip(runs["token"], runs["block"])
-                     for pair in zip(t["latencies_s"], b["latencies_s"])]
-            ratio = interval(pairs, lambda sample: sum(t for t, _ in sample) / sum(b for _, b in sample), "{:.3f}x")
+            latencies = {c: [s for run in runs[c] for s in run["latencies_s"]] for c in ("token", "block")}
+            ratio = interval(latencies, lambda s: s["token"] / s["block"], "{:.3f}x")
         print(f"| {r['engine']} | {r['dtype']} | {r['k']} | {r['concurrency']} | {len(runs['block'])} | "
               f"{token:.2f} | {block:.2f} | {ratio} |")
 

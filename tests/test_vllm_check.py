@@ -1,7 +1,7 @@
 """The vLLM plugin's presence check for a running server (``check_server``), against a stand-in for vLLM's
 development endpoint /collective_rpc on 127.0.0.1: it passes only when every worker reports the rule asked for
-with a working expand kernel, and says what to do otherwise. No vLLM needed (the real server is exercised by
-benchmarks/vllm_serve.py, which checks every server it starts this way).
+with a working expand kernel and seeded drafts, and says what to do otherwise. No vLLM needed (the real server is
+exercised by benchmarks/vllm_serve.py, which checks every server it starts this way).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from blockspec.vllm.plugin import check_server
 
-BLOCK = {"rule": "block", "expand": "fixed", "steps": {"block": 3, "token": 0}}
+BLOCK = {"rule": "block", "expand": "fixed", "drafts": "request seeds", "steps": {"block": 3, "token": 0}}
 
 
 @pytest.fixture
@@ -51,8 +51,9 @@ def test_a_server_running_the_rule_passes(server):
     assert replies["asked"] == ["blockspec_status"]
 
 
-@pytest.mark.parametrize("status", [{**BLOCK, "rule": "token"}, {**BLOCK, "expand": "stock"}])
-def test_a_worker_with_another_rule_or_the_broken_kernel_fails(server, status):
+@pytest.mark.parametrize("status", [{**BLOCK, "rule": "token"}, {**BLOCK, "expand": "stock"},
+                                    {**BLOCK, "drafts": "global"}])
+def test_a_worker_with_another_rule_the_broken_kernel_or_unseeded_drafts_fails(server, status):
     url, replies = server
     replies["body"] = {"results": [BLOCK, status]}
     with pytest.raises(RuntimeError, match="asked for the block rule, but a worker runs"):

@@ -1,8 +1,9 @@
 """End to end: vLLM's offline engine with blockspec's plugin (BLOCKSPEC_VLLM_RULE=block), on a tiny target and
 draft built in-process. The first three tokens' joint law is the target's (chi-square against the exact law from
-the same float32 weights, cells expected fewer than 5 times pooled), with and without a repetition penalty;
-greedy decoding is the target's own; logprobs are the target's; the worker reports the block rule in place; structured
-outputs with sampled drafts, which vLLM cannot verify exactly, are refused.
+the same float32 weights, cells expected fewer than 5 times pooled), with and without a repetition penalty and
+with a seed per request; a seeded request's tokens depend on its seed alone; greedy decoding is the target's own;
+logprobs are the target's; the worker reports the block rule in place; structured outputs with sampled drafts,
+which vLLM cannot verify exactly, are refused.
 test_engine_stock.py runs the same law test on vLLM CPU as shipped, which must fail it.
 """
 
@@ -44,6 +45,40 @@ def test_first_tokens_follow_the_target_at_temperature_1(llm, target):
     assert result.passed, result
     steps = plugin.check(llm, "block")[0]["steps"]
     assert steps["block"] - before > steps["token"], steps  # the block rule verified (nearly) every step
+
+
+@pytest.mark.parametrize("drafts", ["request seeds", "replayed"])
+def test_seeded_first_tokens_follow_the_target(llm, target, drafts):
+    """Each request with its own seed: drafts, uniforms and recovery draws all come from the request's generator,
+    one after the other. Drafts that replay the draws the verifier makes next (broken) must fail."""
+    llm.collective_rpc(tinyvllm.draft_sampler, args=(drafts,))
+    try:
+        sequences = tinyvllm.first_tokens(llm, SAMPLES, LENGTH, seeds=list(range(SAMPLES)), temperature=1.0)
+    finally:
+        llm.collective_rpc(tinyvllm.draft_sampler, args=("request seeds",))
+    assert tinyvllm.law_test(sequences, tinyvllm.exact_law(target, LENGTH)).passed == (drafts == "request seeds")
+
+
+def test_a_seeded_request_s_tokens_depend_on_its_seed_alone(llm):
+    """The same seeded request gives the same tokens after unseeded requests moved the engine's global generator.
+    With vLLM's own draft sampler put back in the worker (drafts from the global generator) it does not."""
+    def seeded_after_traffic(rounds: int) -> list[list[int]]:
+        outputs = []
+        for _ in range(rounds):
+            tinyvllm.first_tokens(llm, 8, 4, temperature=1.0)  # unseeded: draws from the global generator
+            outputs.append(tinyvllm.first_tokens(llm, 1, 24, seeds=[11], temperature=1.0)[0])
+        return outputs
+
+    first = tinyvllm.first_tokens(llm, 1, 24, seeds=[11], temperature=1.0)[0]
+    assert seeded_after_traffic(3) == [first] * 3
+    llm.collective_rpc(tinyvllm.draft_sampler, args=("global",))
+    try:
+        with pytest.raises(RuntimeError, match="asked for the block rule"):
+            plugin.check(llm, "block")  # the presence check sees the unseeded drafter
+        assert seeded_after_traffic(3) != [first] * 3
+    finally:
+        llm.collective_rpc(tinyvllm.draft_sampler, args=("request seeds",))
+    plugin.check(llm, "block")
 
 
 def test_first_tokens_follow_the_penalised_target(llm, target):

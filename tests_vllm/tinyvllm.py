@@ -6,6 +6,7 @@ With 16 tokens the joint law of 3 tokens has 4096 cells, few enough to test by c
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -96,6 +97,7 @@ def start(directory: Path, rule: str | None, num_speculative_tokens: int = 2):
     if rule:
         os.environ["BLOCKSPEC_VLLM_RULE"] = rule
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # lets a test run a function in the worker (draft_sampler)
     try:
         return LLM(model=target, dtype="float32", max_model_len=64, seed=0, enforce_eager=True,
                    speculative_config={"method": "draft_model", "model": draft,
@@ -105,10 +107,35 @@ def start(directory: Path, rule: str | None, num_speculative_tokens: int = 2):
         os.environ.pop("BLOCKSPEC_VLLM_RULE", None)
 
 
-def first_tokens(llm, samples: int, length: int, **params) -> list[list[int]]:
+def first_tokens(llm, samples: int, length: int, seeds: list[int] | None = None, **params) -> list[list[int]]:
+    """``samples`` continuations of PROMPT, one request each; with ``seeds``, request i has seed ``seeds[i]``."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)] * samples,
-                           SamplingParams(max_tokens=length, ignore_eos=True, **params), use_tqdm=False)
+    params = [SamplingParams(max_tokens=length, ignore_eos=True, seed=seed, **params)
+              for seed in (seeds or [None] * samples)]
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)] * samples, params, use_tqdm=False)
     return [list(output.outputs[0].token_ids) for output in outputs]
+
+
+def draft_sampler(worker, kind: str) -> None:
+    """Run in vLLM's worker by ``llm.collective_rpc``: put a draft sampler in place, one of
+    "request seeds"  the plugin's, which draws a seeded request's drafts from its own generator
+    "global"         vLLM's own, which draws them from the global generator
+    "replayed"       broken: the request's draws taken from a copy of its generator, so that the verifier draws
+                     the same numbers again for its uniforms."""
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    from blockspec.vllm import plugin
+
+    samplers = {"request seeds": plugin.draft_with_request_seeds, "global": plugin.draft_with_request_seeds.stock,
+                "replayed": replayed_draws}
+    SpecDecodeBaseProposer._sample_from_logits = samplers[kind]
+
+
+def replayed_draws(self, logits, sampling_metadata):
+    from blockspec.vllm import plugin
+
+    generators = {request: torch.Generator().set_state(generator.get_state())
+                  for request, generator in sampling_metadata.generators.items()}
+    return plugin.draft_with_request_seeds(self, logits, dataclasses.replace(sampling_metadata, generators=generators))

@@ -11,7 +11,9 @@ worker registers its CPU kernels. It does nothing unless ``BLOCKSPEC_VLLM_RULE``
 With ``block`` or ``token`` it also replaces vLLM CPU's expand kernel, whose CPU version writes into an int64
 copy of its output: the per-token temperatures, top-k and top-p of speculative decoding came back
 uninitialised, so at temperature > 0 target probabilities were NaN, every draft was rejected and the token
-emitted was 0. The replacement repeats each request's value over its drafted tokens in place.
+emitted was 0. The replacement repeats each request's value over its drafted tokens in place. And it makes the
+drafter draw a seeded request's drafts from that request's own generator, as vLLM's sampler draws its tokens:
+vLLM drafts from the global generator, so a seeded request's tokens depended on every request served before it.
 
 The plugin is pinned to the vLLM version whose internals it replaces and refuses any other. vLLM only logs a
 plugin that fails to import, so ``check(llm)`` asks every worker which rule it runs and raises if that is not
@@ -65,11 +67,15 @@ def register() -> None:
     import vllm.utils.cpu_triton_utils as cpu_kernels
     import vllm.v1.sample.rejection_sampler as sampler
     from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
     from vllm.v1.worker.worker_base import WorkerBase
 
     if not hasattr(refuse_cut_grammar_drafts, "stock"):  # vLLM's request validation, run after the refusal
         refuse_cut_grammar_drafts.stock = InputProcessor._validate_params
     InputProcessor._validate_params = refuse_cut_grammar_drafts
+    if not hasattr(draft_with_request_seeds, "stock"):  # vLLM's draft sampler, which draws from the global generator
+        draft_with_request_seeds.stock = SpecDecodeBaseProposer._sample_from_logits
+    SpecDecodeBaseProposer._sample_from_logits = draft_with_request_seeds
     cpu_kernels._expand_kernel_impl = expand_in_place  # read when the CPU worker registers its kernels
     if rule == "block":
         if not hasattr(block_rejection_sample, "stock"):  # vLLM's token rule, kept for what stays on it
@@ -84,6 +90,23 @@ def expand_in_place(output, input_val, cu_num_tokens, replace_from, replace_to, 
     counts = torch.diff(cu_num_tokens.to(torch.long), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
     values = torch.where(input_val == replace_from, torch.tensor(replace_to, dtype=input_val.dtype), input_val)
     output.copy_(values.repeat_interleave(counts, output_size=output.numel()))
+
+
+def draft_with_request_seeds(self, logits, sampling_metadata):
+    """vLLM's draft sampler, with each seeded request's drafts drawn again from the request's own generator (its
+    Exp(1) noise, as vLLM's sampler does for the target's tokens); the draft probabilities are vLLM's. A pass may
+    draft several tokens per request (parallel drafting): the request's rows follow each other."""
+    from vllm.v1.sample.ops.topk_topp_sampler import empty_exponential_noise_like, sample_with_exponential_noise
+
+    tokens, probs = draft_with_request_seeds.stock(self, logits, sampling_metadata)
+    if probs is None or not sampling_metadata.generators:
+        return tokens, probs
+    per_request = probs.shape[0] // sampling_metadata.temperature.shape[0]
+    for request, generator in sampling_metadata.generators.items():
+        rows = slice(request * per_request, (request + 1) * per_request)
+        noise = empty_exponential_noise_like(probs[rows], self.use_fp64_gumbel).exponential_(generator=generator)
+        tokens[rows] = sample_with_exponential_noise(probs[rows].clone(), noise)
+    return tokens, probs
 
 
 def refuse_cut_grammar_drafts(self, params, supported_tasks):
@@ -170,21 +193,23 @@ def recovery_exponentials(num_draft_tokens: list[int], vocab: int, generators: d
 
 
 def worker_status(self) -> dict:
-    """Which verification rule and expand kernel this worker runs, how many steps with sampled requests it
-    verified by each rule, and the analytic sums (``ANALYTIC``); ``check`` calls it on every worker."""
+    """Which verification rule, expand kernel and draft sampler this worker runs, how many steps with sampled
+    requests it verified by each rule, and the analytic sums (``ANALYTIC``); ``check`` calls it on every worker."""
     from vllm.triton_utils import HAS_TRITON
     from vllm.triton_utils.dispatcher import _registry
     from vllm.v1.sample import rejection_sampler as sampler
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
     expand = _registry.get(EXPAND_KERNEL, (None, None))[1]
+    seeded = SpecDecodeBaseProposer._sample_from_logits is draft_with_request_seeds
     return {"rule": "block" if sampler.rejection_sample is block_rejection_sample else "token",
             "expand": "triton" if HAS_TRITON else ("fixed" if expand is expand_in_place else "stock"),
-            "steps": dict(STEPS), "analytic": dict(ANALYTIC)}
+            "drafts": "request seeds" if seeded else "global", "steps": dict(STEPS), "analytic": dict(ANALYTIC)}
 
 
 def check(llm, rule: str | None = None) -> list[dict]:
     """Raise unless every worker of the vLLM ``LLM`` runs ``rule`` (default: what ``BLOCKSPEC_VLLM_RULE`` asks)
-    with a working expand kernel; returns the workers' statuses."""
+    with a working expand kernel and seeded drafts; returns the workers' statuses."""
     rule = asked(rule)
     try:
         statuses = llm.collective_rpc("blockspec_status")
@@ -223,7 +248,8 @@ def asked(rule: str | None) -> str:
 
 
 def require(statuses: list[dict], rule: str) -> list[dict]:
-    wrong = [status for status in statuses if status["rule"] != rule or status["expand"] == "stock"]
+    wrong = [status for status in statuses
+             if status["rule"] != rule or status["expand"] == "stock" or status["drafts"] != "request seeds"]
     if wrong or not statuses:
         raise RuntimeError(f"blockspec's vLLM plugin asked for the {rule} rule, but a worker runs "
                            f"{wrong[0] if wrong else 'nothing'}")

@@ -18,17 +18,25 @@ from scipy.stats import chi2
 
 from blockspec.verify import Randomness, expected_accepted, verify_block
 from blockspec.verify.base import race
-from blockspec.vllm.ragged import PLACEHOLDER, block_verify_ragged, expected_accepted_ragged, pad_ragged
+from blockspec.vllm.ragged import (
+    PLACEHOLDER, block_verify_ragged, expected_accepted_ragged, has_spare_row, pad_ragged, padded_block,
+    target_probs_with_spare_row,
+)
 
 
-def ragged_batch(counts: list[int], vocab: int, generator: torch.Generator, max_spec_len: int):
+def ragged_batch(counts: list[int], vocab: int, generator: torch.Generator, max_spec_len: int,
+                 spare_row: bool = False):
     """Random distributions and draws for requests drafting ``counts`` tokens, in vLLM's layout, plus each
-    request's own row after its last drafted token (the bonus token's distribution)."""
+    request's own row after its last drafted token (the bonus token's distribution). With ``spare_row`` the
+    target's rows are stored with one more row after them, of NaN: the rule may look at it only where it
+    replaces what it draws by the bonus token."""
     total = sum(counts)
     draft_probs = torch.rand(total, vocab, generator=generator, dtype=torch.float64).pow(3)
     draft_probs /= draft_probs.sum(-1, keepdim=True)
     target_probs = torch.rand(total, vocab, generator=generator, dtype=torch.float64).pow(3)
     target_probs /= target_probs.sum(-1, keepdim=True)
+    if spare_row:
+        target_probs = torch.cat([target_probs, torch.full((1, vocab), float("nan"), dtype=torch.float64)])[:total]
     tokens = (torch.multinomial(draft_probs, 1, generator=generator).squeeze(-1) if total
               else torch.zeros(0, dtype=torch.long))
     after = torch.rand(len(counts), vocab, generator=generator, dtype=torch.float64)
@@ -53,11 +61,13 @@ def one_request(batch: dict, after: torch.Tensor, b: int) -> list[int]:
     return [t for t in out.tokens[0].tolist() if t != -1]
 
 
-@pytest.mark.parametrize("counts", [[3], [2, 0, 1], [0, 0], [1, 3, 2, 3], [4, 1]])
-def test_each_request_is_verify_block_alone(counts):
+@pytest.mark.parametrize("spare_row", [False, True])
+@pytest.mark.parametrize("counts", [[3], [2, 0, 1], [0, 0], [1, 3, 2, 3], [4, 1], [2, 2, 2]])
+def test_each_request_is_verify_block_alone(counts, spare_row):
+    """Equal counts with a spare target row take the path without copies, which must give the same tokens."""
     generator = torch.Generator().manual_seed(sum(counts) + len(counts))
     for _ in range(200):
-        batch, after = ragged_batch(counts, 5, generator, max_spec_len=4)
+        batch, after = ragged_batch(counts, 5, generator, max_spec_len=4, spare_row=spare_row)
         output = block_verify_ragged(**batch)
         assert output.shape == (len(counts), 5) and output.dtype == torch.int32
         for b in range(len(counts)):
@@ -89,6 +99,22 @@ def test_pad_ragged_places_each_request_s_rows_first():
     flat = torch.arange(6)
     padded = pad_ragged(flat, torch.tensor([2, 0, 3, 1]), 3, -1)
     assert padded.tolist() == [[0, 1, -1], [-1, -1, -1], [2, 3, 4], [5, -1, -1]]
+    equal = pad_ragged(flat, torch.tensor([3, 3]), 3, -1)
+    assert equal.tolist() == [[0, 1, 2], [3, 4, 5]] and equal.data_ptr() == flat.data_ptr()  # a view
+
+
+def test_equal_drafts_are_laid_out_without_copies():
+    """The padded block of equal-length drafts views vLLM's tensors, the target's through its spare row."""
+    logits = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))
+    target_probs = target_probs_with_spare_row(logits, torch.float32)
+    assert torch.allclose(target_probs, logits.softmax(-1)) and has_spare_row(target_probs)
+    assert not has_spare_row(target_probs.clone()) and not has_spare_row(target_probs.t())
+    draft_probs = torch.rand(6, 5).softmax(-1)
+    tokens, draft, target, _ = padded_block(torch.tensor([1, 2, 3, 4, 0, 1]), torch.tensor([2, 2, 2]), draft_probs,
+                                            target_probs)
+    assert tokens.tolist() == [[1, 2], [3, 4], [0, 1]] and draft.data_ptr() == draft_probs.data_ptr()
+    assert target.data_ptr() == target_probs.data_ptr() and target.shape == (3, 3, 5)
+    assert torch.equal(target[:, :2].reshape(6, 5), target_probs) and torch.allclose(target[2, 2], torch.tensor(0.2))
 
 
 def test_inconsistent_counts_are_refused():

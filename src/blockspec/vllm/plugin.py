@@ -32,7 +32,7 @@ import warnings
 
 import torch
 
-from .ragged import block_verify_ragged, expected_accepted_ragged
+from .ragged import block_verify_ragged, expected_accepted_ragged, target_probs_with_spare_row
 
 VLLM_VERSION = "0.32.0"  # the version whose rejection sampler and CPU kernels this module replaces
 SWITCH = "BLOCKSPEC_VLLM_RULE"
@@ -160,7 +160,7 @@ def block_rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_n
         sampler._rejection_greedy_sample(output, cu_num_draft_tokens, draft_token_ids,
                                          target_logits.argmax(dim=-1), bonus_token_ids, ~sampled, max_spec_len,
                                          uniforms, None)
-    target_probs = target_logits.softmax(dim=-1, dtype=torch.float32).to(draft_probs)
+    target_probs = target_probs_with_spare_row(target_logits, draft_probs.dtype)
     exponentials = recovery_exponentials(num_draft_tokens, target_probs.shape[-1], sampling_metadata.generators,
                                          torch.float64 if use_fp64_gumbel else torch.float32, device)
     counts = torch.tensor(num_draft_tokens, dtype=torch.long, device=device)

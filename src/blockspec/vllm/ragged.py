@@ -5,7 +5,8 @@ vLLM's rejection sampler hands its verification rule every request's drafted tok
     num_draft_tokens     [B]       n_b, possibly 0 (a request that drafted nothing)
     cu_num_draft_tokens  [B]       cumulative n_b
     draft_probs          [T, V]    the distribution each drafted token was sampled from
-    target_probs         [T, V]    the target's processed distribution at each drafted position
+    target_probs         [T, V]    the target's processed distribution at each drafted position; may be stored
+                                   with one spare row after them (``target_probs_with_spare_row``)
     bonus_token_ids      [B, 1]    a token vLLM already sampled from the target after all n_b drafted tokens
 and its random draws for the requests that sample, from each request's own generator when it has one:
     uniforms             [T]       float64, one per drafted token
@@ -22,6 +23,11 @@ of ALGORITHMS.md's thinning: a token of its own, outside the vocabulary, that th
 thinned draft row would be ``draft * allowed``, but the target rows vLLM verifies against are already masked
 by the grammar, and block verification reads a draft row only through max(w * target - draft, 0) and at the
 drafted token, so the unthinned row gives the same result wherever the target is positive.
+
+When every request drafted the same number of tokens, the padded block is views of vLLM's tensors, not copies
+(of [B, K, V] floats, which cost more than the rule's arithmetic at large batches): the target's row after a
+request's drafted tokens is then the next request's first row (the spare row for the last request), which is
+read only where the bonus token replaces the token drawn from it.
 """
 
 from __future__ import annotations
@@ -33,8 +39,26 @@ from ..verify import Randomness, expected_accepted, verify_block
 PLACEHOLDER = -1  # vLLM's PLACEHOLDER_TOKEN_ID: an empty output slot, or a drafted token to be rejected
 
 
+def target_probs_with_spare_row(target_logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """softmax(target_logits) [T, V] in ``dtype``, stored with one more (uniform) row after it, so that
+    ``padded_block`` can view equal-length drafts' target rows instead of copying them."""
+    total, vocab = target_logits.shape
+    buffer = torch.empty(total + 1, vocab, dtype=dtype, device=target_logits.device)
+    buffer[total] = 1.0 / vocab
+    return torch.softmax(target_logits, -1, dtype=dtype, out=buffer[:total])
+
+
+def has_spare_row(rows: torch.Tensor) -> bool:
+    """Whether contiguous ``rows`` [T, V] are followed in their storage by one more row of their own."""
+    needed = (rows.storage_offset() + (len(rows) + 1) * rows.shape[-1]) * rows.element_size()
+    return rows.is_contiguous() and rows.untyped_storage().nbytes() >= needed
+
+
 def pad_ragged(flat: torch.Tensor, num_draft_tokens: torch.Tensor, width: int, fill) -> torch.Tensor:
-    """[T, ...] rows, request by request, -> [B, width, ...]: request b's n_b rows first, then ``fill``."""
+    """[T, ...] rows, request by request, -> [B, width, ...]: request b's n_b rows first, then ``fill``; a view
+    of ``flat`` when every request has ``width`` rows."""
+    if len(flat) == len(num_draft_tokens) * width:  # counts are at most width and sum to T: all equal width
+        return flat.reshape(len(num_draft_tokens), width, *flat.shape[1:])
     real = torch.arange(width, device=flat.device) < num_draft_tokens[:, None]  # [B, width]
     padded = torch.full((len(num_draft_tokens), width, *flat.shape[1:]), fill, dtype=flat.dtype, device=flat.device)
     padded[real] = flat  # row-major order over `real` is request by request: the flattened order
@@ -86,7 +110,11 @@ def padded_block(draft_token_ids, num_draft_tokens, draft_probs, target_probs, e
     tokens = pad_ragged(draft_token_ids.to(torch.long), num_draft_tokens, width, 0)
     draft = pad_ragged(draft_probs, num_draft_tokens, width, 1.0 / vocab)
     # row n_b, the target after all drafted tokens, is padding: the token drawn from it is replaced by the bonus
-    target = pad_ragged(target_probs, num_draft_tokens, width + 1, 1.0 / vocab)
+    if len(target_probs) == batch * width and has_spare_row(target_probs):  # see the module's docstring
+        target = target_probs.as_strided((batch, width + 1, vocab), (width * vocab, vocab, 1),
+                                         target_probs.storage_offset())
+    else:
+        target = pad_ragged(target_probs, num_draft_tokens, width + 1, 1.0 / vocab)
     return tokens, draft, target, exponentials
 
 

@@ -1,9 +1,9 @@
 """End to end: vLLM's offline engine with blockspec's plugin (BLOCKSPEC_VLLM_RULE=block), on a tiny target and
 draft built in-process. The first three tokens' joint law is the target's (chi-square against the exact law from
 the same float32 weights, cells expected fewer than 5 times pooled), with and without a repetition penalty and
-with a seed per request; a seeded request's tokens depend on its seed alone; greedy decoding is the target's own;
-logprobs are the target's; the worker reports the block rule in place; structured outputs with sampled drafts,
-which vLLM cannot verify exactly, are refused.
+with a seed per request; a seeded request's tokens depend on its seed alone, not on other requests or its
+prompt's prefill chunks; greedy decoding is the target's own; logprobs are the target's; the worker reports the
+block rule in place; structured outputs with sampled drafts, which vLLM cannot verify exactly, are refused.
 test_engine_stock.py runs the same law test on vLLM CPU as shipped, which must fail it.
 """
 
@@ -79,6 +79,30 @@ def test_a_seeded_request_s_tokens_depend_on_its_seed_alone(llm):
     finally:
         llm.collective_rpc(tinyvllm.draft_sampler, args=("request seeds",))
     plugin.check(llm, "block")
+
+
+@pytest.mark.parametrize("chunk_draws", ["apart", "consumed"])
+def test_a_seeded_request_s_tokens_do_not_depend_on_prefill_chunks(llm, chunk_draws):
+    """300 prompts of 48 tokens at once exceed the offline engine's 4096-token budget per step on CPU, so some are
+    prefilled in chunks, and vLLM discards the token sampled after a chunk. The plugin draws that sample apart
+    from the request's generator: each seeded request gives the tokens it gives alone, unchunked. Letting its
+    generator take those draws (broken) must change a chunked request's tokens (at temperature 2, so that its
+    tokens are not nearly certain). vLLM CPU as shipped dies here (test_engine_stock.py). Fresh prompts each
+    time: a cached prefix would not be prefilled again."""
+    prompts = tinyvllm.long_prompts(300, 48, seed=len(chunk_draws))
+    seeds = list(range(500, 800))
+    before = plugin.check(llm, "block")[0]["chunks"]["drawn apart"]
+    llm.collective_rpc(tinyvllm.chunk_sampler, args=(chunk_draws,))
+    try:
+        together = tinyvllm.continuations(llm, prompts, 8, seeds, temperature=2.0)
+    finally:
+        llm.collective_rpc(tinyvllm.chunk_sampler, args=("apart",))
+    if chunk_draws == "apart":  # some prompt was chunked (without a chunk, "consumed" could not fail)
+        assert plugin.check(llm, "block")[0]["chunks"]["drawn apart"] > before
+    alone = [tinyvllm.continuations(llm, [prompt], 8, [seed], temperature=2.0)[0]
+             for prompt, seed in zip(prompts, seeds)]
+    differ = sum(a != b for a, b in zip(together, alone))
+    assert (differ == 0) == (chunk_draws == "apart")
 
 
 def test_first_tokens_follow_the_penalised_target(llm, target):

@@ -1,6 +1,7 @@
 """End to end, vLLM CPU 0.32.0 as shipped (no BLOCKSPEC_VLLM_RULE): speculative decoding at temperature 1 does
 not follow the target's law, the defect blockspec's plugin fixes (its expand kernel leaves per-token temperatures
-uninitialised). Same tiny pair, samples and test as test_engine_block.py, which passes it with the plugin."""
+uninitialised). Same tiny pair, samples and test as test_engine_block.py, which passes it with the plugin. And a
+seeded request whose prompt is prefilled in chunks kills the engine, which the plugin also fixes."""
 
 from __future__ import annotations
 
@@ -27,3 +28,13 @@ def test_stock_vllm_cpu_first_tokens_do_not_follow_the_target(llm):
 def test_stock_vllm_cpu_greedy_is_right(llm):
     target = llm.llm_engine.model_config.model
     assert tinyvllm.first_tokens(llm, 1, 12, temperature=0.0)[0] == tinyvllm.greedy_continuation(target, 12)
+
+
+def test_stock_vllm_cpu_dies_on_a_seeded_request_prefilled_in_chunks(llm):
+    """Last in this module, since the engine does not survive it: vLLM undoes the draws of a prefill chunk's
+    discarded sample with Generator.set_offset, which CPU generators lack (test_engine_block.py: the plugin's fix)."""
+    prompts = tinyvllm.long_prompts(100, 56, seed=0)
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    with pytest.raises(EngineDeadError):
+        tinyvllm.continuations(llm, prompts, 4, list(range(100)), temperature=1.0)

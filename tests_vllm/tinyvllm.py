@@ -107,15 +107,28 @@ def start(directory: Path, rule: str | None, num_speculative_tokens: int = 2):
         os.environ.pop("BLOCKSPEC_VLLM_RULE", None)
 
 
-def first_tokens(llm, samples: int, length: int, seeds: list[int] | None = None, **params) -> list[list[int]]:
-    """``samples`` continuations of PROMPT, one request each; with ``seeds``, request i has seed ``seeds[i]``."""
+def long_prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    """``count`` prompts of ``length`` token ids (none of them <pad> or <eos>), random from ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(2, VOCAB, (count, length), generator=generator).tolist()
+
+
+def continuations(llm, prompts: list[list[int]], length: int, seeds: list[int] | None = None,
+                  **params) -> list[list[int]]:
+    """One request per prompt, all submitted at once, ``length`` tokens each (EOS ignored); with ``seeds``,
+    request i has seed ``seeds[i]``. Their tokens."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = [SamplingParams(max_tokens=length, ignore_eos=True, seed=seed, **params)
-              for seed in (seeds or [None] * samples)]
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)] * samples, params, use_tqdm=False)
+              for seed in (seeds or [None] * len(prompts))]
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=prompt) for prompt in prompts], params, use_tqdm=False)
     return [list(output.outputs[0].token_ids) for output in outputs]
+
+
+def first_tokens(llm, samples: int, length: int, seeds: list[int] | None = None, **params) -> list[list[int]]:
+    """``samples`` continuations of PROMPT."""
+    return continuations(llm, [PROMPT] * samples, length, seeds, **params)
 
 
 def draft_sampler(worker, kind: str) -> None:
@@ -139,3 +152,29 @@ def replayed_draws(self, logits, sampling_metadata):
     generators = {request: torch.Generator().set_state(generator.get_state())
                   for request, generator in sampling_metadata.generators.items()}
     return plugin.draft_with_request_seeds(self, logits, dataclasses.replace(sampling_metadata, generators=generators))
+
+
+def chunk_sampler(worker, kind: str) -> None:
+    """Run in vLLM's worker by ``llm.collective_rpc``: the plugin's sampling step, which draws a prefill chunk's
+    discarded sample of a seeded request from a copy of its generator ("apart"), or a broken one that lets the
+    request's own generator take those draws ("consumed", what a rewind that does nothing would leave)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from blockspec.vllm import plugin
+
+    GPUModelRunner.sample_tokens = {"apart": plugin.sample_with_chunk_draws_apart, "consumed": draws_consumed}[kind]
+
+
+def draws_consumed(self, grammar_output):
+    """vLLM's sampling step with every seeded request's draws, a discarded chunk sample's too, left in its generator."""
+    from blockspec.vllm import plugin
+
+    generators = self.input_batch.generators
+    own = dict(generators)
+    generators.update({request: plugin.ChunkDraws(generator) for request, generator in own.items()})
+    try:
+        return plugin.sample_with_chunk_draws_apart.stock(self, grammar_output)
+    finally:
+        for request, generator in own.items():
+            generator.set_state(generators[request].get_state())
+            generators[request] = generator

@@ -11,9 +11,11 @@ worker registers its CPU kernels. It does nothing unless ``BLOCKSPEC_VLLM_RULE``
 With ``block`` or ``token`` it also replaces vLLM CPU's expand kernel, whose CPU version writes into an int64
 copy of its output: the per-token temperatures, top-k and top-p of speculative decoding came back
 uninitialised, so at temperature > 0 target probabilities were NaN, every draft was rejected and the token
-emitted was 0. The replacement repeats each request's value over its drafted tokens in place. And it makes the
+emitted was 0. The replacement repeats each request's value over its drafted tokens in place. It makes the
 drafter draw a seeded request's drafts from that request's own generator, as vLLM's sampler draws its tokens:
 vLLM drafts from the global generator, so a seeded request's tokens depended on every request served before it.
+And it keeps vLLM CPU alive when a seeded request's prompt is prefilled in chunks: vLLM undoes the draws of a
+chunk's discarded sample with ``Generator.set_offset``, which CPU generators lack, and the engine died.
 
 The plugin is pinned to the vLLM version whose internals it replaces and refuses any other. vLLM only logs a
 plugin that fails to import, so ``check(llm)`` asks every worker which rule it runs and raises if that is not
@@ -39,6 +41,7 @@ SWITCH = "BLOCKSPEC_VLLM_RULE"
 RULES = ("block", "token")
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 STEPS = {"block": 0, "token": 0}  # this process's verification steps with sampled requests, by the rule used
+CHUNKS = {"drawn apart": 0}  # samples of seeded requests' prefill chunks drawn from a copy of their generator
 ANALYTIC_SWITCH = "BLOCKSPEC_VLLM_ANALYTIC"  # =1: also score every block step's drafts under both rules (slower)
 ANALYTIC = {"rows": 0, "token": 0.0, "block": 0.0}  # sampled request-steps with drafts, sums of E[accepted]
 
@@ -68,6 +71,7 @@ def register() -> None:
     import vllm.v1.sample.rejection_sampler as sampler
     from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.worker_base import WorkerBase
 
     if not hasattr(refuse_cut_grammar_drafts, "stock"):  # vLLM's request validation, run after the refusal
@@ -76,6 +80,9 @@ def register() -> None:
     if not hasattr(draft_with_request_seeds, "stock"):  # vLLM's draft sampler, which draws from the global generator
         draft_with_request_seeds.stock = SpecDecodeBaseProposer._sample_from_logits
     SpecDecodeBaseProposer._sample_from_logits = draft_with_request_seeds
+    if not hasattr(sample_with_chunk_draws_apart, "stock"):  # vLLM's sampling step (CPU's runner inherits it)
+        sample_with_chunk_draws_apart.stock = GPUModelRunner.sample_tokens
+    GPUModelRunner.sample_tokens = sample_with_chunk_draws_apart
     cpu_kernels._expand_kernel_impl = expand_in_place  # read when the CPU worker registers its kernels
     if rule == "block":
         if not hasattr(block_rejection_sample, "stock"):  # vLLM's token rule, kept for what stays on it
@@ -107,6 +114,38 @@ def draft_with_request_seeds(self, logits, sampling_metadata):
         noise = empty_exponential_noise_like(probs[rows], self.use_fp64_gumbel).exponential_(generator=generator)
         tokens[rows] = sample_with_exponential_noise(probs[rows].clone(), noise)
     return tokens, probs
+
+
+class ChunkDraws(torch.Generator):
+    """A copy of a request's CPU generator that takes the draws vLLM throws away with a prefill chunk's sample;
+    vLLM's rewind of it (``set_offset``, which only CUDA generators have) has nothing to undo."""
+
+    def __new__(cls, original: torch.Generator):
+        copy = super().__new__(cls, original.device)
+        copy.set_state(original.get_state())
+        return copy
+
+    def get_offset(self) -> int:
+        return 0
+
+    def set_offset(self, offset: int) -> None:
+        pass
+
+
+def sample_with_chunk_draws_apart(self, grammar_output):
+    """vLLM's ``sample_tokens`` with the CPU generator of each request whose sample this step discards (its prompt
+    is still being prefilled) replaced by a ``ChunkDraws`` copy for the step: the request's own generator never
+    sees those draws, as vLLM's rewind intends on CUDA, and vLLM's rewind no longer kills the CPU engine."""
+    generators = self.input_batch.generators  # the dict the sampling metadata holds too: changed in place
+    discarded = self.discard_request_mask.np[:self.input_batch.num_reqs].nonzero()[0].tolist()
+    own = {request: generators[request] for request in discarded
+           if request in generators and generators[request].device.type == "cpu"}
+    generators.update({request: ChunkDraws(generator) for request, generator in own.items()})
+    CHUNKS["drawn apart"] += len(own)
+    try:
+        return sample_with_chunk_draws_apart.stock(self, grammar_output)
+    finally:
+        generators.update(own)
 
 
 def refuse_cut_grammar_drafts(self, params, supported_tasks):
@@ -194,7 +233,8 @@ def recovery_exponentials(num_draft_tokens: list[int], vocab: int, generators: d
 
 def worker_status(self) -> dict:
     """Which verification rule, expand kernel and draft sampler this worker runs, how many steps with sampled
-    requests it verified by each rule, and the analytic sums (``ANALYTIC``); ``check`` calls it on every worker."""
+    requests it verified by each rule, how many chunk samples it drew apart (``CHUNKS``) and the analytic sums
+    (``ANALYTIC``); ``check`` calls it on every worker."""
     from vllm.triton_utils import HAS_TRITON
     from vllm.triton_utils.dispatcher import _registry
     from vllm.v1.sample import rejection_sampler as sampler
@@ -204,7 +244,8 @@ def worker_status(self) -> dict:
     seeded = SpecDecodeBaseProposer._sample_from_logits is draft_with_request_seeds
     return {"rule": "block" if sampler.rejection_sample is block_rejection_sample else "token",
             "expand": "triton" if HAS_TRITON else ("fixed" if expand is expand_in_place else "stock"),
-            "drafts": "request seeds" if seeded else "global", "steps": dict(STEPS), "analytic": dict(ANALYTIC)}
+            "drafts": "request seeds" if seeded else "global", "steps": dict(STEPS), "chunks": dict(CHUNKS),
+            "analytic": dict(ANALYTIC)}
 
 
 def check(llm, rule: str | None = None) -> list[dict]:

@@ -63,6 +63,7 @@ def test_plan_interleaves_every_draft_temperature_prompt_by_prompt_with_one_seed
     ({"draft_temperatures": (1.0, -0.5)}, "draft temperatures must be >= 0"),
     ({"draft_temperatures": (1.0, 1.0)}, "draft temperatures repeat"),
     ({"batch_sizes": (1, 2)}, "batch size 1 only"),
+    ({"configs": ("target-only", "auto")}, "apply to the fixed-length configs"),
 ])
 def test_the_config_refuses_what_a_draft_temperature_cannot_mean(change, message):
     with pytest.raises(ValueError, match=message):

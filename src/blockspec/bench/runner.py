@@ -129,6 +129,9 @@ class BenchConfig:
                 raise ValueError(f"draft temperatures repeat: {self.draft_temperatures}")
             if self.batch_sizes != (1,):
                 raise ValueError(f"draft temperatures are run at batch size 1 only, not {self.batch_sizes}")
+            if not set(self.configs) & set(rec.FIXED_CONFIGS):
+                raise ValueError(f"draft temperatures apply to the fixed-length configs ({', '.join(rec.FIXED_CONFIGS)})"
+                                 f" only, and none is run: {', '.join(self.configs)}")
 
 
 PRESETS = {

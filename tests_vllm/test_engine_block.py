@@ -105,6 +105,24 @@ def test_a_seeded_request_s_tokens_do_not_depend_on_prefill_chunks(llm, chunk_dr
     assert (differ == 0) == (chunk_draws == "apart")
 
 
+@pytest.mark.parametrize("cut", ["top probability", "drafted token's probability"])
+def test_first_tokens_follow_the_target_with_unsure_drafts_cut(llm, target, cut):
+    """Drafts verified only while the draft's top probability is at least 0.3 (BLOCKSPEC_VLLM_MIN_DRAFT_PROB; on
+    this pair that cuts about 5 % of them): a stopping rule, so the law stays the target's. A cut by the drafted
+    token's own probability (broken: it looks at x_i) must fail."""
+    llm.collective_rpc(tinyvllm.draft_cut, args=(0.3, cut))
+    try:
+        before = plugin.check(llm, "block")[0]["cut"]
+        sequences = tinyvllm.first_tokens(llm, SAMPLES, LENGTH, temperature=1.0)
+        after = plugin.check(llm, "block")[0]["cut"]
+    finally:
+        llm.collective_rpc(tinyvllm.draft_cut, args=(None, "top probability"))
+    if cut == "top probability":  # some drafts were cut, some verified
+        drafted, verified = (after[key] - before[key] for key in ("drafted", "verified"))
+        assert 0 < verified < drafted, after
+    assert tinyvllm.law_test(sequences, tinyvllm.exact_law(target, LENGTH)).passed == (cut == "top probability")
+
+
 def test_first_tokens_follow_the_penalised_target(llm, target):
     """The repetition penalty is applied by vLLM to the target before verification, never again by the rule."""
     sequences = tinyvllm.first_tokens(llm, SAMPLES, LENGTH, temperature=1.0, repetition_penalty=1.6)

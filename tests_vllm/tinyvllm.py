@@ -178,3 +178,28 @@ def draws_consumed(self, grammar_output):
         for request, generator in own.items():
             generator.set_state(generators[request].get_state())
             generators[request] = generator
+
+
+def draft_cut(worker, min_prob: float | None, kind: str) -> None:
+    """Run in vLLM's worker by ``llm.collective_rpc``: verify drafts only while the draft's top probability is at
+    least ``min_prob`` (None: verify all), the plugin's stopping rule ("top probability"), or a broken cut that
+    looks at the drafted token's own probability ("drafted token's probability": not a stopping rule)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from blockspec.vllm import plugin
+
+    plugin.CUT["min_prob"] = min_prob
+    GPUModelRunner.propose_draft_token_ids = {"top probability": plugin.cut_unsure_drafts,
+                                              "drafted token's probability": cut_by_drafted_token}[kind]
+
+
+def cut_by_drafted_token(self, *args, **kwargs):
+    from blockspec.vllm import plugin
+
+    drafts = plugin.cut_unsure_drafts.stock(self, *args, **kwargs)
+    if not torch.is_tensor(drafts) or self._draft_probs is None:
+        return drafts
+    probs = self._draft_probs[:len(drafts), :drafts.shape[1]]
+    drawn = probs.gather(-1, drafts.long()[..., None]).squeeze(-1)
+    lengths = (drawn >= plugin.CUT["min_prob"]).cumprod(-1).sum(-1).tolist()
+    return [row[:length] for row, length in zip(drafts.tolist(), lengths)]

@@ -17,6 +17,9 @@ vLLM drafts from the global generator, so a seeded request's tokens depended on 
 And it keeps vLLM CPU alive when a seeded request's prompt is prefilled in chunks: vLLM undoes the draws of a
 chunk's discarded sample with ``Generator.set_offset``, which CPU generators lack, and the engine died.
 
+``BLOCKSPEC_VLLM_MIN_DRAFT_PROB=p`` (with ``block`` or ``token``) has the target verify each request's drafts only
+while the draft's top probability is at least p, a stopping rule (``cut_unsure_drafts``), hence exact.
+
 The plugin is pinned to the vLLM version whose internals it replaces and refuses any other. vLLM only logs a
 plugin that fails to import, so ``check(llm)`` asks every worker which rule it runs and raises if that is not
 the one asked for (``check_server(url)`` asks a running ``vllm serve``). Keep
@@ -42,6 +45,8 @@ RULES = ("block", "token")
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 STEPS = {"block": 0, "token": 0}  # this process's verification steps with sampled requests, by the rule used
 CHUNKS = {"drawn apart": 0}  # samples of seeded requests' prefill chunks drawn from a copy of their generator
+CUT_SWITCH = "BLOCKSPEC_VLLM_MIN_DRAFT_PROB"  # verify drafts only while the draft's top probability is at least this
+CUT = {"min_prob": None, "drafted": 0, "verified": 0}  # the threshold in place, drafted and verified tokens it saw
 ANALYTIC_SWITCH = "BLOCKSPEC_VLLM_ANALYTIC"  # =1: also score every block step's drafts under both rules (slower)
 ANALYTIC = {"rows": 0, "token": 0.0, "block": 0.0}  # sampled request-steps with drafts, sums of E[accepted]
 
@@ -74,6 +79,8 @@ def register() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.worker_base import WorkerBase
 
+    CUT["min_prob"] = min_draft_prob()
+
     if not hasattr(refuse_cut_grammar_drafts, "stock"):  # vLLM's request validation, run after the refusal
         refuse_cut_grammar_drafts.stock = InputProcessor._validate_params
     InputProcessor._validate_params = refuse_cut_grammar_drafts
@@ -83,6 +90,9 @@ def register() -> None:
     if not hasattr(sample_with_chunk_draws_apart, "stock"):  # vLLM's sampling step (CPU's runner inherits it)
         sample_with_chunk_draws_apart.stock = GPUModelRunner.sample_tokens
     GPUModelRunner.sample_tokens = sample_with_chunk_draws_apart
+    if not hasattr(cut_unsure_drafts, "stock"):  # vLLM's drafting step, which returns every drafted token
+        cut_unsure_drafts.stock = GPUModelRunner.propose_draft_token_ids
+    GPUModelRunner.propose_draft_token_ids = cut_unsure_drafts
     cpu_kernels._expand_kernel_impl = expand_in_place  # read when the CPU worker registers its kernels
     if rule == "block":
         if not hasattr(block_rejection_sample, "stock"):  # vLLM's token rule, kept for what stays on it
@@ -146,6 +156,36 @@ def sample_with_chunk_draws_apart(self, grammar_output):
         return sample_with_chunk_draws_apart.stock(self, grammar_output)
     finally:
         generators.update(own)
+
+
+def min_draft_prob() -> float | None:
+    """The threshold ``BLOCKSPEC_VLLM_MIN_DRAFT_PROB`` asks for (in (0, 1]), None when unset."""
+    value = os.environ.get(CUT_SWITCH, "").strip()
+    if not value:
+        return None
+    threshold = float(value)
+    if not 0.0 < threshold <= 1.0:
+        raise ValueError(f"{CUT_SWITCH}={value!r}: expected a probability in (0, 1]")
+    return threshold
+
+
+def cut_unsure_drafts(self, *args, **kwargs):
+    """vLLM's ``propose_draft_token_ids``, then each request's drafts cut before the first position where the
+    draft's top probability is below ``CUT["min_prob"]``, so the target verifies only the sure prefix.
+
+    A stopping rule: whether x_i is verified depends on the distribution x_i was drawn from, never on x_i, so
+    verification stays exact (ALGORITHMS.md). vLLM verifies a request's first ``num_draft_tokens`` rows of draft
+    probabilities, which the cut keeps aligned; the model runner takes drafts as one list per request, as the
+    ngram drafter gives them. Without draft probabilities (greedy batches, drafters without them) nothing is cut.
+    """
+    drafts = cut_unsure_drafts.stock(self, *args, **kwargs)
+    if CUT["min_prob"] is None or not torch.is_tensor(drafts) or self._draft_probs is None:
+        return drafts
+    sure = self._draft_probs[:len(drafts), :drafts.shape[1]].amax(-1) >= CUT["min_prob"]  # [B, K]
+    lengths = sure.cumprod(-1).sum(-1).tolist()
+    CUT["drafted"] += drafts.numel()
+    CUT["verified"] += sum(lengths)
+    return [row[:length] for row, length in zip(drafts.tolist(), lengths)]
 
 
 def refuse_cut_grammar_drafts(self, params, supported_tasks):
@@ -233,8 +273,9 @@ def recovery_exponentials(num_draft_tokens: list[int], vocab: int, generators: d
 
 def worker_status(self) -> dict:
     """Which verification rule, expand kernel and draft sampler this worker runs, how many steps with sampled
-    requests it verified by each rule, how many chunk samples it drew apart (``CHUNKS``) and the analytic sums
-    (``ANALYTIC``); ``check`` calls it on every worker."""
+    requests it verified by each rule, how many chunk samples it drew apart (``CHUNKS``), the draft cut in place
+    with the tokens it saw drafted and kept (``CUT``) and the analytic sums (``ANALYTIC``); ``check`` calls it on
+    every worker."""
     from vllm.triton_utils import HAS_TRITON
     from vllm.triton_utils.dispatcher import _registry
     from vllm.v1.sample import rejection_sampler as sampler
@@ -245,7 +286,7 @@ def worker_status(self) -> dict:
     return {"rule": "block" if sampler.rejection_sample is block_rejection_sample else "token",
             "expand": "triton" if HAS_TRITON else ("fixed" if expand is expand_in_place else "stock"),
             "drafts": "request seeds" if seeded else "global", "steps": dict(STEPS), "chunks": dict(CHUNKS),
-            "analytic": dict(ANALYTIC)}
+            "cut": dict(CUT), "analytic": dict(ANALYTIC)}
 
 
 def check(llm, rule: str | None = None) -> list[dict]:

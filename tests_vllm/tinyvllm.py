@@ -2,6 +2,8 @@
 in float32, and the target's exact joint law of its first tokens computed from the same weights.
 
 With 16 tokens the joint law of 3 tokens has 4096 cells, few enough to test by chi-square against samples.
+The functions taking a ``worker`` run in vLLM's worker (``llm.collective_rpc``): they put one of the plugin's
+pieces, or a broken variant of it, in place there.
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ def start(directory: Path, rule: str | None, num_speculative_tokens: int = 2):
     if rule:
         os.environ["BLOCKSPEC_VLLM_RULE"] = rule
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # lets a test run a function in the worker (draft_sampler)
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # lets the tests send functions to the worker (below)
     try:
         return LLM(model=target, dtype="float32", max_model_len=64, seed=0, enforce_eager=True,
                    speculative_config={"method": "draft_model", "model": draft,

@@ -163,7 +163,10 @@ def min_draft_prob() -> float | None:
     value = os.environ.get(CUT_SWITCH, "").strip()
     if not value:
         return None
-    threshold = float(value)
+    try:
+        threshold = float(value)
+    except ValueError:
+        threshold = float("nan")
     if not 0.0 < threshold <= 1.0:
         raise ValueError(f"{CUT_SWITCH}={value!r}: expected a probability in (0, 1]")
     return threshold

@@ -10,6 +10,8 @@ block rules.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -61,6 +63,19 @@ def test_drafts_without_probabilities_go_to_the_token_rule_with_a_warning(tables
         counts = step_counts(tables, "block", 1.0, with_draft_probs=False)
     result = lawkit.chi_square(counts, lawkit.target_law(tables, WIDTH + 1))
     assert result.passed, result
+
+
+def test_a_step_without_drafts_is_no_drafter_without_probabilities():
+    """With vLLM's batch-size schedule of K (num_speculative_tokens_per_batch_size), a step may draft nothing at
+    all: nothing to verify, so no warning and no step counted for either rule; each request gets its bonus token."""
+    configure("block")
+    before = dict(plugin.STEPS)
+    batch = Batch(drafts=[[], []], draft_probs=None, logits=torch.randn(2, VOCAB), temperature=[1.0, 1.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        output = batch.run()
+    assert plugin.STEPS == before
+    assert [len(tokens) for tokens in emitted(output.sampled_token_ids)] == [1, 1]
 
 
 def test_block_rule_accepts_more_than_the_token_rule(tables):

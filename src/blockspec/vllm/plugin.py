@@ -222,7 +222,7 @@ def block_rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_n
     from vllm.v1.sample import rejection_sampler as sampler
 
     if sampling_metadata.all_greedy or synthetic_mode or draft_probs is None:
-        if draft_probs is None and not sampling_metadata.all_greedy:
+        if draft_probs is None and not sampling_metadata.all_greedy and any(num_draft_tokens):
             STEPS["token"] += 1
             warnings.warn("blockspec: this drafter gives no draft probabilities (ngram, suffix or a custom "
                           "proposer, or draft_sample_method is not 'probabilistic'); its drafts are verified by "

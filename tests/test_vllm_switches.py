@@ -7,24 +7,20 @@ import pytest
 
 from blockspec.vllm import plugin
 
+READERS = {"SWITCH": plugin.requested_rule, "CUT_SWITCH": plugin.min_draft_prob}
 
-@pytest.mark.parametrize(("value", "rule"), [(None, None), ("", None), ("off", None), (" Block ", "block"),
-                                             ("token", "token")])
-def test_the_rule_switch(monkeypatch, value, rule):
+
+@pytest.mark.parametrize(("switch", "value", "read"), [
+    ("SWITCH", None, None), ("SWITCH", "", None), ("SWITCH", "off", None), ("SWITCH", " Block ", "block"),
+    ("SWITCH", "token", "token"),
+    ("CUT_SWITCH", None, None), ("CUT_SWITCH", "", None), ("CUT_SWITCH", "0.5", 0.5), ("CUT_SWITCH", "1", 1.0),
+])
+def test_what_each_switch_reads(monkeypatch, switch, value, read):
     if value is None:
-        monkeypatch.delenv(plugin.SWITCH, raising=False)
+        monkeypatch.delenv(getattr(plugin, switch), raising=False)
     else:
-        monkeypatch.setenv(plugin.SWITCH, value)
-    assert plugin.requested_rule() == rule
-
-
-@pytest.mark.parametrize(("value", "threshold"), [(None, None), ("", None), ("0.5", 0.5), ("1", 1.0)])
-def test_the_draft_cut_switch(monkeypatch, value, threshold):
-    if value is None:
-        monkeypatch.delenv(plugin.CUT_SWITCH, raising=False)
-    else:
-        monkeypatch.setenv(plugin.CUT_SWITCH, value)
-    assert plugin.min_draft_prob() == threshold
+        monkeypatch.setenv(getattr(plugin, switch), value)
+    assert READERS[switch]() == read
 
 
 @pytest.mark.parametrize(("switch", "value"), [("SWITCH", "blocks"), ("CUT_SWITCH", "0"), ("CUT_SWITCH", "1.5"),
@@ -33,4 +29,4 @@ def test_unusable_values_are_refused_by_name(monkeypatch, switch, value):
     name = getattr(plugin, switch)
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=name):
-        plugin.requested_rule() if switch == "SWITCH" else plugin.min_draft_prob()
+        READERS[switch]()

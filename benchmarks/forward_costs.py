@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -36,6 +35,7 @@ def main() -> None:
     parser.add_argument("--out", default="results/forward_costs.json")
     args = parser.parse_args()
 
+    import provenance
     from blockspec import machine
     from blockspec.models.hf import load_model
     from blockspec.auto import step_seconds
@@ -65,7 +65,7 @@ def main() -> None:
         print(f"{variant:44s}" + "".join(f"{row[n]:10.1f}" for n in args.tokens))
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "commit": provenance.commit(),
         "command": "python benchmarks/forward_costs.py " + " ".join(
             f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items()),
         **machine.facts(), **load, "context": args.context, "repeats": args.repeats, "ms": ms,

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -338,6 +337,7 @@ def main() -> None:
     parser.add_argument("--out", default="results/tree_plan.json")
     args = parser.parse_args()
 
+    import provenance
     from blockspec import machine
 
     costs = json.loads(Path(args.costs).read_text())
@@ -357,8 +357,7 @@ def main() -> None:
     load = machine.others_load(start, machine.cpu_clock())
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True).stdout.strip(),
+        "commit": provenance.commit(),
         "command": "python benchmarks/tree_plan.py " + " ".join(
             f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
             for k, v in vars(args).items() if v is not None),

@@ -39,7 +39,6 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 DATASETS = ("gsm8k", "humaneval")
 PORT = 8631
 BINDING = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
@@ -87,11 +86,11 @@ def write_prompts(args) -> None:
 
 
 def common(args, engine: str) -> dict:
+    import provenance
     from blockspec import machine
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     return {"engine": engine, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "commit": commit.stdout.strip(), "machine": {"platform": platform.platform(), **machine.facts()},
+            "commit": provenance.commit(), "machine": {"platform": platform.platform(), **machine.facts()},
             "temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
 
 

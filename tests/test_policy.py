@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import lawkit
-from blockspec.policy import LatencyTable, stopping_lengths
+from blockspec.policy import LatencyTable, ragged_stopping_lengths, stopping_lengths
 from blockspec.verify import accepted_length_law, final_distributions
 
 VOCAB, DRAFT_LEN = 3, 3
@@ -38,12 +38,17 @@ def seconds(latency=LATENCY):
     return lambda width: latency(1, 1 + width)
 
 
-def stopping_policy(overlap, accept, latency=LATENCY):
+def stopping_policy(overlap, accept, latency=LATENCY, rule=stopping_lengths):
     """Allowed: p_i from S_i and A_{i-1} (A_0 = 1), gains as their running product, then the stopping rule."""
     before = torch.cat([torch.ones_like(accept[:, :1]), accept[:, :-1]], dim=1)
     gains = predictor(overlap, before).cumprod(1)
-    return torch.stack([stopping_lengths(gains[b : b + 1], torch.tensor([DRAFT_LEN]), seconds(latency))[0]
+    return torch.stack([rule(gains[b : b + 1], torch.tensor([DRAFT_LEN]), seconds(latency))[0]
                         for b in range(len(gains))])
+
+
+def ragged_stopping_policy(overlap, accept):
+    """The same gains under the stopping rule of a flattened batch (each row pays for its own tokens)."""
+    return stopping_policy(overlap, accept, GENTLE, rule=ragged_stopping_lengths)
 
 
 def gentle_stopping_policy(overlap, accept):
@@ -51,11 +56,15 @@ def gentle_stopping_policy(overlap, accept):
     return stopping_policy(overlap, accept, GENTLE)
 
 
-def lookahead_policy(overlap, accept):
+def lookahead_policy(overlap, accept, rule=stopping_lengths):
     """NOT allowed: x_i's own A_i decides whether x_i is verified."""
     gains = predictor(overlap, accept).cumprod(1)
-    return torch.stack([stopping_lengths(gains[b : b + 1], torch.tensor([DRAFT_LEN]), seconds())[0]
+    return torch.stack([rule(gains[b : b + 1], torch.tensor([DRAFT_LEN]), seconds())[0]
                         for b in range(len(gains))])
+
+
+def ragged_lookahead_policy(overlap, accept):
+    return lookahead_policy(overlap, accept, rule=ragged_stopping_lengths)
 
 
 def argmax_policy(overlap, accept):
@@ -90,8 +99,9 @@ def law_errors(policy, method):
 
 
 @pytest.mark.parametrize("method", ["token", "block"])
-@pytest.mark.parametrize(("policy", "lengths_used"), [(stopping_policy, {0, 1}), (gentle_stopping_policy, {0, 1, 2, 3})],
-                         ids=["non-concave latency", "smooth latency"])
+@pytest.mark.parametrize(("policy", "lengths_used"), [(stopping_policy, {0, 1}), (gentle_stopping_policy, {0, 1, 2, 3}),
+                                                     (ragged_stopping_policy, {0, 1, 2, 3})],
+                         ids=["non-concave latency", "smooth latency", "ragged"])
 def test_the_stopping_rule_is_lossless(policy, lengths_used, method):
     errors, lengths = law_errors(policy, method)
     assert max(errors) < 1e-12, errors
@@ -99,7 +109,8 @@ def test_the_stopping_rule_is_lossless(policy, lengths_used, method):
 
 
 @pytest.mark.parametrize("method", ["token", "block"])
-@pytest.mark.parametrize("policy", [lookahead_policy, argmax_policy], ids=["look-ahead", "global-argmax"])
+@pytest.mark.parametrize("policy", [lookahead_policy, ragged_lookahead_policy, argmax_policy],
+                         ids=["look-ahead", "ragged look-ahead", "global-argmax"])
 def test_policies_that_look_at_the_token_they_decide_on_are_biased(policy, method):
     errors, _ = law_errors(policy, method)
     assert max(errors) > 1e-4, errors
@@ -123,6 +134,19 @@ def test_the_batch_widens_when_its_rows_gains_together_pay_for_it():
     cheap = lambda w: 1 + 0.05 * w  # noqa: E731
     assert stopping_lengths(torch.full((64, 3), 0.9), torch.full((64,), 3), cheap).tolist() == [3] * 64
     assert stopping_lengths(torch.full((64, 3), 0.04), torch.full((64,), 3), cheap).tolist() == [0] * 64
+
+
+def test_in_a_flattened_batch_each_row_verifies_what_pays_for_its_own_tokens():
+    p = torch.tensor([[0.99, 0.99, 0.99], [0.99, 0.99, 0.99], [0.01, 0.01, 0.01]])
+    per_token = lambda tokens: 1 + 0.1 * tokens  # noqa: E731  (each verified token costs a tenth of a plain step)
+    assert ragged_stopping_lengths(p, torch.tensor([3, 3, 3]), per_token).tolist() == [3, 3, 0]  # the unsure row stops
+    assert ragged_stopping_lengths(p, torch.tensor([3, 1, 3]), per_token).tolist() == [3, 1, 0]  # its own cap each
+    # padded to its widest row, the same batch verifies the unsure row as far as the sure ones
+    assert stopping_lengths(p, torch.tensor([3, 3, 3]), lambda width: per_token(3 * width)).tolist() == [3, 3, 3]
+    # a gain of 0.4 does not pay for half a step; once a step's drafting has cost one step, it does
+    half = lambda tokens: 1 + 0.5 * tokens  # noqa: E731
+    assert ragged_stopping_lengths(torch.tensor([[0.4]]), torch.tensor([1]), half).tolist() == [0]
+    assert ragged_stopping_lengths(torch.tensor([[0.4]]), torch.tensor([1]), half, paid=lambda i: 1.0).tolist() == [1]
 
 
 def test_latency_table_interpolates_and_checks_its_axes():

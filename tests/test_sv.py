@@ -20,6 +20,7 @@ nothing: SpeculativeDecoder._plan does not call SVPolicy.lengths then (regressio
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from unittest import mock
@@ -393,6 +394,15 @@ def test_sv_policy_is_lossless(kind, method):
     # The policy really varies L (the draft-only predictor here never declines position 1: L >= 1 for it).
     assert ({0, DRAFT_LEN} if kind == "companion" else {1, DRAFT_LEN}) <= lengths and len(lengths) >= 3, lengths
     assert early_stops > 0  # and keep_drafting really stops some blocks before the budget
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("kind", ["companion", "draft"])
+def test_sv_policy_for_a_flattened_batch_is_lossless(kind, method):
+    errors, lengths, _ = policy_law_errors(functools.partial(SVPolicy, ragged=True), method, kind)
+    print(f"SVPolicy ragged {kind} {method}: max joint-law error {max(errors):.2g}, lengths {sorted(lengths)}")
+    assert max(errors) < 1e-12, errors
+    assert len(lengths) >= 3, lengths
 
 
 @pytest.mark.parametrize("method", METHODS)

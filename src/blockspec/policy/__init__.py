@@ -15,6 +15,7 @@ _EXPORTS = {
     "LatencyTable": "base",
     "LengthPolicy": "base",
     "SVPolicy": "sv",
+    "ragged_stopping_lengths": "base",
     "stopping_lengths": "base",
 }
 

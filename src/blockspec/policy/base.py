@@ -123,3 +123,34 @@ def stopping_lengths(
             break
         emitted, width = emitted + gained, i + 1
     return drafted.clamp(max=width)
+
+
+def ragged_stopping_lengths(
+    gains: torch.Tensor,  # [B, K]: predicted gain of verifying x_i, from information available before x_i
+    drafted: torch.Tensor,  # [B] int64: the tokens each row drafted
+    step_seconds: Callable[[int], float],  # drafted tokens verified in the whole batch -> seconds of the step
+    paid: Callable[[int], float] = lambda position: 0.0,  # seconds already spent when position i is decided
+) -> torch.Tensor:
+    """Per-row verification lengths L [B] by a stopping rule, when each row pays only for its own tokens.
+
+    A flattened batch (vLLM's) is not padded: its forward costs what the drafted tokens it verifies cost in all,
+    ``step_seconds(sum_b L_b)``. Position by position, each row still going verifies x_i while its own gain pays
+    for one more token at the goodput the batch reached with positions < i, (B + gains so far) / (paid + seconds),
+    and stops for good at the first position that does not. Row b's decision on x_i reads its own gain at i and
+    the batch's totals over positions < i, never x_i: a stopping rule, so verification stays lossless (the other
+    rows' tokens are independent of row b's).
+    """
+    limit = drafted.to(gains.device)
+    gains = gains.double()
+    going = limit > 0
+    lengths = torch.zeros_like(limit)
+    emitted, tokens = float(len(limit)), 0
+    for i in range(gains.shape[1]):
+        going &= limit > i
+        if not bool(going.any()):
+            break
+        now = paid(i + 1) + step_seconds(tokens)
+        going &= gains[:, i] > emitted * (step_seconds(tokens + 1) - step_seconds(tokens)) / now
+        lengths += going
+        emitted, tokens = emitted + float(gains[going, i].sum()), tokens + int(going.sum())
+    return lengths.to(drafted.device)

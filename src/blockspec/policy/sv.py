@@ -19,7 +19,7 @@ from ..defaults import COMPANION, MAX_DRAFT, SV_PREDICTOR
 from ..models.base import model_name
 from ..sampling import SamplingParams
 from ..verify import draft_distributions, position_gains
-from .base import stopping_lengths
+from .base import ragged_stopping_lengths, stopping_lengths
 from .features import DRAFT_FEATURES, companion_features, draft_features
 from .latency import LatencyProfile, dtype_name
 from .predictor import Profile
@@ -65,7 +65,8 @@ class SVPolicy:
     the tokens already sampled: only what is still to come (the next forward, scoring x_i, the target's wider
     forward) weighs against position i's gain.
     ``kind`` is "draft" (draft-only features, no companion: the default) or "companion" (draft + companion
-    features; needs ``companion=`` in the decoder).
+    features; needs ``companion=`` in the decoder). With ``ragged`` each row pays for its own verified tokens
+    (``ragged_stopping_lengths``: a flattened batch, as vLLM's) instead of the batch padded to its widest row.
 
     After each step (``observe``) each predictor's logit offset takes one gradient step of the cross-entropy it
     was fitted with, on the exact gains of the positions just verified (``learn``), at ``rate``: the calibration
@@ -77,13 +78,13 @@ class SVPolicy:
     """
 
     def __init__(self, profile, latency, *, method: str, max_draft: int, kind: str = SV_PREDICTOR,
-                 memory: float = 0.9, rate: float = 0.5, carry_over: bool = False):
+                 memory: float = 0.9, rate: float = 0.5, carry_over: bool = False, ragged: bool = False):
         if kind not in ("draft", "companion"):
             raise ValueError(f"kind must be 'draft' or 'companion', got {kind!r}")
         if kind == "companion" and latency.companion is None:
             raise ValueError("the latency profile has no companion costs: measure it with the companion")
         self.method, self.max_draft, self.kind, self.memory, self.rate = method, max_draft, kind, memory, rate
-        self.carry_over = carry_over
+        self.carry_over, self.ragged = carry_over, ragged
         self.predictors = {"draft": profile.predictor(method, "draft"), kind: profile.predictor(method, kind)}
         self.latency = latency
         prior = list(profile.prior[method])[:max_draft]
@@ -189,8 +190,12 @@ class SVPolicy:
         # Drafting (and the companion's scoring) up to position i is paid by the time x_i is decided on; the
         # sunk seconds are those of i positions, never of how far drafting went (which depends on x_i).
         batch, catch_up = self._batch, self._catch_up
-        lengths = stopping_lengths(gains, drafted, lambda width: self.latency.target(batch, 1 + width),
-                                   paid=lambda i: self.latency.drafting(batch, i, catch_up, self.needs_companion))
+        paid = lambda i: self.latency.drafting(batch, i, catch_up, self.needs_companion)  # noqa: E731
+        if self.ragged:
+            per_row = lambda tokens: self.latency.target(batch, 1 + tokens / batch)  # noqa: E731
+            lengths = ragged_stopping_lengths(gains, drafted, per_row, paid=paid)
+        else:
+            lengths = stopping_lengths(gains, drafted, lambda width: self.latency.target(batch, 1 + width), paid=paid)
         return lengths.to(drafted.device)
 
     def expected(self) -> torch.Tensor:

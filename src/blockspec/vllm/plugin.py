@@ -17,8 +17,17 @@ vLLM drafts from the global generator, so a seeded request's tokens depended on 
 And it keeps vLLM CPU alive when a seeded request's prompt is prefilled in chunks: vLLM undoes the draws of a
 chunk's discarded sample with ``Generator.set_offset``, which CPU generators lack, and the engine died.
 
-``BLOCKSPEC_VLLM_MIN_DRAFT_PROB=p`` (with ``block`` or ``token``) has the target verify each request's drafts only
-while the draft's top probability is at least p, a stopping rule (``cut_unsure_drafts``), hence exact.
+Two stopping rules (exact whatever they decide) can choose how many drafts the target verifies, with ``block`` or
+``token`` (``plan_drafts``):
+
+    BLOCKSPEC_VLLM_MIN_DRAFT_PROB=p          verify each request's drafts only while the draft's top probability
+                                             is at least p
+    BLOCKSPEC_VLLM_SV=calibration:latency    Speculative Verification (``blockspec.policy.SVPolicy``, draft-only
+                                             predictor, each request paying for its own tokens): each step, whether
+                                             to draft at all, then each request's verified length from its drafts'
+                                             predicted gains priced by vLLM's measured latency; the calibration
+                                             profile from ``blockspec sv calibrate``, the latency profile from
+                                             ``python -m blockspec.vllm.profile`` (paths joined by os.pathsep)
 
 The plugin is pinned to the vLLM version whose internals it replaces and refuses any other. vLLM only logs a
 plugin that fails to import, so ``check(llm)`` asks every worker which rule it runs and raises if that is not
@@ -46,7 +55,10 @@ EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 STEPS = {"block": 0, "token": 0}  # this process's verification steps with sampled requests, by the rule used
 CHUNKS = {"drawn apart": 0}  # samples of seeded requests' prefill chunks drawn from a copy of their generator
 CUT_SWITCH = "BLOCKSPEC_VLLM_MIN_DRAFT_PROB"  # verify drafts only while the draft's top probability is at least this
-CUT = {"min_prob": None, "drafted": 0, "verified": 0}  # the threshold in place, drafted and verified tokens it saw
+SV_SWITCH = "BLOCKSPEC_VLLM_SV"  # SV's calibration and latency profiles: SV decides what is drafted and verified
+# the threshold or SV profiles in place; steps SV did not draft, drafted and verified tokens the rule in place saw
+CUT = {"min_prob": None, "sv": None, "skipped": 0, "drafted": 0, "verified": 0}
+SV = {}  # "profiles": SV's (calibration, latency) profiles; "policy": the SVPolicy built from them at the first step
 ANALYTIC_SWITCH = "BLOCKSPEC_VLLM_ANALYTIC"  # =1: also score every block step's drafts under both rules (slower)
 ANALYTIC = {"rows": 0, "token": 0.0, "block": 0.0}  # sampled request-steps with drafts, sums of E[accepted]
 
@@ -80,6 +92,9 @@ def register() -> None:
     from vllm.v1.worker.worker_base import WorkerBase
 
     CUT["min_prob"] = min_draft_prob()
+    use_sv(sv_profiles())
+    if CUT["min_prob"] is not None and CUT["sv"] is not None:
+        raise ValueError(f"{CUT_SWITCH} and {SV_SWITCH} both choose the drafts verified: set one of them")
 
     if not hasattr(refuse_cut_grammar_drafts, "stock"):  # vLLM's request validation, run after the refusal
         refuse_cut_grammar_drafts.stock = InputProcessor._validate_params
@@ -90,9 +105,9 @@ def register() -> None:
     if not hasattr(sample_with_chunk_draws_apart, "stock"):  # vLLM's sampling step (CPU's runner inherits it)
         sample_with_chunk_draws_apart.stock = GPUModelRunner.sample_tokens
     GPUModelRunner.sample_tokens = sample_with_chunk_draws_apart
-    if not hasattr(cut_unsure_drafts, "stock"):  # vLLM's drafting step, which returns every drafted token
-        cut_unsure_drafts.stock = GPUModelRunner.propose_draft_token_ids
-    GPUModelRunner.propose_draft_token_ids = cut_unsure_drafts
+    if not hasattr(plan_drafts, "stock"):  # vLLM's drafting step, which returns every drafted token
+        plan_drafts.stock = GPUModelRunner.propose_draft_token_ids
+    GPUModelRunner.propose_draft_token_ids = plan_drafts
     cpu_kernels._expand_kernel_impl = expand_in_place  # read when the CPU worker registers its kernels
     if rule == "block":
         if not hasattr(block_rejection_sample, "stock"):  # vLLM's token rule, kept for what stays on it
@@ -172,23 +187,81 @@ def min_draft_prob() -> float | None:
     return threshold
 
 
-def cut_unsure_drafts(self, *args, **kwargs):
-    """vLLM's ``propose_draft_token_ids``, then each request's drafts cut before the first position where the
-    draft's top probability is below ``CUT["min_prob"]``, so the target verifies only the sure prefix.
+def sv_profiles() -> tuple[str, str] | None:
+    """The (calibration, latency) profile paths ``BLOCKSPEC_VLLM_SV`` names, None when unset."""
+    value = os.environ.get(SV_SWITCH, "").strip()
+    if not value:
+        return None
+    paths = value.split(os.pathsep)
+    if len(paths) != 2 or not all(paths):
+        raise ValueError(f"{SV_SWITCH}={value!r}: expected the calibration profile (blockspec sv calibrate) and the "
+                         f"latency profile (python -m blockspec.vllm.profile) joined by {os.pathsep!r}")
+    return paths[0], paths[1]
 
-    A stopping rule: whether x_i is verified depends on the distribution x_i was drawn from, never on x_i, so
-    verification stays exact (ALGORITHMS.md). vLLM verifies a request's first ``num_draft_tokens`` rows of draft
-    probabilities, which the cut keeps aligned; the model runner takes drafts as one list per request, as the
-    ngram drafter gives them. Without draft probabilities (greedy batches, drafters without them) nothing is cut.
+
+def use_sv(paths: tuple[str, str] | None) -> None:
+    """Put SV in place with the profiles at ``paths`` (None: take it out), reading them now so that a missing or
+    broken profile fails where vLLM starts."""
+    from ..policy.latency import LatencyProfile
+    from ..policy.predictor import Profile
+
+    SV.clear()
+    CUT["sv"] = None if paths is None else list(paths)
+    if paths is not None:
+        SV["profiles"] = (Profile.load(paths[0]), LatencyProfile.load(paths[1]))
+
+
+def sv_policy(runner):
+    """This worker's SVPolicy, built at its first step (the number of drafted tokens is the runner's)."""
+    if "policy" not in SV:
+        from ..policy.sv import SVPolicy
+
+        calibration, latency = SV["profiles"]
+        rule = requested_rule() or "token"
+        SV["policy"] = SVPolicy(calibration, latency, method=rule, kind="draft", ragged=True,
+                                max_draft=runner.speculative_config.num_speculative_tokens)
+    return SV["policy"]
+
+
+def plan_drafts(self, scheduler_output, *args, **kwargs):
+    """vLLM's ``propose_draft_token_ids``, with the drafts each request has verified chosen by a stopping rule.
+
+    SV (``CUT["sv"]``) first decides whether drafting pays at this batch size (if not, vLLM runs the draft only
+    to keep its cache, as for vLLM's own batch-size schedule at K = 0), then each request's verified length from
+    its drafts' predicted gains; or each request's drafts are cut before the first position where the draft's
+    top probability is below ``CUT["min_prob"]``. Whether x_i is verified depends on the distribution x_i was
+    drawn from and on x_<i, never on x_i, so verification stays exact (ALGORITHMS.md). vLLM verifies a request's
+    first ``num_draft_tokens`` rows of draft probabilities, which the cut keeps aligned; the model runner takes
+    drafts as one list per request, as the ngram drafter gives them. Without draft probabilities (greedy batches,
+    drafters without them) nothing is cut.
     """
-    drafts = cut_unsure_drafts.stock(self, *args, **kwargs)
-    if CUT["min_prob"] is None or not torch.is_tensor(drafts) or self._draft_probs is None:
+    policy = sv_policy(self) if CUT["sv"] is not None else None
+    if policy is not None and scheduler_output.num_spec_tokens_to_schedule > 0:
+        if policy.draft_budget(self.input_batch.num_reqs, 1) == 0:
+            scheduler_output.num_spec_tokens_to_schedule = 0
+            CUT["skipped"] += 1
+    drafts = plan_drafts.stock(self, scheduler_output, *args, **kwargs)
+    if ((policy is None and CUT["min_prob"] is None) or not torch.is_tensor(drafts) or not drafts.numel()
+            or self._draft_probs is None):
         return drafts
-    sure = self._draft_probs[:len(drafts), :drafts.shape[1]].amax(-1) >= CUT["min_prob"]  # [B, K]
-    lengths = sure.cumprod(-1).sum(-1).tolist()
+    probs = self._draft_probs[:len(drafts), :drafts.shape[1]]  # [B, K, V]
+    if policy is not None:
+        lengths = sv_lengths(policy, drafts.long(), probs)
+    else:
+        lengths = (probs.amax(-1) >= CUT["min_prob"]).cumprod(-1).sum(-1)
+    lengths = lengths.tolist()
     CUT["drafted"] += drafts.numel()
     CUT["verified"] += sum(lengths)
     return [row[:length] for row, length in zip(drafts.tolist(), lengths)]
+
+
+def sv_lengths(policy, drafts: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """SV's verified length [B] for each request's drafts [B, K] drawn from ``probs`` [B, K, V]: position i's
+    draft-only features read x_<i and the distribution x_i was drawn from."""
+    from ..policy.features import draft_features, prefix_logprob
+
+    features = draft_features(probs, prefix_logprob(drafts, probs))
+    return policy.lengths_given(features, torch.full((len(drafts),), drafts.shape[1], device=drafts.device))
 
 
 def refuse_cut_grammar_drafts(self, params, supported_tasks):

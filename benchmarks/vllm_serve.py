@@ -356,29 +356,8 @@ def report(args) -> int:
                 print(f"| {dtype} | {c} | {speed(pair[0]):.2f} | {speed(pair[1]):.2f} | "
                       f"{speed(pair[1]) / speed(pair[0]):.3f}x |")
 
-    print("\n## block over token verification, wall clock\n")
-    print("| engine | dtype | K | streams | runs each | tok/s token | tok/s block | block / token "
-          "(1 stream: CI over requests; more: each pass) |")
-    print("|---|---|---|---|---|---|---|---|")
-    done = set()
-    for r in timed:
-        key = (r["engine"], r["dtype"], r["k"], r["concurrency"])
-        runs = {config: [o for o in timed if (o["engine"], o["dtype"], o["k"], o["concurrency"]) == key
-                         and o["config"] == config] for config in ("token", "block")}
-        if r["config"] != "block" or key in done or len(runs["token"]) != len(runs["block"]):
-            continue
-        done.add(key)
-        token, block = (sum(o["new_tokens"] for o in runs[c]) / sum(o["wall_s"] for o in runs[c])
-                        for c in ("token", "block"))
-        ratio = f"{block / token:.3f}x"
-        if r["concurrency"] == 1:  # the same requests one at a time, run after run: pair them
-            latencies = {c: [s for run in runs[c] for s in run["latencies_s"]] for c in ("token", "block")}
-            ratio = interval(latencies, lambda s: s["token"] / s["block"], "{:.3f}x")
-        elif len(runs["block"]) > 1:  # requests share the batch: no pairing, but each pass's own ratio
-            passes = (f"{speed(b) / speed(t):.3f}x" for t, b in zip(runs["token"], runs["block"]))
-            ratio += f" (passes {', '.join(passes)})"
-        print(f"| {r['engine']} | {r['dtype']} | {r['k']} | {r['concurrency']} | {len(runs['block'])} | "
-              f"{token:.2f} | {block:.2f} | {ratio} |")
+    for new, old in (("block", "token"), ("block-cut", "block"), ("block-sv", "block")):
+        wall_clock_ratios(timed, new, old)
 
     print("\n## paired analytic gain of block over token verification\n")
     print("| engine | dtype | drafts of | K | requests | analytic BE token | analytic BE block | analytic gain (CI) |")
@@ -389,6 +368,37 @@ def report(args) -> int:
             print(f"| {r['engine']} | {r['dtype']} | {drafts} | {r['k']} | {len(r['analytic'])} | "
                   f"{analytic_line(r['analytic'])} |")
     return 0
+
+
+def wall_clock_ratios(timed, new: str, old: str) -> None:
+    """The section "{new} over {old}, wall clock": configuration ``new`` against ``old`` where both ran equally
+    often at the same engine, dtype, K and streams (1 stream: paired over requests; more: each pass's ratio)."""
+    rows = []
+    done = set()
+    for r in timed:
+        key = (r["engine"], r["dtype"], r["k"], r["concurrency"])
+        runs = {config: [o for o in timed if (o["engine"], o["dtype"], o["k"], o["concurrency"]) == key
+                         and o["config"] == config] for config in (old, new)}
+        if r["config"] != new or key in done or len(runs[old]) != len(runs[new]):
+            continue
+        done.add(key)
+        before, after = (sum(o["new_tokens"] for o in runs[c]) / sum(o["wall_s"] for o in runs[c]) for c in (old, new))
+        ratio = f"{after / before:.3f}x"
+        if r["concurrency"] == 1:  # the same requests one at a time, run after run: pair them
+            latencies = {c: [s for run in runs[c] for s in run["latencies_s"]] for c in (old, new)}
+            ratio = interval(latencies, lambda s: s[old] / s[new], "{:.3f}x")
+        elif len(runs[new]) > 1:  # requests share the batch: no pairing, but each pass's own ratio
+            passes = (f"{speed(b) / speed(t):.3f}x" for t, b in zip(runs[old], runs[new]))
+            ratio += f" (passes {', '.join(passes)})"
+        rows.append(f"| {r['engine']} | {r['dtype']} | {r['k']} | {r['concurrency']} | {len(runs[new])} | "
+                    f"{before:.2f} | {after:.2f} | {ratio} |")
+    if not rows:
+        return
+    print(f"\n## {new} over {old}, wall clock\n")
+    print(f"| engine | dtype | K | streams | runs each | tok/s {old} | tok/s {new} | {new} / {old} "
+          "(1 stream: CI over requests; more: each pass) |")
+    print("|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
 
 
 if __name__ == "__main__":

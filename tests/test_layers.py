@@ -18,10 +18,10 @@ import blockspec
 
 LAYERS = (  # lowest first
     ("blockspec.defaults", "blockspec.machine", "blockspec.verify"),  # no imports from the package
-    ("blockspec.sampling", "blockspec.vllm"),  # logits -> probabilities; the rules on vLLM's layout
+    ("blockspec.sampling",),  # logits -> probabilities
     ("blockspec.models",),  # adapters, presets, quantization, companions, prompt encoding
     ("blockspec.policy",),  # length policies and what SV runs on
-    ("blockspec.drafting", "blockspec.lookup", "blockspec.engine"),  # the decoding loop
+    ("blockspec.drafting", "blockspec.lookup", "blockspec.engine", "blockspec.vllm"),  # the loops: ours, vLLM's
     ("blockspec.auto",),  # machine-aware choices and latency measurement
     ("blockspec.bench",),  # benchmarks, SV calibration and replay
     ("blockspec.cli", "blockspec.__main__"),  # the command line

@@ -213,6 +213,24 @@ def test_a_draft_forward_already_run_is_paid_whatever_the_width():
     assert policy.keep_drafting_given(features(2))  # once it has run, it need not
 
 
+def test_whole_drafts_price_one_draft_forward_without_drafting_and_the_whole_budget_with():
+    """vLLM runs the draft's first forward every step and drafts all K tokens in one call. Here a draft forward
+    costs 0.5 s, a verified token 0.1 s and gains of 0.5 are expected at both positions: charged per forward,
+    drafting does not pay (1.5 / 1.6 < 1); with a step that drafts nothing paying one forward too, and a
+    drafting step two, it does (2 / 2.2 > 1 / 1.5). The plan then goes on through every position drafted."""
+    latency = LatencyProfile(target=LatencyTable((1,), (1, 2, 3), ((1.0, 1.1, 1.2),)),
+                             draft=LatencyTable((1,), (1, 2), ((0.5, 0.5),)), companion=None, meta={})
+    flat = hand_profile(prior=[0.5, 0.5])
+    per_forward = SVPolicy(flat, latency, method="block", max_draft=2, kind="draft")
+    whole = SVPolicy(flat, latency, method="block", max_draft=2, kind="draft", whole_drafts=True)
+    assert [per_forward.step_seconds(1, 1)(w) for w in (0, 1, 2)] == pytest.approx([1.0, 1.6, 2.2])
+    assert [whole.step_seconds(1, 1)(w) for w in (0, 1, 2)] == pytest.approx([1.5, 2.1, 2.2])
+    assert per_forward.draft_budget(1, 1) == 0
+    assert whole.draft_budget(1, 1) == 2
+    unsure = torch.tensor([[1.0, 0.0, 0.0, -20.0, 0.0]])  # a gain near 0
+    assert whole.keep_drafting_given(unsure) and whole.draft_next(2, torch.zeros(1, dtype=torch.float64))
+
+
 def test_draft_next_guesses_position_i_from_the_prefix_drafted_and_position_i_minus_1():
     """Before its forward, position 2's gain is predicted with position 1's draft features, log 2 and the drafted
     prefix's log-probability log q_1(x_1): an unlikely x_1 stops drafting, a likely one does not."""
@@ -398,11 +416,16 @@ def test_sv_policy_is_lossless(kind, method):
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("kind", ["companion", "draft"])
-def test_sv_policy_for_a_flattened_batch_is_lossless(kind, method):
-    errors, lengths, _ = policy_law_errors(functools.partial(SVPolicy, ragged=True), method, kind)
-    print(f"SVPolicy ragged {kind} {method}: max joint-law error {max(errors):.2g}, lengths {sorted(lengths)}")
+@pytest.mark.parametrize("whole_drafts", [False, True], ids=["", "whole drafts"])
+def test_sv_policy_for_a_flattened_batch_is_lossless(kind, method, whole_drafts):
+    """As vLLM runs it: each row paying for its own tokens, and (whole drafts) the budget drafted in one call."""
+    make = functools.partial(SVPolicy, ragged=True, whole_drafts=whole_drafts)
+    errors, lengths, early_stops = policy_law_errors(make, method, kind)
+    print(f"SVPolicy ragged {kind} {method} whole drafts {whole_drafts}: max joint-law error {max(errors):.2g}, "
+          f"lengths {sorted(lengths)}")
     assert max(errors) < 1e-12, errors
     assert len(lengths) >= 3, lengths
+    assert (early_stops == 0) == whole_drafts
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -128,10 +128,11 @@ def test_first_tokens_follow_the_target_with_unsure_drafts_cut(llm, target, cut)
 def test_first_tokens_follow_the_target_with_sv_choosing_the_drafts(llm, target, sv, tmp_path):
     """SV (BLOCKSPEC_VLLM_SV) with hand-made profiles: a gain of about 1 where the draft's top probability is above
     0.3 and about 0 below, each verified token costing half a step; it verifies some drafts and not others, and
-    the law stays the target's. With each draft forward priced at 10 steps, no step drafts (vLLM runs the draft
-    only for its cache) and the law is the target's. SV reading the drafted token's own probability in place
+    the law stays the target's. With each draft forward priced at 10 steps and gains of 0.1 expected, no step
+    drafts (vLLM runs the draft only for its cache) and the law is the target's. SV reading the drafted token's own probability in place
     of the top probability (broken: it looks at x_i) must fail."""
-    paths = tinyvllm.sv_profiles(tmp_path, drafting=10.0 if sv == "never drafting" else 0.0)
+    never = sv == "never drafting"
+    paths = tinyvllm.sv_profiles(tmp_path, drafting=10.0 if never else 0.0, prior=0.1 if never else 0.9)
     llm.collective_rpc(tinyvllm.sv, args=(paths, sv == "x_i's own probability"))
     try:
         before = plugin.check(llm, "block")[0]["cut"]
@@ -191,3 +192,28 @@ def test_structured_outputs_with_sampled_drafts_are_refused(llm):
     greedy = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2, structured_outputs=choice),
                           use_tqdm=False)
     assert greedy[0].outputs[0].token_ids[0] in (5, 7)
+
+
+@pytest.mark.parametrize("rule", ["token", "block"])
+@pytest.mark.parametrize("words", ["all", "four"])
+def test_vllm_s_grammar_cut_of_sampled_drafts_breaks_the_target_s_law(llm, target, monkeypatch, rule, words):
+    """What the refusal above prevents, shown end to end with the refusal lifted: vLLM's scheduler cuts a sampled
+    draft at the first token the grammar refuses and verifies the rest as if nothing had been drafted there. With a
+    grammar of three tokens out of four words, which the draft often leaves, the first tokens do not follow the
+    target's law restricted to those words, neither with vLLM's token rule nor with the block rule. With all
+    fourteen words allowed (the draft seldom proposes <pad> or <eos>) they do: the grammar and the restricted law
+    are right, and the cut is what breaks the law."""
+    from vllm.sampling_params import StructuredOutputsParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    allowed = list(range(2, tinyvllm.VOCAB)) if words == "all" else GRAMMAR_WORDS
+    grammar = StructuredOutputsParams(regex="(" + "|".join(tinyvllm.WORDS[i] for i in allowed) + f"){{{LENGTH}}}")
+    monkeypatch.setattr(InputProcessor, "_validate_params", plugin.refuse_cut_grammar_drafts.stock)
+    llm.collective_rpc(tinyvllm.verification_rule, args=(rule,))
+    try:
+        sequences = tinyvllm.first_tokens(llm, SAMPLES, LENGTH, temperature=1.0, structured_outputs=grammar)
+    finally:
+        llm.collective_rpc(tinyvllm.verification_rule, args=("block",))
+    test = tinyvllm.law_test(sequences, tinyvllm.exact_law(target, LENGTH, allowed=allowed))
+    print(f"{rule} rule, {words} words: {test}")
+    assert test.passed == (words == "all")

@@ -66,9 +66,11 @@ def load(path: str):
     return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def exact_law(path: str, length: int, repetition_penalty: float = 1.0) -> torch.Tensor:
-    """The saved model's exact joint law of its first ``length`` tokens after PROMPT, [V] * length float64."""
-    return exact_law_of_first_tokens(load(path), PROMPT, length, repetition_penalty)
+def exact_law(path: str, length: int, repetition_penalty: float = 1.0,
+              allowed: list[int] | None = None) -> torch.Tensor:
+    """The saved model's exact joint law of its first ``length`` tokens after PROMPT, [V] * length float64 (with
+    ``allowed``: restricted to those tokens at every position)."""
+    return exact_law_of_first_tokens(load(path), PROMPT, length, repetition_penalty, allowed)
 
 
 def greedy_continuation(path: str, length: int) -> list[int]:
@@ -207,10 +209,11 @@ def cut_by_drafted_token(self, *args, **kwargs):
     return [row[:length] for row, length in zip(drafts.tolist(), lengths)]
 
 
-def sv_profiles(directory: Path, drafting: float) -> tuple[str, str]:
+def sv_profiles(directory: Path, drafting: float, prior: float) -> tuple[str, str]:
     """SV's profiles for the tiny pair, made by hand: a calibration whose block-rule gain is about 1 where the
-    draft's top probability is above 0.3 and about 0 below, and a latency where each verified token costs half a
-    step and one draft forward ``drafting`` steps. (calibration path, latency path)."""
+    draft's top probability is above 0.3 and about 0 below, expected to be ``prior`` at every position before any
+    step, and a latency where each verified token costs half a step and one draft forward ``drafting`` steps.
+    (calibration path, latency path)."""
     from blockspec.policy.base import LatencyTable
     from blockspec.policy.features import DRAFT_FEATURES
     from blockspec.policy.latency import META_FIELDS, LatencyProfile
@@ -220,7 +223,7 @@ def sv_profiles(directory: Path, drafting: float) -> tuple[str, str]:
     sampling = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
     calibration = Profile("target", "draft", None, sampling,
                           {"block": {"draft": Predictor(DRAFT_FEATURES, tuple(weights.values()))}},
-                          {"block": [0.9, 0.9]})
+                          {"block": [prior, prior]})
     steps = LatencyTable((1, 64), (1, 2, 3), ((1.0, 1.5, 2.0), (1.0, 1.5, 2.0)))
     latency = LatencyProfile(steps, LatencyTable((1, 64), (1,), ((drafting,), (drafting,))), None,
                              dict.fromkeys(META_FIELDS, "tiny"))
@@ -258,3 +261,14 @@ def sv_reading_x_i(self, scheduler_output, *args, **kwargs):
     features[..., DRAFT_FEATURES.index("log_max_prob")] = drawn.clamp(min=1e-6).log()  # THE BREAK
     lengths = policy.lengths_given(features, torch.full((len(drafts),), drafts.shape[1])).tolist()
     return [row[:length] for row, length in zip(drafts.tolist(), lengths)]
+
+
+def verification_rule(worker, rule: str) -> None:
+    """Run in vLLM's worker by ``llm.collective_rpc``: verify sampled drafts by the plugin's block rule ("block")
+    or by vLLM's own token rule ("token")."""
+    import vllm.v1.sample.rejection_sampler as sampler
+
+    from blockspec.vllm import plugin
+
+    stock = plugin.block_rejection_sample.stock
+    sampler.rejection_sample = {"block": plugin.block_rejection_sample, "token": stock}[rule]

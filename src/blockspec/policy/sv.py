@@ -67,6 +67,9 @@ class SVPolicy:
     ``kind`` is "draft" (draft-only features, no companion: the default) or "companion" (draft + companion
     features; needs ``companion=`` in the decoder). With ``ragged`` each row pays for its own verified tokens
     (``ragged_stopping_lengths``: a flattened batch, as vLLM's) instead of the batch padded to its widest row.
+    With ``whole_drafts`` the engine drafts the whole budget in one call (decisions 2 and 3 always go on),
+    running the draft's first forward even when the budget is 0 (vLLM does, to keep the draft's cache): a step
+    costs at least one draft forward, and all the positions drafted are paid before any is verified.
 
     After each step (``observe``) each predictor's logit offset takes one gradient step of the cross-entropy it
     was fitted with, on the exact gains of the positions just verified (``learn``), at ``rate``: the calibration
@@ -78,13 +81,14 @@ class SVPolicy:
     """
 
     def __init__(self, profile, latency, *, method: str, max_draft: int, kind: str = SV_PREDICTOR,
-                 memory: float = 0.9, rate: float = 0.5, carry_over: bool = False, ragged: bool = False):
+                 memory: float = 0.9, rate: float = 0.5, carry_over: bool = False, ragged: bool = False,
+                 whole_drafts: bool = False):
         if kind not in ("draft", "companion"):
             raise ValueError(f"kind must be 'draft' or 'companion', got {kind!r}")
         if kind == "companion" and latency.companion is None:
             raise ValueError("the latency profile has no companion costs: measure it with the companion")
         self.method, self.max_draft, self.kind, self.memory, self.rate = method, max_draft, kind, memory, rate
-        self.carry_over, self.ragged = carry_over, ragged
+        self.carry_over, self.ragged, self.whole_drafts = carry_over, ragged, whole_drafts
         self.predictors = {"draft": profile.predictor(method, "draft"), kind: profile.predictor(method, kind)}
         self.latency = latency
         prior = list(profile.prior[method])[:max_draft]
@@ -129,7 +133,8 @@ class SVPolicy:
         def seconds(width: int) -> float:
             latency = self.latency
             scoring = latency.scoring(batch, max(width, sampled), catch_up) if self.needs_companion else 0.0
-            return (latency.drafting(batch, max(width, drafted), catch_up, companion=False) + scoring
+            forwards = (self.max_draft if width else 1) if self.whole_drafts else max(width, drafted)
+            return (latency.drafting(batch, forwards, catch_up, companion=False) + scoring
                     + latency.target(batch, 1 + width))
 
         return seconds
@@ -146,6 +151,8 @@ class SVPolicy:
         return self.max_draft
 
     def draft_next(self, position: int, prefix: torch.Tensor) -> bool:
+        if self.whole_drafts:
+            return True
         known = torch.stack(self._draft_features, 1)  # [B, position - 1, F]
         # Position i's draft distribution is not known yet: its entropy and top probability are guessed to be
         # those of position i - 1; its position and the drafted prefix's probability (through x_{i-1}) are known.
@@ -161,6 +168,8 @@ class SVPolicy:
     def keep_drafting_given(self, features: torch.Tensor) -> bool:
         """``keep_drafting`` from the draft-only features [B, F] of the next position."""
         self._draft_features.append(features)
+        if self.whole_drafts:
+            return True
         gains = self.predict("draft", torch.stack(self._draft_features, 1))
         return self._plan_reaches(gains, drafted=len(self._draft_features))
 
@@ -188,9 +197,11 @@ class SVPolicy:
         now = torch.cat([gains.mean(0).cpu(), self.expected()[gains.shape[1]:]])
         self.history = self.memory * self.history + (1 - self.memory) * now
         # Drafting (and the companion's scoring) up to position i is paid by the time x_i is decided on; the
-        # sunk seconds are those of i positions, never of how far drafting went (which depends on x_i).
-        batch, catch_up = self._batch, self._catch_up
-        paid = lambda i: self.latency.drafting(batch, i, catch_up, self.needs_companion)  # noqa: E731
+        # sunk seconds are those of i positions, never of how far drafting went (which depends on x_i), unless the
+        # engine drafts whole budgets, whose length does not depend on the tokens.
+        batch, catch_up, budget = self._batch, self._catch_up, features.shape[1]
+        paid = lambda i: self.latency.drafting(batch, budget if self.whole_drafts else i, catch_up,  # noqa: E731
+                                               self.needs_companion)
         if self.ragged:
             per_row = lambda tokens: self.latency.target(batch, 1 + tokens / batch)  # noqa: E731
             lengths = ragged_stopping_lengths(gains, drafted, per_row, paid=paid)

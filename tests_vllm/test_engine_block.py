@@ -192,28 +192,3 @@ def test_structured_outputs_with_sampled_drafts_are_refused(llm):
     greedy = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2, structured_outputs=choice),
                           use_tqdm=False)
     assert greedy[0].outputs[0].token_ids[0] in (5, 7)
-
-
-@pytest.mark.parametrize("rule", ["token", "block"])
-@pytest.mark.parametrize("words", ["all", "four"])
-def test_vllm_s_grammar_cut_of_sampled_drafts_breaks_the_target_s_law(llm, target, monkeypatch, rule, words):
-    """What the refusal above prevents, shown end to end with the refusal lifted: vLLM's scheduler cuts a sampled
-    draft at the first token the grammar refuses and verifies the rest as if nothing had been drafted there. With a
-    grammar of three tokens out of four words, which the draft often leaves, the first tokens do not follow the
-    target's law restricted to those words, neither with vLLM's token rule nor with the block rule. With all
-    fourteen words allowed (the draft seldom proposes <pad> or <eos>) they do: the grammar and the restricted law
-    are right, and the cut is what breaks the law."""
-    from vllm.sampling_params import StructuredOutputsParams
-    from vllm.v1.engine.input_processor import InputProcessor
-
-    allowed = list(range(2, tinyvllm.VOCAB)) if words == "all" else GRAMMAR_WORDS
-    grammar = StructuredOutputsParams(regex="(" + "|".join(tinyvllm.WORDS[i] for i in allowed) + f"){{{LENGTH}}}")
-    monkeypatch.setattr(InputProcessor, "_validate_params", plugin.refuse_cut_grammar_drafts.stock)
-    llm.collective_rpc(tinyvllm.verification_rule, args=(rule,))
-    try:
-        sequences = tinyvllm.first_tokens(llm, SAMPLES, LENGTH, temperature=1.0, structured_outputs=grammar)
-    finally:
-        llm.collective_rpc(tinyvllm.verification_rule, args=("block",))
-    test = tinyvllm.law_test(sequences, tinyvllm.exact_law(target, LENGTH, allowed=allowed))
-    print(f"{rule} rule, {words} words: {test}")
-    assert test.passed == (words == "all")

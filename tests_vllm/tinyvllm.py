@@ -66,11 +66,9 @@ def load(path: str):
     return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def exact_law(path: str, length: int, repetition_penalty: float = 1.0,
-              allowed: list[int] | None = None) -> torch.Tensor:
-    """The saved model's exact joint law of its first ``length`` tokens after PROMPT, [V] * length float64 (with
-    ``allowed``: restricted to those tokens at every position)."""
-    return exact_law_of_first_tokens(load(path), PROMPT, length, repetition_penalty, allowed)
+def exact_law(path: str, length: int, repetition_penalty: float = 1.0) -> torch.Tensor:
+    """The saved model's exact joint law of its first ``length`` tokens after PROMPT, [V] * length float64."""
+    return exact_law_of_first_tokens(load(path), PROMPT, length, repetition_penalty)
 
 
 def greedy_continuation(path: str, length: int) -> list[int]:
@@ -261,14 +259,3 @@ def sv_reading_x_i(self, scheduler_output, *args, **kwargs):
     features[..., DRAFT_FEATURES.index("log_max_prob")] = drawn.clamp(min=1e-6).log()  # THE BREAK
     lengths = policy.lengths_given(features, torch.full((len(drafts),), drafts.shape[1])).tolist()
     return [row[:length] for row, length in zip(drafts.tolist(), lengths)]
-
-
-def verification_rule(worker, rule: str) -> None:
-    """Run in vLLM's worker by ``llm.collective_rpc``: verify sampled drafts by the plugin's block rule ("block")
-    or by vLLM's own token rule ("token")."""
-    import vllm.v1.sample.rejection_sampler as sampler
-
-    from blockspec.vllm import plugin
-
-    stock = plugin.block_rejection_sample.stock
-    sampler.rejection_sample = {"block": plugin.block_rejection_sample, "token": stock}[rule]

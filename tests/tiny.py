@@ -60,11 +60,12 @@ def save_tiny(path, *, seed: int = 0, sharpness: float = 5.0, noise: float = 0.0
     return str(path)
 
 
-def exact_law_of_first_tokens(model, prompt: list[int], length: int,
-                              repetition_penalty: float = 1.0) -> torch.Tensor:
+def exact_law_of_first_tokens(model, prompt: list[int], length: int, repetition_penalty: float = 1.0,
+                              allowed: list[int] | None = None) -> torch.Tensor:
     """The target's exact joint law of its first ``length`` tokens, [V] * length, from its conditionals; with
     vLLM's repetition penalty, a logit of a token already in the context is divided by the penalty if positive,
-    multiplied by it otherwise."""
+    multiplied by it otherwise; with ``allowed``, each conditional restricted to those tokens (a grammar that
+    allows them at every position)."""
     vocab = model.config.vocab_size
     law = torch.ones((), dtype=torch.float64)
     with torch.no_grad():
@@ -74,5 +75,8 @@ def exact_law_of_first_tokens(model, prompt: list[int], length: int,
             logits = model(contexts).logits[:, -1].double()
             seen = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, contexts, True)
             penalised = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
-            law = law.reshape(-1, 1) * torch.where(seen, penalised, logits).softmax(-1)
+            logits = torch.where(seen, penalised, logits)
+            if allowed is not None:
+                logits = torch.full_like(logits, -torch.inf).index_copy(1, torch.tensor(allowed), logits[:, allowed])
+            law = law.reshape(-1, 1) * logits.softmax(-1)
     return law.reshape([vocab] * length)

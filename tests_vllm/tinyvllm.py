@@ -66,9 +66,11 @@ def load(path: str):
     return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def exact_law(path: str, length: int, repetition_penalty: float = 1.0) -> torch.Tensor:
-    """The saved model's exact joint law of its first ``length`` tokens after PROMPT, [V] * length float64."""
-    return exact_law_of_first_tokens(load(path), PROMPT, length, repetition_penalty)
+def exact_law(path: str, length: int, repetition_penalty: float = 1.0,
+              allowed: list[int] | None = None) -> torch.Tensor:
+    """The saved model's exact joint law of its first ``length`` tokens after PROMPT, [V] * length float64 (with
+    ``allowed``: restricted to those tokens at every position)."""
+    return exact_law_of_first_tokens(load(path), PROMPT, length, repetition_penalty, allowed)
 
 
 def greedy_continuation(path: str, length: int) -> list[int]:
@@ -88,8 +90,9 @@ def law_test(sequences, law: torch.Tensor) -> lawkit.ChiSquare:
 
 
 def start(directory: Path, rule: str | None, num_speculative_tokens: int = 2):
-    """vLLM's offline engine on the tiny pair, float32, drafting with probabilities; the worker process inherits
-    ``BLOCKSPEC_VLLM_RULE`` = ``rule`` (None: unset, vLLM as shipped)."""
+    """vLLM's offline engine on the tiny pair, float32, drafting with probabilities (``num_speculative_tokens`` 0:
+    the target alone); the worker process inherits ``BLOCKSPEC_VLLM_RULE`` = ``rule`` (None: unset, vLLM as
+    shipped)."""
     import os
 
     from vllm import LLM
@@ -101,10 +104,10 @@ def start(directory: Path, rule: str | None, num_speculative_tokens: int = 2):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # lets the tests send functions to the worker (below)
     try:
+        speculative = {"method": "draft_model", "model": draft, "num_speculative_tokens": num_speculative_tokens,
+                       "draft_sample_method": "probabilistic", "rejection_sample_method": "standard"}
         return LLM(model=target, dtype="float32", max_model_len=64, seed=0, enforce_eager=True,
-                   speculative_config={"method": "draft_model", "model": draft,
-                                       "num_speculative_tokens": num_speculative_tokens,
-                                       "draft_sample_method": "probabilistic", "rejection_sample_method": "standard"})
+                   speculative_config=speculative if num_speculative_tokens else None)
     finally:
         os.environ.pop("BLOCKSPEC_VLLM_RULE", None)
 
@@ -259,3 +262,14 @@ def sv_reading_x_i(self, scheduler_output, *args, **kwargs):
     features[..., DRAFT_FEATURES.index("log_max_prob")] = drawn.clamp(min=1e-6).log()  # THE BREAK
     lengths = policy.lengths_given(features, torch.full((len(drafts),), drafts.shape[1])).tolist()
     return [row[:length] for row, length in zip(drafts.tolist(), lengths)]
+
+
+def verification_rule(worker, rule: str) -> None:
+    """Run in vLLM's worker by ``llm.collective_rpc``: verify sampled drafts by the plugin's block rule ("block")
+    or by vLLM's own token rule ("token")."""
+    import vllm.v1.sample.rejection_sampler as sampler
+
+    from blockspec.vllm import plugin
+
+    sampler.rejection_sample = {"block": plugin.block_rejection_sample,
+                                "token": plugin.block_rejection_sample.stock}[rule]

@@ -248,3 +248,19 @@ def test_vllm_s_grammar_cut_of_sampled_drafts_breaks_the_target_s_law(llm, targe
     test = tinyvllm.law_test(sequences, tinyvllm.exact_law(target, LENGTH, allowed=GRAMMAR_WORDS))
     print(f"grammar cut, {rule} rule: {test}")
     assert not test.passed
+
+
+def test_the_latency_profile_times_every_verification_width(llm, tmp_path):
+    """python -m blockspec.vllm.profile's measurement on this engine (K = 2): for each batch size and each width
+    w = 0..K it finds steps where every request verified w drafts (it raises otherwise), and what it writes is a
+    latency profile SV loads. Last in the module: it leaves its timing wrappers in the worker."""
+    from blockspec.policy.latency import LatencyProfile
+    from blockspec.vllm import profile
+
+    measured = profile.profile(llm, "target", "draft", "float32", [1, 2], max_draft=2, context=8, repeats=4,
+                               log=lambda line: None)
+    measured.save(tmp_path / "latency.json")
+    loaded = LatencyProfile.load(tmp_path / "latency.json")
+    assert (loaded.target.batch_sizes, loaded.target.tokens) == ((1, 2), (1, 2, 3))
+    assert all(seconds > 0 for row in loaded.target.seconds + loaded.draft.seconds for seconds in row)
+    assert (loaded.meta["target"], loaded.meta["context"], loaded.meta["repeats"]) == ("target", 8, 4)

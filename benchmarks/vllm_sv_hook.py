@@ -1,0 +1,68 @@
+"""What Speculative Verification adds to a drafting step inside vLLM: the plugin's two SV decisions
+(``SVPolicy.draft_budget``, then ``plugin.sv_lengths`` over the drafts' distributions) on random draft
+distributions over the bundled pair's vocabulary, K drafted tokens per request.
+
+    .venv-vllm/bin/python benchmarks/vllm_sv_hook.py --sv CALIBRATION LATENCY --out results/vllm-sv-hook.json
+
+Timed in this process after warm-up; the figure is the median of the timed calls. Run it alone (no test or
+benchmark meanwhile). Prints a table, saves JSON with the machine's CPU flags and the commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+VOCAB = 151936  # Qwen2.5's
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sv", nargs=2, type=Path, required=True, metavar=("CALIBRATION", "LATENCY"),
+                        help="SV's profiles, as BLOCKSPEC_VLLM_SV names them")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16], help="requests drafting at once")
+    parser.add_argument("--max-draft", type=int, default=4, help="tokens drafted per request, K")
+    parser.add_argument("--calls", type=int, default=20, help="timed calls per batch size, after 3 warm-up")
+    parser.add_argument("--out", type=Path, default=Path("results/vllm-sv-hook.json"))
+    args = parser.parse_args(argv)
+
+    import provenance
+    from blockspec import machine
+    from blockspec.policy.latency import LatencyProfile
+    from blockspec.policy.predictor import Profile
+    from blockspec.policy.sv import SVPolicy
+    from blockspec.vllm.plugin import sv_lengths
+
+    policy = SVPolicy(Profile.load(args.sv[0]), LatencyProfile.load(args.sv[1]), method="block", kind="draft",
+                      ragged=True, whole_drafts=True, max_draft=args.max_draft)  # as the plugin builds it
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for batch in args.batch_sizes:
+        probs = torch.rand(batch, args.max_draft, VOCAB, generator=generator).softmax(-1)
+        drafts = torch.multinomial(probs.flatten(0, 1), 1, generator=generator).view(batch, args.max_draft)
+        times = []
+        for call in range(3 + args.calls):
+            start = time.perf_counter()
+            policy.draft_budget(batch, 1)
+            sv_lengths(policy, drafts, probs)
+            if call >= 3:
+                times.append(time.perf_counter() - start)
+        rows.append({"requests": batch, "k": args.max_draft, "sv_ms": 1000 * statistics.median(times)})
+        print(f"{batch:>3} requests x K={args.max_draft}: SV's decisions {rows[-1]['sv_ms']:7.2f} ms", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "benchmark": "vllm_sv_hook", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "commit": provenance.commit(), "machine": {"platform": platform.platform(), **machine.facts()},
+        "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "vocab": VOCAB,
+        "profiles": [str(path) for path in args.sv], "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
+import types
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -35,13 +37,12 @@ def main(argv: list[str] | None = None) -> None:
 
     import provenance
     from blockspec import machine
-    from blockspec.policy.latency import LatencyProfile
-    from blockspec.policy.predictor import Profile
-    from blockspec.policy.sv import SVPolicy
-    from blockspec.vllm.plugin import sv_lengths
+    from blockspec.vllm import plugin
 
-    policy = SVPolicy(Profile.load(args.sv[0]), LatencyProfile.load(args.sv[1]), method="block", kind="draft",
-                      ragged=True, whole_drafts=True, max_draft=args.max_draft)  # as the plugin builds it
+    os.environ[plugin.SWITCH] = "block"
+    plugin.use_sv(args.sv)
+    runner = types.SimpleNamespace(speculative_config=types.SimpleNamespace(num_speculative_tokens=args.max_draft))
+    policy = plugin.sv_policy(runner)  # the policy the plugin's worker builds at its first step
     generator = torch.Generator().manual_seed(0)
     rows = []
     for batch in args.batch_sizes:
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
         for call in range(3 + args.calls):
             start = time.perf_counter()
             policy.draft_budget(batch, 1)
-            sv_lengths(policy, drafts, probs)
+            plugin.sv_lengths(policy, drafts, probs)
             if call >= 3:
                 times.append(time.perf_counter() - start)
         rows.append({"requests": batch, "k": args.max_draft, "sv_ms": 1000 * statistics.median(times)})

@@ -32,9 +32,12 @@ def test_stock_vllm_cpu_greedy_is_right(llm):
 
 def test_stock_vllm_cpu_dies_on_a_seeded_request_prefilled_in_chunks(llm):
     """Last in this module, since the engine does not survive it: vLLM undoes the draws of a prefill chunk's
-    discarded sample with Generator.set_offset, which CPU generators lack (test_engine_block.py: the plugin's fix)."""
+    discarded sample with Generator.set_offset, which CPU generators lack (test_engine_block.py: the plugin's fix).
+    300 prompts of 48 tokens are 3.5 times a step's budget of 4096 tokens: some prompt is chunked however the
+    requests reach the engine's core, which starts stepping before the last has arrived (100 prompts of 56 tokens,
+    barely over the budget, sometimes were not)."""
     from vllm.v1.engine.exceptions import EngineDeadError
 
-    prompts = tinyvllm.long_prompts(100, 56, seed=0)
+    prompts = tinyvllm.long_prompts(300, 48, seed=0)
     with pytest.raises(EngineDeadError):
-        tinyvllm.continuations(llm, prompts, 4, list(range(100)), temperature=1.0)
+        tinyvllm.continuations(llm, prompts, 4, list(range(300)), temperature=1.0)

@@ -8,6 +8,7 @@ pieces, or a broken variant of it, in place there.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from pathlib import Path
 
@@ -89,10 +90,12 @@ def law_test(sequences, law: torch.Tensor) -> lawkit.ChiSquare:
     return lawkit.chi_square(lawkit.pool_cells(counts, groups), lawkit.pool_cells(law, groups))
 
 
-def start(directory: Path, rule: str | None, num_speculative_tokens: int = 2):
+def start(directory: Path, rule: str | None, num_speculative_tokens: int = 2,
+          schedule: list[tuple[int, int, int]] | None = None, **engine):
     """vLLM's offline engine on the tiny pair, float32, drafting with probabilities (``num_speculative_tokens`` 0:
-    the target alone); the worker process inherits ``BLOCKSPEC_VLLM_RULE`` = ``rule`` (None: unset, vLLM as
-    shipped)."""
+    the target alone; ``schedule``: vLLM's batch-size schedule of K, ``num_speculative_tokens_per_batch_size``);
+    the worker process inherits ``BLOCKSPEC_VLLM_RULE`` = ``rule`` (None: unset, vLLM as shipped). ``engine``:
+    more of ``LLM``'s arguments."""
     import os
 
     from vllm import LLM
@@ -105,9 +108,10 @@ def start(directory: Path, rule: str | None, num_speculative_tokens: int = 2):
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # lets the tests send functions to the worker (below)
     try:
         speculative = {"method": "draft_model", "model": draft, "num_speculative_tokens": num_speculative_tokens,
-                       "draft_sample_method": "probabilistic", "rejection_sample_method": "standard"}
+                       "draft_sample_method": "probabilistic", "rejection_sample_method": "standard",
+                       "num_speculative_tokens_per_batch_size": schedule}
         return LLM(model=target, dtype="float32", max_model_len=64, seed=0, enforce_eager=True,
-                   speculative_config=speculative if num_speculative_tokens else None)
+                   speculative_config=speculative if num_speculative_tokens else None, **engine)
     finally:
         os.environ.pop("BLOCKSPEC_VLLM_RULE", None)
 
@@ -134,6 +138,50 @@ def continuations(llm, prompts: list[list[int]], length: int, seeds: list[int] |
 def first_tokens(llm, samples: int, length: int, seeds: list[int] | None = None, **params) -> list[list[int]]:
     """``samples`` continuations of PROMPT."""
     return continuations(llm, [PROMPT] * samples, length, seeds, **params)
+
+
+def arriving_first_tokens(llm, samples: int, length: int, arrivals: int, seed: int, **params) -> list[list[int]]:
+    """``samples`` continuations of PROMPT (``length`` tokens, EOS ignored) that arrive while others are decoded:
+    before each engine step, 0 (1 when none is in flight) to ``arrivals`` new requests, uniformly, drawn from
+    ``seed``, so the number of requests in a step changes from step to step. Their tokens, in order of arrival."""
+    import random
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine, draw, submitted, finished = llm.llm_engine, random.Random(seed), 0, {}
+    while len(finished) < samples:
+        arriving = draw.randint(0 if engine.has_unfinished_requests() else 1, arrivals)  # a step waits for work
+        for _ in range(min(arriving, samples - submitted)):
+            engine.add_request(f"arriving-{submitted}", TokensPrompt(prompt_token_ids=PROMPT),
+                               SamplingParams(max_tokens=length, ignore_eos=True, **params))
+            submitted += 1
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = list(output.outputs[0].token_ids)
+    return [finished[f"arriving-{i}"] for i in range(samples)]
+
+
+SCHEDULED_K = collections.Counter()  # in vLLM's worker: steps by the number of tokens the scheduler asked to draft
+
+
+def count_scheduled_k(worker, counting: bool) -> dict[int, int]:
+    """Run in vLLM's worker by ``llm.collective_rpc``: count the steps by the K the scheduler asks the drafter for
+    (``counting``: from zero on; else stop). The counts so far."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    stock = getattr(GPUModelRunner.execute_model, "stock", GPUModelRunner.execute_model)
+
+    def counted(self, scheduler_output, *args, **kwargs):
+        if scheduler_output.total_num_scheduled_tokens:
+            SCHEDULED_K[scheduler_output.num_spec_tokens_to_schedule] += 1
+        return stock(self, scheduler_output, *args, **kwargs)
+
+    counted.stock = stock
+    if counting:
+        SCHEDULED_K.clear()
+    GPUModelRunner.execute_model = counted if counting else stock
+    return dict(SCHEDULED_K)
 
 
 def draft_sampler(worker, kind: str) -> None:

@@ -1,10 +1,11 @@
-"""What Speculative Verification adds to a drafting step inside vLLM: the plugin's two SV decisions
-(``SVPolicy.draft_budget``, then ``plugin.sv_lengths`` over the drafts' distributions) on random draft
-distributions over the bundled pair's vocabulary, K drafted tokens per request.
+"""What Speculative Verification adds to a step inside vLLM: the plugin's two SV decisions before verification
+(``SVPolicy.draft_budget``, then ``plugin.sv_lengths`` over the drafts' distributions) and its online step after it
+(``plugin.learn_from_verification``, the exact gains of the verified drafts), on random draft and target
+distributions over the bundled pair's vocabulary, K drafted tokens per request, all verified.
 
     .venv-vllm/bin/python benchmarks/vllm_sv_hook.py --sv CALIBRATION LATENCY --out results/vllm-sv-hook.json
 
-Timed in this process after warm-up; the figure is the median of the timed calls. Run it alone (no test or
+Timed in this process after warm-up; each figure is the median of its timed calls. Run it alone (no test or
 benchmark meanwhile). Prints a table, saves JSON with the machine's CPU flags and the commit.
 """
 
@@ -48,15 +49,22 @@ def main(argv: list[str] | None = None) -> None:
     for batch in args.batch_sizes:
         probs = torch.rand(batch, args.max_draft, VOCAB, generator=generator).softmax(-1)
         drafts = torch.multinomial(probs.flatten(0, 1), 1, generator=generator).view(batch, args.max_draft)
-        times = []
+        target = torch.rand(batch * args.max_draft, VOCAB, generator=generator).softmax(-1)
+        counts, sampled = torch.full((batch,), args.max_draft), torch.ones(batch, dtype=torch.bool)
+        times = {"sv_ms": [], "learn_ms": []}
         for call in range(3 + args.calls):
             start = time.perf_counter()
             policy.draft_budget(batch, 1)
             plugin.sv_lengths(policy, drafts, probs)
+            decided = time.perf_counter()
+            plugin.learn_from_verification(policy, drafts.flatten(), counts, sampled, probs.flatten(0, 1), target)
             if call >= 3:
-                times.append(time.perf_counter() - start)
-        rows.append({"requests": batch, "k": args.max_draft, "sv_ms": 1000 * statistics.median(times)})
-        print(f"{batch:>3} requests x K={args.max_draft}: SV's decisions {rows[-1]['sv_ms']:7.2f} ms", flush=True)
+                times["sv_ms"].append(decided - start)
+                times["learn_ms"].append(time.perf_counter() - decided)
+        rows.append({"requests": batch, "k": args.max_draft,
+                     **{name: 1000 * statistics.median(values) for name, values in times.items()}})
+        print(f"{batch:>3} requests x K={args.max_draft}: SV's decisions {rows[-1]['sv_ms']:7.2f} ms, "
+              f"its online step {rows[-1]['learn_ms']:7.2f} ms", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "benchmark": "vllm_sv_hook", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -7,6 +7,9 @@ first emitted token must follow the target's law (chi-square against it, with a 
 Drafts a grammar refused (-1 from the first refused token on) are verified as the thinning sentinel: on a toy
 with prefix-dependent grammar masks, the first two emitted tokens must follow the grammar-masked target's exact
 joint law (chi-square, cells expected fewer than 5 times pooled), and vLLM's stock cut of the drafts must fail.
+
+SV's online step in the plugin (``learn_from_verification``) learns from a ragged step what it learns from its
+sampled requests' drafts one by one.
 """
 
 from __future__ import annotations
@@ -16,8 +19,13 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-from blockspec.verify import Randomness, expected_accepted, verify_block
+from blockspec.policy import LatencyTable, SVPolicy
+from blockspec.policy.features import DRAFT_FEATURES, draft_features, prefix_logprob
+from blockspec.policy.latency import LatencyProfile
+from blockspec.policy.predictor import Predictor, Profile
+from blockspec.verify import Randomness, expected_accepted, position_gains, verify_block
 from blockspec.verify.base import race
+from blockspec.vllm import plugin
 from blockspec.vllm.ragged import (
     PLACEHOLDER, block_verify_ragged, expected_accepted_ragged, has_spare_row, pad_ragged, padded_block,
     target_probs_with_spare_row,
@@ -250,3 +258,41 @@ def test_refused_drafts_keep_the_masked_target_law(verify, passes):
     groups = lawkit.sparse_cell_groups(law, GRAMMAR_SAMPLES)
     result = lawkit.chi_square(lawkit.pool_cells(counts, groups), lawkit.pool_cells(law, groups))
     assert result.passed == passes, (result, refused)
+
+
+def sv_for_vllm(max_draft: int) -> SVPolicy:
+    """The plugin's kind of SVPolicy (ragged, whole drafts, draft-only predictor), with hand-set weights."""
+    predictor = Predictor(DRAFT_FEATURES, (1.0, -0.5, -0.5, 1.0, 0.4))
+    profile = Profile("target", "draft", None, {"temperature": 1.0, "top_k": 0, "top_p": 1.0},
+                      {"block": {"draft": predictor}}, {"block": [0.9] * max_draft})
+    latency = LatencyProfile(LatencyTable((1,), (1, 2), ((1.0, 1.5),)), LatencyTable((1,), (1,), ((0.1,),)), None, {})
+    return SVPolicy(profile, latency, method="block", max_draft=max_draft, kind="draft", ragged=True,
+                    whole_drafts=True)
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 1, 2], [2, 2, 2], [4, 1], [0, 3], [1, 0]])
+def test_sv_learns_from_a_ragged_step_what_it_learns_from_each_request_alone(counts, monkeypatch):
+    """One step of SV's predictor offset on the exact block-rule gains of the drafts the step verified, against the
+    gains predicted for them: the offset moves by SV's rate times the mean difference over every drafted position
+    of the sampled requests, here computed request by request from each one's own rows. The second-to-last
+    request is greedy (vLLM's greedy path) and is not learnt from; with nothing sampled drafted, nothing moves."""
+    monkeypatch.setitem(plugin.CUT, "offset", 0.0)
+    batch, _ = ragged_batch(counts, 6, torch.Generator().manual_seed(len(counts)), max(counts))
+    sampled = torch.ones(len(counts), dtype=torch.bool)
+    sampled[-2] = False
+    policy = sv_for_vllm(max(counts))
+    differences, start = [], 0
+    for request, n in enumerate(counts):
+        rows = slice(start, start + n)
+        start += n
+        if n and sampled[request]:
+            tokens, draft = batch["draft_token_ids"][rows][None], batch["draft_probs"][rows][None]
+            gains = position_gains(tokens, draft, batch["target_probs"][rows][None], "block")
+            predicted = policy.predict("draft", draft_features(draft, prefix_logprob(tokens, draft)))
+            differences.append((gains - predicted)[0])
+    plugin.learn_from_verification(policy, batch["draft_token_ids"], batch["num_draft_tokens"], sampled,
+                                   batch["draft_probs"], batch["target_probs"])
+    expected = policy.rate * float(torch.cat(differences).mean()) if differences else 0.0
+    assert policy.offsets["draft"] == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    assert plugin.CUT["offset"] == policy.offsets["draft"]
+    assert (policy.offsets["draft"] != 0.0) == bool(differences)

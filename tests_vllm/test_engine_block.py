@@ -136,10 +136,11 @@ def test_first_tokens_follow_the_target_with_unsure_drafts_cut(llm, target, cut)
 @pytest.mark.parametrize("sv", ["stopping rule", "never drafting", "x_i's own probability"])
 def test_first_tokens_follow_the_target_with_sv_choosing_the_drafts(llm, target, sv, tmp_path):
     """SV (BLOCKSPEC_VLLM_SV) with hand-made profiles: a gain of about 1 where the draft's top probability is above
-    0.3 and about 0 below, each verified token costing half a step; it verifies some drafts and not others, and
-    the law stays the target's. With each draft forward priced at 10 steps and gains of 0.1 expected, no step
-    drafts (vLLM runs the draft only for its cache) and the law is the target's. SV reading the drafted token's
-    own probability in place of the top probability (broken: it looks at x_i) must fail."""
+    0.3 and about 0 below, each verified token costing a fifth of a step; it verifies some drafts and not others,
+    learns its offset from them (on this pair the gains are lower: the offset falls), and the law stays the
+    target's. With each draft forward priced at 10 steps and gains of 0.1 expected, no step drafts (vLLM runs the
+    draft only for its cache), nothing is learnt and the law is the target's. SV reading the drafted token's own
+    probability in place of the top probability (broken: it looks at x_i) must fail."""
     never = sv == "never drafting"
     paths = tinyvllm.sv_profiles(tmp_path, drafting=10.0 if never else 0.0, prior=0.1 if never else 0.9)
     llm.collective_rpc(tinyvllm.sv, args=(paths, sv == "x_i's own probability"))
@@ -151,9 +152,9 @@ def test_first_tokens_follow_the_target_with_sv_choosing_the_drafts(llm, target,
         llm.collective_rpc(tinyvllm.sv, args=(None,))
     skipped, drafted, verified = (after[key] - before[key] for key in ("skipped", "drafted", "verified"))
     if sv == "stopping rule":
-        assert skipped == 0 and 0 < verified < drafted, after
+        assert 0 < verified < drafted and after["offset"] != 0.0, after
     if sv == "never drafting":
-        assert skipped > 0 and drafted == 0, after
+        assert skipped > 0 and drafted == 0 and after["offset"] == 0.0, after
     assert tinyvllm.law_test(sequences, tinyvllm.exact_law(target, LENGTH)).passed == (sv != "x_i's own probability")
 
 

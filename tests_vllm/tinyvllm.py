@@ -261,7 +261,7 @@ def cut_by_drafted_token(self, *args, **kwargs):
 def sv_profiles(directory: Path, drafting: float, prior: float) -> tuple[str, str]:
     """SV's profiles for the tiny pair, made by hand: a calibration whose block-rule gain is about 1 where the
     draft's top probability is above 0.3 and about 0 below, expected to be ``prior`` at every position before any
-    step, and a latency where each verified token costs half a step and one draft forward ``drafting`` steps.
+    step, and a latency where each verified token costs a fifth of a step and one draft forward ``drafting`` steps.
     (calibration path, latency path)."""
     from blockspec.policy.base import LatencyTable
     from blockspec.policy.features import DRAFT_FEATURES
@@ -273,7 +273,7 @@ def sv_profiles(directory: Path, drafting: float, prior: float) -> tuple[str, st
     calibration = Profile("target", "draft", None, sampling,
                           {"block": {"draft": Predictor(DRAFT_FEATURES, tuple(weights.values()))}},
                           {"block": [prior, prior]})
-    steps = LatencyTable((1, 64), (1, 2, 3), ((1.0, 1.5, 2.0), (1.0, 1.5, 2.0)))
+    steps = LatencyTable((1, 64), (1, 2, 3), ((1.0, 1.2, 1.4), (1.0, 1.2, 1.4)))
     latency = LatencyProfile(steps, LatencyTable((1, 64), (1,), ((drafting,), (drafting,))), None,
                              dict.fromkeys(META_FIELDS, "tiny"))
     paths = str(directory / "calibration.json"), str(directory / "latency.json")

@@ -223,13 +223,15 @@ class SVPolicy:
         probs = draft_distributions(draft_tokens, draft_probs, target_probs.shape[-1])
         self.learn(position_gains(draft_tokens, probs, target_probs, self.method), verified)
 
-    def learn(self, labels: torch.Tensor, verified: torch.Tensor) -> None:
+    def learn(self, labels: torch.Tensor, verified: torch.Tensor,
+              predicted: dict[str, torch.Tensor] | None = None) -> None:
         """One online step on the exact gains ``labels`` [B, W] of the first ``verified`` [B] <= W positions of
-        each row (where the target's distributions are known) of the step whose ``lengths`` were just decided."""
+        each row (where the target's distributions are known), against the gains each predictor gave them
+        (``predicted``, [B, >=W] per predictor; default: those of the step whose ``lengths`` were just decided)."""
         width = labels.shape[1]
         mask = torch.arange(width, device=labels.device) < verified.to(labels.device)[:, None]
         if not mask.any():
             return
-        for kind, predicted in self._predicted.items():
-            residual = labels.double() - predicted[:, :width].to(labels.device)
+        for kind, gains in (self._predicted if predicted is None else predicted).items():
+            residual = labels.double() - gains[:, :width].to(labels.device)
             self.offsets[kind] += self.rate * float(residual[mask].mean())

@@ -46,7 +46,7 @@ import warnings
 
 import torch
 
-from .ragged import block_verify_ragged, expected_accepted_ragged, target_probs_with_spare_row
+from .ragged import block_verify_ragged, expected_accepted_ragged, padded_block, target_probs_with_spare_row
 
 VLLM_VERSION = "0.32.0"  # the version whose rejection sampler and CPU kernels this module replaces
 SWITCH = "BLOCKSPEC_VLLM_RULE"
@@ -56,8 +56,9 @@ STEPS = {"block": 0, "token": 0}  # this process's verification steps with sampl
 CHUNKS = {"drawn apart": 0}  # samples of seeded requests' prefill chunks drawn from a copy of their generator
 CUT_SWITCH = "BLOCKSPEC_VLLM_MIN_DRAFT_PROB"  # verify drafts only while the draft's top probability is at least this
 SV_SWITCH = "BLOCKSPEC_VLLM_SV"  # SV's calibration and latency profiles: SV decides what is drafted and verified
-# the threshold or SV profiles in place; steps SV did not draft, drafted and verified tokens the rule in place saw
-CUT = {"min_prob": None, "sv": None, "skipped": 0, "drafted": 0, "verified": 0}
+# the threshold or SV profiles in place; steps SV did not draft, drafted and verified tokens the rule in place saw;
+# the offset SV has learnt on its predictor's logits from the steps the block rule verified
+CUT = {"min_prob": None, "sv": None, "skipped": 0, "drafted": 0, "verified": 0, "offset": 0.0}
 SV = {}  # "profiles": SV's (calibration, latency) profiles; "policy": the SVPolicy built from them at the first step
 ANALYTIC_SWITCH = "BLOCKSPEC_VLLM_ANALYTIC"  # =1: also score every block step's drafts under both rules (slower)
 ANALYTIC = {"rows": 0, "token": 0.0, "block": 0.0}  # sampled request-steps with drafts, sums of E[accepted]
@@ -206,7 +207,7 @@ def use_sv(paths: tuple[str, str] | None) -> None:
     from ..policy.predictor import Profile
 
     SV.clear()
-    CUT["sv"] = None if paths is None else list(paths)
+    CUT["sv"], CUT["offset"] = (None if paths is None else list(paths)), 0.0
     if paths is not None:
         SV["profiles"] = (Profile.load(paths[0]), LatencyProfile.load(paths[1]))
 
@@ -264,6 +265,24 @@ def sv_lengths(policy, drafts: torch.Tensor, probs: torch.Tensor) -> torch.Tenso
 
     features = draft_features(probs, prefix_logprob(drafts, probs))
     return policy.lengths_given(features, torch.full((len(drafts),), drafts.shape[1], device=drafts.device))
+
+
+def learn_from_verification(policy, draft_token_ids, counts, sampled, draft_probs, target_probs) -> None:
+    """SV's online step (``SVPolicy.learn``, as blockspec's engine takes it after each step) on the exact gains of
+    the drafts this step verified, ``counts`` [B] per request on vLLM's ragged rows, of the ``sampled`` [B]
+    requests only, against the gains SV's predictor gives those drafts now: this step's requests need not be in
+    the order in which their lengths were decided. Only later steps' lengths read the offset, so none depends on
+    the tokens it learnt from."""
+    from ..policy.features import draft_features, prefix_logprob
+    from ..verify import position_gains
+
+    verified = counts.masked_fill(~sampled, 0)
+    if not bool((verified > 0).any()):
+        return
+    tokens, draft, target, _ = padded_block(draft_token_ids, counts, draft_probs, target_probs)
+    predicted = policy.predict("draft", draft_features(draft, prefix_logprob(tokens, draft)))
+    policy.learn(position_gains(tokens, draft, target, policy.method), verified, {"draft": predicted})
+    CUT["offset"] = policy.offsets["draft"]
 
 
 def refuse_cut_grammar_drafts(self, params, supported_tasks):
@@ -325,6 +344,8 @@ def block_rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_n
                                 uniforms, exponentials.to(draft_probs))
     if os.environ.get(ANALYTIC_SWITCH) == "1":
         score_both_rules(draft_token_ids, counts, draft_probs, target_probs, sampled)
+    if "policy" in SV:
+        learn_from_verification(SV["policy"], draft_token_ids, counts, sampled, draft_probs, target_probs)
     return torch.where(sampled[:, None], block, output)
 
 

@@ -16,7 +16,7 @@ import json
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -48,9 +48,16 @@ def measure(target, batch: int, width: int, context: int, repeats: int) -> dict:
     draft_rows = logits[:, 0]  # [B, V]: one drafted position's logits have this shape
     draft_check = median_seconds(lambda: _check_finite(draft_rows, sampling), repeats)
     added = target_check + width * draft_check
-    return {"batch": batch, "width": width, "vocab": int(logits.shape[-1]), "target_forward_s": forward_s,
-            "target_check_s": target_check, "draft_check_s": draft_check, "added_per_step_s": added,
-            "added_share_of_target_forward": added / forward_s}
+    return {
+        "batch": batch,
+        "width": width,
+        "vocab": int(logits.shape[-1]),
+        "target_forward_s": forward_s,
+        "target_check_s": target_check,
+        "draft_check_s": draft_check,
+        "added_per_step_s": added,
+        "added_share_of_target_forward": added / forward_s,
+    }
 
 
 def main(argv=None) -> int:
@@ -67,15 +74,22 @@ def main(argv=None) -> int:
     target = load_model(args.target, dtype=args.dtype)
     clock = machine.cpu_clock()
     rows = [measure(target, b, args.width, args.context, args.repeats) for b in args.batch_sizes]
-    result = {"command": " ".join(["python benchmarks/finite_check.py", *(sys.argv[1:] if argv is None else argv)]),
-              "target": args.target,
-              "dtype": args.dtype, "context": args.context, "date": datetime.now(timezone.utc).isoformat(
-                  timespec="seconds"), **machine.facts(), **machine.others_load(clock, machine.cpu_clock()),
-              "rows": rows}
+    result = {
+        "command": " ".join(["python benchmarks/finite_check.py", *(sys.argv[1:] if argv is None else argv)]),
+        "target": args.target,
+        "dtype": args.dtype,
+        "context": args.context,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        **machine.facts(),
+        **machine.others_load(clock, machine.cpu_clock()),
+        "rows": rows,
+    }
     print(f"{'B':>4} {'target fwd s':>12} {'target check ms':>16} {'draft check ms':>15} {'added / fwd':>12}")
     for r in rows:
-        print(f"{r['batch']:>4} {r['target_forward_s']:>12.3f} {1e3 * r['target_check_s']:>16.3f} "
-              f"{1e3 * r['draft_check_s']:>15.3f} {100 * r['added_share_of_target_forward']:>11.2f}%")
+        print(
+            f"{r['batch']:>4} {r['target_forward_s']:>12.3f} {1e3 * r['target_check_s']:>16.3f} "
+            f"{1e3 * r['draft_check_s']:>15.3f} {100 * r['added_share_of_target_forward']:>11.2f}%"
+        )
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result))

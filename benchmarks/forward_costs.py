@@ -16,18 +16,25 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
-DEFAULT_VARIANTS = ["qwen2.5-coder-1.5b:bfloat16", "qwen2.5-coder-1.5b:float32", "qwen2.5-coder-1.5b:bfloat16:int8",
-                    "qwen2.5-coder-0.5b:bfloat16", "qwen2.5-coder-0.5b:float32", "qwen2.5-coder-0.5b:bfloat16:int8"]
+DEFAULT_VARIANTS = [
+    "qwen2.5-coder-1.5b:bfloat16",
+    "qwen2.5-coder-1.5b:float32",
+    "qwen2.5-coder-1.5b:bfloat16:int8",
+    "qwen2.5-coder-0.5b:bfloat16",
+    "qwen2.5-coder-0.5b:float32",
+    "qwen2.5-coder-0.5b:bfloat16:int8",
+]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, help="MODEL:DTYPE[:QUANT]")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 5, 9], help="new tokens per forward")
     parser.add_argument("--context", type=int, default=128, help="cached tokens before each forward")
@@ -36,9 +43,10 @@ def main() -> None:
     args = parser.parse_args()
 
     import provenance
+
     from blockspec import machine
-    from blockspec.models.hf import load_model
     from blockspec.auto import step_seconds
+    from blockspec.models.hf import load_model
 
     models = {}
     for variant in args.variants:
@@ -64,11 +72,18 @@ def main() -> None:
     for variant, row in ms.items():
         print(f"{variant:44s}" + "".join(f"{row[n]:10.1f}" for n in args.tokens))
     result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "commit": provenance.commit(),
-        "command": "python benchmarks/forward_costs.py " + " ".join(
-            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items()),
-        **machine.facts(), **load, "context": args.context, "repeats": args.repeats, "ms": ms,
+        "command": "python benchmarks/forward_costs.py "
+        + " ".join(
+            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+            for k, v in vars(args).items()
+        ),
+        **machine.facts(),
+        **load,
+        "context": args.context,
+        "repeats": args.repeats,
+        "ms": ms,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -51,8 +51,12 @@ def main(argv: list[str] | None = None) -> None:
     rates = {k: sum(r["new_tokens"] for r in v) / sum(r["wall_time"] for r in v) for k, v in runs.items()}
     for kernel in kernels:
         print(f"{kernel:24s} {rates[kernel]:6.2f} tok/s  x sdpa {rates[kernel] / rates['sdpa']:.3f}")
-    summary = {"tokens_per_s": rates, "new_tokens": {k: [r["new_tokens"] for r in v] for k, v in runs.items()},
-               "args": {k: str(v) for k, v in vars(args).items()}, **machine.facts()}
+    summary = {
+        "tokens_per_s": rates,
+        "new_tokens": {k: [r["new_tokens"] for r in v] for k, v in runs.items()},
+        "args": {k: str(v) for k, v in vars(args).items()},
+        **machine.facts(),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary))

@@ -52,12 +52,17 @@ def _load_phase(name: str, dtype: str) -> dict:
     seconds = time.perf_counter() - t0
     gen = model.generation_config
     return {
-        "preset": name, "dtype": dtype, "seconds": round(seconds, 2), "kind": "cached" if dtype in cached else "first",
+        "preset": name,
+        "dtype": dtype,
+        "seconds": round(seconds, 2),
+        "kind": "cached" if dtype in cached else "first",
         "config_vocab_size": model.config.vocab_size,
         "embedding_rows": model.get_input_embeddings().weight.shape[0],
         "tie_word_embeddings": bool(model.config.tie_word_embeddings),
         "tokenizer_len": len(tokenizer),
-        "eos_token_id": gen.eos_token_id, "bos_token_id": gen.bos_token_id, "pad_token_id": gen.pad_token_id,
+        "eos_token_id": gen.eos_token_id,
+        "bos_token_id": gen.bos_token_id,
+        "pad_token_id": gen.pad_token_id,
         "tokenizer_eos": [tokenizer.eos_token, tokenizer.eos_token_id],
         "params": sum(p.numel() for p in model.parameters()),
     }
@@ -158,9 +163,16 @@ def main() -> None:
     import torch
 
     report = {
-        "machine": {"cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-                    "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")},
-        "loads": [], "forward": [], "tokenizers": None,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d"),
+        },
+        "loads": [],
+        "forward": [],
+        "tokenizers": None,
     }
     print(f"{'preset':<20} {'dtype':<9} {'load':<7} {'seconds':>8}")
     for name in [] if args.skip_loads else args.presets:
@@ -170,8 +182,10 @@ def main() -> None:
                 report["loads"].append(r)
                 print(f"{name:<20} {dtype:<9} {r['kind']:<7} {r['seconds']:>8.1f}", flush=True)
 
-    print(f"\nforward, batch 1, KV cache {args.kv} tokens, {report['machine']['threads']} threads, median of "
-          f"{args.reps} (ms); 'others' = cores busy with other processes meanwhile (should be ~0)")
+    print(
+        f"\nforward, batch 1, KV cache {args.kv} tokens, {report['machine']['threads']} threads, median of "
+        f"{args.reps} (ms); 'others' = cores busy with other processes meanwhile (should be ~0)"
+    )
     print(f"{'preset':<20} {'dtype':<9} " + " ".join(f"{'S=' + str(s):>8}" for s in args.lens) + "   others")
     for _ in range(args.rounds):
         for dtype in args.dtypes:
@@ -179,8 +193,12 @@ def main() -> None:
             r = _run("forward", name=args.timed, dtype=dtype, kv=args.kv, lens=args.lens, reps=args.reps)
             r["others_cores_before"] = before
             report["forward"].append(r)
-            print(f"{args.timed:<20} {dtype:<9} " + " ".join(f"{r['ms'][str(s)]:>8.1f}" for s in args.lens)
-                  + f"   {r['others_cores']:.2f}", flush=True)
+            print(
+                f"{args.timed:<20} {dtype:<9} "
+                + " ".join(f"{r['ms'][str(s)]:>8.1f}" for s in args.lens)
+                + f"   {r['others_cores']:.2f}",
+                flush=True,
+            )
     best = {}  # per dtype and S: the least disturbed round (fewest other cores busy)
     for r in sorted(report["forward"], key=lambda r: r["others_cores"]):
         best.setdefault(r["dtype"], r)
@@ -191,13 +209,17 @@ def main() -> None:
     for r in report["loads"]:
         seen.setdefault(r["preset"], r)
     for name, r in seen.items():
-        print(f"{name:<20} config.vocab_size={r['config_vocab_size']} embedding_rows={r['embedding_rows']} "
-              f"len(tokenizer)={r['tokenizer_len']} eos={r['eos_token_id']} tokenizer_eos={r['tokenizer_eos']} "
-              f"tied={r['tie_word_embeddings']} params={r['params']:,}")
+        print(
+            f"{name:<20} config.vocab_size={r['config_vocab_size']} embedding_rows={r['embedding_rows']} "
+            f"len(tokenizer)={r['tokenizer_len']} eos={r['eos_token_id']} tokenizer_eos={r['tokenizer_eos']} "
+            f"tied={r['tie_word_embeddings']} params={r['params']:,}"
+        )
     if all(q in args.presets for q in QWEN):
         report["tokenizers"] = t = _run("tokenizer", a=QWEN[0], b=QWEN[1])
-        print(f"tokenizers {QWEN}: same vocab {t['same_vocab']}, same special tokens {t['same_special_tokens']}, "
-              f"same added tokens {t['same_added_tokens']}, same chat template {t['same_chat_template']}")
+        print(
+            f"tokenizers {QWEN}: same vocab {t['same_vocab']}, same special tokens {t['same_special_tokens']}, "
+            f"same added tokens {t['same_added_tokens']}, same chat template {t['same_chat_template']}"
+        )
 
     Path("results").mkdir(exist_ok=True)
     Path("results/model_load.json").write_text(json.dumps(report, indent=1))

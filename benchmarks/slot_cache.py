@@ -21,15 +21,16 @@ import json
 import platform
 import statistics
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
@@ -47,8 +48,12 @@ def main() -> None:
     model = load_model(args.model, dtype=args.dtype, progress=False)
     print(f"{args.model} {args.dtype}, {torch.get_num_threads()} threads; median seconds")
     result = {
-        "model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(), "machine": platform.platform(),
-        "torch": torch.__version__, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "model": args.model,
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "machine": platform.platform(),
+        "torch": torch.__version__,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "forwards": forwards(model, {"sdpa": "sdpa", "grouped": GROUPED_SDPA}, args),
     }
     model.model.set_attn_implementation(GROUPED_SDPA)
@@ -81,10 +86,20 @@ def forwards(model, attentions: dict[str, str], args) -> list[dict]:
                                 times[name].append(time.perf_counter() - start)
                             model.rollback(prefilled)
                     median = {name: statistics.median(seconds) for name, seconds in times.items()}
-                    rows.append({"batch": batch, "context": context, "tokens": n, **median,
-                                 "ratio": median["sdpa"] / median["grouped"]})
-                    print(f"{batch:>3} {context:>5} {n:>3} {median['sdpa']:>8.3f} {median['grouped']:>8.3f} "
-                          f"{rows[-1]['ratio']:>6.2f}x", flush=True)
+                    rows.append(
+                        {
+                            "batch": batch,
+                            "context": context,
+                            "tokens": n,
+                            **median,
+                            "ratio": median["sdpa"] / median["grouped"],
+                        }
+                    )
+                    print(
+                        f"{batch:>3} {context:>5} {n:>3} {median['sdpa']:>8.3f} {median['grouped']:>8.3f} "
+                        f"{rows[-1]['ratio']:>6.2f}x",
+                        flush=True,
+                    )
     return rows
 
 
@@ -105,11 +120,20 @@ def prefill(model, args) -> dict:
                 times[name].append(time.perf_counter() - start)
     model.prefill_tokens = budgets["grouped"]
     median = {name: statistics.median(seconds) for name, seconds in times.items()}
-    print(f"prefill of {len(prompts)} {args.dataset} prompts ({min(lengths)}-{max(lengths)} tokens, "
-          f"{sum(lengths)} in all, {max(lengths) * len(prompts)} padded): one forward {median['one forward']:.1f} s, "
-          f"grouped {median['grouped']:.1f} s, {median['one forward'] / median['grouped']:.2f}x", flush=True)
-    return {"dataset": args.dataset, "batch": len(prompts), "tokens": sum(lengths), "padded": budgets["one forward"],
-            **median, "ratio": median["one forward"] / median["grouped"]}
+    print(
+        f"prefill of {len(prompts)} {args.dataset} prompts ({min(lengths)}-{max(lengths)} tokens, "
+        f"{sum(lengths)} in all, {max(lengths) * len(prompts)} padded): one forward {median['one forward']:.1f} s, "
+        f"grouped {median['grouped']:.1f} s, {median['one forward'] / median['grouped']:.2f}x",
+        flush=True,
+    )
+    return {
+        "dataset": args.dataset,
+        "batch": len(prompts),
+        "tokens": sum(lengths),
+        "padded": budgets["one forward"],
+        **median,
+        "ratio": median["one forward"] / median["grouped"],
+    }
 
 
 if __name__ == "__main__":

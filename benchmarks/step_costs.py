@@ -23,15 +23,16 @@ import platform
 import statistics
 import time
 from collections import defaultdict
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
     parser.add_argument("--dtype", default="bfloat16")
@@ -42,55 +43,84 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs per configuration and batch size")
     parser.add_argument("--skip-steps", type=int, default=2, help="first steps of each run left out")
     parser.add_argument("--latency", help="a `blockspec sv profile` JSON to compare the forwards with")
-    parser.add_argument("--sv-profile", help="with --latency: also SV (draft-only predictor, block rule, up to the "
-                        "largest --max-draft), from this `blockspec sv calibrate` JSON")
+    parser.add_argument(
+        "--sv-profile",
+        help="with --latency: also SV (draft-only predictor, block rule, up to the "
+        "largest --max-draft), from this `blockspec sv calibrate` JSON",
+    )
     parser.add_argument("--out", default="results/step_costs.json")
     args = parser.parse_args()
 
     from blockspec.bench import datasets
-    from blockspec.models.chat import encode_prompt
     from blockspec.engine import SpeculativeDecoder
+    from blockspec.models.chat import encode_prompt
     from blockspec.models.hf import load_model
     from blockspec.policy import SVPolicy
-    from blockspec.sampling import SamplingParams
     from blockspec.policy.latency import LatencyProfile
     from blockspec.policy.predictor import Profile
+    from blockspec.sampling import SamplingParams
 
     target = load_model(args.target, dtype=args.dtype, progress=False)
     draft = load_model(args.draft, dtype=args.dtype, progress=False)
     profile = LatencyProfile.load(args.latency) if args.latency else None
     log = _time_forwards({"target": target, "draft": draft})
     decoders = {"target-only": SpeculativeDecoder(target, verifier="none")}
-    decoders |= {f"block K={k}": SpeculativeDecoder(target, draft, verifier="block", max_draft=k)
-                 for k in args.verified}
+    decoders |= {
+        f"block K={k}": SpeculativeDecoder(target, draft, verifier="block", max_draft=k) for k in args.verified
+    }
     if args.sv_profile and profile:
-        policy = SVPolicy(Profile.load(args.sv_profile), profile, method="block", max_draft=max(args.verified),
-                          kind="draft", carry_over=True)  # history and offsets carry over from run to run
-        decoders["SV draft"] = SpeculativeDecoder(target, draft, verifier="block", max_draft=max(args.verified),
-                                                  policy=policy)
+        policy = SVPolicy(
+            Profile.load(args.sv_profile),
+            profile,
+            method="block",
+            max_draft=max(args.verified),
+            kind="draft",
+            carry_over=True,
+        )  # history and offsets carry over from run to run
+        decoders["SV draft"] = SpeculativeDecoder(
+            target, draft, verifier="block", max_draft=max(args.verified), policy=policy
+        )
     prompts = [encode_prompt(target.tokenizer, p.text) for p in datasets.load(args.dataset, max(args.batch_sizes))]
-    result = {"target": args.target, "draft": args.draft, "dtype": args.dtype, "dataset": args.dataset,
-              "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(), "torch": torch.__version__,
-              "machine": platform.platform(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "latency": args.latency, "rows": []}
+    result = {
+        "target": args.target,
+        "draft": args.draft,
+        "dtype": args.dtype,
+        "dataset": args.dataset,
+        "max_new_tokens": args.max_new_tokens,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": platform.platform(),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "latency": args.latency,
+        "rows": [],
+    }
     for batch in args.batch_sizes:
         steps = defaultdict(list)  # configuration -> (StepStats, its forwards) of the kept steps
         decoders["target-only"].generate(prompts[:batch], max_new_tokens=4, seed=0)  # warm-up at this batch size
         for _ in range(args.repeats):
             for name, decoder in decoders.items():
                 log.clear()
-                out = decoder.generate(prompts[:batch], max_new_tokens=args.max_new_tokens, seed=0,
-                                       sampling=SamplingParams(temperature=1.0))
-                steps[name] += list(zip(out.stats, _per_step(log)))[args.skip_steps:]
+                out = decoder.generate(
+                    prompts[:batch],
+                    max_new_tokens=args.max_new_tokens,
+                    seed=0,
+                    sampling=SamplingParams(temperature=1.0),
+                )
+                steps[name] += list(zip(out.stats, _per_step(log)))[args.skip_steps :]
         print(f"B={batch}: seconds per step (forward kinds: model n=tokens per row; profile's figure in brackets)")
         for name, kept in steps.items():
             row = _summary(name, batch, kept, profile)
             result["rows"].append(row)
-            forwards = ", ".join(f"{kind} {s:.3f}" + (f" [{row['profile'][kind]:.3f}]" if profile else "")
-                                 for kind, s in row["forwards"].items())
-            print(f"  {name:<12} {row['tokens_per_s']:6.1f} tok/s  BE {row['block_efficiency']:.2f}  step "
-                  f"{row['step_s']:.3f} [{row['profile_step_s']:.3f}] = {forwards}; outside forwards "
-                  f"{row['outside_s']:.3f}", flush=True)
+            forwards = ", ".join(
+                f"{kind} {s:.3f}" + (f" [{row['profile'][kind]:.3f}]" if profile else "")
+                for kind, s in row["forwards"].items()
+            )
+            print(
+                f"  {name:<12} {row['tokens_per_s']:6.1f} tok/s  BE {row['block_efficiency']:.2f}  step "
+                f"{row['step_s']:.3f} [{row['profile_step_s']:.3f}] = {forwards}; outside forwards "
+                f"{row['outside_s']:.3f}",
+                flush=True,
+            )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))
@@ -100,11 +130,13 @@ def _time_forwards(models: dict) -> list[tuple[str, int, float]]:
     """Wrap each model's ``forward`` so every call appends (model name, tokens per row, seconds) to the log."""
     log = []
     for name, model in models.items():
+
         def timed(tokens, valid, forward=model.forward, name=name):
             start = time.perf_counter()
             logits = forward(tokens, valid)
             log.append((name, tokens.shape[1], time.perf_counter() - start))
             return logits
+
         model.forward = timed
     return log
 
@@ -135,7 +167,10 @@ def _summary(name: str, batch: int, kept: list, profile) -> dict:
     step_s = statistics.fmean(stats.total_s for stats, _ in kept)
     row_steps = sum(len(stats.rows) for stats, _ in kept)
     return {
-        "config": name, "batch": batch, "steps": len(kept), "step_s": step_s,
+        "config": name,
+        "batch": batch,
+        "steps": len(kept),
+        "step_s": step_s,
         "tokens_per_s": sum(sum(stats.emitted) for stats, _ in kept) / sum(stats.total_s for stats, _ in kept),
         "block_efficiency": 1 + sum(sum(stats.accepted) for stats, _ in kept) / row_steps,
         "forwards": {kind: statistics.fmean(s for s, _ in c) for kind, c in calls.items()},

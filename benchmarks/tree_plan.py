@@ -38,7 +38,7 @@ import argparse
 import json
 import statistics
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -69,7 +69,7 @@ def tree_shapes(max_depth: int, max_nodes: int) -> list[tuple[int, ...]]:
 
 def level_sizes(shape: tuple[int, ...]) -> list[int]:
     """Nodes at depth 1..d."""
-    return [int(np.prod(shape[:j + 1])) for j in range(len(shape))]
+    return [int(np.prod(shape[: j + 1])) for j in range(len(shape))]
 
 
 def nodes(shape: tuple[int, ...]) -> int:
@@ -79,8 +79,9 @@ def nodes(shape: tuple[int, ...]) -> int:
 # --- acceptance, offline --------------------------------------------------------------------------------------
 
 
-def write_and_read(target, draft, prompt: list[int], temperature: float, new_tokens: int, vocab: int,
-                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def write_and_read(
+    target, draft, prompt: list[int], temperature: float, new_tokens: int, vocab: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The target writes up to ``new_tokens`` tokens after ``prompt``; returns the target's and the draft's logits
     [L, vocab] float32 at every written position (the draft reads the same text in one forward)."""
     from blockspec.sampling import SamplingParams, process, sample
@@ -103,8 +104,14 @@ def write_and_read(target, draft, prompt: list[int], temperature: float, new_tok
     return torch.stack(logits), draft_logits
 
 
-def acceptance(target_logits: torch.Tensor, draft_logits: torch.Tensor, temperature: float, draws: int,
-               rest: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def acceptance(
+    target_logits: torch.Tensor,
+    draft_logits: torch.Tensor,
+    temperature: float,
+    draws: int,
+    rest: float,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(alpha [L, WIDTHS], left [L, 2]): alpha[t, k - 1] = alpha_k(t); left = the mass of P_t, Q_t left out."""
     from blockspec.sampling import SamplingParams, process
 
@@ -125,8 +132,7 @@ def acceptance(target_logits: torch.Tensor, draft_logits: torch.Tensor, temperat
         end = start + 1
         while end < len(p) and (end + 1 - start) * draws * max(size, int(needed[end])) <= ELEMENTS:
             size, end = max(size, int(needed[end])), end + 1
-        alpha[start:end], left[start:end] = star_acceptance(p[start:end, :size], q[start:end, :size], draws,
-                                                            generator)
+        alpha[start:end], left[start:end] = star_acceptance(p[start:end, :size], q[start:end, :size], draws, generator)
         start = end
     alpha[:, 0] = torch.minimum(p, q).sum(-1)  # k = 1 in closed form, on the whole vocabulary
     return alpha, left
@@ -151,8 +157,9 @@ def star_acceptance(p: torch.Tensor, q: torch.Tensor, draws: int, generator: tor
     positive = (q > 0).sum(-1).repeat_interleave(draws)  # fewer positive tokens than k: all of them are drawn
     alpha = torch.empty(positions, WIDTHS, dtype=torch.float64)
     for k in range(1, WIDTHS + 1):
-        accepted = expected_accepted_tree(tokens, parents, draft_probs, target_probs, rule="token", scheme="distinct",
-                                          num_nodes=positive.clamp(max=k))
+        accepted = expected_accepted_tree(
+            tokens, parents, draft_probs, target_probs, rule="token", scheme="distinct", num_nodes=positive.clamp(max=k)
+        )
         alpha[:, k - 1] = accepted.reshape(positions, draws).mean(-1)
     return alpha, left
 
@@ -175,16 +182,26 @@ def measure_acceptance(args) -> list[dict]:
         for temperature in args.temperatures:
             start = time.perf_counter()
             with torch.inference_mode():
-                target_logits, draft_logits = write_and_read(target, draft, ids, temperature, args.max_new_tokens,
-                                                             vocab, generator)
-                alpha, rest = acceptance(target_logits, draft_logits, temperature, args.draws, args.rest,
-                                         generator)
-            sequences.append({"prompt": prompt.id, "dataset": prompt.dataset, "temperature": temperature,
-                              "alpha": alpha.round(decimals=5).tolist(), "rest_max": rest.max(0).values.tolist(),
-                              "rest_mean": rest.mean(0).tolist()})
-            print(f"[{n + 1}/{len(prompts)}] {prompt.id} T={temperature}: {len(alpha)} positions, alpha_1..4 = "
-                  + " ".join(f"{a:.3f}" for a in alpha.mean(0).tolist())
-                  + f" ({time.perf_counter() - start:.0f} s)", flush=True)
+                target_logits, draft_logits = write_and_read(
+                    target, draft, ids, temperature, args.max_new_tokens, vocab, generator
+                )
+                alpha, rest = acceptance(target_logits, draft_logits, temperature, args.draws, args.rest, generator)
+            sequences.append(
+                {
+                    "prompt": prompt.id,
+                    "dataset": prompt.dataset,
+                    "temperature": temperature,
+                    "alpha": alpha.round(decimals=5).tolist(),
+                    "rest_max": rest.max(0).values.tolist(),
+                    "rest_mean": rest.mean(0).tolist(),
+                }
+            )
+            print(
+                f"[{n + 1}/{len(prompts)}] {prompt.id} T={temperature}: {len(alpha)} positions, alpha_1..4 = "
+                + " ".join(f"{a:.3f}" for a in alpha.mean(0).tolist())
+                + f" ({time.perf_counter() - start:.0f} s)",
+                flush=True,
+            )
     return sequences
 
 
@@ -251,8 +268,9 @@ def overhead_ms(shape: tuple[int, ...], vocab: int, repeats: int, generator: tor
         if max(shape) == 1:
             verify_block(tokens, draft_probs[:, :-1], target_probs, generator=generator, validate=False)
         else:
-            verify_tree_block(tokens, parents, draft_probs, target_probs, scheme="distinct", generator=generator,
-                              validate=False)
+            verify_tree_block(
+                tokens, parents, draft_probs, target_probs, scheme="distinct", generator=generator, validate=False
+            )
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times[1:])
 
@@ -267,7 +285,7 @@ def step_sums(alpha: np.ndarray, shape: tuple[int, ...]) -> tuple[float, int]:
         return 0.0, 0
     run, total = np.ones(positions), np.zeros(positions)
     for i, k in enumerate(shape):
-        run = run * alpha[i:i + positions, k - 1]
+        run = run * alpha[i : i + positions, k - 1]
         total += run
     return float(total.sum()), positions
 
@@ -280,20 +298,33 @@ def predict(sequences: list[dict], shapes, cost_target, cost_draft, overhead: di
     picks = np.random.default_rng(0).integers(len(sequences), size=(resamples, len(sequences)))
     weights = np.vstack([np.ones(len(sequences))] + [np.bincount(p, minlength=len(sequences)) for p in picks])
     be = 1 + (weights @ sums) / np.maximum(weights @ counts, 1)  # [1 + R, shapes]; row 0: the prompts as measured
-    forwards = np.array([cost_target(nodes(s) + 1) + cost_draft(1) + sum(cost_draft(n) for n in level_sizes(s)[:-1])
-                         for s in shapes])
+    forwards = np.array(
+        [cost_target(nodes(s) + 1) + cost_draft(1) + sum(cost_draft(n) for n in level_sizes(s)[:-1]) for s in shapes]
+    )
     extra = np.array([overhead[s] for s in shapes])
     plain, chains = cost_target(1), np.array([max(s) == 1 for s in shapes])
-    rows = [{"shape": list(s), "depth": len(s), "nodes": nodes(s), "be": round(float(be[0, j]), 4),
-             "forward_ms": round(float(forwards[j]), 1), "overhead_ms": round(float(extra[j]), 2),
-             "bound": round((len(s) + 1) * plain / float(forwards[j] + extra[j]), 4)} for j, s in enumerate(shapes)]
+    rows = [
+        {
+            "shape": list(s),
+            "depth": len(s),
+            "nodes": nodes(s),
+            "be": round(float(be[0, j]), 4),
+            "forward_ms": round(float(forwards[j]), 1),
+            "overhead_ms": round(float(extra[j]), 2),
+            "bound": round((len(s) + 1) * plain / float(forwards[j] + extra[j]), 4),
+        }
+        for j, s in enumerate(shapes)
+    ]
     for key, step_ms in (("measured", forwards + extra), ("free", forwards)):
         speedup = be * plain / step_ms
         ratio = speedup / speedup[:, chains].max(1, keepdims=True)  # the best chain re-chosen per resample
         for j, row in enumerate(rows):
             lo, hi = np.percentile(ratio[1:, j], [2.5, 97.5])
-            row[key] = {"speedup": round(float(speedup[0, j]), 4), "vs_best_chain": round(float(ratio[0, j]), 4),
-                        "ci": [round(float(lo), 4), round(float(hi), 4)]}
+            row[key] = {
+                "speedup": round(float(speedup[0, j]), 4),
+                "vs_best_chain": round(float(ratio[0, j]), 4),
+                "ci": [round(float(lo), 4), round(float(hi), 4)],
+            }
     return {"target_ms_1": plain, "shapes": rows}
 
 
@@ -302,18 +333,25 @@ def show(temperature: float, prediction: dict, top: int) -> None:
     chains = [r for r in rows if max(r["shape"]) == 1]
     trees = sorted((r for r in rows if max(r["shape"]) > 1), key=lambda r: -r["measured"]["speedup"])
     print(f"\nT={temperature}: chains, then the {top} trees predicted fastest; speedups over the target alone")
-    print(f"{'shape':>12s} {'nodes':>5s} {'BE':>6s} {'fwd ms':>7s} {'ovh ms':>7s} {'bound':>6s} {'speedup':>8s}"
-          f" {'x best chain (CI)':>24s} {'free ovh':>8s} {'x best chain (CI)':>24s}")
+    print(
+        f"{'shape':>12s} {'nodes':>5s} {'BE':>6s} {'fwd ms':>7s} {'ovh ms':>7s} {'bound':>6s} {'speedup':>8s}"
+        f" {'x best chain (CI)':>24s} {'free ovh':>8s} {'x best chain (CI)':>24s}"
+    )
     for r in chains + trees[:top]:
-        cells = "".join(f" {r[k]['speedup']:8.3f} {r[k]['vs_best_chain']:8.3f} [{r[k]['ci'][0]:.3f},"
-                        f" {r[k]['ci'][1]:.3f}]" for k in ("measured", "free"))
-        print(f"{','.join(map(str, r['shape'])):>12s} {r['nodes']:5d} {r['be']:6.3f} {r['forward_ms']:7.1f}"
-              f" {r['overhead_ms']:7.2f} {r['bound']:6.3f}{cells}")
+        cells = "".join(
+            f" {r[k]['speedup']:8.3f} {r[k]['vs_best_chain']:8.3f} [{r[k]['ci'][0]:.3f}, {r[k]['ci'][1]:.3f}]"
+            for k in ("measured", "free")
+        )
+        print(
+            f"{','.join(map(str, r['shape'])):>12s} {r['nodes']:5d} {r['be']:6.3f} {r['forward_ms']:7.1f}"
+            f" {r['overhead_ms']:7.2f} {r['bound']:6.3f}{cells}"
+        )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--costs", required=True, help="a forward_costs.py result file")
     parser.add_argument("--target-variant", default="qwen2.5-coder-1.5b:bfloat16:int8", help="a variant in --costs")
     parser.add_argument("--draft-variant", default="qwen2.5-coder-0.5b:bfloat16:int8", help="a variant in --costs")
@@ -328,8 +366,9 @@ def main() -> None:
     parser.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.0])
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--draws", type=int, default=16, help="candidate sets per position")
-    parser.add_argument("--rest", type=float, default=1e-4,
-                        help="the most mass of P_t or Q_t left out of a position's support")
+    parser.add_argument(
+        "--rest", type=float, default=1e-4, help="the most mass of P_t or Q_t left out of a position's support"
+    )
     parser.add_argument("--max-depth", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per shape for the overhead")
     parser.add_argument("--top", type=int, default=12, help="trees shown per temperature")
@@ -338,6 +377,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import provenance
+
     from blockspec import machine
 
     costs = json.loads(Path(args.costs).read_text())
@@ -348,30 +388,61 @@ def main() -> None:
         earlier = json.loads(Path(args.acceptance).read_text())
         sequences, measured = earlier["sequences"], earlier["acceptance"]
     else:
-        sequences, measured = measure_acceptance(args), {k: v for k, v in vars(args).items() if k in (
-            "target", "draft", "dtype", "target_quant", "draft_quant", "datasets", "prompts", "max_new_tokens", "draws",
-            "rest", "seed")} | {"machine": machine.facts()}
+        sequences, measured = (
+            measure_acceptance(args),
+            {
+                k: v
+                for k, v in vars(args).items()
+                if k
+                in (
+                    "target",
+                    "draft",
+                    "dtype",
+                    "target_quant",
+                    "draft_quant",
+                    "datasets",
+                    "prompts",
+                    "max_new_tokens",
+                    "draws",
+                    "rest",
+                    "seed",
+                )
+            }
+            | {"machine": machine.facts()},
+        )
     generator = torch.Generator().manual_seed(args.seed)
     start = machine.cpu_clock()
     overhead = {s: overhead_ms(s, VOCAB, args.repeats, generator) for s in shapes}
     load = machine.others_load(start, machine.cpu_clock())
     result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "commit": provenance.commit(),
-        "command": "python benchmarks/tree_plan.py " + " ".join(
+        "command": "python benchmarks/tree_plan.py "
+        + " ".join(
             f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-            for k, v in vars(args).items() if v is not None),
-        **machine.facts(), **load, "costs": {"file": args.costs, "date": costs["date"], "cpu_flags": costs["cpu_flags"],
-                                           "context": costs["context"]},
-        "acceptance": measured, "predictions": {},
+            for k, v in vars(args).items()
+            if v is not None
+        ),
+        **machine.facts(),
+        **load,
+        "costs": {
+            "file": args.costs,
+            "date": costs["date"],
+            "cpu_flags": costs["cpu_flags"],
+            "context": costs["context"],
+        },
+        "acceptance": measured,
+        "predictions": {},
     }
     for temperature in sorted({s["temperature"] for s in sequences}, reverse=True):
         group = [s for s in sequences if s["temperature"] == temperature]
         alpha = np.concatenate([np.array(s["alpha"]) for s in group])
-        print(f"\nT={temperature}: {len(group)} prompts, {len(alpha)} positions; mean alpha_1..{WIDTHS} = "
-              + " ".join(f"{a:.3f}" for a in alpha.mean(0))
-              + f"; mass left out of P, Q: mean {np.mean([s['rest_mean'] for s in group], 0).round(6).tolist()},"
-              f" max {np.max([s['rest_max'] for s in group], 0).round(6).tolist()}")
+        print(
+            f"\nT={temperature}: {len(group)} prompts, {len(alpha)} positions; mean alpha_1..{WIDTHS} = "
+            + " ".join(f"{a:.3f}" for a in alpha.mean(0))
+            + f"; mass left out of P, Q: mean {np.mean([s['rest_mean'] for s in group], 0).round(6).tolist()},"
+            f" max {np.max([s['rest_max'] for s in group], 0).round(6).tolist()}"
+        )
         prediction = predict(group, shapes, cost_target, cost_draft, overhead, resamples=2000)
         prediction["alpha_mean"] = alpha.mean(0).round(4).tolist()
         result["predictions"][str(temperature)] = prediction

@@ -16,7 +16,7 @@ import platform
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -64,8 +64,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
 
     rows = []
-    header = (f"{'B':>3} {'K':>2} {'V':>7} | {'token ms':>9} {'block ms':>9} {'greedy ms':>9} | {'block/token':>11} | "
-              f"{'validation ms':>13} {'(+% block)':>10} | {'block % of fwd':>14}")
+    header = (
+        f"{'B':>3} {'K':>2} {'V':>7} | {'token ms':>9} {'block ms':>9} {'greedy ms':>9} | {'block/token':>11} | "
+        f"{'validation ms':>13} {'(+% block)':>10} | {'block % of fwd':>14}"
+    )
     print(header)
     print("-" * len(header))
     for batch in args.batch:
@@ -74,15 +76,23 @@ def main(argv: list[str] | None = None) -> None:
                 inputs = make_inputs(batch, width, vocab)
                 gen = torch.Generator().manual_seed(1)
                 times = {
-                    name: median_ms(lambda v=verify: v(*inputs, generator=gen, validate=False),
-                                    min_repeats=args.repeats, budget_s=args.budget)
+                    name: median_ms(
+                        lambda v=verify: v(*inputs, generator=gen, validate=False),
+                        min_repeats=args.repeats,
+                        budget_s=args.budget,
+                    )
                     for name, verify in VERIFIERS.items()
                 }
-                validated = median_ms(lambda: VERIFIERS["block"](*inputs, generator=gen, validate=True),
-                                      min_repeats=args.repeats, budget_s=args.budget)
+                validated = median_ms(
+                    lambda: VERIFIERS["block"](*inputs, generator=gen, validate=True),
+                    min_repeats=args.repeats,
+                    budget_s=args.budget,
+                )
                 forward = TARGET_FORWARD_MS.get((batch, width + 1))
                 row = {
-                    "batch": batch, "width": width, "vocab": vocab,
+                    "batch": batch,
+                    "width": width,
+                    "vocab": vocab,
                     **{f"{name}_ms": round(ms, 3) for name, ms in times.items()},
                     "block_over_token": round(times["block"] / times["token"], 2),
                     "validation_ms": round(validated - times["block"], 3),
@@ -90,15 +100,20 @@ def main(argv: list[str] | None = None) -> None:
                 }
                 rows.append(row)
                 share = f"{100 * row['block_share_of_target_forward']:.2f} %" if forward else "-"
-                print(f"{batch:>3} {width:>2} {vocab:>7} | {times['token']:>9.2f} {times['block']:>9.2f} "
-                      f"{times['greedy']:>9.2f} | {row['block_over_token']:>10.2f}x | {row['validation_ms']:>13.2f} "
-                      f"{100 * row['validation_ms'] / times['block']:>9.0f}% | {share:>14}", flush=True)
+                print(
+                    f"{batch:>3} {width:>2} {vocab:>7} | {times['token']:>9.2f} {times['block']:>9.2f} "
+                    f"{times['greedy']:>9.2f} | {row['block_over_token']:>10.2f}x | {row['validation_ms']:>13.2f} "
+                    f"{100 * row['validation_ms'] / times['block']:>9.0f}% | {share:>14}",
+                    flush=True,
+                )
                 del inputs
-    print("validate=False in the timed columns; 'validation ms' = block with validate=True minus without. "
-          "'% of fwd': block time over the Qwen2.5-Coder-1.5B bf16 forward of K+1 tokens (measured on an AVX-512 machine).")
+    print(
+        "validate=False in the timed columns; 'validation ms' = block with validate=True minus without. "
+        "'% of fwd': block time over the Qwen2.5-Coder-1.5B bf16 forward of K+1 tokens (measured on an AVX-512 machine)."
+    )
     record = {
         "benchmark": "verify_speed",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "threads": args.threads},
         "versions": {"python": sys.version.split()[0], "torch": torch.__version__},
         "rows": rows,

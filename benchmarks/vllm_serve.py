@@ -37,7 +37,7 @@ import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 DATASETS = ("gsm8k", "humaneval")
@@ -48,21 +48,43 @@ BINDING = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "
 def main(argv: list[str] | None = None) -> int | None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("step", choices=("prompts", "vllm", "blockspec", "report"), help="see above")
-    parser.add_argument("--out", type=Path, default=Path("results/vllm-serve"),
-                        help="folder of prompts.json and records.jsonl (default: %(default)s)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("results/vllm-serve"),
+        help="folder of prompts.json and records.jsonl (default: %(default)s)",
+    )
     parser.add_argument("--prompts", type=int, default=8, help="prompts per dataset (prompts step)")
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], help="model dtypes, in turn")
-    parser.add_argument("--configs", nargs="+", default=["target-only", "token", "block"],
-                        help="target-only, token (vLLM's token rule), block (blockspec's block rule), block-cut "
-                        "(the block rule, drafts cut at --min-draft-prob), block-sv (the block rule, SV from --sv)")
-    parser.add_argument("--min-draft-prob", type=float, default=0.3,
-                        help="block-cut: verify drafts while the draft's top probability is at least this")
-    parser.add_argument("--sv", nargs=2, type=Path, metavar=("CALIBRATION", "LATENCY"),
-                        help="block-sv: SV's calibration profile (blockspec sv calibrate) and vLLM latency profile "
-                        "(python -m blockspec.vllm.profile)")
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        default=["target-only", "token", "block"],
+        help="target-only, token (vLLM's token rule), block (blockspec's block rule), block-cut "
+        "(the block rule, drafts cut at --min-draft-prob), block-sv (the block rule, SV from --sv)",
+    )
+    parser.add_argument(
+        "--min-draft-prob",
+        type=float,
+        default=0.3,
+        help="block-cut: verify drafts while the draft's top probability is at least this",
+    )
+    parser.add_argument(
+        "--sv",
+        nargs=2,
+        type=Path,
+        metavar=("CALIBRATION", "LATENCY"),
+        help="block-sv: SV's calibration profile (blockspec sv calibrate) and vLLM latency profile "
+        "(python -m blockspec.vllm.profile)",
+    )
     parser.add_argument("--max-draft", type=int, nargs="+", default=[2, 4], help="drafted tokens per step, K")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16],
-                        help="vllm: requests in flight; blockspec: batch sizes (target-only above 1)")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[1, 4, 16],
+        help="vllm: requests in flight; blockspec: batch sizes (target-only above 1)",
+    )
     parser.add_argument("--requests", type=int, default=8, help="requests per concurrency level, at least c")
     parser.add_argument("--analytic-requests", type=int, default=8, help="requests scored under both rules")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per request (EOS ignored)")
@@ -80,24 +102,36 @@ def write_prompts(args) -> None:
     from blockspec.models.presets import converted_dir, load_tokenizer
 
     tokenizer = load_tokenizer("qwen2.5-coder-1.5b")
-    prompts = [{"id": p.id, "ids": encode_prompt(tokenizer, p.text)}
-               for name in DATASETS for p in load(name, args.prompts)]
+    prompts = [
+        {"id": p.id, "ids": encode_prompt(tokenizer, p.text)} for name in DATASETS for p in load(name, args.prompts)
+    ]
     random.Random(0).shuffle(prompts)  # each concurrency level takes a mix of both sets
-    (args.out / "prompts.json").write_text(json.dumps({
-        # the bfloat16 copies blockspec keeps of the bundled GGUF files: what vLLM loads (in either dtype)
-        "target": str(converted_dir("qwen2.5-coder-1.5b", "bfloat16")),
-        "draft": str(converted_dir("qwen2.5-coder-0.5b", "bfloat16")),
-        "prompts": prompts}))
+    (args.out / "prompts.json").write_text(
+        json.dumps(
+            {
+                # the bfloat16 copies blockspec keeps of the bundled GGUF files: what vLLM loads (in either dtype)
+                "target": str(converted_dir("qwen2.5-coder-1.5b", "bfloat16")),
+                "draft": str(converted_dir("qwen2.5-coder-0.5b", "bfloat16")),
+                "prompts": prompts,
+            }
+        )
+    )
     print(f"{len(prompts)} prompts -> {args.out / 'prompts.json'}")
 
 
 def common(args, engine: str) -> dict:
     import provenance
+
     from blockspec import machine
 
-    return {"engine": engine, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "commit": provenance.commit(), "machine": {"platform": platform.platform(), **machine.facts()},
-            "temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
+    return {
+        "engine": engine,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": provenance.commit(),
+        "machine": {"platform": platform.platform(), **machine.facts()},
+        "temperature": args.temperature,
+        "max_new_tokens": args.max_new_tokens,
+    }
 
 
 def append(args, record: dict) -> None:
@@ -111,35 +145,50 @@ def configurations(args) -> list[tuple[str, int]]:
 
 # --- vLLM ----------------------------------------------------------------------------------------------------------
 
+
 def run_vllm(args) -> None:
     import vllm
 
     setup = json.loads((args.out / "prompts.json").read_text())
     for dtype in args.dtypes:
         for config, k in configurations(args):
-            with Server(setup, dtype, config, k, analytic=False, min_draft_prob=args.min_draft_prob,
-                        sv=args.sv) as server:
-                base = {**common(args, "vllm"), "vllm": vllm.__version__, "dtype": dtype,
-                        "env": {**BINDING, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
-                        "config": config, "k": k, "status": server.status()}
+            with Server(
+                setup, dtype, config, k, analytic=False, min_draft_prob=args.min_draft_prob, sv=args.sv
+            ) as server:
+                base = {
+                    **common(args, "vllm"),
+                    "vllm": vllm.__version__,
+                    "dtype": dtype,
+                    "env": {**BINDING, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
+                    "config": config,
+                    "k": k,
+                    "status": server.status(),
+                }
                 server.complete(setup["prompts"][0]["ids"][:32], 8, seed=0, temperature=args.temperature)  # warm-up
                 for c in args.concurrency:
-                    record = {**base, "concurrency": c, **drive(server, setup["prompts"], c, args),
-                              "cut": server.status()["cut"]}
+                    record = {
+                        **base,
+                        "concurrency": c,
+                        **drive(server, setup["prompts"], c, args),
+                        "cut": server.status()["cut"],
+                    }
                     append(args, record)
                     print(summary_line(record), flush=True)
             if config == "block" and args.analytic_requests:
                 with Server(setup, dtype, config, k, analytic=True) as server:
                     per_request = []
-                    for i, prompt in enumerate(setup["prompts"][:args.analytic_requests]):
+                    for i, prompt in enumerate(setup["prompts"][: args.analytic_requests]):
                         before = server.status()["analytic"]
                         server.complete(prompt["ids"], args.max_new_tokens, seed=1000 + i, temperature=args.temperature)
                         after = server.status()["analytic"]
                         per_request.append({key: after[key] - before[key] for key in after})
-                    append(args, {**common(args, "vllm"), "dtype": dtype, "config": "analytic", "k": k,
-                                  "analytic": per_request})
-                    print(f"vllm {dtype} analytic K={k}: BE token | block | gain {analytic_line(per_request)}",
-                          flush=True)
+                    append(
+                        args,
+                        {**common(args, "vllm"), "dtype": dtype, "config": "analytic", "k": k, "analytic": per_request},
+                    )
+                    print(
+                        f"vllm {dtype} analytic K={k}: BE token | block | gain {analytic_line(per_request)}", flush=True
+                    )
 
 
 class Server:
@@ -149,15 +198,41 @@ class Server:
         self.url = f"http://127.0.0.1:{PORT}"
         # `vllm serve` itself: vllm-cpu 0.32.0's `vllm` command fails (it asks for the version of a distribution
         # named vllm, and this one is vllm-cpu), so the server module is started the way the command starts it
-        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", setup["target"],
-                   "--host", "127.0.0.1",
-                   "--port", str(PORT), "--dtype", dtype, "--max-model-len", "2048", "--seed", "0",
-                   "--served-model-name", "target", "--max-num-seqs", "16"]
+        command = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            setup["target"],
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(PORT),
+            "--dtype",
+            dtype,
+            "--max-model-len",
+            "2048",
+            "--seed",
+            "0",
+            "--served-model-name",
+            "target",
+            "--max-num-seqs",
+            "16",
+        ]
         env = {**os.environ, **BINDING, "VLLM_SERVER_DEV_MODE": "1", "BLOCKSPEC_VLLM_RULE": "token"}
         if config != "target-only":
-            command += ["--speculative-config", json.dumps({
-                "method": "draft_model", "model": setup["draft"], "num_speculative_tokens": k,
-                "draft_sample_method": "probabilistic", "rejection_sample_method": "standard"})]
+            command += [
+                "--speculative-config",
+                json.dumps(
+                    {
+                        "method": "draft_model",
+                        "model": setup["draft"],
+                        "num_speculative_tokens": k,
+                        "draft_sample_method": "probabilistic",
+                        "rejection_sample_method": "standard",
+                    }
+                ),
+            ]
             env["BLOCKSPEC_VLLM_RULE"] = config.removesuffix("-cut").removesuffix("-sv")
             if config == "block-cut":
                 env["BLOCKSPEC_VLLM_MIN_DRAFT_PROB"] = str(min_draft_prob)
@@ -216,28 +291,46 @@ class Server:
 
     def complete(self, ids, max_tokens, seed, temperature) -> tuple[float, int]:
         start = time.perf_counter()
-        response = self.client.completions.create(model="target", prompt=ids, max_tokens=max_tokens, seed=seed,
-                                                  temperature=temperature, top_p=1.0,
-                                                  extra_body={"ignore_eos": True, "top_k": 0})
+        response = self.client.completions.create(
+            model="target",
+            prompt=ids,
+            max_tokens=max_tokens,
+            seed=seed,
+            temperature=temperature,
+            top_p=1.0,
+            extra_body={"ignore_eos": True, "top_k": 0},
+        )
         return time.perf_counter() - start, response.usage.completion_tokens
 
 
 def drive(server, prompts, c, args) -> dict:
-    chosen = prompts[:max(c, args.requests)]
+    chosen = prompts[: max(c, args.requests)]
     before = server.metrics()
     start = time.perf_counter()
     with ThreadPoolExecutor(c) as pool:
-        results = list(pool.map(lambda item: server.complete(item[1]["ids"], args.max_new_tokens, 1000 + item[0],
-                                                             args.temperature), enumerate(chosen)))
+        results = list(
+            pool.map(
+                lambda item: server.complete(item[1]["ids"], args.max_new_tokens, 1000 + item[0], args.temperature),
+                enumerate(chosen),
+            )
+        )
     wall = time.perf_counter() - start
     after = server.metrics()
-    spec = {name.removeprefix("vllm:spec_decode_num_").removesuffix("_total"): after[name] - before.get(name, 0)
-            for name in after}
-    return {"requests": len(chosen), "wall_s": wall, "new_tokens": sum(n for _, n in results),
-            "latencies_s": [t for t, _ in results], "spec": spec}
+    spec = {
+        name.removeprefix("vllm:spec_decode_num_").removesuffix("_total"): after[name] - before.get(name, 0)
+        for name in after
+    }
+    return {
+        "requests": len(chosen),
+        "wall_s": wall,
+        "new_tokens": sum(n for _, n in results),
+        "latencies_s": [t for t, _ in results],
+        "spec": spec,
+    }
 
 
 # --- blockspec ----------------------------------------------------------------------------------------------------
+
 
 def run_blockspec(args) -> None:
     import torch
@@ -251,30 +344,50 @@ def run_blockspec(args) -> None:
         target, draft = load_model("qwen2.5-coder-1.5b", dtype=dtype), load_model("qwen2.5-coder-0.5b", dtype=dtype)
         base = {**common(args, "blockspec"), "torch": torch.__version__, "dtype": dtype}
         for config, k in configurations(args):
-            decoder = SpeculativeDecoder(target, None if k == 0 else draft, verifier="none" if k == 0 else config,
-                                         max_draft=k or 1)
+            decoder = SpeculativeDecoder(
+                target, None if k == 0 else draft, verifier="none" if k == 0 else config, max_draft=k or 1
+            )
             decoder.generate([setup["prompts"][0]["ids"][:32]], max_new_tokens=8, sampling=sampling, seed=0)
             for batch in args.concurrency if k == 0 else [1]:
-                chosen = setup["prompts"][:max(batch, args.requests)]
-                groups = [chosen[i:i + batch] for i in range(0, len(chosen), batch)]
+                chosen = setup["prompts"][: max(batch, args.requests)]
+                groups = [chosen[i : i + batch] for i in range(0, len(chosen), batch)]
                 latencies, new_tokens, analytic, steps = [], 0, [], []
                 start = time.perf_counter()
                 for g, group in enumerate(groups):
                     began = time.perf_counter()
-                    result = decoder.generate([p["ids"] for p in group], max_new_tokens=args.max_new_tokens,
-                                              sampling=sampling, seed=[1000 + g * batch + i for i in range(len(group))],
-                                              stop_on_eos=False, expected=k > 0)
+                    result = decoder.generate(
+                        [p["ids"] for p in group],
+                        max_new_tokens=args.max_new_tokens,
+                        sampling=sampling,
+                        seed=[1000 + g * batch + i for i in range(len(group))],
+                        stop_on_eos=False,
+                        expected=k > 0,
+                    )
                     latencies += [time.perf_counter() - began] * len(group)
                     new_tokens += result.new_tokens
                     steps += result.stats
                     if k:
-                        analytic.append({"rows": len(result.stats),
-                                         "token": sum(sum(s.expected_token) for s in result.stats),
-                                         "block": sum(sum(s.expected_block) for s in result.stats)})
-                record = {**base, "config": config, "k": k, "concurrency": batch, "requests": len(chosen),
-                          "wall_s": time.perf_counter() - start, "new_tokens": new_tokens, "latencies_s": latencies,
-                          "spec": {"accepted_tokens": sum(sum(s.accepted) for s in steps),
-                                   "draft_tokens": sum(sum(s.verified) for s in steps)}}
+                        analytic.append(
+                            {
+                                "rows": len(result.stats),
+                                "token": sum(sum(s.expected_token) for s in result.stats),
+                                "block": sum(sum(s.expected_block) for s in result.stats),
+                            }
+                        )
+                record = {
+                    **base,
+                    "config": config,
+                    "k": k,
+                    "concurrency": batch,
+                    "requests": len(chosen),
+                    "wall_s": time.perf_counter() - start,
+                    "new_tokens": new_tokens,
+                    "latencies_s": latencies,
+                    "spec": {
+                        "accepted_tokens": sum(sum(s.accepted) for s in steps),
+                        "draft_tokens": sum(sum(s.verified) for s in steps),
+                    },
+                }
                 if analytic:
                     record["analytic"] = analytic
                 append(args, record)
@@ -283,10 +396,13 @@ def run_blockspec(args) -> None:
 
 # --- report -------------------------------------------------------------------------------------------------------
 
+
 def summary_line(record) -> str:
-    return (f"{record['engine']} {record['dtype']} {record['config']} K={record['k']} c={record['concurrency']}: "
-            f"{record['new_tokens'] / record['wall_s']:.2f} tok/s, mean latency "
-            f"{sum(record['latencies_s']) / len(record['latencies_s']):.1f} s")
+    return (
+        f"{record['engine']} {record['dtype']} {record['config']} K={record['k']} c={record['concurrency']}: "
+        f"{record['new_tokens'] / record['wall_s']:.2f} tok/s, mean latency "
+        f"{sum(record['latencies_s']) / len(record['latencies_s']):.1f} s"
+    )
 
 
 def analytic_line(per_request) -> str:
@@ -330,21 +446,31 @@ def report(args) -> int:
     print(f"Records: {len(records)}, {dates[0]} to {dates[-1]}, commits {commits}.")
 
     def find(engine, dtype, config, k, c):
-        return next((r for r in timed if (r["engine"], r["dtype"], r["config"], r["k"], r["concurrency"])
-                     == (engine, dtype, config, k, c)), None)
+        return next(
+            (
+                r
+                for r in timed
+                if (r["engine"], r["dtype"], r["config"], r["k"], r["concurrency"]) == (engine, dtype, config, k, c)
+            ),
+            None,
+        )
 
     print("\n## throughput\n")
-    print("| started (UTC) | engine | dtype | config | K | streams | requests | tok/s | x target-only | "
-          "mean latency s | accepted / drafted |")
+    print(
+        "| started (UTC) | engine | dtype | config | K | streams | requests | tok/s | x target-only | "
+        "mean latency s | accepted / drafted |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in timed:
         alone = find(r["engine"], r["dtype"], "target-only", 0, r["concurrency"])
         spec = r.get("spec") or {}
         accepted = f"{spec['accepted_tokens'] / spec['draft_tokens']:.3f}" if spec.get("draft_tokens") else "-"
-        print(f"| {r['date'][11:16]} | {r['engine']} | {r['dtype']} | {r['config']} | {r['k']} | {r['concurrency']} | "
-              f"{r['requests']} | "
-              f"{speed(r):.2f} | {f'{speed(r) / speed(alone):.3f}x' if alone else '-'} | "
-              f"{sum(r['latencies_s']) / len(r['latencies_s']):.1f} | {accepted} |")
+        print(
+            f"| {r['date'][11:16]} | {r['engine']} | {r['dtype']} | {r['config']} | {r['k']} | {r['concurrency']} | "
+            f"{r['requests']} | "
+            f"{speed(r):.2f} | {f'{speed(r) / speed(alone):.3f}x' if alone else '-'} | "
+            f"{sum(r['latencies_s']) / len(r['latencies_s']):.1f} | {accepted} |"
+        )
 
     print("\n## target alone, vLLM and blockspec\n")
     print("| dtype | streams (vLLM) / batch (blockspec) | vLLM tok/s | blockspec tok/s | blockspec / vLLM |")
@@ -353,8 +479,10 @@ def report(args) -> int:
         for c in sorted({r["concurrency"] for r in timed}):
             pair = find("vllm", dtype, "target-only", 0, c), find("blockspec", dtype, "target-only", 0, c)
             if all(pair):
-                print(f"| {dtype} | {c} | {speed(pair[0]):.2f} | {speed(pair[1]):.2f} | "
-                      f"{speed(pair[1]) / speed(pair[0]):.3f}x |")
+                print(
+                    f"| {dtype} | {c} | {speed(pair[0]):.2f} | {speed(pair[1]):.2f} | "
+                    f"{speed(pair[1]) / speed(pair[0]):.3f}x |"
+                )
 
     for new, old in (("block", "token"), ("block-cut", "block"), ("block-sv", "block")):
         wall_clock_ratios(timed, new, old)
@@ -365,8 +493,10 @@ def report(args) -> int:
     for r in records:
         if r.get("analytic"):
             drafts = "block" if r["config"] == "analytic" else r["config"]
-            print(f"| {r['engine']} | {r['dtype']} | {drafts} | {r['k']} | {len(r['analytic'])} | "
-                  f"{analytic_line(r['analytic'])} |")
+            print(
+                f"| {r['engine']} | {r['dtype']} | {drafts} | {r['k']} | {len(r['analytic'])} | "
+                f"{analytic_line(r['analytic'])} |"
+            )
     return 0
 
 
@@ -377,8 +507,12 @@ def wall_clock_ratios(timed, new: str, old: str) -> None:
     done = set()
     for r in timed:
         key = (r["engine"], r["dtype"], r["k"], r["concurrency"])
-        runs = {config: [o for o in timed if (o["engine"], o["dtype"], o["k"], o["concurrency"]) == key
-                         and o["config"] == config] for config in (old, new)}
+        runs = {
+            config: [
+                o for o in timed if (o["engine"], o["dtype"], o["k"], o["concurrency"]) == key and o["config"] == config
+            ]
+            for config in (old, new)
+        }
         if r["config"] != new or key in done or len(runs[old]) != len(runs[new]):
             continue
         done.add(key)
@@ -390,13 +524,17 @@ def wall_clock_ratios(timed, new: str, old: str) -> None:
         elif len(runs[new]) > 1:  # requests share the batch: no pairing, but each pass's own ratio
             passes = (f"{speed(b) / speed(t):.3f}x" for t, b in zip(runs[old], runs[new]))
             ratio += f" (passes {', '.join(passes)})"
-        rows.append(f"| {r['engine']} | {r['dtype']} | {r['k']} | {r['concurrency']} | {len(runs[new])} | "
-                    f"{before:.2f} | {after:.2f} | {ratio} |")
+        rows.append(
+            f"| {r['engine']} | {r['dtype']} | {r['k']} | {r['concurrency']} | {len(runs[new])} | "
+            f"{before:.2f} | {after:.2f} | {ratio} |"
+        )
     if not rows:
         return
     print(f"\n## {new} over {old}, wall clock\n")
-    print(f"| engine | dtype | K | streams | runs each | tok/s {old} | tok/s {new} | {new} / {old} "
-          "(1 stream: CI over requests; more: each pass) |")
+    print(
+        f"| engine | dtype | K | streams | runs each | tok/s {old} | tok/s {new} | {new} / {old} "
+        "(1 stream: CI over requests; more: each pass) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 

@@ -18,7 +18,7 @@ import platform
 import statistics
 import time
 import types
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -28,8 +28,14 @@ VOCAB = 151936  # Qwen2.5's
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sv", nargs=2, type=Path, required=True, metavar=("CALIBRATION", "LATENCY"),
-                        help="SV's profiles, as BLOCKSPEC_VLLM_SV names them")
+    parser.add_argument(
+        "--sv",
+        nargs=2,
+        type=Path,
+        required=True,
+        metavar=("CALIBRATION", "LATENCY"),
+        help="SV's profiles, as BLOCKSPEC_VLLM_SV names them",
+    )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16], help="requests drafting at once")
     parser.add_argument("--max-draft", type=int, default=4, help="tokens drafted per request, K")
     parser.add_argument("--calls", type=int, default=20, help="timed calls per batch size, after 3 warm-up")
@@ -37,6 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     import provenance
+
     from blockspec import machine
     from blockspec.vllm import plugin
 
@@ -61,16 +68,35 @@ def main(argv: list[str] | None = None) -> None:
             if call >= 3:
                 times["sv_ms"].append(decided - start)
                 times["learn_ms"].append(time.perf_counter() - decided)
-        rows.append({"requests": batch, "k": args.max_draft,
-                     **{name: 1000 * statistics.median(values) for name, values in times.items()}})
-        print(f"{batch:>3} requests x K={args.max_draft}: SV's decisions {rows[-1]['sv_ms']:7.2f} ms, "
-              f"its online step {rows[-1]['learn_ms']:7.2f} ms", flush=True)
+        rows.append(
+            {
+                "requests": batch,
+                "k": args.max_draft,
+                **{name: 1000 * statistics.median(values) for name, values in times.items()},
+            }
+        )
+        print(
+            f"{batch:>3} requests x K={args.max_draft}: SV's decisions {rows[-1]['sv_ms']:7.2f} ms, "
+            f"its online step {rows[-1]['learn_ms']:7.2f} ms",
+            flush=True,
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "benchmark": "vllm_sv_hook", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "commit": provenance.commit(), "machine": {"platform": platform.platform(), **machine.facts()},
-        "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "vocab": VOCAB,
-        "profiles": [str(path) for path in args.sv], "rows": rows}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {
+                "benchmark": "vllm_sv_hook",
+                "date": datetime.now(UTC).isoformat(timespec="seconds"),
+                "commit": provenance.commit(),
+                "machine": {"platform": platform.platform(), **machine.facts()},
+                "torch": torch.__version__,
+                "torch_threads": torch.get_num_threads(),
+                "vocab": VOCAB,
+                "profiles": [str(path) for path in args.sv],
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import platform
 import statistics
 import time
 import types
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -26,8 +26,12 @@ VOCAB = 151936  # Qwen2.5's
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", default=["1x2", "1x4", "4x2", "16x2", "16x4"],
-                        help="requests x drafted tokens each (default: %(default)s)")
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        default=["1x2", "1x4", "4x2", "16x2", "16x4"],
+        help="requests x drafted tokens each (default: %(default)s)",
+    )
     parser.add_argument("--calls", type=int, default=20, help="timed calls per rule and shape, after 5 warm-up")
     parser.add_argument("--out", type=Path, default=Path("results/vllm-verify-speed.json"))
     args = parser.parse_args(argv)
@@ -46,12 +50,18 @@ def main(argv: list[str] | None = None) -> None:
     for shape in args.shapes:
         batch, k = (int(n) for n in shape.split("x"))
         draft_probs = torch.rand(batch * k, VOCAB, generator=generator).softmax(-1)
-        inputs = (torch.multinomial(draft_probs, 1, generator=generator).squeeze(-1).to(torch.int32), [k] * batch, k,
-                  torch.full((batch,), k, dtype=torch.int32).cumsum(0).to(torch.int32), draft_probs,
-                  3 * torch.randn(batch * k, VOCAB, generator=generator),
-                  torch.randint(0, VOCAB, (batch, 1), dtype=torch.int32, generator=generator),
-                  types.SimpleNamespace(all_greedy=False, all_random=True, temperature=torch.ones(batch),
-                                        generators={}, top_k=None, top_p=None))
+        inputs = (
+            torch.multinomial(draft_probs, 1, generator=generator).squeeze(-1).to(torch.int32),
+            [k] * batch,
+            k,
+            torch.full((batch,), k, dtype=torch.int32).cumsum(0).to(torch.int32),
+            draft_probs,
+            3 * torch.randn(batch * k, VOCAB, generator=generator),
+            torch.randint(0, VOCAB, (batch, 1), dtype=torch.int32, generator=generator),
+            types.SimpleNamespace(
+                all_greedy=False, all_random=True, temperature=torch.ones(batch), generators={}, top_k=None, top_p=None
+            ),
+        )
         times = {name: [] for name in rules}
         for call in range(5 + args.calls):
             for name, rule in rules.items():
@@ -61,13 +71,25 @@ def main(argv: list[str] | None = None) -> None:
                     times[name].append(time.perf_counter() - start)
         row = {"requests": batch, "k": k, **{f"{name}_ms": 1000 * statistics.median(t) for name, t in times.items()}}
         rows.append(row)
-        print(f"{batch:>3} requests x K={k}: token {row['token_ms']:7.2f} ms, block {row['block_ms']:7.2f} ms, "
-              f"block / token {row['block_ms'] / row['token_ms']:.2f}x", flush=True)
+        print(
+            f"{batch:>3} requests x K={k}: token {row['token_ms']:7.2f} ms, block {row['block_ms']:7.2f} ms, "
+            f"block / token {row['block_ms'] / row['token_ms']:.2f}x",
+            flush=True,
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "benchmark": "vllm_verify_speed", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), **machine.facts()}, "torch": torch.__version__,
-        "vocab": VOCAB, "rows": rows}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {
+                "benchmark": "vllm_verify_speed",
+                "date": datetime.now(UTC).isoformat(timespec="seconds"),
+                "machine": {"platform": platform.platform(), **machine.facts()},
+                "torch": torch.__version__,
+                "vocab": VOCAB,
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -16,8 +16,11 @@ def the_users_model_cache_gains_no_test_copies():
 
     def copies() -> set[Path]:
         root = presets.cache_root()
-        return ({p for p in root.glob("*/hf-*") if p.name != "hf-bfloat16"}
-                | set(root.glob("machine/*")) | set(root.glob("sv/*")))
+        return (
+            {p for p in root.glob("*/hf-*") if p.name != "hf-bfloat16"}
+            | set(root.glob("machine/*"))
+            | set(root.glob("sv/*"))
+        )
 
     before = copies()
     yield

@@ -16,8 +16,8 @@ batches of contexts are looked up at once. With it:
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -53,8 +53,11 @@ class Tables:
     def block_inputs(self, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(draft_probs [N, K, V], target_probs [N, K+1, V]) along each drafted block [N, K]."""
         width = draft_tokens.shape[1]
-        draft_probs = (torch.stack([self.draft_at(draft_tokens[:, :i]) for i in range(width)], dim=1) if width
-                       else torch.empty(len(draft_tokens), 0, self.vocab, dtype=self.draft[0].dtype))
+        draft_probs = (
+            torch.stack([self.draft_at(draft_tokens[:, :i]) for i in range(width)], dim=1)
+            if width
+            else torch.empty(len(draft_tokens), 0, self.vocab, dtype=self.draft[0].dtype)
+        )
         target_probs = torch.stack([self.target_at(draft_tokens[:, :i]) for i in range(width + 1)], dim=1)
         return draft_probs, target_probs
 

@@ -10,6 +10,8 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from test_bench import quiet_machine  # noqa: F401  (autouse: tiny runs are not judged by others' CPU time)
+from tiny import perturbed, save_tiny, tiny_model
 
 from blockspec import SamplingParams, SpeculativeDecoder
 from blockspec import defaults as blockspec_defaults
@@ -18,8 +20,6 @@ from blockspec.bench import report, runner
 from blockspec.bench.records import Record
 from blockspec.bench.report import ALL, ReportConfig, alignment
 from blockspec.cli import commands as cli
-from test_bench import quiet_machine  # noqa: F401  (autouse: tiny runs are not judged by others' CPU time)
-from tiny import perturbed, save_tiny, tiny_model
 
 FAST = ReportConfig(n_boot=300)
 pytestmark = pytest.mark.usefixtures("probes_in_a_temporary_cache")
@@ -35,9 +35,18 @@ def models(tmp_path_factory):
 def sweep(models, tmp_path_factory):
     """The align preset on the tiny pair: 3 prompts of lm1b at two draft temperatures."""
     target, draft = models
-    return replace(runner.PRESETS["align"], target=target, draft=draft, dtype="float32", datasets=("lm1b",),
-                   prompts_per_dataset=3, draft_temperatures=(0.5, 1.0), max_new_tokens=8, chat=False,
-                   out=tmp_path_factory.mktemp("align"))
+    return replace(
+        runner.PRESETS["align"],
+        target=target,
+        draft=draft,
+        dtype="float32",
+        datasets=("lm1b",),
+        prompts_per_dataset=3,
+        draft_temperatures=(0.5, 1.0),
+        max_new_tokens=8,
+        chat=False,
+        out=tmp_path_factory.mktemp("align"),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -47,24 +56,35 @@ def swept(sweep):
 
 
 def test_plan_interleaves_every_draft_temperature_prompt_by_prompt_with_one_seed_per_prompt():
-    config = replace(runner.PRESETS["align"], configs=("target-only", "block"), draft_temperatures=(0.5, 1.0, 2.0),
-                     seed=7)
+    config = replace(
+        runner.PRESETS["align"], configs=("target-only", "block"), draft_temperatures=(0.5, 1.0, 2.0), seed=7
+    )
     runs = runner.plan(config, {"a": [("a/0", [1]), ("a/1", [2]), ("a/2", [3])], "b": [("b/0", [4])]})
     assert [(r.prompt_id, r.config, r.draft_temperature) for r in runs[:8]] == [
-        ("a/0", "target-only", None), ("a/0", "block", 0.5), ("a/0", "block", 1.0), ("a/0", "block", 2.0),
-        ("b/0", "target-only", None), ("b/0", "block", 0.5), ("b/0", "block", 1.0), ("b/0", "block", 2.0)]
+        ("a/0", "target-only", None),
+        ("a/0", "block", 0.5),
+        ("a/0", "block", 1.0),
+        ("a/0", "block", 2.0),
+        ("b/0", "target-only", None),
+        ("b/0", "block", 0.5),
+        ("b/0", "block", 1.0),
+        ("b/0", "block", 2.0),
+    ]
     assert len(runs) == 4 * 4 and len({r.key for r in runs}) == len(runs) and runs[-1].prompt_id == "a/2"
     assert {r.seed for r in runs if r.prompt_id == "a/1"} == {8}  # seed + 1 at every T_d: shared draws
     assert {r.draft_temperature for r in runner.plan(runner.PRESETS["quick"], {"a": [("a/0", [1])]})} == {None}
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"temperatures": (1.0, 0.0)}, "target temperature must be > 0"),
-    ({"draft_temperatures": (1.0, -0.5)}, "draft temperatures must be >= 0"),
-    ({"draft_temperatures": (1.0, 1.0)}, "draft temperatures repeat"),
-    ({"batch_sizes": (1, 2)}, "batch size 1 only"),
-    ({"configs": ("target-only", "auto")}, "apply to the fixed-length configs"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"temperatures": (1.0, 0.0)}, "target temperature must be > 0"),
+        ({"draft_temperatures": (1.0, -0.5)}, "draft temperatures must be >= 0"),
+        ({"draft_temperatures": (1.0, 1.0)}, "draft temperatures repeat"),
+        ({"batch_sizes": (1, 2)}, "batch size 1 only"),
+        ({"configs": ("target-only", "auto")}, "apply to the fixed-length configs"),
+    ],
+)
 def test_the_config_refuses_what_a_draft_temperature_cannot_mean(change, message):
     with pytest.raises(ValueError, match=message):
         replace(runner.PRESETS["align"], **change)
@@ -80,15 +100,17 @@ def test_draft_sampling_is_refused_at_target_temperature_zero():
 def test_one_record_per_prompt_and_draft_temperature_with_aligned_per_step_values(sweep, swept):
     prompts = sorted({r.prompt_id for r in swept})
     assert len(prompts) == 3 and sorted(r.key for r in swept) == sorted(
-        ("lm1b", p, "block", 4, 1.0, 1, t) for p in prompts for t in (0.5, 1.0))
+        ("lm1b", p, "block", 4, 1.0, 1, t) for p in prompts for t in (0.5, 1.0)
+    )
     for record in swept:
         steps = len(record.accepted)
         assert steps and len(record.verified) == len(record.expected_token) == len(record.expected_block) == steps
         assert len(record.overlap) == steps and (record.new_tokens == 8 or record.finish_reason == "eos")
         assert all(0 <= a <= k <= 4 for a, k in zip(record.accepted, record.verified))
         assert all(o is None if k == 0 else 0 <= o <= 1 + 1e-6 for o, k in zip(record.overlap, record.verified))
-        assert all(0 <= e <= k + 1e-5 for e, k in zip(record.expected_token + record.expected_block,
-                                                       record.verified * 2))
+        assert all(
+            0 <= e <= k + 1e-5 for e, k in zip(record.expected_token + record.expected_block, record.verified * 2)
+        )
         assert record.meta["target"] == sweep.target and record.meta["dtype"] == "float32" and record.meta["date"]
     seeds = {(r.prompt_id, r.draft_temperature): r.seed for r in swept}
     assert all(seeds[(p, 0.5)] == seeds[(p, 1.0)] for p in prompts) and sorted(set(seeds.values())) == [0, 1, 2]
@@ -125,8 +147,7 @@ def test_the_reported_gain_and_overlap_are_the_pooled_values_of_the_records(swep
             assert row.gain.lo <= row.gain.value <= row.gain.hi  # three prompts: an interval
 
 
-def test_the_report_writes_the_alignment_table_json_and_plot_and_no_empty_bench_plots(sweep, swept, tmp_path,
-                                                                                      capsys):
+def test_the_report_writes_the_alignment_table_json_and_plot_and_no_empty_bench_plots(sweep, swept, tmp_path, capsys):
     assert report.main(["--records", str(sweep.out / runner.RECORDS), "--out", str(tmp_path), "--n-boot", "200"]) == 0
     out = capsys.readouterr().out
     aligned = json.loads(out.strip().splitlines()[-1])["alignment"]
@@ -150,8 +171,9 @@ def test_the_bench_tables_leave_the_runs_at_a_draft_temperature_to_the_alignment
 
 
 def test_a_draft_equal_to_the_target_at_its_temperature_has_overlap_one_and_no_gain(sweep, tmp_path):
-    same = replace(sweep, draft=sweep.target, prompts_per_dataset=2, draft_temperatures=(1.0, 2.0),
-                   max_new_tokens=12, out=tmp_path)
+    same = replace(
+        sweep, draft=sweep.target, prompts_per_dataset=2, draft_temperatures=(1.0, 2.0), max_new_tokens=12, out=tmp_path
+    )
     records = list(rec.read(runner.run(same, progress=False)))
     matched = [r for r in records if r.draft_temperature == 1.0]
     assert all(abs(o - 1) < 1e-5 for r in matched for o in r.overlap if o is not None)
@@ -174,18 +196,33 @@ def synthetic(rng: np.random.Generator, prompts: int, gain: float, datasets=("x"
             mu = rng.uniform(0.5, 3.0)
             exp_t = np.clip(mu + rng.normal(0, 0.3, steps), 0, 4)
             exp_b = (1 + gain) * (1 + exp_t) - 1 + rng.normal(0, 0.05, steps)
-            out.append(Record(
-                dataset=dataset, prompt_id=f"{dataset}/{p}", config="block", max_draft=4, temperature=1.0,
-                batch_size=1, seed=p, new_tokens=64, wall_time=1.0, prefill_time=0.1, verified=[4] * steps,
-                accepted=rng.integers(0, 5, steps).tolist(), expected_token=exp_t.tolist(),
-                expected_block=exp_b.tolist(), overlap=rng.uniform(0.5, 0.9, steps).tolist(), draft_temperature=1.0,
-            ))
+            out.append(
+                Record(
+                    dataset=dataset,
+                    prompt_id=f"{dataset}/{p}",
+                    config="block",
+                    max_draft=4,
+                    temperature=1.0,
+                    batch_size=1,
+                    seed=p,
+                    new_tokens=64,
+                    wall_time=1.0,
+                    prefill_time=0.1,
+                    verified=[4] * steps,
+                    accepted=rng.integers(0, 5, steps).tolist(),
+                    expected_token=exp_t.tolist(),
+                    expected_block=exp_b.tolist(),
+                    overlap=rng.uniform(0.5, 0.9, steps).tolist(),
+                    draft_temperature=1.0,
+                )
+            )
     return out
 
 
 def test_the_bootstrap_interval_covers_a_known_gain():
-    built = alignment.build_report(synthetic(np.random.default_rng(3), prompts=20, gain=0.08),
-                                   ReportConfig(n_boot=1000))
+    built = alignment.build_report(
+        synthetic(np.random.default_rng(3), prompts=20, gain=0.08), ReportConfig(n_boot=1000)
+    )
     (row,) = built.rows_of(ALL)
     assert row.gain.lo < 0.08 < row.gain.hi and row.gain.hi - row.gain.lo < 0.05
     assert row.gain.lo > 0  # the gain is resolved, not just covered
@@ -224,8 +261,9 @@ def test_align_defaults_are_the_align_presets_and_its_help_explains_the_measurem
     assert (preset.max_drafts, preset.max_new_tokens, preset.prompts_per_dataset) == ((4,), 64, 4)
     assert preset.datasets == ("gsm8k", "humaneval", "sharegpt") and preset.configs == ("block",)
     assert preset.dtype == "bfloat16" and preset.batch_sizes == (1,)
-    assert align_config(["align", "--temperature", "0.8", "--max-draft", "6", "--draft-temperatures", "1", "2"]) \
-        == replace(preset, temperatures=(0.8,), max_drafts=(6,), draft_temperatures=(1.0, 2.0))
+    assert align_config(
+        ["align", "--temperature", "0.8", "--max-draft", "6", "--draft-temperatures", "1", "2"]
+    ) == replace(preset, temperatures=(0.8,), max_drafts=(6,), draft_temperatures=(1.0, 2.0))
     assert align_config(["bench", "--preset", "align", "--draft-temperatures", "0.5"]).draft_temperatures == (0.5,)
     parser = cli.build_parser()
     text = next(a for a in parser._subparsers._group_actions[0].choices.items() if a[0] == "align")[1].format_help()
@@ -234,8 +272,25 @@ def test_align_defaults_are_the_align_presets_and_its_help_explains_the_measurem
 
 def test_align_command_end_to_end_on_saved_tiny_models(models, tmp_path, capsys):
     target, draft = models
-    common = ["align", "--target", target, "--draft", draft, "--dtype", "float32", "--datasets", "lm1b",
-              "--prompts", "2", "--draft-temperatures", "0.7", "1.3", "--max-new-tokens", "5", "--no-chat"]
+    common = [
+        "align",
+        "--target",
+        target,
+        "--draft",
+        draft,
+        "--dtype",
+        "float32",
+        "--datasets",
+        "lm1b",
+        "--prompts",
+        "2",
+        "--draft-temperatures",
+        "0.7",
+        "1.3",
+        "--max-new-tokens",
+        "5",
+        "--no-chat",
+    ]
     assert cli.main([*common, "--out", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
     summary_line = json.loads(out.strip().splitlines()[-1])

@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import json
 
+import lawkit
 import pytest
 import torch
+from test_engine import off_by_one, reference_greedy
+from tiny import exact_law_of_first_tokens, perturbed, save_tiny, tiny_model
 
-import lawkit
 from blockspec import SamplingParams, SpeculativeDecoder, auto
 from blockspec import engine as engine_module
 from blockspec.models.hf import HFModel, load_model
 from blockspec.models.quant import quantize
 from blockspec.policy import AdaptiveLength, LatencyTable
 from blockspec.policy.latency import LatencyProfile
-from test_engine import off_by_one, reference_greedy
-from tiny import exact_law_of_first_tokens, perturbed, save_tiny, tiny_model
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -110,11 +110,11 @@ def test_adaptive_length_follows_the_acceptance_it_observes():
     assert 0 < start < 8
     for _ in range(8):
         observe(shrinking, agree=False, width=start)
-    assert shrinking.best_length(1) == 0 and shrinking.acceptance == pytest.approx(0.8 / 2 ** 8)
+    assert shrinking.best_length(1) == 0 and shrinking.acceptance == pytest.approx(0.8 / 2**8)
     growing = AdaptiveLength(profile(costs, draft_ms=20), max_draft=8, prior=0.8, memory=0.5)
     for _ in range(8):
         observe(growing, agree=True, width=growing.best_length(1))
-    assert growing.best_length(1) > start and growing.acceptance == pytest.approx(1 - 0.2 / 2 ** 8)
+    assert growing.best_length(1) > start and growing.acceptance == pytest.approx(1 - 0.2 / 2**8)
     unchanged = AdaptiveLength(profile(costs, draft_ms=20), max_draft=8, prior=0.8, memory=0.5)
     observe(unchanged, agree=False, width=0)  # a step that verified nothing teaches nothing
     assert unchanged.acceptance == 0.8
@@ -139,11 +139,14 @@ def test_law_of_the_first_tokens_is_the_targets_under_adaptive_length(verifier, 
     assert not broken.passed, broken
 
 
-@pytest.mark.parametrize("ms, dtype, quant", [
-    ({"bfloat16": {"1": 10.0}, "float32": {"1": 20.0}, "int8": {"1": 5.0}}, "bfloat16", "int8"),
-    ({"bfloat16": {"1": 30.0}, "float32": {"1": 20.0}, "int8": {"1": 17.0}}, "float32", None),  # int8 within margin
-    ({"bfloat16": {"1": 30.0}, "float32": {"1": 20.0}}, "float32", None),  # a torch without int8 kernels
-])
+@pytest.mark.parametrize(
+    "ms, dtype, quant",
+    [
+        ({"bfloat16": {"1": 10.0}, "float32": {"1": 20.0}, "int8": {"1": 5.0}}, "bfloat16", "int8"),
+        ({"bfloat16": {"1": 30.0}, "float32": {"1": 20.0}, "int8": {"1": 17.0}}, "float32", None),  # int8 within margin
+        ({"bfloat16": {"1": 30.0}, "float32": {"1": 20.0}}, "float32", None),  # a torch without int8 kernels
+    ],
+)
 def test_the_arithmetic_is_the_fastest_the_probe_measured(ms, dtype, quant, monkeypatch):
     monkeypatch.setattr(auto, "cpu_probe", lambda refresh=False: ms)
     chosen = auto.choose_arithmetic("cpu")

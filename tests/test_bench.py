@@ -9,12 +9,12 @@ import sys
 from dataclasses import replace
 
 import pytest
+from test_auto import CHEAP_VERIFICATION, LINEAR_VERIFICATION, profile
+from tiny import save_tiny
 
 from blockspec import auto, machine
 from blockspec.bench import records as rec
 from blockspec.bench import runner
-from test_auto import CHEAP_VERIFICATION, LINEAR_VERIFICATION, profile
-from tiny import save_tiny
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -45,9 +45,16 @@ def an_int8_machine():
 def tiny_config(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench")
     return runner.BenchConfig(
-        target=save_tiny(root / "target"), draft=save_tiny(root / "draft", noise=0.3), dtype="float32",
-        datasets=("lm1b",), prompts_per_dataset=2, max_drafts=(2, 3), temperatures=(1.0,), max_new_tokens=6,
-        chat=False, out=root / "out",
+        target=save_tiny(root / "target"),
+        draft=save_tiny(root / "draft", noise=0.3),
+        dtype="float32",
+        datasets=("lm1b",),
+        prompts_per_dataset=2,
+        max_drafts=(2, 3),
+        temperatures=(1.0,),
+        max_new_tokens=6,
+        chat=False,
+        out=root / "out",
     )
 
 
@@ -55,8 +62,15 @@ def test_plan_interleaves_configurations_prompt_by_prompt_with_one_seed_per_prom
     config = runner.BenchConfig(max_drafts=(2, 4), temperatures=(1.0, 0.0), seed=7)
     runs = runner.plan(config, {"a": [("a/0", [1]), ("a/1", [2])], "b": [("b/0", [3])]})
     first = [(r.prompt_id, r.config, r.max_draft) for r in runs[:7]]
-    assert first == [("a/0", "target-only", 0), ("a/0", "token", 2), ("a/0", "token", 4), ("a/0", "block", 2),
-                     ("a/0", "block", 4), ("a/0", "hf-assisted", 0), ("a/0", "auto", 4)]
+    assert first == [
+        ("a/0", "target-only", 0),
+        ("a/0", "token", 2),
+        ("a/0", "token", 4),
+        ("a/0", "block", 2),
+        ("a/0", "block", 4),
+        ("a/0", "hf-assisted", 0),
+        ("a/0", "auto", 4),
+    ]
     assert len(runs) == 7 * 3 * 2 and len({r.key for r in runs}) == len(runs)
     assert {r.seed for r in runs if r.prompt_id == "a/1"} == {8}
 
@@ -69,7 +83,9 @@ def test_runner_writes_one_record_per_prompt_and_configuration_and_resumes(tiny_
         assert record.new_tokens == 6 or record.finish_reason == "eos"
         assert record.wall_time > 0 and record.meta["dtype"] == "float32" and record.meta["threads"] >= 1
         if record.config in ("token", "block"):  # per-step bookkeeping, the same draft under both rules
-            assert len(record.accepted) == len(record.verified) == len(record.expected_token) == len(record.expected_block)
+            assert (
+                len(record.accepted) == len(record.verified) == len(record.expected_token) == len(record.expected_block)
+            )
             assert all(0 <= a <= k for a, k in zip(record.accepted, record.verified))
     runner.run(tiny_config, progress=False)  # resumed: everything is recorded already
     assert len(list(rec.read(records_file))) == len(records)
@@ -84,10 +100,31 @@ def test_a_spent_time_budget_stops_scheduling_and_a_rerun_completes(tiny_config,
 
 def test_bench_command_prints_the_report_and_writes_plots(tiny_config, tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "blockspec.cli", "bench", "--target", tiny_config.target, "--draft", tiny_config.draft,
-         "--dtype", "float32", "--datasets", "lm1b", "--prompts", "1", "--max-draft", "2", "--max-new-tokens", "5",
-         "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "blockspec.cli",
+            "bench",
+            "--target",
+            tiny_config.target,
+            "--draft",
+            tiny_config.draft,
+            "--dtype",
+            "float32",
+            "--datasets",
+            "lm1b",
+            "--prompts",
+            "1",
+            "--max-draft",
+            "2",
+            "--max-new-tokens",
+            "5",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
@@ -101,8 +138,7 @@ def test_bench_command_prints_the_report_and_writes_plots(tiny_config, tmp_path)
 
 
 def test_the_run_stops_once_the_gain_is_known_to_the_requested_precision(tiny_config, tmp_path):
-    six = replace(tiny_config, prompts_per_dataset=runner.MIN_PROMPTS + 1, max_drafts=(2,),
-                  configs=("token", "block"))
+    six = replace(tiny_config, prompts_per_dataset=runner.MIN_PROMPTS + 1, max_drafts=(2,), configs=("token", "block"))
     loose = runner.run(replace(six, out=tmp_path / "loose", precision=10.0), progress=False)
     # Known once MIN_PROMPTS prompts (rounds) are in, however loose the precision: 2 records per round.
     assert len(list(rec.read(loose))) == 2 * runner.MIN_PROMPTS
@@ -113,8 +149,14 @@ def test_the_run_stops_once_the_gain_is_known_to_the_requested_precision(tiny_co
 def test_a_run_resumed_at_another_temperature_gets_its_own_minimum_of_prompts(tiny_config, tmp_path):
     """The sampled half, already precise, must not stop the greedy half after its first round; and the greedy
     half, block alone (both rules coincide there), stops once it has its own minimum."""
-    six = replace(tiny_config, prompts_per_dataset=runner.MIN_PROMPTS + 1, max_drafts=(2,),
-                  configs=("token", "block"), precision=10.0, out=tmp_path)
+    six = replace(
+        tiny_config,
+        prompts_per_dataset=runner.MIN_PROMPTS + 1,
+        max_drafts=(2,),
+        configs=("token", "block"),
+        precision=10.0,
+        out=tmp_path,
+    )
     runner.run(six, progress=False)
     records = list(rec.read(runner.run(replace(six, temperatures=(0.0,), configs=("block",)), progress=False)))
     assert sum(r.temperature == 0.0 for r in records) == runner.MIN_PROMPTS
@@ -149,7 +191,7 @@ def test_hf_lookup_greedy_output_is_the_target_alone_and_it_drafts_from_the_cont
     result = runner.run_lookup(target, prompt, greedy, 24, seed=0)
     hook.remove()
     alone = SpeculativeDecoder(target, verifier="none").generate([prompt], max_new_tokens=24, sampling=greedy)
-    assert outputs[0][0, len(prompt):].tolist() == alone.sequences[0]
+    assert outputs[0][0, len(prompt) :].tolist() == alone.sequences[0]
     assert result["new_tokens"] == len(alone.sequences[0]) and result["finish_reason"] == alone.finish_reasons[0]
     assert len(forwards) < result["new_tokens"]  # drafts were accepted: fewer target forwards than tokens
 
@@ -181,8 +223,16 @@ def test_the_int8_draft_and_blockspecs_defaults_run_beside_transformers(tiny_con
     records = list(rec.read(runner.run(config, progress=False)))
     assert len(records) == 2 * 2 * (1 + 2 + 2 + 1 + 1 + 1 + 1 + 1) and all(r.ok for r in records)
     quant = {(r.config, r.meta.get("draft_quant", "-")) for r in records}
-    assert quant == {("target-only", "-"), ("lookup", "-"), ("hf-lookup", "-"), ("block", None),
-                     ("hf-assisted", None), ("block-int8", "int8"), ("auto", "int8"), ("lookup+model", "int8")}
+    assert quant == {
+        ("target-only", "-"),
+        ("lookup", "-"),
+        ("hf-lookup", "-"),
+        ("block", None),
+        ("hf-assisted", None),
+        ("block-int8", "int8"),
+        ("auto", "int8"),
+        ("lookup+model", "int8"),
+    }
     assert {r.max_draft for r in records if r.config in ("auto", "lookup+model")} == {3}
     assert {r.max_draft for r in records if r.config == "lookup"} == {0}
     assert any(k > 0 for r in records if r.config == "lookup" for k in r.verified)  # it looked up
@@ -195,8 +245,9 @@ def test_the_int8_draft_and_blockspecs_defaults_run_beside_transformers(tiny_con
     assert rows[("target-only", 1.0, 0)].speedup_vs_hf is None
 
 
-def test_where_speculation_cannot_pay_auto_decodes_alone_and_lookup_model_looks_up_alone(tiny_config, tmp_path,
-                                                                                         monkeypatch):
+def test_where_speculation_cannot_pay_auto_decodes_alone_and_lookup_model_looks_up_alone(
+    tiny_config, tmp_path, monkeypatch
+):
     monkeypatch.setattr(auto, "latency_probe", lambda target, draft, batch: profile(LINEAR_VERIFICATION, draft_ms=2))
     config = replace(tiny_config, out=tmp_path, configs=("auto", "lookup+model"), temperatures=(0.0,))
     records = list(rec.read(runner.run(config, progress=False)))

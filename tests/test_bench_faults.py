@@ -11,12 +11,12 @@ import time
 from dataclasses import asdict, replace
 
 import pytest
+from test_bench import quiet_machine  # noqa: F401  (autouse: tiny runs are not judged by others' CPU time)
+from tiny import save_tiny
 
 from blockspec import machine
 from blockspec.bench import records as rec
 from blockspec.bench import report, runner
-from test_bench import quiet_machine  # noqa: F401  (autouse: tiny runs are not judged by others' CPU time)
-from tiny import save_tiny
 
 PROC_BUSY_SECONDS = machine.busy_seconds  # before quiet_machine replaces it
 
@@ -27,9 +27,15 @@ def small(tmp_path_factory):
     baseline and a speedup over it."""
     root = tmp_path_factory.mktemp("faults")
     return runner.BenchConfig(
-        target=save_tiny(root / "target"), draft=save_tiny(root / "draft", noise=0.3), dtype="float32",
-        datasets=("lm1b",), prompts_per_dataset=2, max_drafts=(2,), configs=("target-only", "block"),
-        max_new_tokens=4, out=root / "out",
+        target=save_tiny(root / "target"),
+        draft=save_tiny(root / "draft", noise=0.3),
+        dtype="float32",
+        datasets=("lm1b",),
+        prompts_per_dataset=2,
+        max_drafts=(2,),
+        configs=("target-only", "block"),
+        max_new_tokens=4,
+        out=root / "out",
     )
 
 
@@ -94,13 +100,27 @@ def test_failed_runs_do_not_count_towards_the_precision_stop(tmp_path):
         for p in range(runner.MIN_PROMPTS):
             for config in ("token", "block"):
                 failed = p == failed_prompt and config == "block"
-                rec.append(path, rec.Record(
-                    dataset="d", prompt_id=f"d/{p}", config=config, max_draft=2, temperature=1.0, batch_size=1,
-                    seed=p, new_tokens=0 if failed else 6, wall_time=0.0 if failed else 1.0, prefill_time=None,
-                    accepted=[] if failed else [1, 2], verified=[] if failed else [2, 2],
-                    expected_token=[] if failed else [1.0, 1.5 + p / 10],
-                    expected_block=[] if failed else [1.2, 1.6 + p / 10],
-                    status=rec.FAILED if failed else rec.OK, error="ValueError: x" if failed else None))
+                rec.append(
+                    path,
+                    rec.Record(
+                        dataset="d",
+                        prompt_id=f"d/{p}",
+                        config=config,
+                        max_draft=2,
+                        temperature=1.0,
+                        batch_size=1,
+                        seed=p,
+                        new_tokens=0 if failed else 6,
+                        wall_time=0.0 if failed else 1.0,
+                        prefill_time=None,
+                        accepted=[] if failed else [1, 2],
+                        verified=[] if failed else [2, 2],
+                        expected_token=[] if failed else [1.0, 1.5 + p / 10],
+                        expected_block=[] if failed else [1.2, 1.6 + p / 10],
+                        status=rec.FAILED if failed else rec.OK,
+                        error="ValueError: x" if failed else None,
+                    ),
+                )
 
     write(failed_prompt=None)
     assert runner.gain_is_known(path, precision=10.0)
@@ -133,10 +153,20 @@ def test_the_run_directory_stores_its_settings_and_machine(recorded):
     assert stored["cpu_flags"] == machine.cpu_flags() and stored["threads"] == machine.threads()
 
 
-@pytest.mark.parametrize("change", [{"draft": "another-draft"}, {"seed": 5}, {"dtype": "bfloat16"},
-                                   {"max_new_tokens": 9}, {"chat": False}, {"target": "t", "device": "meta"}])
-def test_a_resume_with_other_settings_is_refused_naming_them_before_any_model_loads(recorded, tmp_path, monkeypatch,
-                                                                                     change):
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"draft": "another-draft"},
+        {"seed": 5},
+        {"dtype": "bfloat16"},
+        {"max_new_tokens": 9},
+        {"chat": False},
+        {"target": "t", "device": "meta"},
+    ],
+)
+def test_a_resume_with_other_settings_is_refused_naming_them_before_any_model_loads(
+    recorded, tmp_path, monkeypatch, change
+):
     config = copy_of(recorded, tmp_path)
     no_model_loads(monkeypatch)
     with pytest.raises(ValueError, match="holds runs with other settings") as refused:
@@ -160,10 +190,19 @@ def test_a_resume_on_another_machine_kind_or_thread_count_is_refused(recorded, t
 def test_a_resume_may_grow_the_plan_and_change_what_only_steers_it(recorded, tmp_path):
     config = copy_of(recorded, tmp_path)
     before = list(rec.read(config.out / runner.RECORDS))
-    grown = replace(config, prompts_per_dataset=2, configs=("target-only", "block"), max_drafts=(2, 3),
-                    temperatures=(1.0, 0.0), time_budget=600.0, precision=0.5, retry_failed=True, allow_download=True)
+    grown = replace(
+        config,
+        prompts_per_dataset=2,
+        configs=("target-only", "block"),
+        max_drafts=(2, 3),
+        temperatures=(1.0, 0.0),
+        time_budget=600.0,
+        precision=0.5,
+        retry_failed=True,
+        allow_download=True,
+    )
     records = list(rec.read(runner.run(grown, progress=False)))
-    assert records[:len(before)] == before  # the recorded run is kept, not redone
+    assert records[: len(before)] == before  # the recorded run is kept, not redone
     assert len(records) == 2 * 2 * (1 + 2)  # 2 prompts, 2 temperatures: target-only, block at K = 2 and 3
 
 
@@ -181,12 +220,14 @@ def as_schema_3(path) -> None:
     """Rewrite a records file as blockspec wrote it before schema 4: the former field names."""
     former = {new: old for old, new in rec.RENAMED.items()}
     records = [json.loads(line) for line in path.read_text().splitlines()]
-    path.write_text("".join(json.dumps({**{former.get(k, k): v for k, v in r.items()}, "schema": 3}) + "\n"
-                            for r in records))
+    path.write_text(
+        "".join(json.dumps({**{former.get(k, k): v for k, v in r.items()}, "schema": 3}) + "\n" for r in records)
+    )
 
 
-def test_records_of_an_older_schema_load_under_the_new_names_but_are_not_resumed(recorded, tmp_path, monkeypatch,
-                                                                                capsys):
+def test_records_of_an_older_schema_load_under_the_new_names_but_are_not_resumed(
+    recorded, tmp_path, monkeypatch, capsys
+):
     config = copy_of(recorded, tmp_path)
     before = list(rec.read(config.out / runner.RECORDS))
     as_schema_3(config.out / runner.RECORDS)
@@ -285,7 +326,9 @@ def test_the_cpu_time_of_another_process_is_measured(monkeypatch):
 
 def test_cpu_flags_are_the_avx2_avx512_and_amx_words_of_cpuinfo(tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx avx2 avx512f avx512_vnni amx_bf16 amx_tile xavx2x\n"
-                       "processor\t: 1\nflags\t\t: fpu avx avx2 avx512f avx512_vnni amx_bf16 amx_tile xavx2x\n")
+    cpuinfo.write_text(
+        "processor\t: 0\nflags\t\t: fpu avx avx2 avx512f avx512_vnni amx_bf16 amx_tile xavx2x\n"
+        "processor\t: 1\nflags\t\t: fpu avx avx2 avx512f avx512_vnni amx_bf16 amx_tile xavx2x\n"
+    )
     assert machine.cpu_flags(cpuinfo) == ["amx_bf16", "amx_tile", "avx2", "avx512_vnni", "avx512f"]
     assert machine.cpu_flags(tmp_path / "missing") == []

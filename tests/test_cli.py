@@ -10,11 +10,10 @@ import subprocess
 import sys
 
 import pytest
+from tiny import save_tiny, tiny_model
 
 from blockspec.cli import commands as cli
 from blockspec.models import hf
-from tiny import save_tiny, tiny_model
-
 
 pytestmark = pytest.mark.usefixtures("probes_in_a_temporary_cache")
 
@@ -41,7 +40,12 @@ def test_help_is_instant_and_shows_examples():
 
 def test_generate_defaults_come_from_one_place():
     args = cli.build_parser().parse_args(["generate", "hi"])
-    assert (args.target, args.draft, args.verifier, args.max_draft) == ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "block", None)
+    assert (args.target, args.draft, args.verifier, args.max_draft) == (
+        "qwen2.5-coder-1.5b",
+        "qwen2.5-coder-0.5b",
+        "block",
+        None,
+    )
     assert (args.temperature, args.top_k, args.top_p, args.dtype, args.chat) == (1.0, 0, 1.0, "auto", True)
     assert (args.policy, args.draft_quant, args.target_quant) == ("auto", "auto", "none")
 
@@ -61,8 +65,20 @@ def test_generate_end_to_end_on_tiny_models(tiny_pair):
 @pytest.mark.parametrize("drafter", ["lookup", "lookup+model"])
 def test_generate_with_prompt_lookup_gives_the_greedy_text_of_the_target(tiny_pair, drafter):
     target, draft = tiny_pair
-    common = ["--target", target, "--draft", draft, "--dtype", "float32", "--max-new-tokens", "16", "--temperature",
-              "0", "--no-chat", "abc abc abc abc"]
+    common = [
+        "--target",
+        target,
+        "--draft",
+        draft,
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "16",
+        "--temperature",
+        "0",
+        "--no-chat",
+        "abc abc abc abc",
+    ]
     spec, plain = run("generate", "--drafter", drafter, *common), run("generate", "--verifier", "none", *common)
     assert spec.returncode == plain.returncode == 0, spec.stderr + plain.stderr
     assert spec.stdout == plain.stdout and spec.stdout.strip()
@@ -92,8 +108,22 @@ def test_generate_says_what_it_is_doing_before_the_first_token(tiny_pair):
     """A long prompt printed nothing for minutes before its first token, which looked like a hang: generate now
     names each model it loads and the prompt it prefills, on stderr, leaving stdout to the text alone."""
     target, draft = tiny_pair
-    out = run("generate", "--target", target, "--draft", draft, "--dtype", "float32", "--draft-quant", "none",
-              "--max-new-tokens", "4", "--temperature", "0", "abc de")
+    out = run(
+        "generate",
+        "--target",
+        target,
+        "--draft",
+        draft,
+        "--dtype",
+        "float32",
+        "--draft-quant",
+        "none",
+        "--max-new-tokens",
+        "4",
+        "--temperature",
+        "0",
+        "abc de",
+    )
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stderr.splitlines() if line.startswith(("loading ", "prefilling "))]  # and
     # transformers' own weight-loading bars
@@ -107,8 +137,28 @@ def test_generate_shows_prefill_progress_of_each_model_for_long_prompts(tiny_pai
     target, draft = tiny_pair
     monkeypatch.setattr(cli, "LONG_PROMPT", 4)  # the tiny models' context is far below the real threshold
     monkeypatch.setattr(hf, "PREFILL_TOKENS", 3)  # several prefill forwards, so several reports
-    assert cli.main(["generate", "--target", target, "--draft", draft, "--dtype", "float32", "--policy", "fixed",
-                     "--max-new-tokens", "2", "--temperature", "0", "--no-chat", "abcdefghij"]) == 0
+    assert (
+        cli.main(
+            [
+                "generate",
+                "--target",
+                target,
+                "--draft",
+                draft,
+                "--dtype",
+                "float32",
+                "--policy",
+                "fixed",
+                "--max-new-tokens",
+                "2",
+                "--temperature",
+                "0",
+                "--no-chat",
+                "abcdefghij",
+            ]
+        )
+        == 0
+    )
     err = capsys.readouterr().err
     for role in ("target", "draft"):
         reports = re.findall(rf"prefilling {role}: (\d+)/(\d+) tokens", err)
@@ -165,8 +215,10 @@ def loads(monkeypatch):
 @pytest.mark.parametrize("flag, expected", [([], False), (["--allow-download"], True)])
 def test_generate_downloads_hub_models_only_when_allowed(flag, expected, loads):
     assert cli.main(["generate", *flag, "--target", "some/model", "--draft", "stop", "hi"]) == 2
-    assert [(name, kwargs["allow_download"]) for name, kwargs in loads] == [("some/model", expected),
-                                                                              ("stop", expected)]
+    assert [(name, kwargs["allow_download"]) for name, kwargs in loads] == [
+        ("some/model", expected),
+        ("stop", expected),
+    ]
 
 
 def test_bench_passes_allow_download_and_retry_failed_to_its_config(monkeypatch):

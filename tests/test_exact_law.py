@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import itertools
 
+import lawkit
 import pytest
 import torch
 
-import lawkit
 from blockspec.verify import accepted_length_law, expected_accepted, final_distributions
 
 # Every V in {2, 3, 4} with K in {1, 2, 3}, and K = 4 for V = 2.
@@ -157,7 +157,10 @@ def draft_weighted_means(tables: lawkit.Tables, width: int, draft_probs_override
     draft_probs, target_probs = tables.block_inputs(blocks)
     weight = draft_probs.gather(-1, blocks[..., None]).squeeze(-1).prod(-1)
     blocks, draft_probs, target_probs, weight = (
-        blocks[weight > 0], draft_probs[weight > 0], target_probs[weight > 0], weight[weight > 0]
+        blocks[weight > 0],
+        draft_probs[weight > 0],
+        target_probs[weight > 0],
+        weight[weight > 0],
     )
     per_block = {m: expected_accepted(blocks, draft_probs, target_probs, m) for m in ("token", "block")}
     return {m: float((weight * e).sum()) for m, e in per_block.items()}, per_block
@@ -167,7 +170,9 @@ def test_toy_example_expected_accepted():
     """docs/algorithms.md: V = {a, b}, target (1/3, 2/3), draft (2/3, 1/3), K = 2: 10/9 tokens (token), 11/9 (block)."""
     target = torch.tensor([1 / 3, 2 / 3], dtype=torch.float64)
     draft = torch.tensor([2 / 3, 1 / 3], dtype=torch.float64)
-    context_free = lawkit.Tables(2, [target.expand(2**L, 2) for L in range(3)], [draft.expand(2**L, 2) for L in range(3)])
+    context_free = lawkit.Tables(
+        2, [target.expand(2**L, 2) for L in range(3)], [draft.expand(2**L, 2) for L in range(3)]
+    )
     means, _ = draft_weighted_means(context_free, 2)
     assert means["token"] == pytest.approx(10 / 9, abs=1e-15)
     assert means["block"] == pytest.approx(11 / 9, abs=1e-15)
@@ -231,6 +236,7 @@ def test_one_hot_draft_path_is_lossless():
     one_hot = [torch.nn.functional.one_hot(d.argmax(-1), 3).double() for d in tables.draft]
     tables = lawkit.Tables(3, tables.target, one_hot)
     for method in ("token", "block"):
+
         def step(x, d, t, method=method):
             return library_step(method)(x, None, t)
 

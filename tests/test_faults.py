@@ -8,23 +8,22 @@ bounded window of tokens.
 
 from __future__ import annotations
 
-import dataclasses
 from types import SimpleNamespace
 
+import lawkit
 import numpy as np
 import pytest
 import torch
+from test_engine import off_by_one, reference_greedy
+from test_sv import flat_latency, hand_profile
+from tiny import exact_law_of_first_tokens, perturbed, tiny_model, tiny_tokenizer
 
-import lawkit
 from blockspec import SamplingParams, SpeculativeDecoder
 from blockspec import engine as engine_module
 from blockspec.engine import _Stopper
 from blockspec.models.hf import HFModel
 from blockspec.policy import FixedLength, SVPolicy
 from blockspec.sampling import NonFiniteLogitsError
-from test_engine import off_by_one, reference_greedy
-from test_sv import flat_latency, hand_profile
-from tiny import exact_law_of_first_tokens, perturbed, tiny_model, tiny_tokenizer
 
 GREEDY, SAMPLED = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7]]
@@ -94,10 +93,16 @@ BAD_DECODER = [  # SpeculativeDecoder(*make(target, draft)[0], **make(...)[1]) -
     (lambda t, d: ((t, d), {"max_draft": 10**7}), ValueError, "not below the target's context of 256"),
     (lambda t, d: (short_logits(t), {}), ValueError, "has 40 logits but the target's vocabulary has 48"),
     (lambda t, d: ((same := HFModel(t), same), {}), ValueError, "different model objects"),
-    (lambda t, d: ((same := HFModel(t), HFModel(d)), {"companion": same, "policy": Scored(2)}), ValueError,
-     "different model objects"),
-    (lambda t, d: ((t, d), {"verifier": "token", "policy": sv_policy("block")}), ValueError,
-     "built for the block rule but verifier='token'"),
+    (
+        lambda t, d: ((same := HFModel(t), HFModel(d)), {"companion": same, "policy": Scored(2)}),
+        ValueError,
+        "different model objects",
+    ),
+    (
+        lambda t, d: ((t, d), {"verifier": "token", "policy": sv_policy("block")}),
+        ValueError,
+        "built for the block rule but verifier='token'",
+    ),
 ]
 
 
@@ -293,10 +298,17 @@ def first_stop(stop_strings, generated, new):
     return new, None
 
 
-@pytest.mark.parametrize(("stop_strings", "planted"), [
-    (["é"], [3, 4]), (["é!"], [3, 4, 8]), (["😀"], [5, 6]), (["a😀b"], [0, 5, 6, 1]), (["b é", "ab!"], [7, 8]),
-    (["abababab"], [7, 0, 1, 7, 7]),
-])
+@pytest.mark.parametrize(
+    ("stop_strings", "planted"),
+    [
+        (["é"], [3, 4]),
+        (["é!"], [3, 4, 8]),
+        (["😀"], [5, 6]),
+        (["a😀b"], [0, 5, 6, 1]),
+        (["b é", "ab!"], [7, 8]),
+        (["abababab"], [7, 0, 1, 7, 7]),
+    ],
+)
 def test_windowed_stop_strings_find_what_the_whole_text_finds(stop_strings, planted):
     """Random rows of tokens that split multi-byte characters (e-acute in 2 tokens, an emoji in 2), half of them
     with the tokens of a stop string planted at a random place (so matches straddle the window's edge and the
@@ -308,8 +320,8 @@ def test_windowed_stop_strings_find_what_the_whole_text_finds(stop_strings, plan
         split = int(torch.randint(1, 35, (1,), generator=gen))
         if trial % 2:
             at = split - int(torch.randint(len(planted), (1,), generator=gen))
-            row[at:at + len(planted)] = planted
-        generated, new = row[:split], row[split:split + 5]
+            row[at : at + len(planted)] = planted
+        generated, new = row[:split], row[split : split + 5]
         if first_stop(stop_strings, [], generated)[1] == "stop":
             continue  # the row would have ended earlier
         expected = first_stop(stop_strings, generated, new)

@@ -10,11 +10,11 @@ import re
 
 import pytest
 import torch
+from tiny import tiny_model
 from transformers import AttentionInterface
 
 from blockspec.models.companion import target_prefix
 from blockspec.models.hf import GROUPED_SDPA, HFModel
-from tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -44,6 +44,7 @@ def kernels(monkeypatch):
     own fallback calls sdpa directly, so an "sdpa" call is one the model's config asked for)."""
     calls = collections.Counter()
     for name in (GROUPED_SDPA, "sdpa"):
+
         def spy(*args, _name=name, _kernel=AttentionInterface._global_mapping[name], **kwargs):
             calls[_name] += 1
             return _kernel(*args, **kwargs)
@@ -53,6 +54,7 @@ def kernels(monkeypatch):
 
 
 # --- the caller's training flags and attention implementation survive wrapping and forwards ----------------
+
 
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])
 @pytest.mark.parametrize("training", [False, True])
@@ -70,6 +72,7 @@ def test_wrapping_and_forwarding_leave_the_callers_training_flags_and_attention(
 
 
 # --- HFModel's own forwards still run grouped_sdpa, with the logits of the permanent switch of before --------
+
 
 def test_forwards_run_grouped_sdpa_and_give_the_logits_of_a_model_switched_for_good(kernels):
     model = tiny_model(sharpness=5.0)
@@ -91,14 +94,21 @@ def test_a_target_prefix_companion_runs_grouped_sdpa_in_the_layers_it_shares_wit
 
 # --- transformers' generate on a wrapped model is the stock one --------------------------------------------
 
+
 def test_generate_on_a_wrapped_model_equals_generate_on_an_unwrapped_copy(kernels):
     model = tiny_model(sharpness=5.0)
     unwrapped = copy.deepcopy(model)
     drive(HFModel(model))
     kernels.clear()
     ids = torch.tensor([[0, 0, 1, 2, 3, 4], [5, 6, 7, 8, 9, 10]])  # row 0 left-padded: a 4D mask in the prefill
-    options = dict(attention_mask=torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6]), max_new_tokens=12, do_sample=False,
-                   pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    options = dict(
+        attention_mask=torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6]),
+        max_new_tokens=12,
+        do_sample=False,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     wrapped = model.generate(ids, **options)
     assert kernels[GROUPED_SDPA] == 0 and kernels["sdpa"] > 0
     reference = unwrapped.generate(ids, **options)
@@ -107,6 +117,7 @@ def test_generate_on_a_wrapped_model_equals_generate_on_an_unwrapped_copy(kernel
 
 
 # --- a forward that raises restores the caller's settings too ------------------------------------------------
+
 
 def test_a_forward_that_raises_still_restores_the_callers_settings(monkeypatch):
     model = tiny_model()
@@ -125,8 +136,18 @@ def test_a_forward_that_raises_still_restores_the_callers_settings(monkeypatch):
 
 # --- attention the slot mask cannot express is refused; windows a row cannot outgrow are not ------------------
 
-@pytest.mark.parametrize("implementation", ["flash_attention_2", "flash_attention_3", "flash_attention_4",
-                                            "kernels-community/flash-attn2", "paged|eager", "flex_attention"])
+
+@pytest.mark.parametrize(
+    "implementation",
+    [
+        "flash_attention_2",
+        "flash_attention_3",
+        "flash_attention_4",
+        "kernels-community/flash-attn2",
+        "paged|eager",
+        "flex_attention",
+    ],
+)
 def test_attention_implementations_not_known_to_apply_an_explicit_4d_mask_are_refused(implementation):
     model = tiny_model()
     model.config._attn_implementation = implementation  # as loading with it sets it (its kernels are not installed)
@@ -142,9 +163,18 @@ def build(family: str, **options):
 
     config_class, model_class = (getattr(transformers, family + suffix) for suffix in ("Config", "ForCausalLM"))
     torch.manual_seed(0)
-    return model_class(config_class(
-        vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, **options)).eval()
+    return model_class(
+        config_class(
+            vocab_size=48,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            **options,
+        )
+    ).eval()
 
 
 def carrying_a_switched_off_window(family: str, **options):
@@ -156,8 +186,11 @@ def carrying_a_switched_off_window(family: str, **options):
 
 
 def test_a_sliding_window_shorter_than_the_context_is_refused():
-    with pytest.raises(ValueError, match="MistralForCausalLM: sliding_attention over a window of 16 tokens, shorter "
-                                         "than the context of 256, is not supported"):
+    with pytest.raises(
+        ValueError,
+        match="MistralForCausalLM: sliding_attention over a window of 16 tokens, shorter "
+        "than the context of 256, is not supported",
+    ):
         HFModel(build("Mistral", sliding_window=16))  # no layer types: config.sliding_window applies to every layer
     with pytest.raises(ValueError, match="Qwen2ForCausalLM: sliding_attention over a window of 16 tokens"):
         HFModel(build("Qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1))  # 2nd layer slides
@@ -170,13 +203,19 @@ def test_layer_types_other_than_full_and_sliding_attention_are_refused():
         HFModel(model)
 
 
-@pytest.mark.parametrize("make", [
-    pytest.param(lambda: build("Mistral", sliding_window=256), id="window-as-long-as-the-context"),
-    pytest.param(lambda: carrying_a_switched_off_window("Qwen2"), id="qwen2-switched-off-all-layers-full"),
-    pytest.param(lambda: carrying_a_switched_off_window(
-        "Qwen3Moe", head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2),
-        id="qwen3-moe-switched-off-no-layer-types"),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: build("Mistral", sliding_window=256), id="window-as-long-as-the-context"),
+        pytest.param(lambda: carrying_a_switched_off_window("Qwen2"), id="qwen2-switched-off-all-layers-full"),
+        pytest.param(
+            lambda: carrying_a_switched_off_window(
+                "Qwen3Moe", head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2
+            ),
+            id="qwen3-moe-switched-off-no-layer-types",
+        ),
+    ],
+)
 def test_windows_that_never_bind_load_and_give_full_attention(make):
     model = make()
     adapter = HFModel(model)

@@ -9,18 +9,21 @@ import math
 
 import pytest
 import torch
-
-from blockspec.models.hf import HFModel
-from blockspec.auto import measure_profile
-from blockspec.policy.latency import DRAFT_TOKENS, META_FIELDS, LatencyProfile
 from tiny import tiny_model
+
+from blockspec.auto import measure_profile
+from blockspec.models.hf import HFModel
+from blockspec.policy.latency import DRAFT_TOKENS, META_FIELDS, LatencyProfile
 
 BATCH_SIZES, TOKENS = (1, 3), (1, 2, 4)
 
 
 def tiny_trio():
-    return (HFModel(tiny_model(seed=0), name="tiny-target"), HFModel(tiny_model(seed=1, layers=1), name="tiny-draft"),
-            HFModel(tiny_model(seed=2, layers=1), name="tiny-companion"))
+    return (
+        HFModel(tiny_model(seed=0), name="tiny-target"),
+        HFModel(tiny_model(seed=1, layers=1), name="tiny-draft"),
+        HFModel(tiny_model(seed=2, layers=1), name="tiny-companion"),
+    )
 
 
 def measure(target, draft, companion, **grid):
@@ -34,8 +37,11 @@ def profile() -> LatencyProfile:
 
 
 def test_measured_grid_is_as_requested_and_positive(profile):
-    tables = {"target": (profile.target, TOKENS), "draft": (profile.draft, DRAFT_TOKENS),
-              "companion": (profile.companion, TOKENS)}
+    tables = {
+        "target": (profile.target, TOKENS),
+        "draft": (profile.draft, DRAFT_TOKENS),
+        "companion": (profile.companion, TOKENS),
+    }
     for name, (table, tokens) in tables.items():
         assert table.batch_sizes == BATCH_SIZES and table.tokens == tokens, name
         assert len(table.seconds) == len(BATCH_SIZES) and all(len(row) == len(tokens) for row in table.seconds)
@@ -106,8 +112,13 @@ def test_check_passes_for_the_measured_models(profile):
 
 @pytest.mark.parametrize("field, value", [("target", "other-target"), ("companion", None), ("dtype", "bfloat16")])
 def test_check_names_the_field_that_differs(profile, field, value):
-    given = {"target_name": "tiny-target", "draft_name": "tiny-draft", "companion_name": "tiny-companion",
-             "dtype": "float32", "device": "cpu"}
+    given = {
+        "target_name": "tiny-target",
+        "draft_name": "tiny-draft",
+        "companion_name": "tiny-companion",
+        "dtype": "float32",
+        "device": "cpu",
+    }
     given["dtype" if field == "dtype" else f"{field}_name"] = value
     with pytest.raises(ValueError, match=f"measured for {field} .*, not {value}: run `blockspec sv profile`"):
         profile.check(**given)

@@ -58,8 +58,10 @@ def imports(path: Path, root: Path) -> list[tuple[int, str]]:
                 parent = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 base = ".".join(parent + ([node.module] if node.module else []))
             # `from package import name` imports the submodule package.name when there is one
-            found += [(node.lineno, f"{base}.{alias.name}" if _is_module(f"{base}.{alias.name}", root) else base)
-                      for alias in node.names]
+            found += [
+                (node.lineno, f"{base}.{alias.name}" if _is_module(f"{base}.{alias.name}", root) else base)
+                for alias in node.names
+            ]
     return found
 
 
@@ -79,8 +81,11 @@ def violations(root: Path) -> list[str]:
             continue
         for line, target in imports(path, root):
             where = f"{path.relative_to(root.parent)}:{line}"
-            if name.startswith("blockspec.verify") and not target.startswith("blockspec.verify") \
-                    and target.split(".")[0] not in VERIFY_MAY_IMPORT:
+            if (
+                name.startswith("blockspec.verify")
+                and not target.startswith("blockspec.verify")
+                and target.split(".")[0] not in VERIFY_MAY_IMPORT
+            ):
                 found.append(f"{where}: verify imports {target}")
             if not target.startswith("blockspec") or target == FACADE or name == FACADE:
                 continue
@@ -94,12 +99,15 @@ def test_every_import_points_down():
     assert violations(SOURCE) == []
 
 
-@pytest.mark.parametrize("module, planted", [
-    ("models/base.py", "\n\ndef planted():\n    from ..engine import SpeculativeDecoder\n"),  # deferred, upward
-    ("verify/token.py", "\nimport numpy\n"),  # verify beyond torch
-    ("policy/fixed.py", "\nfrom blockspec.bench import records\n"),  # absolute, upward
-    ("sampling.py", "\nfrom . import auto\n"),  # `from package import module`
-])
+@pytest.mark.parametrize(
+    "module, planted",
+    [
+        ("models/base.py", "\n\ndef planted():\n    from ..engine import SpeculativeDecoder\n"),  # deferred, upward
+        ("verify/token.py", "\nimport numpy\n"),  # verify beyond torch
+        ("policy/fixed.py", "\nfrom blockspec.bench import records\n"),  # absolute, upward
+        ("sampling.py", "\nfrom . import auto\n"),  # `from package import module`
+    ],
+)
 def test_a_planted_violation_fails(tmp_path, module, planted):
     root = tmp_path / "blockspec"
     shutil.copytree(SOURCE, root, ignore=shutil.ignore_patterns("__pycache__"))

@@ -6,25 +6,30 @@ from __future__ import annotations
 
 import random
 
+import lawkit
 import pytest
 import torch
+from test_auto import profile
+from test_engine import reference_greedy
+from tiny import exact_law_of_first_tokens, perturbed, tiny_model
 
-import lawkit
 from blockspec import PromptLookup, SamplingParams, SpeculativeDecoder
 from blockspec import engine as engine_module
 from blockspec.lookup import LookupState
 from blockspec.models.hf import HFModel
 from blockspec.policy import AdaptiveLength, FixedLength, SVPolicy
-from test_auto import profile
-from test_engine import reference_greedy
-from tiny import exact_law_of_first_tokens, perturbed, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # thousands of tiny rows: faster on one thread
 
 GREEDY = SamplingParams(temperature=0.0)
 # Prompts that repeat themselves (lookup fires at once), a short one and ones that do not (it fires later, if at all)
-PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], [8, 9], [10, 11, 12, 10, 11, 12, 10], [14],
-           [20, 21, 22, 23, 24, 25, 26, 27]]
+PROMPTS = [
+    [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2],
+    [8, 9],
+    [10, 11, 12, 10, 11, 12, 10],
+    [14],
+    [20, 21, 22, 23, 24, 25, 26, 27],
+]
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +45,8 @@ def reference_match(context: list[int], max_ngram: int, min_ngram: int, length: 
     """The rule, written plainly: longest n first, then the occurrence ending latest before the last token."""
     for n in range(max_ngram, min_ngram - 1, -1):
         for start in range(len(context) - n - 1, -1, -1):  # the occurrence ends at start + n - 1 <= len - 2
-            if n <= len(context) - 1 and context[start: start + n] == context[len(context) - n:]:
-                return context[start + n: start + n + length]
+            if n <= len(context) - 1 and context[start : start + n] == context[len(context) - n :]:
+                return context[start + n : start + n + length]
     return []
 
 
@@ -147,8 +152,9 @@ def lookup_steps(result) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("mode", ["lookup", "lookup+model"])
 def test_greedy_output_equals_plain_greedy_decoding(pair, mode, verifier):
     target, draft = pair
-    decoder = SpeculativeDecoder(target, draft if mode == "lookup+model" else None, verifier=verifier, max_draft=3,
-                                 lookup=PromptLookup())
+    decoder = SpeculativeDecoder(
+        target, draft if mode == "lookup+model" else None, verifier=verifier, max_draft=3, lookup=PromptLookup()
+    )
     result = decoder.generate(PROMPTS, max_new_tokens=30, sampling=GREEDY)
     assert result.sequences == [reference_greedy(target, p, 30) for p in PROMPTS]
     used = lookup_steps(result)  # lookup fired, and its proposals were both accepted and rejected
@@ -207,11 +213,12 @@ def test_law_of_the_first_tokens_is_the_targets(mode, verifier, monkeypatch):
     decoder = SpeculativeDecoder(target, draft, verifier=verifier, max_draft=2, policy=policy, lookup=PromptLookup())
 
     def tests():
-        result = decoder.generate([p for p in prompts for _ in range(samples)], max_new_tokens=length, seed=0,
-                                  stop_on_eos=False)
+        result = decoder.generate(
+            [p for p in prompts for _ in range(samples)], max_new_tokens=length, seed=0, stop_on_eos=False
+        )
         out = []
         for g, law in enumerate(laws):
-            rows = result.sequences[g * samples: (g + 1) * samples]
+            rows = result.sequences[g * samples : (g + 1) * samples]
             out.append(lawkit.chi_square(lawkit.joint_counts(rows, vocab), law))
         return out, result
 
@@ -261,8 +268,9 @@ def test_each_prompt_keeps_its_own_adaptive_length_while_rows_finish(pair, mode)
     plain = [reference_greedy(target, p, 40, eos=None) for p in PROMPTS]
     eos = plain[1][9]
     settings = PromptLookup(initial_len=2, max_draft=6)
-    decoder = SpeculativeDecoder(target, draft if mode == "lookup+model" else None, verifier="block", max_draft=3,
-                                 lookup=settings)
+    decoder = SpeculativeDecoder(
+        target, draft if mode == "lookup+model" else None, verifier="block", max_draft=3, lookup=settings
+    )
     decoder.target.eos_token_ids = (eos,)
     result = decoder.generate(PROMPTS * 2, max_new_tokens=40, seed=0)
     assert "eos" in result.finish_reasons and "length" in result.finish_reasons
@@ -277,8 +285,9 @@ def test_the_draft_catches_up_on_tokens_committed_by_lookup_steps(pair):
     """The target's own weights as the draft: every model draft must be accepted in full, which holds only if the
     draft's cache read the tokens that lookup steps committed while it skipped them."""
     target, _ = pair
-    decoder = SpeculativeDecoder(target, HFModel(target), verifier="block", max_draft=3,
-                                 lookup=PromptLookup(initial_len=1))
+    decoder = SpeculativeDecoder(
+        target, HFModel(target), verifier="block", max_draft=3, lookup=PromptLookup(initial_len=1)
+    )
     result = decoder.generate(PROMPTS, max_new_tokens=30, sampling=GREEDY, stop_on_eos=False)
     assert result.sequences == [reference_greedy(target, p, 30, eos=None) for p in PROMPTS]
     looked_up, caught_up = set(), False
@@ -328,7 +337,8 @@ def test_the_policy_observes_the_model_rows_only(pair):
     target, draft = pair
     policy = Observed(2)
     result = SpeculativeDecoder(target, draft, policy=policy, lookup=PromptLookup()).generate(
-        PROMPTS, max_new_tokens=20, seed=0)
+        PROMPTS, max_new_tokens=20, seed=0
+    )
     assert any(any(s.lookup) and not all(s.lookup) for s in result.stats)  # mixed steps happened
     assert policy.seen == [[0 if used else k for used, k in zip(s.lookup, s.verified)] for s in result.stats]
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import save_tiny, tiny_model, tiny_tokenizer
 
 from blockspec.models.hf import HFModel, load_model, resolve_device
-from tiny import save_tiny, tiny_model, tiny_tokenizer
 
 # --- model names --------------------------------------------------------------------------------------------
 
@@ -65,10 +65,15 @@ def hub_outcomes(tmp_path_factory):
     (repo / "refs" / "main").write_text(FAKE_REVISION)
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE")}
     env.update(HF_HOME=str(home), HF_HUB_DISABLE_TELEMETRY="1")
-    cases = [["someorg/some-model", False], ["qwen2.5-coder-1.5B", False], ["someorg/tiny", False],
-             ["someorg/some-model", True]]
-    result = subprocess.run([sys.executable, "-c", HUB_SCRIPT, json.dumps(cases)], env=env, capture_output=True,
-                            text=True, timeout=300)
+    cases = [
+        ["someorg/some-model", False],
+        ["qwen2.5-coder-1.5B", False],
+        ["someorg/tiny", False],
+        ["someorg/some-model", True],
+    ]
+    result = subprocess.run(
+        [sys.executable, "-c", HUB_SCRIPT, json.dumps(cases)], env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -180,8 +185,11 @@ def test_recording_round_trips(tmp_path):
     from blockspec.bench.calibrate import Recording
 
     recording = Recording(
-        prompt=torch.tensor([0, 1]), num_verified=torch.tensor([2, 1]), accepted=torch.tensor([1, 0]),
-        draft=torch.rand(2, 2, 3), companion={"token": torch.rand(2, 2, 4), "block": torch.rand(2, 2, 4)},
+        prompt=torch.tensor([0, 1]),
+        num_verified=torch.tensor([2, 1]),
+        accepted=torch.tensor([1, 0]),
+        draft=torch.rand(2, 2, 3),
+        companion={"token": torch.rand(2, 2, 4), "block": torch.rand(2, 2, 4)},
         labels={"token": torch.rand(2, 2), "block": torch.rand(2, 2)},
     )
     recording.save(tmp_path / "rec.pt")

@@ -7,10 +7,10 @@ verified with num_verified = L. The latency table jumps at 3 scored tokens, so g
 
 from __future__ import annotations
 
+import lawkit
 import pytest
 import torch
 
-import lawkit
 from blockspec.policy import LatencyTable, ragged_stopping_lengths, stopping_lengths
 from blockspec.verify import accepted_length_law, final_distributions
 
@@ -42,8 +42,9 @@ def stopping_policy(overlap, accept, latency=LATENCY, rule=stopping_lengths):
     """Allowed: p_i from S_i and A_{i-1} (A_0 = 1), gains as their running product, then the stopping rule."""
     before = torch.cat([torch.ones_like(accept[:, :1]), accept[:, :-1]], dim=1)
     gains = predictor(overlap, before).cumprod(1)
-    return torch.stack([rule(gains[b : b + 1], torch.tensor([DRAFT_LEN]), seconds(latency))[0]
-                        for b in range(len(gains))])
+    return torch.stack(
+        [rule(gains[b : b + 1], torch.tensor([DRAFT_LEN]), seconds(latency))[0] for b in range(len(gains))]
+    )
 
 
 def ragged_stopping_policy(overlap, accept):
@@ -59,8 +60,7 @@ def gentle_stopping_policy(overlap, accept):
 def lookahead_policy(overlap, accept, rule=stopping_lengths):
     """NOT allowed: x_i's own A_i decides whether x_i is verified."""
     gains = predictor(overlap, accept).cumprod(1)
-    return torch.stack([rule(gains[b : b + 1], torch.tensor([DRAFT_LEN]), seconds())[0]
-                        for b in range(len(gains))])
+    return torch.stack([rule(gains[b : b + 1], torch.tensor([DRAFT_LEN]), seconds())[0] for b in range(len(gains))])
 
 
 def ragged_lookahead_policy(overlap, accept):
@@ -80,8 +80,10 @@ def argmax_policy(overlap, accept):
 def step_with(policy, method: str, tables: lawkit.Tables, companion: lawkit.Tables) -> lawkit.StepLaw:
     def step(blocks, draft_probs, target_probs):
         lengths = policy(*features(tables, companion, blocks))
-        return (accepted_length_law(blocks, draft_probs, target_probs, method, lengths),
-                final_distributions(blocks, draft_probs, target_probs, method, lengths))
+        return (
+            accepted_length_law(blocks, draft_probs, target_probs, method, lengths),
+            final_distributions(blocks, draft_probs, target_probs, method, lengths),
+        )
 
     return step
 
@@ -99,9 +101,11 @@ def law_errors(policy, method):
 
 
 @pytest.mark.parametrize("method", ["token", "block"])
-@pytest.mark.parametrize(("policy", "lengths_used"), [(stopping_policy, {0, 1}), (gentle_stopping_policy, {0, 1, 2, 3}),
-                                                     (ragged_stopping_policy, {0, 1, 2, 3})],
-                         ids=["non-concave latency", "smooth latency", "ragged"])
+@pytest.mark.parametrize(
+    ("policy", "lengths_used"),
+    [(stopping_policy, {0, 1}), (gentle_stopping_policy, {0, 1, 2, 3}), (ragged_stopping_policy, {0, 1, 2, 3})],
+    ids=["non-concave latency", "smooth latency", "ragged"],
+)
 def test_the_stopping_rule_is_lossless(policy, lengths_used, method):
     errors, lengths = law_errors(policy, method)
     assert max(errors) < 1e-12, errors
@@ -109,8 +113,11 @@ def test_the_stopping_rule_is_lossless(policy, lengths_used, method):
 
 
 @pytest.mark.parametrize("method", ["token", "block"])
-@pytest.mark.parametrize("policy", [lookahead_policy, ragged_lookahead_policy, argmax_policy],
-                         ids=["look-ahead", "ragged look-ahead", "global-argmax"])
+@pytest.mark.parametrize(
+    "policy",
+    [lookahead_policy, ragged_lookahead_policy, argmax_policy],
+    ids=["look-ahead", "ragged look-ahead", "global-argmax"],
+)
 def test_policies_that_look_at_the_token_they_decide_on_are_biased(policy, method):
     errors, _ = law_errors(policy, method)
     assert max(errors) > 1e-4, errors

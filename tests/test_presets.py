@@ -182,15 +182,15 @@ def small_blocks(monkeypatch):
 def converted_copy(fake_install, monkeypatch):
     """The fake preset loaded once in float32 by `load`, which writes and marks its converted copy; a tiny
     transformers model stands in for what its GGUF holds. Returns (preset, cache, copy folder)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from tiny import tiny_model, tiny_tokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     def from_gguf(original, build):
         return lambda *args, **kwargs: build() if "gguf_file" in kwargs else original(*args, **kwargs)
 
-    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_gguf(AutoModelForCausalLM.from_pretrained,
-                                                                           tiny_model))
+    monkeypatch.setattr(
+        AutoModelForCausalLM, "from_pretrained", from_gguf(AutoModelForCausalLM.from_pretrained, tiny_model)
+    )
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", from_gguf(AutoTokenizer.from_pretrained, tiny_tokenizer))
     preset, cache, _ = fake_install
     presets.load(preset, dtype="float32", cache=cache, progress=False)
@@ -275,7 +275,7 @@ def test_install_script_hint_runs():
     """The last line of scripts/install_models.sh tells what to run next: that command must work."""
     script = Path(__file__).parent.parent / "scripts" / "install_models.sh"
     hint = script.read_text().rstrip().splitlines()[-1]
-    command = hint[hint.index("'") + 1:hint.rindex("'")].replace('\\"', '"')
+    command = hint[hint.index("'") + 1 : hint.rindex("'")].replace('\\"', '"')
     result = subprocess.run(command, shell=True, capture_output=True, text=True)
     assert result.returncode == 0, (command, result.stderr)
 

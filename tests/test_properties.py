@@ -14,10 +14,10 @@ Laws are checked exactly elsewhere (tests/test_exact_law.py) and by Monte-Carlo 
 
 from __future__ import annotations
 
+import lawkit
 import pytest
 import torch
 
-import lawkit
 from blockspec.verify import (
     VERIFIERS,
     Randomness,
@@ -120,15 +120,15 @@ def test_golden_target_gives_zero_to_first_draft_token(method):
 def _hand_case():
     """V = 3, K = 2; rows differ only in x_2. Hand computation (docs/algorithms.md notation, 1-based positions):
 
-        target_0 = (1/4, 1/2, 1/4), draft_0 = (1/2, 1/4, 1/4), x_1 = 0: ratio_1 = 1/2, a_1 = 1/2, w_1 = 1/2
-        target_1 = (.6, .4, 0),     draft_1 = (.2, .2, .6)
-            Z_1 = max(.3 - .2, 0) + max(.2 - .2, 0) + max(0 - .6, 0) = .1;  h_1 = .1 / (.1 + 1 - .5) = 1/6
-            x_2 = 0: ratio 3 -> a_2 = 1, w_2 = min(1, 3/2) = 1 = h_2
-            x_2 = 1: ratio 2 -> a_2 = 1, w_2 = min(1, 1) = 1 = h_2
-            x_2 = 2: ratio 0 -> a_2 = 0, w_2 = 0 = h_2
-        target_2 = (.2, .3, .5) (the bonus)
-        residuals: token at tau=0: max(target_0 - draft_0, 0) = (0, 1/4, 0);  at tau=1: (.4, .2, 0)
-                   block at tau=0 (w_0 = 1): (0, 1/4, 0);                     at tau=1 (w_1 = 1/2): (.1, 0, 0)
+    target_0 = (1/4, 1/2, 1/4), draft_0 = (1/2, 1/4, 1/4), x_1 = 0: ratio_1 = 1/2, a_1 = 1/2, w_1 = 1/2
+    target_1 = (.6, .4, 0),     draft_1 = (.2, .2, .6)
+        Z_1 = max(.3 - .2, 0) + max(.2 - .2, 0) + max(0 - .6, 0) = .1;  h_1 = .1 / (.1 + 1 - .5) = 1/6
+        x_2 = 0: ratio 3 -> a_2 = 1, w_2 = min(1, 3/2) = 1 = h_2
+        x_2 = 1: ratio 2 -> a_2 = 1, w_2 = min(1, 1) = 1 = h_2
+        x_2 = 2: ratio 0 -> a_2 = 0, w_2 = 0 = h_2
+    target_2 = (.2, .3, .5) (the bonus)
+    residuals: token at tau=0: max(target_0 - draft_0, 0) = (0, 1/4, 0);  at tau=1: (.4, .2, 0)
+               block at tau=0 (w_0 = 1): (0, 1/4, 0);                     at tau=1 (w_1 = 1/2): (.1, 0, 0)
     """
     f64 = torch.float64
     target = torch.tensor([[0.25, 0.5, 0.25], [0.6, 0.4, 0.0], [0.2, 0.3, 0.5]], dtype=f64).expand(3, 3, 3)
@@ -142,14 +142,20 @@ def test_golden_hand_computed_closed_forms():
     num_verified = torch.full((3,), 2)
     close = dict(atol=1e-12, rtol=0)
     f64 = dict(dtype=torch.float64)
-    torch.testing.assert_close(token_acceptance(draft_tokens, draft, target, num_verified),
-                               torch.tensor([[0.5, 1.0], [0.5, 1.0], [0.5, 0.0]], **f64), **close)
+    torch.testing.assert_close(
+        token_acceptance(draft_tokens, draft, target, num_verified),
+        torch.tensor([[0.5, 1.0], [0.5, 1.0], [0.5, 0.0]], **f64),
+        **close,
+    )
     h, log_w = block_acceptance(draft_tokens, draft, target, num_verified)
     torch.testing.assert_close(h, torch.tensor([[1 / 6, 1.0], [1 / 6, 1.0], [1 / 6, 0.0]], **f64), **close)
     torch.testing.assert_close(log_w.exp(), torch.tensor([[1, 0.5, 1], [1, 0.5, 1], [1, 0.5, 0]], **f64), **close)
     # P(tau >= i | block): token prod a_k; block 1 - prod_{j >= i} (1 - h_j).
-    torch.testing.assert_close(acceptance_survival(draft_tokens, draft, target, "token"),
-                               torch.tensor([[1, 0.5, 0.5], [1, 0.5, 0.5], [1, 0.5, 0]], **f64), **close)
+    torch.testing.assert_close(
+        acceptance_survival(draft_tokens, draft, target, "token"),
+        torch.tensor([[1, 0.5, 0.5], [1, 0.5, 0.5], [1, 0.5, 0]], **f64),
+        **close,
+    )
     block_survival = acceptance_survival(draft_tokens, draft, target, "block")
     torch.testing.assert_close(block_survival, torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1 / 6, 0]], **f64), **close)
     # docs/algorithms.md: marginally P(tau >= 1 | x_1) = w_1: .2 * 1 + .2 * 1 + .6 * 1/6 = 1/2.
@@ -199,8 +205,13 @@ def test_output_format(method, dtype, ragged, one_hot_draft):
         draft_tokens, draft, target = random_inputs(batch, width, vocab, seed, dtype=DTYPES[dtype])
         num_verified = torch.randint(0, width + 1, (batch,), generator=torch.Generator().manual_seed(seed))
         num_verified = num_verified if ragged else None
-        out = VERIFIERS[method](draft_tokens, None if one_hot_draft else draft, target, num_verified=num_verified,
-                                generator=torch.Generator().manual_seed(seed))
+        out = VERIFIERS[method](
+            draft_tokens,
+            None if one_hot_draft else draft,
+            target,
+            num_verified=num_verified,
+            generator=torch.Generator().manual_seed(seed),
+        )
         check_format(out, draft_tokens, vocab, num_verified)
     assert int(out.num_accepted.max()) > 0 or method == "greedy"  # the prefix check was exercised
 
@@ -214,10 +225,10 @@ def test_zero_probability_tokens_never_emitted(method, dtype, one_hot_draft):
     batch, width, vocab = 200, 4, 6
     emitted = 0
     for seed in range(30):
-        draft_tokens, draft, target = random_inputs(batch, width, vocab, seed, dtype=DTYPES[dtype],
-                                                    target_zeros=0.5)
-        out = VERIFIERS[method](draft_tokens, None if one_hot_draft else draft, target,
-                                generator=torch.Generator().manual_seed(seed))
+        draft_tokens, draft, target = random_inputs(batch, width, vocab, seed, dtype=DTYPES[dtype], target_zeros=0.5)
+        out = VERIFIERS[method](
+            draft_tokens, None if one_hot_draft else draft, target, generator=torch.Generator().manual_seed(seed)
+        )
         shown = out.tokens >= 0  # [B, K+1]: positions 0..tau
         prob = target.gather(-1, out.tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # target prob at own context
         assert bool((prob[shown] > 0).all()), f"seed {seed}: emitted a token of target probability 0"
@@ -253,8 +264,10 @@ def test_explicit_randomness_is_a_pure_function(method):
     inputs = [t.clone() for t in (draft_tokens, draft, target, randomness.uniforms, randomness.exponentials)]
     generator = torch.Generator().manual_seed(123)
     generator_state, global_state = generator.get_state(), torch.random.get_rng_state()
-    outputs = [VERIFIERS[method](draft_tokens, draft, target, randomness=randomness, generator=g)
-               for g in (None, generator, torch.Generator().manual_seed(456))]
+    outputs = [
+        VERIFIERS[method](draft_tokens, draft, target, randomness=randomness, generator=g)
+        for g in (None, generator, torch.Generator().manual_seed(456))
+    ]
     assert same(outputs[0], outputs[1]) and same(outputs[0], outputs[2])
     assert torch.equal(generator.get_state(), generator_state), "explicit randomness must not consume the generator"
     assert torch.equal(torch.random.get_rng_state(), global_state)
@@ -278,7 +291,9 @@ def test_batch_rows_independent_of_neighbours(method, one_hot_draft):
         together = verifier(draft_tokens, draft, target, num_verified=num_verified, randomness=randomness)
         for b in range(batch):
             alone = verifier(
-                draft_tokens[b : b + 1], None if draft is None else draft[b : b + 1], target[b : b + 1],
+                draft_tokens[b : b + 1],
+                None if draft is None else draft[b : b + 1],
+                target[b : b + 1],
                 num_verified=num_verified[b : b + 1],
                 randomness=Randomness(randomness.uniforms[b : b + 1], randomness.exponentials[b : b + 1]),
             )
@@ -307,13 +322,19 @@ def test_ragged_row_equals_the_row_alone_with_its_own_k(method, one_hot_draft):
         padded_draft = torch.where(drafted[..., None], draft, junk[:, :width])
         padded_target = torch.where(used_target[..., None], target, junk)
         padded_uniforms = torch.where(drafted, randomness.uniforms, 0.0)
-        out = verifier(padded_tokens, None if one_hot_draft else padded_draft, padded_target, num_verified=num_verified,
-                       randomness=Randomness(padded_uniforms, randomness.exponentials))
+        out = verifier(
+            padded_tokens,
+            None if one_hot_draft else padded_draft,
+            padded_target,
+            num_verified=num_verified,
+            randomness=Randomness(padded_uniforms, randomness.exponentials),
+        )
         check_format(out, padded_tokens.clamp(min=0), vocab, num_verified)
         for b in range(batch):
             n = int(num_verified[b])
             alone = verifier(
-                draft_tokens[b : b + 1, :n], None if one_hot_draft else draft[b : b + 1, :n],
+                draft_tokens[b : b + 1, :n],
+                None if one_hot_draft else draft[b : b + 1, :n],
                 target[b : b + 1, : n + 1],
                 randomness=Randomness(randomness.uniforms[b : b + 1, :n], randomness.exponentials[b : b + 1]),
             )
@@ -338,10 +359,16 @@ def test_k1_token_and_block_identical(one_hot_draft):
         draft_tokens, draft, target = random_inputs(batch, 1, vocab, seed=50 + seed, target_zeros=0.3)
         draft = None if one_hot_draft else draft
         close = dict(atol=1e-12, rtol=0)
-        torch.testing.assert_close(acceptance_survival(draft_tokens, draft, target, "token"),
-                                   acceptance_survival(draft_tokens, draft, target, "block"), **close)
-        torch.testing.assert_close(final_distributions(draft_tokens, draft, target, "token"),
-                                   final_distributions(draft_tokens, draft, target, "block"), **close)
+        torch.testing.assert_close(
+            acceptance_survival(draft_tokens, draft, target, "token"),
+            acceptance_survival(draft_tokens, draft, target, "block"),
+            **close,
+        )
+        torch.testing.assert_close(
+            final_distributions(draft_tokens, draft, target, "token"),
+            final_distributions(draft_tokens, draft, target, "block"),
+            **close,
+        )
         randomness = draw(batch, 1, vocab, seed=60 + seed)
         token = verify_token(draft_tokens, draft, target, randomness=randomness)
         block = verify_block(draft_tokens, draft, target, randomness=randomness)
@@ -364,9 +391,12 @@ def test_one_hot_target_token_and_block_identical():
         block_survival = acceptance_survival(draft_tokens, draft, target, "block")
         assert torch.equal(token_survival, block_survival), "exact: every quantity is 0 or 1"
         reachable = _reachable(token_survival)
-        torch.testing.assert_close(final_distributions(draft_tokens, draft, target, "token")[reachable],
-                                   final_distributions(draft_tokens, draft, target, "block")[reachable],
-                                   atol=0, rtol=0)
+        torch.testing.assert_close(
+            final_distributions(draft_tokens, draft, target, "token")[reachable],
+            final_distributions(draft_tokens, draft, target, "block")[reachable],
+            atol=0,
+            rtol=0,
+        )
         randomness = draw(batch, width, vocab, seed=80 + seed)
         token = verify_token(draft_tokens, draft, target, randomness=randomness)
         block = verify_block(draft_tokens, draft, target, randomness=randomness)
@@ -386,14 +416,19 @@ def test_one_hot_draft_token_and_block_same_law():
         token_survival = acceptance_survival(draft_tokens, None, target, "token")
         torch.testing.assert_close(acceptance_survival(draft_tokens, None, target, "block"), token_survival, **close)
         reachable = _reachable(token_survival)
-        torch.testing.assert_close(final_distributions(draft_tokens, None, target, "token")[reachable],
-                                   final_distributions(draft_tokens, None, target, "block")[reachable], **close)
+        torch.testing.assert_close(
+            final_distributions(draft_tokens, None, target, "token")[reachable],
+            final_distributions(draft_tokens, None, target, "block")[reachable],
+            **close,
+        )
         # draft_probs=None is the same as passing the one-hot rows explicitly.
         one_hot = torch.nn.functional.one_hot(draft_tokens, vocab).to(torch.float64)
         randomness = draw(batch, width, vocab, seed=100 + seed)
         for verifier in VERIFIERS.values():
-            assert same(verifier(draft_tokens, None, target, randomness=randomness),
-                        verifier(draft_tokens, one_hot, target, randomness=randomness))
+            assert same(
+                verifier(draft_tokens, None, target, randomness=randomness),
+                verifier(draft_tokens, one_hot, target, randomness=randomness),
+            )
 
 
 # --- greedy ---------------------------------------------------------------------------------------------------------
@@ -479,8 +514,16 @@ def test_large_vocab_float32():
         assert error < 1e-5, f"{method}: float32 final distributions off by {error:.2g} (L1)"
 
 
-@pytest.mark.parametrize("dtype,tiny", [(torch.float64, 1e-30), (torch.float64, 1e-300),
-                                        (torch.float32, 1e-30), (torch.float32, 1e-38), (torch.float32, 1e-45)])
+@pytest.mark.parametrize(
+    "dtype,tiny",
+    [
+        (torch.float64, 1e-30),
+        (torch.float64, 1e-300),
+        (torch.float32, 1e-30),
+        (torch.float32, 1e-38),
+        (torch.float32, 1e-45),
+    ],
+)
 def test_near_zero_probabilities(dtype, tiny):
     # Rows (V = 4, K = 3) where the drafted token has probability ``tiny`` under the draft (ratio ~1/tiny, which
     # overflows float32 for subnormals), under the target (w collapses to ~tiny), or under both (ratio 1).

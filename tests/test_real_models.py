@@ -47,8 +47,10 @@ def test_greedy_speculative_output_equals_greedy_target_output(qwen_pair):
     from blockspec.models.chat import encode_prompt
 
     target, draft = qwen_pair
-    prompts = [encode_prompt(target.tokenizer, text) for text in
-               ("Write a Python function that returns the n-th Fibonacci number.", "What is a hash map?")]
+    prompts = [
+        encode_prompt(target.tokenizer, text)
+        for text in ("Write a Python function that returns the n-th Fibonacci number.", "What is a hash map?")
+    ]
     greedy = SamplingParams(temperature=0.0)
     plain = SpeculativeDecoder(target, verifier="none").generate(prompts, max_new_tokens=24, sampling=greedy)
     for verifier in ("block", "token"):

@@ -12,15 +12,23 @@ import warnings
 
 import pytest
 import torch
+from test_validation import B, K, V, good_inputs
+from tiny import perturbed, tiny_model
 
 from blockspec import SpeculativeDecoder
 from blockspec.bench.calibrate import Recording
 from blockspec.cli import build_parser
 from blockspec.sampling import SamplingParams
-from blockspec.verify import (VERIFIERS, Randomness, accepted_length_law, acceptance_survival, block_acceptance,
-                              expected_accepted, final_distributions, token_acceptance)
-from test_validation import B, K, V, good_inputs
-from tiny import perturbed, tiny_model
+from blockspec.verify import (
+    VERIFIERS,
+    Randomness,
+    acceptance_survival,
+    accepted_length_law,
+    block_acceptance,
+    expected_accepted,
+    final_distributions,
+    token_acceptance,
+)
 
 
 def test_verifiers_take_num_draft_as_the_former_name_of_num_verified():
@@ -36,8 +44,7 @@ def test_verifiers_take_num_draft_as_the_former_name_of_num_verified():
         VERIFIERS["block"](x, d, t, num_draft=rows, num_verified=rows)
 
 
-@pytest.mark.parametrize("function", [accepted_length_law, acceptance_survival, expected_accepted,
-                                      final_distributions])
+@pytest.mark.parametrize("function", [accepted_length_law, acceptance_survival, expected_accepted, final_distributions])
 def test_closed_forms_take_num_draft_as_the_former_name_of_num_verified(function):
     x, d, t = good_inputs()
     rows = torch.tensor([2, 0])
@@ -69,12 +76,15 @@ def test_the_decoder_takes_draft_len_as_the_former_name_of_max_draft():
     assert old.generate([[1, 2, 3]], **run).sequences == new.generate([[1, 2, 3]], **run).sequences
 
 
-@pytest.mark.parametrize(("argv", "dest", "value"), [
-    (["generate", "--draft-len", "3", "hi"], "max_draft", 3),
-    (["bench", "--draft-lens", "2", "4"], "max_drafts", [2, 4]),
-    (["align", "--draft-len", "5"], "max_draft", 5),
-    (["sv", "calibrate", "--draft-len", "6"], "max_draft", 6),
-])
+@pytest.mark.parametrize(
+    ("argv", "dest", "value"),
+    [
+        (["generate", "--draft-len", "3", "hi"], "max_draft", 3),
+        (["bench", "--draft-lens", "2", "4"], "max_drafts", [2, 4]),
+        (["align", "--draft-len", "5"], "max_draft", 5),
+        (["sv", "calibrate", "--draft-len", "6"], "max_draft", 6),
+    ],
+)
 def test_the_command_line_takes_the_former_flag_names_with_a_warning(argv, dest, value, capsys):
     former = next(a for a in argv if a.startswith("--draft-len"))
     old = build_parser().parse_args(argv)
@@ -93,8 +103,14 @@ def test_the_former_flags_are_hidden_from_help(capsys):
 
 
 def test_a_recording_saved_under_the_former_field_name_loads(tmp_path):
-    recording = Recording(prompt=torch.tensor([0, 1]), num_verified=torch.tensor([3, 2]),
-                          accepted=torch.tensor([1, 2]), draft=torch.zeros(2, 3, 4), companion={}, labels={})
+    recording = Recording(
+        prompt=torch.tensor([0, 1]),
+        num_verified=torch.tensor([3, 2]),
+        accepted=torch.tensor([1, 2]),
+        draft=torch.zeros(2, 3, 4),
+        companion={},
+        labels={},
+    )
     old = dict(recording.__dict__)
     old["num_draft"] = old.pop("num_verified")
     torch.save(old, tmp_path / "old.pt")

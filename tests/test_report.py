@@ -19,7 +19,14 @@ import pytest
 from blockspec.bench import records as records_io
 from blockspec.bench.records import Record
 from blockspec.bench.report import (
-    ALL, HEADER, ReportConfig, build_report, format_table, main, render, summary,
+    ALL,
+    HEADER,
+    ReportConfig,
+    build_report,
+    format_table,
+    main,
+    render,
+    summary,
 )
 
 K = 8
@@ -27,8 +34,14 @@ STEPS = 20  # per prompt: equal step counts make the pooled BE ratio's expectati
 
 
 def synthetic(
-    rng: np.random.Generator, prompts: int = 40, gain: float = 0.10, gain_spread: float = 0.0,
-    dataset: str = "synth", temperature: float = 1.0, max_draft: int = K, with_baselines: bool = True,
+    rng: np.random.Generator,
+    prompts: int = 40,
+    gain: float = 0.10,
+    gain_spread: float = 0.0,
+    dataset: str = "synth",
+    temperature: float = 1.0,
+    max_draft: int = K,
+    with_baselines: bool = True,
 ) -> list[Record]:
     """token / block (and target-only, hf-assisted) records of one dataset.
 
@@ -43,17 +56,30 @@ def synthetic(
         # between real prompt samples, so the estimate's error includes the between-prompt variance
         g = gain + gain_spread * rng.choice([-1.0, 1.0])
         mu_block = (1 + g) * (1 + mu_token) - 1  # BE_block = (1 + g) * BE_token for this prompt
-        common = dict(dataset=dataset, prompt_id=prompt_id, max_draft=max_draft, temperature=temperature,
-                      batch_size=1, seed=p, prefill_time=0.01)
+        common = dict(
+            dataset=dataset,
+            prompt_id=prompt_id,
+            max_draft=max_draft,
+            temperature=temperature,
+            batch_size=1,
+            seed=p,
+            prefill_time=0.01,
+        )
         for config, mu in (("token", mu_token), ("block", mu_block)):
             accepted = rng.binomial(max_draft, mu / max_draft, size=STEPS).tolist()
             new_tokens = sum(accepted) + STEPS
-            out.append(Record(
-                config=config, new_tokens=new_tokens, wall_time=STEPS * 0.05 * (1.02 if config == "block" else 1.0),
-                accepted=accepted, verified=[max_draft] * STEPS,
-                expected_token=(mu_token + rng.normal(0, 0.2, STEPS)).tolist(),
-                expected_block=(mu_block + rng.normal(0, 0.2, STEPS)).tolist(), **common,
-            ))
+            out.append(
+                Record(
+                    config=config,
+                    new_tokens=new_tokens,
+                    wall_time=STEPS * 0.05 * (1.02 if config == "block" else 1.0),
+                    accepted=accepted,
+                    verified=[max_draft] * STEPS,
+                    expected_token=(mu_token + rng.normal(0, 0.2, STEPS)).tolist(),
+                    expected_block=(mu_block + rng.normal(0, 0.2, STEPS)).tolist(),
+                    **common,
+                )
+            )
         if with_baselines:
             base = dict(common, max_draft=0)
             out.append(Record(config="target-only", new_tokens=64, wall_time=64 * 0.03, **base))
@@ -87,8 +113,9 @@ def test_paired_analytic_gain_equals_the_mean_of_the_per_step_expected_values():
     records = []
     for record in synthetic(rng, prompts=5, with_baselines=False):
         n = int(rng.integers(1, 30))
-        records.append(replace(record, expected_token=rng.uniform(0, 3, n).tolist(),
-                               expected_block=rng.uniform(0, 4, n).tolist()))
+        records.append(
+            replace(record, expected_token=rng.uniform(0, 3, n).tolist(), expected_block=rng.uniform(0, 4, n).tolist())
+        )
     row = row_of(build_report(records, ReportConfig(n_boot=100)), "synth")
     all_token = [e for r in records for e in r.expected_token]
     all_block = [e for r in records for e in r.expected_block]
@@ -172,8 +199,10 @@ def test_bootstrap_is_seeded_and_leaves_the_global_rng_alone():
 def test_speed_columns_and_baselines():
     row = row_of(build_report(synthetic(np.random.default_rng(8), prompts=10), ReportConfig(n_boot=100)), "synth")
     records = synthetic(np.random.default_rng(8), prompts=10)
-    rate = lambda config: (sum(r.new_tokens for r in records if r.config == config)  # noqa: E731
-                           / sum(r.wall_time for r in records if r.config == config))
+    rate = lambda config: (
+        sum(r.new_tokens for r in records if r.config == config)  # noqa: E731
+        / sum(r.wall_time for r in records if r.config == config)
+    )
     assert row.tokens_per_s_block == pytest.approx(rate("block"))
     assert row.speedup_block_vs_target == pytest.approx(rate("block") / rate("target-only"))
     assert row.speedup_token_vs_hf == pytest.approx(rate("token") / rate("hf-assisted"))
@@ -183,9 +212,12 @@ def test_speed_columns_and_baselines():
 
 def test_table_has_every_dataset_row_and_column():
     rng = np.random.default_rng(9)
-    records = (synthetic(rng, prompts=8, dataset="gsm8k") + synthetic(rng, prompts=8, dataset="humaneval")
-               + synthetic(rng, prompts=8, dataset="gsm8k", max_draft=4, with_baselines=False)
-               + synthetic(rng, prompts=8, dataset="gsm8k", temperature=0.5, with_baselines=False))
+    records = (
+        synthetic(rng, prompts=8, dataset="gsm8k")
+        + synthetic(rng, prompts=8, dataset="humaneval")
+        + synthetic(rng, prompts=8, dataset="gsm8k", max_draft=4, with_baselines=False)
+        + synthetic(rng, prompts=8, dataset="gsm8k", temperature=0.5, with_baselines=False)
+    )
     report = build_report(records, ReportConfig(n_boot=100))
     table = format_table(report)
     assert "1 + mean accepted" in table and "pooled over all steps" in table and "resamples prompts" in table
@@ -205,18 +237,44 @@ def test_table_has_every_dataset_row_and_column():
 def test_summary_json_keys():
     report = build_report(synthetic(np.random.default_rng(10), prompts=8), ReportConfig(n_boot=100))
     data = json.loads(json.dumps(summary(report)))
-    assert {"convention", "confidence", "n_boot", "seed", "records", "datasets", "summary", "baselines",
-            "fastest"} <= data.keys()
+    assert {
+        "convention",
+        "confidence",
+        "n_boot",
+        "seed",
+        "records",
+        "datasets",
+        "summary",
+        "baselines",
+        "fastest",
+    } <= data.keys()
     row = data["summary"][0]
-    assert {"be_token", "be_block", "gain", "analytic_gain", "speedup_block_vs_token",
-            "speedup_block_vs_target", "speedup_block_vs_hf"} <= row.keys()
+    assert {
+        "be_token",
+        "be_block",
+        "gain",
+        "analytic_gain",
+        "speedup_block_vs_token",
+        "speedup_block_vs_target",
+        "speedup_block_vs_hf",
+    } <= row.keys()
     assert {"value", "lo", "hi"} == row["gain"].keys()
-    rates = {"target-only": 1 / 0.03, "hf-assisted": 1 / 0.02, "token": row["tokens_per_s_token"],
-             "block": row["tokens_per_s_block"]}
+    rates = {
+        "target-only": 1 / 0.03,
+        "hf-assisted": 1 / 0.02,
+        "token": row["tokens_per_s_token"],
+        "block": row["tokens_per_s_block"],
+    }
     fastest = max(rates, key=rates.get)
-    assert data["fastest"] == [dict(temperature=1.0, batch_size=1, config=fastest,
-                                    max_draft=0 if fastest.endswith("-only") or fastest.startswith("hf") else K,
-                                    tokens_per_s=pytest.approx(rates[fastest]))]
+    assert data["fastest"] == [
+        dict(
+            temperature=1.0,
+            batch_size=1,
+            config=fastest,
+            max_draft=0 if fastest.endswith("-only") or fastest.startswith("hf") else K,
+            tokens_per_s=pytest.approx(rates[fastest]),
+        )
+    ]
 
 
 def test_missing_configs_do_not_crash_and_show_dashes():
@@ -271,8 +329,9 @@ def test_cli_prints_the_table_and_ends_with_one_json_line(tmp_path, capsys):
 
 
 def test_module_entry_point_help():
-    out = subprocess.run([sys.executable, "-m", "blockspec.bench.report", "--help"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "blockspec.bench.report", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0 and "--records" in out.stdout and "--out" in out.stdout
 
 
@@ -290,16 +349,37 @@ def test_no_interval_while_a_dataset_has_a_single_prompt():
 # --- batch sizes and Speculative Verification --------------------------------------------------------------------
 
 
-def batch_record(config: str, max_draft: int, dataset: str, batch: int, *, new_tokens: int, wall_time: float,
-                 accepted: list[int], verified: list[int], drafted: list[int] | None = None,
-                 batch_size: int = 4, prefill_time: float = 0.01) -> Record:
+def batch_record(
+    config: str,
+    max_draft: int,
+    dataset: str,
+    batch: int,
+    *,
+    new_tokens: int,
+    wall_time: float,
+    accepted: list[int],
+    verified: list[int],
+    drafted: list[int] | None = None,
+    batch_size: int = 4,
+    prefill_time: float = 0.01,
+) -> Record:
     """A batched record whose steps each have every row active (rows = batch_size per step)."""
     steps = len(accepted) // batch_size
     return Record(
-        dataset=dataset, prompt_id=f"{dataset}/{batch * batch_size:04d}", config=config, max_draft=max_draft,
-        temperature=1.0, batch_size=batch_size, seed=batch * batch_size, new_tokens=new_tokens, wall_time=wall_time,
-        prefill_time=prefill_time, accepted=accepted, verified=verified,
-        drafted=drafted if drafted is not None else [max(verified)] * steps, rows=[batch_size] * steps,
+        dataset=dataset,
+        prompt_id=f"{dataset}/{batch * batch_size:04d}",
+        config=config,
+        max_draft=max_draft,
+        temperature=1.0,
+        batch_size=batch_size,
+        seed=batch * batch_size,
+        new_tokens=new_tokens,
+        wall_time=wall_time,
+        prefill_time=prefill_time,
+        accepted=accepted,
+        verified=verified,
+        drafted=drafted if drafted is not None else [max(verified)] * steps,
+        rows=[batch_size] * steps,
         prompt_ids=[f"{dataset}/{batch * batch_size + b:04d}" for b in range(batch_size)],
     )
 
@@ -307,8 +387,13 @@ def batch_record(config: str, max_draft: int, dataset: str, batch: int, *, new_t
 def batch_records(rng: np.random.Generator) -> list[Record]:
     """target-only, token K=2, block K=2 and K=4, sv-block (K <= 4) on 3 batches of 4 prompts of 2 datasets.
     Block K=2 decodes fastest but has the longest prefill: counting prefill would make token K=2 the best."""
-    speeds = {("target-only", 0): 10.0, ("token", 2): 14.0, ("block", 2): 15.0, ("block", 4): 13.0,
-              ("sv-block", 4): 16.0}
+    speeds = {
+        ("target-only", 0): 10.0,
+        ("token", 2): 14.0,
+        ("block", 2): 15.0,
+        ("block", 4): 13.0,
+        ("sv-block", 4): 16.0,
+    }
     out = []
     for dataset in ("a", "b"):
         for batch in range(3):
@@ -319,8 +404,20 @@ def batch_records(rng: np.random.Generator) -> list[Record]:
                 new_tokens = sum(accepted) + n
                 decode = new_tokens / (speed * rng.uniform(0.9, 1.1))
                 prefill = decode / 2 if (config, k) == ("block", 2) else 0.01
-                out.append(batch_record(config, k, dataset, batch, new_tokens=new_tokens, wall_time=decode + prefill,
-                                        accepted=accepted, verified=verified, drafted=[k] * 8, prefill_time=prefill))
+                out.append(
+                    batch_record(
+                        config,
+                        k,
+                        dataset,
+                        batch,
+                        new_tokens=new_tokens,
+                        wall_time=decode + prefill,
+                        accepted=accepted,
+                        verified=verified,
+                        drafted=[k] * 8,
+                        prefill_time=prefill,
+                    )
+                )
     return out
 
 
@@ -358,8 +455,9 @@ def test_batch_table_arithmetic_best_fixed_and_sv_over_it():
     table = format_table(report)
     assert "## batch sizes and Speculative Verification" in table and f"| {best[0]} * " in table
     data = json.loads(json.dumps(summary(report)))
-    assert data["batch_best_fixed"] == [dict(temperature=1.0, batch_size=4, config=best[0], max_draft=best[1],
-                                             tokens_per_s=pytest.approx(rate(*best)))]
+    assert data["batch_best_fixed"] == [
+        dict(temperature=1.0, batch_size=4, config=best[0], max_draft=best[1], tokens_per_s=pytest.approx(rate(*best)))
+    ]
 
 
 def test_batch_comparisons_use_the_batches_every_configuration_ran():
@@ -370,13 +468,18 @@ def test_batch_comparisons_use_the_batches_every_configuration_ran():
     assert rows[("token", 2)].batches == 5 and rows[("block", 2)].batches == 6 and rows[("sv-block", 4)].batches == 5
     common = {r.key[:2] for r in records if r.config == "sv-block"}
     fixed = [r for r in records if r.config in ("token", "block") and r.key[:2] in common]
-    best = max({(r.config, r.max_draft) for r in fixed}, key=lambda key: sum(
-        r.new_tokens for r in fixed if (r.config, r.max_draft) == key) / sum(
-        r.wall_time - r.prefill_time for r in fixed if (r.config, r.max_draft) == key))
+    best = max(
+        {(r.config, r.max_draft) for r in fixed},
+        key=lambda key: (
+            sum(r.new_tokens for r in fixed if (r.config, r.max_draft) == key)
+            / sum(r.wall_time - r.prefill_time for r in fixed if (r.config, r.max_draft) == key)
+        ),
+    )
     sv = [r for r in records if r.config == "sv-block"]
     chosen = [r for r in fixed if (r.config, r.max_draft) == best]
     expected = (sum(r.new_tokens for r in sv) / sum(r.wall_time - r.prefill_time for r in sv)) / (
-        sum(r.new_tokens for r in chosen) / sum(r.wall_time - r.prefill_time for r in chosen))
+        sum(r.new_tokens for r in chosen) / sum(r.wall_time - r.prefill_time for r in chosen)
+    )
     assert rows[("sv-block", 4)].speedup_vs_best_fixed.value == pytest.approx(expected)
 
 
@@ -469,12 +572,15 @@ def test_a_damaged_gzip_file_is_refused_with_its_name(tmp_path):
 def test_the_report_lists_failed_runs_and_leaves_out_the_speedups_of_a_prompt_whose_baseline_failed():
     records = synthetic(np.random.default_rng(24), prompts=10)
     target = [r for r in records if r.config == "target-only"]
-    records[records.index(target[0])] = replace(target[0], new_tokens=0, wall_time=0.0, status=records_io.FAILED,
-                                                error="RuntimeError: out of memory")
+    records[records.index(target[0])] = replace(
+        target[0], new_tokens=0, wall_time=0.0, status=records_io.FAILED, error="RuntimeError: out of memory"
+    )
     built = build_report(records, ReportConfig(n_boot=100))
     rest = [r for r in records if r.prompt_id != target[0].prompt_id]
-    rate = lambda config: (sum(r.new_tokens for r in rest if r.config == config)  # noqa: E731
-                           / sum(r.wall_time for r in rest if r.config == config))
+    rate = lambda config: (
+        sum(r.new_tokens for r in rest if r.config == config)  # noqa: E731
+        / sum(r.wall_time for r in rest if r.config == config)
+    )
     assert row_of(built).speedup_block_vs_target == pytest.approx(rate("block") / rate("target-only"))
     assert row_of(built).prompts == 10  # the failed baseline takes nothing else away
     table = format_table(built)
@@ -493,8 +599,17 @@ def test_a_report_that_lists_failed_runs_exits_1_so_scripts_see_them(tmp_path, c
     for record in records:
         records_io.append(path, record)
     assert report.main(["--records", str(path), "--no-plots"]) == 0
-    records_io.append(path, replace(records[0], status=records_io.FAILED, error="RuntimeError: out of memory",
-                                    prompt_id="extra/0", new_tokens=0, wall_time=0.0))
+    records_io.append(
+        path,
+        replace(
+            records[0],
+            status=records_io.FAILED,
+            error="RuntimeError: out of memory",
+            prompt_id="extra/0",
+            new_tokens=0,
+            wall_time=0.0,
+        ),
+    )
     assert report.main(["--records", str(path), "--no-plots"]) == 1
     assert "1 runs failed (listed in the report with their errors)" in capsys.readouterr().err
 
@@ -507,13 +622,15 @@ def test_runs_measured_under_contention_are_left_out_of_the_speeds_and_counted()
     target = [r for r in records if r.config == "target-only"]
     for n, record in enumerate(target[:6]):  # five read 10x slow with others busy; one sits on the threshold
         others = MAX_OTHERS_CORES if n == 5 else 1.0
-        records[records.index(record)] = replace(record, wall_time=record.wall_time * (1 if n == 5 else 10),
-                                                 meta={"others_cores": others})
+        records[records.index(record)] = replace(
+            record, wall_time=record.wall_time * (1 if n == 5 else 10), meta={"others_cores": others}
+        )
     built = build_report(records, ReportConfig(n_boot=100))
     assert [b.tokens_per_s for b in built.baselines if b.config == "target-only"] == [pytest.approx(64 / 1.92)] * 2
     kept = {r.prompt_id for r in target[5:]}
     block = sum(r.new_tokens for r in records if r.config == "block" and r.prompt_id in kept) / sum(
-        r.wall_time for r in records if r.config == "block" and r.prompt_id in kept)
+        r.wall_time for r in records if r.config == "block" and r.prompt_id in kept
+    )
     assert row_of(built).speedup_block_vs_target == pytest.approx(block / (64 / 1.92))
     assert row_of(built).be_block == row_of(quiet).be_block  # accepted lengths do not depend on timing
     assert f"5 runs measured while other processes used more than {MAX_OTHERS_CORES} CPU-seconds" in format_table(built)
@@ -525,8 +642,11 @@ def test_records_of_different_machine_kinds_or_thread_counts_are_never_pooled():
     records = synthetic(np.random.default_rng(26), prompts=4)
     same = [replace(r, meta={"cpu_flags": ["avx2"], "threads": 2}) for r in records]
     assert summary(build_report(same, ReportConfig(n_boot=10)))["machine"] == {"cpu_flags": ["avx2"], "threads": 2}
-    for other in ({"cpu_flags": ["avx2", "avx512f"], "threads": 2}, {"cpu_flags": ["avx2"], "threads": 4},
-                  {"threads": 2}):
+    for other in (
+        {"cpu_flags": ["avx2", "avx512f"], "threads": 2},
+        {"cpu_flags": ["avx2"], "threads": 4},
+        {"threads": 2},
+    ):
         mixed = same[:-1] + [replace(same[-1], meta=other)]
         with pytest.raises(ValueError, match="records from 2 machine kinds or thread counts"):
             build_report(mixed)

@@ -30,8 +30,10 @@ from blockspec.bench import report
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "results.md"
 KEPT = ROOT / "benchmarks" / "results"
-COMMAND = re.compile(r'^Reproduce: `(?P<command>python -m blockspec\.bench\.report|python benchmarks/vllm_serve\.py '
-                     r'report) (?P<args>[^`]+)`, section "(?P<section>[^"]+)"\.$')
+COMMAND = re.compile(
+    r"^Reproduce: `(?P<command>python -m blockspec\.bench\.report|python benchmarks/vllm_serve\.py "
+    r'report) (?P<args>[^`]+)`, section "(?P<section>[^"]+)"\.$'
+)
 VLLM_BENCHMARK = "python benchmarks/vllm_serve.py report"
 MACHINE = re.compile(r"^Machine: CPU flags (?P<flags>.+); (?P<threads>\d+) threads\.$", re.M)
 
@@ -60,12 +62,20 @@ def documented_tables(text: str) -> list[dict]:
                 break
         assert match, f"docs/results.md:{start + 1}: a table without a 'Reproduce:' line above it"
         heading = max((n for n in range(start) if lines[n].startswith("#")), default=0)
-        tables.append(dict(line=start + 1, command=match["command"], args=match["args"], section=match["section"],
-                           table=table, context=" ".join(" ".join(lines[heading:start]).split())))  # lines rewrapped
+        tables.append(
+            dict(
+                line=start + 1,
+                command=match["command"],
+                args=match["args"],
+                section=match["section"],
+                table=table,
+                context=" ".join(" ".join(lines[heading:start]).split()),
+            )
+        )  # lines rewrapped
     return tables
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def report_output(args: str, command: str = "python -m blockspec.bench.report") -> str:
     """What ``<command> <args>`` prints, run from the repository's root."""
     main = report.main
@@ -110,7 +120,7 @@ def test_the_page_has_its_tables_each_with_a_command_over_kept_records():
         if table["command"] == VLLM_BENCHMARK:
             paths = [Path(args[args.index("--out") + 1]) / "records.jsonl.gz"]
         else:
-            paths = [Path(p) for p in args[args.index("--records") + 1:] if not p.startswith("-")]
+            paths = [Path(p) for p in args[args.index("--records") + 1 :] if not p.startswith("-")]
         assert paths and all(p.name == "records.jsonl.gz" and (ROOT / p).is_file() for p in paths), table["args"]
 
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import lawkit
 import pytest
 import torch
 
-import lawkit
 from blockspec.sampling import SamplingParams, check_unsupported, process, sample
 
 
@@ -18,7 +18,9 @@ def reference(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
             continue
         row = row / params.temperature
         if params.top_k:
-            row = torch.where(row >= row.sort(descending=True).values[min(params.top_k, row.numel()) - 1], row, -torch.inf)
+            row = torch.where(
+                row >= row.sort(descending=True).values[min(params.top_k, row.numel()) - 1], row, -torch.inf
+            )
         probs = row.softmax(-1)
         if params.top_p < 1:
             ordered = probs.sort(descending=True).values
@@ -31,17 +33,24 @@ def reference(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "params",
-    [SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=5),
-     SamplingParams(top_p=0.9), SamplingParams(temperature=0.5, top_k=40, top_p=0.8), SamplingParams(top_p=0.3),
-     SamplingParams(temperature=0.0)],
+    [
+        SamplingParams(),
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.3, top_k=5),
+        SamplingParams(top_p=0.9),
+        SamplingParams(temperature=0.5, top_k=40, top_p=0.8),
+        SamplingParams(top_p=0.3),
+        SamplingParams(temperature=0.0),
+    ],
 )
 def test_processing_matches_the_reference(params):
     gen = torch.Generator().manual_seed(0)
     logits = 4 * torch.randn(6, 3, 1000, generator=gen)  # [B, K+1, V]: any leading shape is kept
     fast = process(logits, params)
     assert fast.shape == logits.shape and fast.dtype == torch.float32
-    torch.testing.assert_close(fast.reshape(-1, 1000).double(), reference(logits.reshape(-1, 1000), params),
-                               atol=2e-6, rtol=1e-4)
+    torch.testing.assert_close(
+        fast.reshape(-1, 1000).double(), reference(logits.reshape(-1, 1000), params), atol=2e-6, rtol=1e-4
+    )
     torch.testing.assert_close(fast.sum(-1), torch.ones(6, 3), atol=1e-5, rtol=0)
 
 
@@ -66,8 +75,17 @@ def test_top_k_keeps_exactly_k_tokens_without_ties():
     assert ((probs > 0).sum(-1) == 7).all()
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(top_k=-1), dict(top_k=2.5), dict(top_p=0.0),
-                                 dict(top_p=1.5), dict(temperature=float("nan"))])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(temperature=-1.0),
+        dict(top_k=-1),
+        dict(top_k=2.5),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(temperature=float("nan")),
+    ],
+)
 def test_bad_sampling_parameters_are_refused(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)

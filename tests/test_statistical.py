@@ -20,10 +20,10 @@ from __future__ import annotations
 import functools
 import math
 
+import lawkit
 import pytest
 import torch
 
-import lawkit
 from blockspec.verify import (
     Randomness,
     VerifyOutput,
@@ -52,7 +52,7 @@ PEAKED = 0.5
 TABLES = {"V3K3": (3, 3, 96, 30_000), "V4K3": (4, 3, 5, 60_000)}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def random_case(name: str) -> lawkit.Tables:
     vocab, depth, seed, _ = TABLES[name]
     return lawkit.random_tables(vocab, depth, seed, peaked=PEAKED)
@@ -68,7 +68,7 @@ def _without_mode(target: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
     return draft / draft.sum(-1, keepdim=True)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def adversarial_case(name: str) -> lawkit.Tables:
     """The V3K3 target with an adversarial draft (the exact law is the target's, whatever the draft)."""
     base = random_case("V3K3")
@@ -138,8 +138,10 @@ def verify_block_unscaled_residual(draft_tokens, draft_probs, target_probs, *, g
 
 def unscaled_residual_law(draft_tokens, draft_probs, target_probs):
     # Block's tau, token verification's (unscaled) residual; final_distributions("token") row K is the bonus.
-    return (accepted_length_law(draft_tokens, draft_probs, target_probs, "block"),
-            final_distributions(draft_tokens, draft_probs, target_probs, "token"))
+    return (
+        accepted_length_law(draft_tokens, draft_probs, target_probs, "block"),
+        final_distributions(draft_tokens, draft_probs, target_probs, "token"),
+    )
 
 
 def verify_block_first_failure(draft_tokens, draft_probs, target_probs, *, generator=None):
@@ -243,8 +245,7 @@ def test_random_tables_match_target_law(case, method, dtype):
     width, samples = TABLES[case][1], TABLES[case][3]
     law, counts = _run(tables, VERIFIERS[method], samples, seed=1, dtype=DTYPES[dtype])
     result = lawkit.chi_square(counts, law, ALPHA)
-    message = _describe(f"{case} {method} {dtype}", result, samples,
-                        _powers(tables, width, method, law, samples))
+    message = _describe(f"{case} {method} {dtype}", result, samples, _powers(tables, width, method, law, samples))
     assert result.passed, message
 
 
@@ -282,8 +283,12 @@ def test_broken_verifier_fails_the_same_test(name):
 
     law, counts = _run(tables, verifier, samples, seed=1)
     result = lawkit.chi_square(counts, law, ALPHA)
-    message = _describe(f"NEGATIVE CONTROL {name}", result, samples,
-                        f"power {power:.6f} (0.99 from N = {needed}), max joint-law error {error:.3g}")
+    message = _describe(
+        f"NEGATIVE CONTROL {name}",
+        result,
+        samples,
+        f"power {power:.6f} (0.99 from N = {needed}), max joint-law error {error:.3g}",
+    )
     assert not result.passed, "the broken verifier PASSED the test that should catch it: " + message
 
     # The failure is the predicted one: the broken verifier's samples do follow its own closed form (so the
@@ -310,11 +315,14 @@ def test_toy_example_mean_accepted():
         generator = torch.Generator().manual_seed(10 + seed)
         draft_tokens = torch.multinomial(draft, samples * width, replacement=True, generator=generator)
         draft_tokens = draft_tokens.reshape(samples, width)
-        out = verifier(draft_tokens, draft.expand(samples, width, 2), target.expand(samples, width + 1, 2),
-                       generator=generator)
+        out = verifier(
+            draft_tokens, draft.expand(samples, width, 2), target.expand(samples, width + 1, 2), generator=generator
+        )
         means[method] = float(out.num_accepted.double().mean())
-        print(f"toy {method}: mean accepted {means[method]:.4f}, exact {expected[method]:.4f}, "
-              f"tolerance {tolerance:.4f} (N {samples})")
+        print(
+            f"toy {method}: mean accepted {means[method]:.4f}, exact {expected[method]:.4f}, "
+            f"tolerance {tolerance:.4f} (N {samples})"
+        )
         assert abs(means[method] - expected[method]) <= tolerance, (
             f"toy {method}: Monte-Carlo mean accepted {means[method]:.4f}, exact {expected[method]:.4f}, "
             f"tolerance {tolerance:.4f} (5 standard errors at N {samples})"

@@ -25,22 +25,28 @@ import json
 import math
 from unittest import mock
 
+import lawkit
 import pytest
 import torch
+from tiny import exact_law_of_first_tokens, perturbed, tiny_model
 
-import lawkit
 from blockspec import SamplingParams, SpeculativeDecoder
-from blockspec.policy import sv as policy_module
 from blockspec.drafting import draft_block
 from blockspec.models.companion import target_prefix
 from blockspec.models.hf import HFModel
 from blockspec.policy import LatencyTable, SVPolicy, stopping_lengths
-from blockspec.policy.features import (COMPANION_FEATURES, DRAFT_FEATURES, companion_features, draft_features,
-                                       prefix_logprob)
+from blockspec.policy import sv as policy_module
+from blockspec.policy.features import (
+    COMPANION_FEATURES,
+    DRAFT_FEATURES,
+    companion_features,
+    draft_features,
+    prefix_logprob,
+)
 from blockspec.policy.latency import LatencyProfile
 from blockspec.policy.predictor import MONOTONE, Predictor, Profile, feature_names
-from blockspec.verify import accepted_length_law, expected_accepted, final_distributions, position_gains as gains
-from tiny import exact_law_of_first_tokens, perturbed, tiny_model
+from blockspec.verify import accepted_length_law, expected_accepted, final_distributions
+from blockspec.verify import position_gains as gains
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,8 +58,10 @@ SEEDS = range(6)  # toy tables: lawkit.random_tables(V, K, 40 + seed) with compa
 
 def toy(seed: int) -> tuple[lawkit.Tables, lawkit.Tables]:
     """(draft/target tables, companion tables); the companion's law after a context is ``companion.draft_at``."""
-    return (lawkit.random_tables(VOCAB, DRAFT_LEN, seed=40 + seed),
-            lawkit.random_tables(VOCAB, DRAFT_LEN, seed=80 + seed, peaked=0.5))
+    return (
+        lawkit.random_tables(VOCAB, DRAFT_LEN, seed=40 + seed),
+        lawkit.random_tables(VOCAB, DRAFT_LEN, seed=80 + seed, peaked=0.5),
+    )
 
 
 def proposable(tables: lawkit.Tables):
@@ -136,7 +144,7 @@ def test_column_i_never_sees_x_i_or_later(method):
         for i in range(1, DRAFT_LEN + 1):  # 1-based position; column index i - 1
             for _ in range(3):
                 tokens = blocks.clone()
-                tokens[:, i - 1:] = torch.randint(VOCAB, tokens[:, i - 1:].shape, generator=generator)
+                tokens[:, i - 1 :] = torch.randint(VOCAB, tokens[:, i - 1 :].shape, generator=generator)
                 changed_draft, changed_other = draft_probs.clone(), other.clone()
                 later = changed_draft[:, i:].shape
                 changed_draft[:, i:] = torch.rand(later, generator=generator, dtype=torch.float64).softmax(-1)
@@ -165,20 +173,32 @@ TOY_LATENCY = LatencyProfile(
 
 
 def hand_profile(draft_weights=DRAFT_WEIGHTS, companion_weights=COMPANION_WEIGHTS, prior=PRIOR, **names) -> Profile:
-    predictors = {method: {"draft": Predictor(DRAFT_FEATURES, tuple(draft_weights)),
-                           "companion": Predictor(COMPANION_FEATURES, tuple(companion_weights))}
-                  for method in METHODS}
-    fields = {"target": "tiny-target", "draft": "tiny-draft", "companion": "tiny-target[:1]",
-              "sampling": {"temperature": 1.0, "top_k": 0, "top_p": 1.0}, **names}
-    return Profile(**fields, predictors=predictors, prior={m: list(prior) for m in METHODS},
-                   metrics={"note": "hand-set weights"})
-
+    predictors = {
+        method: {
+            "draft": Predictor(DRAFT_FEATURES, tuple(draft_weights)),
+            "companion": Predictor(COMPANION_FEATURES, tuple(companion_weights)),
+        }
+        for method in METHODS
+    }
+    fields = {
+        "target": "tiny-target",
+        "draft": "tiny-draft",
+        "companion": "tiny-target[:1]",
+        "sampling": {"temperature": 1.0, "top_k": 0, "top_p": 1.0},
+        **names,
+    }
+    return Profile(
+        **fields, predictors=predictors, prior={m: list(prior) for m in METHODS}, metrics={"note": "hand-set weights"}
+    )
 
 
 def flat_latency(target: tuple[float, float], draft: float) -> LatencyProfile:
-    return LatencyProfile(target=LatencyTable((1,), (1, 2), (target,)),
-                          draft=LatencyTable((1,), (1, 2), ((draft,) * 2,)),
-                          companion=LatencyTable((1,), (1, 2), ((1e-9,) * 2,)), meta={})
+    return LatencyProfile(
+        target=LatencyTable((1,), (1, 2), (target,)),
+        draft=LatencyTable((1,), (1, 2), ((draft,) * 2,)),
+        companion=LatencyTable((1,), (1, 2), ((1e-9,) * 2,)),
+        meta={},
+    )
 
 
 @pytest.mark.parametrize("kind", ["draft", "companion"])
@@ -199,8 +219,12 @@ def test_a_draft_forward_already_run_is_paid_whatever_the_width():
     """Deciding on position 2 after its draft forward has run, that forward is sunk: only the target's wider
     forward weighs against position 2's gain. Here the forward (0.6 s) would outweigh the gain, the extra
     verified token (0.1 s) does not, so drafting goes on; charging the forward again would stop it."""
-    latency = LatencyProfile(target=LatencyTable((1,), (1, 2, 3), ((1.0, 1.1, 1.2),)),
-                             draft=LatencyTable((1,), (1, 2), ((0.6, 0.6),)), companion=None, meta={})
+    latency = LatencyProfile(
+        target=LatencyTable((1,), (1, 2, 3), ((1.0, 1.1, 1.2),)),
+        draft=LatencyTable((1,), (1, 2), ((0.6, 0.6),)),
+        companion=None,
+        meta={},
+    )
     policy = SVPolicy(hand_profile(), latency, method="block", max_draft=3, kind="draft")
 
     def features(position):  # DRAFT_FEATURES: predicted gains sigmoid(1 - 0.5 log i): 0.731, then 0.658
@@ -218,8 +242,12 @@ def test_whole_drafts_price_one_draft_forward_without_drafting_and_the_whole_bud
     costs 0.5 s, a verified token 0.1 s and gains of 0.5 are expected at both positions: charged per forward,
     drafting does not pay (1.5 / 1.6 < 1); with a step that drafts nothing paying one forward too, and a
     drafting step two, it does (2 / 2.2 > 1 / 1.5). The plan then goes on through every position drafted."""
-    latency = LatencyProfile(target=LatencyTable((1,), (1, 2, 3), ((1.0, 1.1, 1.2),)),
-                             draft=LatencyTable((1,), (1, 2), ((0.5, 0.5),)), companion=None, meta={})
+    latency = LatencyProfile(
+        target=LatencyTable((1,), (1, 2, 3), ((1.0, 1.1, 1.2),)),
+        draft=LatencyTable((1,), (1, 2), ((0.5, 0.5),)),
+        companion=None,
+        meta={},
+    )
     flat = hand_profile(prior=[0.5, 0.5])
     per_forward = SVPolicy(flat, latency, method="block", max_draft=2, kind="draft")
     whole = SVPolicy(flat, latency, method="block", max_draft=2, kind="draft", whole_drafts=True)
@@ -234,8 +262,12 @@ def test_whole_drafts_price_one_draft_forward_without_drafting_and_the_whole_bud
 def test_draft_next_guesses_position_i_from_the_prefix_drafted_and_position_i_minus_1():
     """Before its forward, position 2's gain is predicted with position 1's draft features, log 2 and the drafted
     prefix's log-probability log q_1(x_1): an unlikely x_1 stops drafting, a likely one does not."""
-    latency = LatencyProfile(target=LatencyTable((1,), (1, 2, 3), ((1.0, 1.1, 1.2),)),
-                             draft=LatencyTable((1,), (1, 2), ((0.3, 0.3),)), companion=None, meta={})
+    latency = LatencyProfile(
+        target=LatencyTable((1,), (1, 2, 3), ((1.0, 1.1, 1.2),)),
+        draft=LatencyTable((1,), (1, 2), ((0.3, 0.3),)),
+        companion=None,
+        meta={},
+    )
     first = torch.tensor([[1.0, 0.0, 0.0, 0.0, 0.0]])  # gain sigmoid(1) = 0.731
     # position 2 pays if its gain exceeds 0.494: (1.731 + g) / 1.8 > 1.731 / 1.4
     for log_q1, drafts in [(0.0, True), (math.log(0.05), False)]:  # guesses sigmoid(0.653 + 0.4 log_q1): 0.658, 0.367
@@ -249,9 +281,12 @@ def test_the_companion_is_priced_at_what_it_reads_and_scores_every_token_sampled
     """The companion's forward reads the tokens it has not seen and every drafted token but the last, and it
     scores every token sampled, so deciding on position i (i - 1 tokens sampled), no width below i - 1 saves
     its scoring of them."""
-    latency = LatencyProfile(target=LatencyTable((1,), (1, 3), ((1.0, 1.0),)),
-                             draft=LatencyTable((1,), (1, 2), ((0.0, 0.0),)),
-                             companion=LatencyTable((1,), (1, 5), ((0.1, 0.5),)), meta={})
+    latency = LatencyProfile(
+        target=LatencyTable((1,), (1, 3), ((1.0, 1.0),)),
+        draft=LatencyTable((1,), (1, 2), ((0.0, 0.0),)),
+        companion=LatencyTable((1,), (1, 5), ((0.1, 0.5),)),
+        meta={},
+    )
     assert latency.scoring(1, 2, 2) == pytest.approx(0.3)  # 2 unseen tokens and x_1
     assert latency.drafting(1, 2, 2, companion=True) == pytest.approx(0.3)
     assert latency.scoring(1, 0, 2) == 0.0
@@ -272,6 +307,7 @@ def test_no_draft_forward_is_paid_when_the_latency_table_says_speculation_cannot
     cheap = SVPolicy(hand_profile(), flat_latency((1.0, 1.0), 1e-9), method="block", max_draft=3, kind=kind)
     assert cheap.draft_budget(1, 1) == 3
 
+
 class LookAhead(SVPolicy):
     """BROKEN: the companion's plug-in feature at position i uses x_i's own acceptance A_i (the realised
     survival prod_{j<=i} A_j, or the companion's w_i for the block rule, instead of its expectation over x_i)."""
@@ -279,8 +315,9 @@ class LookAhead(SVPolicy):
     def lengths(self, draft_tokens, draft_probs, companion_probs, drafted):
         def looking_ahead(tokens, probs, companion, method, part):
             features = companion_features(tokens, probs, companion, method, part)
-            ratio = (companion.gather(-1, tokens[..., None]).squeeze(-1)
-                     / probs.gather(-1, tokens[..., None]).squeeze(-1))
+            ratio = companion.gather(-1, tokens[..., None]).squeeze(-1) / probs.gather(-1, tokens[..., None]).squeeze(
+                -1
+            )
             if method == "token":
                 realised = ratio.clamp(max=1.0).cumprod(1)  # THE BREAK: includes A_i
             else:
@@ -357,23 +394,29 @@ def drive(make_policy, tables: lawkit.Tables, companion: lawkit.Tables, blocks: 
     for block in blocks:
         policy = make_policy()
         budget = policy.draft_budget(1, 1)
-        tokens, draft_probs = drafting(policy, torch.tensor([min(budget, DRAFT_LEN)]),
-                                       lambda drafted, _: tables.draft_at(drafted),  # [1, V]: the law at position i
-                                       lambda i, _: block[None, i - 1], VOCAB)
+        tokens, draft_probs = drafting(
+            policy,
+            torch.tensor([min(budget, DRAFT_LEN)]),
+            lambda drafted, _: tables.draft_at(drafted),  # [1, V]: the law at position i
+            lambda i, _: block[None, i - 1],
+            VOCAB,
+        )
         drafted = tokens.shape[1]
         if drafted == 0:  # as SpeculativeDecoder._plan: nothing drafted, nothing verified, lengths not asked
             length = 0
         else:
-            length = int(policy.lengths(tokens, draft_probs, companion_along(companion, tokens),
-                                        torch.tensor([drafted]))[0])
+            length = int(
+                policy.lengths(tokens, draft_probs, companion_along(companion, tokens), torch.tensor([drafted]))[0]
+            )
         lengths.append(length)
         budgets.append(budget)
         drafted_counts.append(drafted)
     return torch.tensor(lengths, dtype=torch.long), budgets, drafted_counts
 
 
-def policy_law_errors(policy_class, method: str, kind: str = "companion", latency=TOY_LATENCY, offset: float = 0.0,
-                      drafting=draft_block):
+def policy_law_errors(
+    policy_class, method: str, kind: str = "companion", latency=TOY_LATENCY, offset: float = 0.0, drafting=draft_block
+):
     """Max joint-law error per toy table, the lengths used, and the number of blocks whose drafting stopped early.
     ``offset``: the policy starts from learnt logit offsets (+offset for the draft predictor, -offset for the
     other) and the history they give, as after earlier steps."""
@@ -394,8 +437,10 @@ def policy_law_errors(policy_class, method: str, kind: str = "companion", latenc
             lengths, budgets, drafted = drive(make, tables, companion, blocks, drafting)
             lengths_seen.update(lengths.tolist())
             early_stops += sum(d < b for b, d in zip(budgets, drafted))
-            return (accepted_length_law(blocks, draft_probs, target_probs, method, lengths),
-                    final_distributions(blocks, draft_probs, target_probs, method, lengths))
+            return (
+                accepted_length_law(blocks, draft_probs, target_probs, method, lengths),
+                final_distributions(blocks, draft_probs, target_probs, method, lengths),
+            )
 
         law = lawkit.speculative_law(tables, DRAFT_LEN, step)
         errors.append(lawkit.max_abs_error(law, lawkit.target_law(tables, DRAFT_LEN + 1)))
@@ -406,8 +451,10 @@ def policy_law_errors(policy_class, method: str, kind: str = "companion", latenc
 @pytest.mark.parametrize("kind", ["companion", "draft"])
 def test_sv_policy_is_lossless(kind, method):
     errors, lengths, early_stops = policy_law_errors(SVPolicy, method, kind)
-    print(f"SVPolicy {kind} {method}: max joint-law error {max(errors):.2g}, lengths {sorted(lengths)}, "
-          f"{early_stops} blocks stopped drafting early")
+    print(
+        f"SVPolicy {kind} {method}: max joint-law error {max(errors):.2g}, lengths {sorted(lengths)}, "
+        f"{early_stops} blocks stopped drafting early"
+    )
     assert max(errors) < 1e-12, errors
     # The policy really varies L (the draft-only predictor here never declines position 1: L >= 1 for it).
     assert ({0, DRAFT_LEN} if kind == "companion" else {1, DRAFT_LEN}) <= lengths and len(lengths) >= 3, lengths
@@ -421,8 +468,10 @@ def test_sv_policy_for_a_flattened_batch_is_lossless(kind, method, whole_drafts)
     """As vLLM runs it: each row paying for its own tokens, and (whole drafts) the budget drafted in one call."""
     make = functools.partial(SVPolicy, ragged=True, whole_drafts=whole_drafts)
     errors, lengths, early_stops = policy_law_errors(make, method, kind)
-    print(f"SVPolicy ragged {kind} {method} whole drafts {whole_drafts}: max joint-law error {max(errors):.2g}, "
-          f"lengths {sorted(lengths)}")
+    print(
+        f"SVPolicy ragged {kind} {method} whole drafts {whole_drafts}: max joint-law error {max(errors):.2g}, "
+        f"lengths {sorted(lengths)}"
+    )
     assert max(errors) < 1e-12, errors
     assert len(lengths) >= 3, lengths
     assert (early_stops == 0) == whole_drafts
@@ -432,14 +481,17 @@ def test_sv_policy_for_a_flattened_batch_is_lossless(kind, method, whole_drafts)
 def test_sv_policy_is_lossless_from_any_learnt_state(method):
     """What ``learn`` changes between steps (offsets, history) is policy state: lossless from any state, too."""
     errors, lengths, _ = policy_law_errors(SVPolicy, method, offset=1.0)
-    print(f"SVPolicy companion {method}, learnt offsets: max joint-law error {max(errors):.2g}, lengths {sorted(lengths)}")
+    print(
+        f"SVPolicy companion {method}, learnt offsets: max joint-law error {max(errors):.2g}, lengths {sorted(lengths)}"
+    )
     assert max(errors) < 1e-12, errors
     assert len(lengths) >= 3, lengths
 
 
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("policy_class", [LookAhead, ShiftedPlugin, GlobalArgmax],
-                         ids=["look-ahead", "shifted-plugin", "global-argmax"])
+@pytest.mark.parametrize(
+    "policy_class", [LookAhead, ShiftedPlugin, GlobalArgmax], ids=["look-ahead", "shifted-plugin", "global-argmax"]
+)
 def test_sv_policies_that_let_x_i_decide_on_itself_are_biased(policy_class, method):
     errors, _, _ = policy_law_errors(policy_class, method)
     print(f"{policy_class.__name__} {method}: max joint-law error {max(errors):.2g}")
@@ -471,7 +523,7 @@ def test_learn_takes_one_cross_entropy_step_on_the_verified_positions_only(kind)
     features[..., 0] = 1.0  # the bias feature
     verified = torch.tensor([2, 1])
     policy.lengths_given(features, torch.tensor([3, 3]))
-    own = {name: features[..., :len(predictor.features)] for name, predictor in policy.predictors.items()}
+    own = {name: features[..., : len(predictor.features)] for name, predictor in policy.predictors.items()}
     before = {name: policy.predict(name, x) for name, x in own.items()}
     mask = torch.tensor([[True, True, False], [True, False, False]])
     labels = torch.where(mask, 1.0, -50.0).double()  # unverified positions carry junk that must be ignored
@@ -494,9 +546,14 @@ def logistic_data(weights, samples: int, trials: int, seed: int):
     """x [N, 4] (bias, two Gaussians, a uniform monotone candidate) and soft labels y = Binomial(trials, p) / trials
     with p = sigmoid(x @ weights): the kind of noisy probability labels calibration records."""
     generator = torch.Generator().manual_seed(seed)
-    x = torch.cat([torch.ones(samples, 1, dtype=torch.float64),
-                   torch.randn(samples, 2, generator=generator, dtype=torch.float64),
-                   4 * torch.rand(samples, 1, generator=generator, dtype=torch.float64) - 2], dim=1)
+    x = torch.cat(
+        [
+            torch.ones(samples, 1, dtype=torch.float64),
+            torch.randn(samples, 2, generator=generator, dtype=torch.float64),
+            4 * torch.rand(samples, 1, generator=generator, dtype=torch.float64) - 2,
+        ],
+        dim=1,
+    )
     p = torch.sigmoid(x @ torch.tensor(weights, dtype=torch.float64))
     y = (torch.rand(samples, trials, generator=generator, dtype=torch.float64) < p[:, None]).double().mean(-1)
     return x, y, p
@@ -553,8 +610,12 @@ def test_profile_save_load_round_trip(tmp_path):
 @pytest.mark.parametrize("field", ["target", "draft", "companion", "sampling"])
 def test_profile_check_refuses_another_configuration(field):
     profile = hand_profile()
-    wanted = {"target": profile.target, "draft": profile.draft, "companion": profile.companion,
-              "sampling": profile.sampling}
+    wanted = {
+        "target": profile.target,
+        "draft": profile.draft,
+        "companion": profile.companion,
+        "sampling": profile.sampling,
+    }
     profile.check(**wanted)  # the calibrated configuration is accepted
     other = {"target": "big", "draft": "small", "companion": None, "sampling": {"temperature": 0.7}}[field]
     with pytest.raises(ValueError, match=f"calibrated with {field} "):
@@ -577,8 +638,15 @@ def _no_predictors(data):
     del data["predictors"]
 
 
-@pytest.mark.parametrize(("damage", "message"), [(_broken_schema, "schema 2"), (_no_prior, "not a complete"),
-                                                 (_no_weights, "not a complete"), (_no_predictors, "not a complete")])
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (_broken_schema, "schema 2"),
+        (_no_prior, "not a complete"),
+        (_no_weights, "not a complete"),
+        (_no_predictors, "not a complete"),
+    ],
+)
 def test_profile_load_refuses_other_schemas_and_incomplete_files(tmp_path, damage, message):
     path = tmp_path / "sv.json"
     hand_profile().save(path)
@@ -645,9 +713,14 @@ def reference(trio):
     target = trio[0]
     sequences = {}
     for prompt in PROMPTS:
-        out = target.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
-                              eos_token_id=target.config.eos_token_id, pad_token_id=0)
-        sequences[tuple(prompt)] = out[0, len(prompt):].tolist()
+        out = target.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=24,
+            do_sample=False,
+            eos_token_id=target.config.eos_token_id,
+            pad_token_id=0,
+        )
+        sequences[tuple(prompt)] = out[0, len(prompt) :].tolist()
     return lambda prompt, max_new_tokens: sequences[tuple(prompt)][:max_new_tokens]
 
 
@@ -665,8 +738,10 @@ def test_greedy_output_with_sv_equals_plain_greedy_decoding(trio, reference, met
         declined += policy.declined
     verified = {k for s in steps for k in s.verified}
     drafted = {s.drafted for s in steps}
-    print(f"greedy {method}: verified lengths {sorted(verified)}, drafted {sorted(drafted)}, "
-          f"keep_drafting declined {declined} times in {len(steps)} steps")
+    print(
+        f"greedy {method}: verified lengths {sorted(verified)}, drafted {sorted(drafted)}, "
+        f"keep_drafting declined {declined} times in {len(steps)} steps"
+    )
     assert len(verified) >= 3 and 0 in verified, verified  # lengths vary with the companion's agreement
     assert len(drafted) >= 2 and 0 in drafted, drafted
     assert any(k < s.drafted for s in steps for k in s.verified)  # drafted tokens left unverified
@@ -725,15 +800,18 @@ def test_law_of_the_first_tokens_with_sv_is_the_targets(method, latency):
     draft = perturbed(target, scale=0.6, seed=1)
     law = exact_law_of_first_tokens(target, [1, 2, 3], length)
     policy = Recorded(hand_profile(), CHI_LATENCY[latency], method=method, max_draft=2, kind="companion")
-    decoder = SpeculativeDecoder(target, draft, verifier=method, max_draft=2, policy=policy,
-                                 companion=target_prefix(HFModel(target), 1))
+    decoder = SpeculativeDecoder(
+        target, draft, verifier=method, max_draft=2, policy=policy, companion=target_prefix(HFModel(target), 1)
+    )
     result = decoder.generate([[1, 2, 3]] * samples, max_new_tokens=length, seed=0, stop_on_eos=False)
     observed = lawkit.joint_counts(result.sequences, vocab)
     test = lawkit.chi_square(observed, law)
     verified = {k for s in result.stats for k in s.verified}
     drafted = [s.drafted for s in result.stats]
-    print(f"engine chi-square {method} {latency}: {test}; verified {sorted(verified)}, drafted per step {drafted}, "
-          f"BE {result.block_efficiency:.3f}")
+    print(
+        f"engine chi-square {method} {latency}: {test}; verified {sorted(verified)}, drafted per step {drafted}, "
+        f"BE {result.block_efficiency:.3f}"
+    )
     assert test.passed, f"{method}: {test}"
     if latency == "stops-drafting":
         assert verified == {0, 1} and policy.declined > 0 and drafted[-1] == 0, (verified, drafted)

@@ -9,13 +9,13 @@ import sys
 
 import pytest
 import torch
+from tiny import save_tiny
 
+from blockspec.bench import replay
 from blockspec.cli import commands as cli
 from blockspec.models import hf
 from blockspec.policy import LatencyTable
-from blockspec.bench import replay
 from blockspec.policy.latency import LatencyProfile
-from tiny import save_tiny
 
 
 def run(*args: str, cache=None) -> subprocess.CompletedProcess:
@@ -24,8 +24,9 @@ def run(*args: str, cache=None) -> subprocess.CompletedProcess:
         import os
 
         env = {**os.environ, "BLOCKSPEC_CACHE": str(cache)}
-    return subprocess.run([sys.executable, "-m", "blockspec.cli", *args], capture_output=True, text=True,
-                          timeout=600, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "blockspec.cli", *args], capture_output=True, text=True, timeout=600, env=env
+    )
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +35,46 @@ def calibrated(tmp_path_factory):
     root = tmp_path_factory.mktemp("sv")
     target, draft = save_tiny(root / "target"), save_tiny(root / "draft", noise=0.3)
     models = ["--target", target, "--draft", draft, "--dtype", "float32"]
-    profile = run("sv", "profile", *models, "--companion", "prefix:1", "--batch-sizes", "1", "2",
-                  "--tokens", "1", "2", "3", "--context", "8", "--repeats", "1", cache=root)
+    profile = run(
+        "sv",
+        "profile",
+        *models,
+        "--companion",
+        "prefix:1",
+        "--batch-sizes",
+        "1",
+        "2",
+        "--tokens",
+        "1",
+        "2",
+        "3",
+        "--context",
+        "8",
+        "--repeats",
+        "1",
+        cache=root,
+    )
     assert profile.returncode == 0, profile.stderr
-    calibrate = run("sv", "calibrate", *models, "--companion", "prefix:1", "--dataset", "lm1b", "--prompts", "6",
-                    "--max-new-tokens", "24", "--max-draft", "3", "--batch-size", "3", "--recording", str(root / "rec.pt"), cache=root)
+    calibrate = run(
+        "sv",
+        "calibrate",
+        *models,
+        "--companion",
+        "prefix:1",
+        "--dataset",
+        "lm1b",
+        "--prompts",
+        "6",
+        "--max-new-tokens",
+        "24",
+        "--max-draft",
+        "3",
+        "--batch-size",
+        "3",
+        "--recording",
+        str(root / "rec.pt"),
+        cache=root,
+    )
     assert calibrate.returncode == 0, calibrate.stderr
     return root, models, profile, calibrate
 
@@ -63,15 +99,54 @@ def test_generate_with_sv_gives_the_greedy_text_of_the_target(calibrated):
     # calibrated at T=1: greedy needs its own calibration profile, and says so
     missing = run("generate", *common, "--policy", "sv", "--companion", "prefix:1", "abc de", cache=root)
     assert missing.returncode == 2 and "blockspec sv calibrate" in missing.stderr
-    sampled = run("generate", *models, "--max-new-tokens", "16", "--max-draft", "3", "--seed", "3", "--policy", "sv",
-                  "--companion", "prefix:1", "abc de", "fgh", cache=root)
+    sampled = run(
+        "generate",
+        *models,
+        "--max-new-tokens",
+        "16",
+        "--max-draft",
+        "3",
+        "--seed",
+        "3",
+        "--policy",
+        "sv",
+        "--companion",
+        "prefix:1",
+        "abc de",
+        "fgh",
+        cache=root,
+    )
     assert sampled.returncode == 0 and "sv K=3" in sampled.stderr, sampled.stderr
-    with_companion = run("generate", *models, "--max-new-tokens", "16", "--max-draft", "3", "--policy", "sv",
-                         "--sv-predictor", "companion", "--companion", "prefix:1", "abc de", cache=root)
+    with_companion = run(
+        "generate",
+        *models,
+        "--max-new-tokens",
+        "16",
+        "--max-draft",
+        "3",
+        "--policy",
+        "sv",
+        "--sv-predictor",
+        "companion",
+        "--companion",
+        "prefix:1",
+        "abc de",
+        cache=root,
+    )
     assert with_companion.returncode == 0, with_companion.stderr
     profile = next((root / "sv").glob("calibration-*.json"))
-    greedy = run("generate", *common, "--policy", "sv", "--companion", "prefix:1", "--sv-profile", str(profile),
-                 "abc de", cache=root)
+    greedy = run(
+        "generate",
+        *common,
+        "--policy",
+        "sv",
+        "--companion",
+        "prefix:1",
+        "--sv-profile",
+        str(profile),
+        "abc de",
+        cache=root,
+    )
     assert greedy.returncode == 2 and "calibrated with sampling" in greedy.stderr
     assert plain.returncode == 0 and plain.stdout.strip()
 
@@ -80,8 +155,23 @@ def test_replay_compares_policies_and_the_oracle(calibrated):
     root, _, _, _ = calibrated
     profile = next((root / "sv").glob("calibration-*.json"))
     latency = next((root / "sv").glob("latency-*.json"))
-    out = run("sv", "replay", "--recording", str(root / "rec.pt"), "--sv-profile", str(profile), "--latency",
-              str(latency), "--batch-sizes", "1", "2", "--steps", "20", "--out", str(root / "replay.json"))
+    out = run(
+        "sv",
+        "replay",
+        "--recording",
+        str(root / "rec.pt"),
+        "--sv-profile",
+        str(profile),
+        "--latency",
+        str(latency),
+        "--batch-sizes",
+        "1",
+        "2",
+        "--steps",
+        "20",
+        "--out",
+        str(root / "replay.json"),
+    )
     assert out.returncode == 0, out.stderr
     rows = json.loads((root / "replay.json").read_text())
     assert (root / "replay.png").stat().st_size > 0
@@ -92,8 +182,11 @@ def test_replay_compares_policies_and_the_oracle(calibrated):
             assert r["speedup"] == 1.0 and r["verified_per_emitted"] == 0.0
     for method in ("token", "block"):
         for batch in (1, 2):
-            best_fixed = max(r["speedup"] for r in rows if r["method"] == method and r["batch"] == batch
-                             and r["policy"].startswith("fixed"))
+            best_fixed = max(
+                r["speedup"]
+                for r in rows
+                if r["method"] == method and r["batch"] == batch and r["policy"].startswith("fixed")
+            )
             oracle = next(r for r in rows if (r["method"], r["batch"], r["policy"]) == (method, batch, "oracle"))
             assert oracle["speedup"] >= 1.0  # it may always choose not to speculate
             assert oracle["speedup"] >= best_fixed * 0.9  # a ceiling, up to the expected-vs-realised noise
@@ -102,8 +195,12 @@ def test_replay_compares_policies_and_the_oracle(calibrated):
 def test_the_oracle_maximises_the_runs_pooled_goodput_not_each_steps():
     """Brute force over every assignment of widths to 4 steps: the oracle's pooled goodput is the maximum, and on
     these steps it beats the per-step argmax of emitted / seconds."""
-    latency = LatencyProfile(target=LatencyTable((2,), (1, 2, 3), ((1.0, 1.8, 1.8),)),
-                             draft=LatencyTable((2,), (1, 2), ((0.05, 0.1),)), companion=None, meta={})
+    latency = LatencyProfile(
+        target=LatencyTable((2,), (1, 2, 3), ((1.0, 1.8, 1.8),)),
+        draft=LatencyTable((2,), (1, 2), ((0.05, 0.1),)),
+        companion=None,
+        meta={},
+    )
     taus = [torch.tensor(t) for t in ([2, 2], [2, 0], [1, 1], [2, 2])]
     num_drafts = [torch.tensor([2, 2])] * len(taus)
 
@@ -126,8 +223,9 @@ def test_the_oracle_maximises_the_runs_pooled_goodput_not_each_steps():
 
 def test_missing_profiles_are_explained(tmp_path):
     target = save_tiny(tmp_path / "target")
-    out = run("generate", "--target", target, "--draft", target, "--dtype", "float32", "--policy", "sv", "hi",
-              cache=tmp_path)
+    out = run(
+        "generate", "--target", target, "--draft", target, "--dtype", "float32", "--policy", "sv", "hi", cache=tmp_path
+    )
     assert out.returncode == 2 and "blockspec sv calibrate" in out.stderr and "Traceback" not in out.stderr
 
 

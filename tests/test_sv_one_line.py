@@ -29,8 +29,7 @@ DRAFT_WEIGHTS = (3.0, -0.5, -0.5, 1.0, 0.4)  # test_sv's, with the bias raised: 
 @pytest.fixture(scope="module")
 def pair():
     target = tiny_model(sharpness=5.0)
-    return (HFModel(target, name="tiny-target"),
-            HFModel(perturbed(target, scale=0.3, seed=1), name="tiny-draft"))
+    return (HFModel(target, name="tiny-target"), HFModel(perturbed(target, scale=0.3, seed=1), name="tiny-draft"))
 
 
 def save_profiles(target, draft, sampling=SAMPLING, companion=COMPANION):
@@ -39,8 +38,7 @@ def save_profiles(target, draft, sampling=SAMPLING, companion=COMPANION):
     profile_file = profile_path("tiny-target", "tiny-draft", companion, sampling_key(sampling))
     profile_file.parent.mkdir(parents=True, exist_ok=True)
     profile.save(profile_file)
-    meta = {"target": "tiny-target", "draft": "tiny-draft", "companion": companion, "dtype": "float32",
-            "device": "cpu"}
+    meta = {"target": "tiny-target", "draft": "tiny-draft", "companion": companion, "dtype": "float32", "device": "cpu"}
     latency = dataclasses.replace(ENGINE_LATENCY, meta={field: meta.get(field) for field in META_FIELDS})
     latency_file = latency_path("tiny-target", "tiny-draft", companion, "float32", "cpu")
     latency.save(latency_file)
@@ -108,8 +106,12 @@ def test_from_cache_refuses_a_profile_of_other_models(pair):
     policy = SVPolicy.from_cache(renamed, draft, sampling=SAMPLING, names=("tiny-target", "tiny-draft"))
     assert policy.kind == "draft" and policy.method == "block"
     with pytest.raises(ValueError, match="calibrated with target 'tiny-target', not 'another-target'"):
-        SVPolicy.from_cache(renamed, draft, sampling=SAMPLING,
-                            profile=profile_path("tiny-target", "tiny-draft", COMPANION, sampling_key(SAMPLING)))
+        SVPolicy.from_cache(
+            renamed,
+            draft,
+            sampling=SAMPLING,
+            profile=profile_path("tiny-target", "tiny-draft", COMPANION, sampling_key(SAMPLING)),
+        )
 
 
 def test_sv_at_temperature_zero_is_greedy_decoding(pair):

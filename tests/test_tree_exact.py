@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import functools
 
+import lawkit
 import pytest
 import torch
-
-import lawkit
 import treekit
+
 from blockspec.verify.tree import RULES, SCHEMES, expected_accepted_tree, node_depths, tree_law
 
 LOSSLESS = 1e-12
@@ -38,7 +38,7 @@ def case_id(case) -> str:
     return f"V{vocab}-" + "x".join(map(str, shape))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tables_for(vocab: int, depth: int, kind: str, seed: int = 0) -> lawkit.Tables:
     """Random context-dependent tables: ~20 % exact zeros, none, or each row cut to its k likeliest tokens."""
     seed = 1000 * KINDS.index(kind) + 10 * vocab + depth + seed
@@ -57,7 +57,7 @@ def top_k(rows: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return kept / kept.sum(-1, keepdim=True)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def trees_for(vocab: int, shape: tuple[int, ...], scheme: str, kind: str) -> treekit.Trees:
     return treekit.all_trees(tables_for(vocab, len(shape), kind), shape, scheme)
 
@@ -131,6 +131,7 @@ def reference_tree(tokens, parents, draft, target, rule, scheme, mistake=None):
         children[parent].append(node)
     law, final = [0.0] * (n + 1), [list(row) for row in target]
     if rule == "token":
+
         def visit(a: int, reach: float) -> None:
             seen, drawn_from = list(target[a]), list(draft[a])
             for c in children[a]:
@@ -195,11 +196,17 @@ def reference_step(rule: str, scheme: str, mistake: str | None = None) -> treeki
         count, nodes = trees.draft_tokens.shape
         law = torch.zeros(count, nodes + 1, dtype=torch.float64)
         final = torch.zeros(count, nodes + 1, trees.target_probs.shape[-1], dtype=torch.float64)
-        rows = zip(trees.draft_tokens.tolist(), trees.parents.tolist(), trees.draft_probs.tolist(),
-                   trees.target_probs.tolist(), trees.num_nodes.tolist())
+        rows = zip(
+            trees.draft_tokens.tolist(),
+            trees.parents.tolist(),
+            trees.draft_probs.tolist(),
+            trees.target_probs.tolist(),
+            trees.num_nodes.tolist(),
+        )
         for t, (tokens, parents, draft, target, n) in enumerate(rows):
-            tree_law_, tree_final = reference_tree(tokens[:n], parents[:n], draft[: n + 1], target[: n + 1], rule,
-                                                   scheme, mistake)
+            tree_law_, tree_final = reference_tree(
+                tokens[:n], parents[:n], draft[: n + 1], target[: n + 1], rule, scheme, mistake
+            )
             law[t, : n + 1] = torch.tensor(tree_law_, dtype=torch.float64)
             final[t, : n + 1] = torch.tensor(tree_final, dtype=torch.float64)
         return law, final
@@ -208,8 +215,16 @@ def reference_step(rule: str, scheme: str, mistake: str | None = None) -> treeki
 
 
 # Small enough for the plain-Python reference (at most ~2000 trees each).
-REFERENCE_CASES = [(4, (2,)), (4, (3,)), (4, (2, 2)), (4, (1, 2)), (4, (2, 1, 1)), (4, (1, 2, 1)), (3, (1, 1, 1)),
-                   (4, (1, 1))]
+REFERENCE_CASES = [
+    (4, (2,)),
+    (4, (3,)),
+    (4, (2, 2)),
+    (4, (1, 2)),
+    (4, (2, 1, 1)),
+    (4, (1, 2, 1)),
+    (3, (1, 1, 1)),
+    (4, (1, 1)),
+]
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -246,17 +261,21 @@ def test_plausible_tree_mistakes_are_not_lossless(mistake):
             for rule in rules:
                 assert law_error(tables, trees, reference_step(rule, scheme), len(shape)) < LOSSLESS
                 errors[f"{rule} {scheme} {case_id((vocab, shape))}"] = law_error(
-                    tables, trees, reference_step(rule, scheme, mistake), len(shape))
+                    tables, trees, reference_step(rule, scheme, mistake), len(shape)
+                )
     summary = ", ".join(f"{name} {error:.1e}" for name, error in errors.items())
     print(f"{mistake}: {summary}")  # visible with pytest -s
     assert max(errors.values()) > LOSSY, f"{mistake} looks lossless: {summary}"
 
 
-@pytest.mark.parametrize(("mistake", "case"), [
-    ("no_sibling_residual", (4, (1, 1, 1))),  # no siblings
-    ("initial_sibling_w", (4, (1, 1, 1))),
-    ("unscaled_residual", (4, (3,))),  # rejections at the root only, where w = 1
-])
+@pytest.mark.parametrize(
+    ("mistake", "case"),
+    [
+        ("no_sibling_residual", (4, (1, 1, 1))),  # no siblings
+        ("initial_sibling_w", (4, (1, 1, 1))),
+        ("unscaled_residual", (4, (3,))),  # rejections at the root only, where w = 1
+    ],
+)
 def test_mistakes_coincide_with_the_rule_where_they_cannot_act(mistake, case):
     """Why the cases above need siblings, or an internal node below the root."""
     vocab, shape = case
@@ -329,13 +348,17 @@ def test_sequence_level_is_never_worse_on_average_over_trees(case, kind):
     vocab, shape = case
     for scheme in SCHEMES:
         trees = trees_for(vocab, shape, scheme, kind)
-        per_tree = {rule: expected_accepted_tree(*trees.inputs, rule=rule, scheme=scheme, num_nodes=trees.num_nodes)
-                    for rule in RULES}
+        per_tree = {
+            rule: expected_accepted_tree(*trees.inputs, rule=rule, scheme=scheme, num_nodes=trees.num_nodes)
+            for rule in RULES
+        }
         means = {rule: float((trees.prob * e).sum()) for rule, e in per_tree.items()}
         lower = float(trees.prob[per_tree["block"] < per_tree["token"] - 1e-12].sum())
         share = float((per_tree["block"] < per_tree["token"] - 1e-12).double().mean())
-        print(f"{case_id(case)} {scheme} {kind}: E[tau] token {means['token']:.4f} block {means['block']:.4f}; "
-              f"block lower on {share:.0%} of the trees ({lower:.0%} of the mass)")
+        print(
+            f"{case_id(case)} {scheme} {kind}: E[tau] token {means['token']:.4f} block {means['block']:.4f}; "
+            f"block lower on {share:.0%} of the trees ({lower:.0%} of the mass)"
+        )
         assert means["block"] >= means["token"] - 1e-12, means
         if len(shape) == 1:
             assert means["block"] == pytest.approx(means["token"], abs=1e-12)

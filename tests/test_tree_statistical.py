@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import functools
 
+import lawkit
 import pytest
 import torch
-
-import lawkit
 import treekit
+
 from blockspec.verify import tree
 from blockspec.verify.tree import SCHEMES, tree_law, verify_tree_block, verify_tree_token
 
@@ -39,7 +39,7 @@ LENGTH = DEPTH + 1
 VERIFIERS = {"token": verify_tree_token, "block": verify_tree_block}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tables() -> lawkit.Tables:
     return lawkit.random_tables(VOCAB, DEPTH, TABLES_SEED, peaked=PEAKED)
 
@@ -59,8 +59,9 @@ def mixture_law(rule: str, drawn: str, verified: str) -> torch.Tensor:
         law = tree_law(*trees.inputs, rule=rule, scheme=verified, num_nodes=trees.num_nodes)
         return law.node_law, law.final
 
-    return sum(treekit.emission_law(tables(), treekit.all_trees(tables(), shape, drawn), step, LENGTH)
-               for shape in SHAPES) / len(SHAPES)
+    return sum(
+        treekit.emission_law(tables(), treekit.all_trees(tables(), shape, drawn), step, LENGTH) for shape in SHAPES
+    ) / len(SHAPES)
 
 
 def pooled_test(counts: torch.Tensor, law: torch.Tensor, groups: torch.Tensor) -> lawkit.ChiSquare:
@@ -68,8 +69,10 @@ def pooled_test(counts: torch.Tensor, law: torch.Tensor, groups: torch.Tensor) -
 
 
 def describe(label: str, result: lawkit.ChiSquare, extra: str = "") -> str:
-    line = (f"{label}: chi2 = {result.statistic:.1f}, threshold {result.threshold:.1f} (dof {result.dof}, alpha "
-            f"{ALPHA:g}, N {SAMPLES}), {result.impossible} samples on zero-probability outcomes")
+    line = (
+        f"{label}: chi2 = {result.statistic:.1f}, threshold {result.threshold:.1f} (dof {result.dof}, alpha "
+        f"{ALPHA:g}, N {SAMPLES}), {result.impossible} samples on zero-probability outcomes"
+    )
     line = f"{line}; {extra}" if extra else line
     print(line)  # visible with pytest -s
     return line
@@ -86,11 +89,14 @@ def sample(verifier, scheme: str, verified: str, dtype=torch.float64) -> torch.T
 # --- the real verifiers pass ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("rule", "dtype"), [
-    pytest.param("token", torch.float64, id="token-float64"),
-    pytest.param("block", torch.float64, id="block-float64"),
-    pytest.param("block", torch.float32, id="block-float32"),
-])
+@pytest.mark.parametrize(
+    ("rule", "dtype"),
+    [
+        pytest.param("token", torch.float64, id="token-float64"),
+        pytest.param("block", torch.float64, id="block-float64"),
+        pytest.param("block", torch.float32, id="block-float32"),
+    ],
+)
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_ragged_tree_batches_match_the_target_law(scheme, rule, dtype):
     law = lawkit.target_law(tables(), LENGTH)
@@ -128,8 +134,7 @@ def test_broken_variant_fails_the_same_test(name, monkeypatch):
     law = lawkit.target_law(tables(), LENGTH)
     groups = lawkit.sparse_cell_groups(law, SAMPLES)
     wrong_law = mixture_law(rule, drawn, verified)
-    power = lawkit.detection_power(lawkit.pool_cells(law, groups), lawkit.pool_cells(wrong_law, groups), SAMPLES,
-                                   ALPHA)
+    power = lawkit.detection_power(lawkit.pool_cells(law, groups), lawkit.pool_cells(wrong_law, groups), SAMPLES, ALPHA)
     error = lawkit.max_abs_error(law, wrong_law)
     assert power >= MIN_POWER, f"{name}: power {power:.3g} < {MIN_POWER} at N {SAMPLES} (law error {error:.2g})"
 

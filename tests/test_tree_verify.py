@@ -13,14 +13,20 @@ Laws are checked exactly in tests/test_tree_exact.py, and by Monte-Carlo in test
 
 from __future__ import annotations
 
+import lawkit
 import pytest
 import torch
-
-import lawkit
 import treekit
+
 from blockspec.verify import Randomness, expected_accepted, verify_block, verify_greedy, verify_token
 from blockspec.verify.tree import (
-    RULES, SCHEMES, expected_accepted_tree, tree_law, verify_tree_block, verify_tree_greedy, verify_tree_token,
+    RULES,
+    SCHEMES,
+    expected_accepted_tree,
+    tree_law,
+    verify_tree_block,
+    verify_tree_greedy,
+    verify_tree_token,
 )
 
 TREE_VERIFIERS = {"token": verify_tree_token, "block": verify_tree_block}
@@ -58,8 +64,9 @@ def test_a_chain_makes_the_chain_rules_decisions(rule, dtype):
     batch, width, vocab = 3000, 4, 5
     tokens, parents, draft, target, num_nodes = random_chains(batch, width, vocab, seed=1, dtype=DTYPES[dtype])
     randomness = Randomness.draw(batch, width, vocab, dtype=DTYPES[dtype], generator=torch.Generator().manual_seed(2))
-    tree = TREE_VERIFIERS[rule](tokens, parents, draft, target, scheme="iid", num_nodes=num_nodes,
-                                randomness=randomness)
+    tree = TREE_VERIFIERS[rule](
+        tokens, parents, draft, target, scheme="iid", num_nodes=num_nodes, randomness=randomness
+    )
     assert tree.tokens.shape == (batch, width + 1)
     for n in range(width + 1):
         rows = num_nodes == n
@@ -135,8 +142,9 @@ def test_greedy_is_the_deepest_argmax_path():
 
 def test_greedy_on_a_chain_is_verify_greedy():
     tokens, parents, draft, target, num_nodes = random_chains(500, 4, 3, seed=6)
-    tokens = torch.where(torch.rand(tokens.shape, generator=torch.Generator().manual_seed(0)) < 0.7,
-                         target[:, :4].argmax(-1), tokens)  # long matches
+    tokens = torch.where(
+        torch.rand(tokens.shape, generator=torch.Generator().manual_seed(0)) < 0.7, target[:, :4].argmax(-1), tokens
+    )  # long matches
     tree = verify_tree_greedy(tokens, parents, None, target)
     chain = verify_greedy(tokens, None, target)
     assert torch.equal(tree.tokens, chain.tokens) and torch.equal(tree.num_accepted, chain.num_accepted)
@@ -167,8 +175,9 @@ def depth_first(trees: treekit.Trees) -> tuple[treekit.Trees, torch.Tensor]:
     parents = torch.nn.functional.pad(trees.parents, (1, 0))[rows, old_of][:, 1:]
     parents = torch.where(parents >= 0, new_of.gather(1, parents.clamp(min=0)), -1)
     tokens = torch.nn.functional.pad(trees.draft_tokens, (1, 0))[rows, old_of][:, 1:]
-    renumbered = treekit.Trees(tokens, parents, trees.draft_probs[rows, old_of], trees.target_probs[rows, old_of],
-                               trees.num_nodes, trees.prob)
+    renumbered = treekit.Trees(
+        tokens, parents, trees.draft_probs[rows, old_of], trees.target_probs[rows, old_of], trees.num_nodes, trees.prob
+    )
     return renumbered, new_of
 
 
@@ -179,10 +188,12 @@ def test_any_drawing_order_gives_the_same_law_and_output(scheme):
     trees = treekit.sample_trees(tables, (2, 2, 1), scheme, 300, torch.Generator().manual_seed(0))
     other, new_of = depth_first(trees)
     assert not torch.equal(other.parents, trees.parents)
-    randomness = Randomness.draw(len(trees), trees.parents.shape[1], 4, dtype=torch.float64,
-                                 generator=torch.Generator().manual_seed(1))
-    moved = Randomness(randomness.uniforms.scatter(1, new_of[:, 1:] - 1, randomness.uniforms),
-                       randomness.exponentials)  # node a's uniform follows it to its new number
+    randomness = Randomness.draw(
+        len(trees), trees.parents.shape[1], 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1)
+    )
+    moved = Randomness(
+        randomness.uniforms.scatter(1, new_of[:, 1:] - 1, randomness.uniforms), randomness.exponentials
+    )  # node a's uniform follows it to its new number
     for rule in RULES:
         law = tree_law(*trees.inputs, rule=rule, scheme=scheme, num_nodes=trees.num_nodes)
         law_other = tree_law(*other.inputs, rule=rule, scheme=scheme, num_nodes=other.num_nodes)
@@ -197,9 +208,14 @@ def padded_junk(trees: treekit.Trees) -> treekit.Trees:
     count, nodes = trees.draft_tokens.shape
     pad = torch.arange(1, nodes + 1) > trees.num_nodes[:, None]  # [T, N]
     rows = torch.nn.functional.pad(pad, (1, 0))[..., None]
-    return treekit.Trees(trees.draft_tokens.masked_fill(pad, 99), trees.parents.masked_fill(pad, 77),
-                         trees.draft_probs.masked_fill(rows, 7.0), trees.target_probs.masked_fill(rows, 7.0),
-                         trees.num_nodes, trees.prob)
+    return treekit.Trees(
+        trees.draft_tokens.masked_fill(pad, 99),
+        trees.parents.masked_fill(pad, 77),
+        trees.draft_probs.masked_fill(rows, 7.0),
+        trees.target_probs.masked_fill(rows, 7.0),
+        trees.num_nodes,
+        trees.prob,
+    )
 
 
 @pytest.mark.parametrize("rule", RULES)
@@ -213,8 +229,11 @@ def test_rows_do_not_depend_on_their_neighbours_or_their_padding(rule):
     for b in range(0, len(trees), 7):
         n = int(trees.num_nodes[b])
         alone = TREE_VERIFIERS[rule](
-            trees.draft_tokens[b : b + 1, :n], trees.parents[b : b + 1, :n], trees.draft_probs[b : b + 1, : n + 1],
-            trees.target_probs[b : b + 1, : n + 1], scheme="distinct",
+            trees.draft_tokens[b : b + 1, :n],
+            trees.parents[b : b + 1, :n],
+            trees.draft_probs[b : b + 1, : n + 1],
+            trees.target_probs[b : b + 1, : n + 1],
+            scheme="distinct",
             randomness=Randomness(randomness.uniforms[b : b + 1, :n], randomness.exponentials[b : b + 1]),
         )
         width = alone.tokens.shape[1]
@@ -224,10 +243,12 @@ def test_rows_do_not_depend_on_their_neighbours_or_their_padding(rule):
 @pytest.mark.parametrize("rule", RULES)
 def test_output_is_an_accepted_path_then_one_token(rule):
     tokens, parents, draft, target, num_nodes = random_trees(500, 10, 4, seed=10)
-    out = TREE_VERIFIERS[rule](tokens, parents, draft, target, scheme="iid", num_nodes=num_nodes,
-                               generator=torch.Generator().manual_seed(4))
-    again = TREE_VERIFIERS[rule](tokens, parents, draft, target, scheme="iid", num_nodes=num_nodes,
-                                 generator=torch.Generator().manual_seed(4))
+    out = TREE_VERIFIERS[rule](
+        tokens, parents, draft, target, scheme="iid", num_nodes=num_nodes, generator=torch.Generator().manual_seed(4)
+    )
+    again = TREE_VERIFIERS[rule](
+        tokens, parents, draft, target, scheme="iid", num_nodes=num_nodes, generator=torch.Generator().manual_seed(4)
+    )
     assert torch.equal(out.tokens, again.tokens)  # same seed, same output
     width = out.tokens.shape[1]
     assert out.accepted_nodes.shape == (500, width - 1) and torch.equal(out.num_emitted, out.num_accepted + 1)
@@ -274,21 +295,27 @@ def test_duplicate_siblings_are_refused_under_distinct_only(verifier):
     verifier(tokens, parents, draft, target, scheme="distinct")
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    (lambda t, p, d, g: (t, p.index_fill(1, torch.tensor([1]), 2), d, g), r"parents\[0, 1\] = 2 \(node 2\)"),
-    (lambda t, p, d, g: (t, p.index_fill(1, torch.tensor([0]), 1), d, g), r"parents\[0, 0\] = 1 \(node 1\)"),
-    (lambda t, p, d, g: (t, p - 1, d, g), r"parents\[0, 0\] = -1"),
-    (lambda t, p, d, g: (t.index_fill(1, torch.tensor([2]), 3), p, d, g), r"draft_tokens\[0, 2\] = 3"),
-    (lambda t, p, d, g: (t[0], p, d, g), r"draft_tokens must be a \[B, N\] int64"),
-    (lambda t, p, d, g: (t, p[:, :2], d, g), r"parents must be a \[B, N\] = \[1, 3\]"),
-    (lambda t, p, d, g: (t, p.int(), d, g), r"parents must be a \[B, N\] = \[1, 3\] int64"),
-    (lambda t, p, d, g: (t, p, d, g[:, :3]), r"target_probs must be a \[B, N\+1, V\] = \[1, 4, V\]"),
-    (lambda t, p, d, g: (t, p, d[..., :2], g), r"draft_probs must be a \[B, N\+1, V\] = \[1, 4, 3\]"),
-    (lambda t, p, d, g: (t, p, d.float(), g), r"draft_probs is torch.float32 but target_probs is torch.float64"),
-    (lambda t, p, d, g: (t, p, d.index_fill(1, torch.tensor([1]), 0.5), g), r"draft_probs\[0, 1\] does not sum to 1"),
-    (lambda t, p, d, g: (t, p, d, g.index_fill(1, torch.tensor([3]), 0.5)), r"target_probs\[0, 3\] does not sum"),
-    (lambda t, p, d, g: (t, p, torch.tensor([[[1.0, 0, 0]] * 4], dtype=torch.float64), g), r"zero probability"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda t, p, d, g: (t, p.index_fill(1, torch.tensor([1]), 2), d, g), r"parents\[0, 1\] = 2 \(node 2\)"),
+        (lambda t, p, d, g: (t, p.index_fill(1, torch.tensor([0]), 1), d, g), r"parents\[0, 0\] = 1 \(node 1\)"),
+        (lambda t, p, d, g: (t, p - 1, d, g), r"parents\[0, 0\] = -1"),
+        (lambda t, p, d, g: (t.index_fill(1, torch.tensor([2]), 3), p, d, g), r"draft_tokens\[0, 2\] = 3"),
+        (lambda t, p, d, g: (t[0], p, d, g), r"draft_tokens must be a \[B, N\] int64"),
+        (lambda t, p, d, g: (t, p[:, :2], d, g), r"parents must be a \[B, N\] = \[1, 3\]"),
+        (lambda t, p, d, g: (t, p.int(), d, g), r"parents must be a \[B, N\] = \[1, 3\] int64"),
+        (lambda t, p, d, g: (t, p, d, g[:, :3]), r"target_probs must be a \[B, N\+1, V\] = \[1, 4, V\]"),
+        (lambda t, p, d, g: (t, p, d[..., :2], g), r"draft_probs must be a \[B, N\+1, V\] = \[1, 4, 3\]"),
+        (lambda t, p, d, g: (t, p, d.float(), g), r"draft_probs is torch.float32 but target_probs is torch.float64"),
+        (
+            lambda t, p, d, g: (t, p, d.index_fill(1, torch.tensor([1]), 0.5), g),
+            r"draft_probs\[0, 1\] does not sum to 1",
+        ),
+        (lambda t, p, d, g: (t, p, d, g.index_fill(1, torch.tensor([3]), 0.5)), r"target_probs\[0, 3\] does not sum"),
+        (lambda t, p, d, g: (t, p, torch.tensor([[[1.0, 0, 0]] * 4], dtype=torch.float64), g), r"zero probability"),
+    ],
+)
 def test_bad_input_is_refused_with_a_message_naming_it(change, message):
     tokens, parents, draft, target = change(*one_tree())
     with pytest.raises(ValueError, match=message):
@@ -308,8 +335,9 @@ def test_other_arguments_are_checked_too():
     with pytest.raises(ValueError, match=r"num_nodes must be a \[B\] = \[1\] int64"):
         verify_tree_block(tokens, parents, draft, target, scheme="iid", num_nodes=torch.tensor([3.0]))
     with pytest.raises(ValueError, match=r"randomness.uniforms must have shape \[1, 3\]"):
-        verify_tree_block(tokens, parents, draft, target, scheme="iid",
-                          randomness=Randomness.draw(1, 2, 3, dtype=torch.float64))
+        verify_tree_block(
+            tokens, parents, draft, target, scheme="iid", randomness=Randomness.draw(1, 2, 3, dtype=torch.float64)
+        )
     with pytest.raises(ValueError, match=r"rule must be one of \('token', 'block'\)"):
         expected_accepted_tree(tokens, parents, draft, target, rule="tree", scheme="iid")
 

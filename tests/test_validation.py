@@ -82,9 +82,24 @@ def broken(what: str):
 
 
 CASES = [
-    "tokens dtype", "tokens rank", "K mismatch", "draft shape", "int probs", "dtype mismatch", "NaN", "negative",
-    "not normalised", "logits", "num_verified range", "num_verified dtype", "token out of vocabulary", "negative token",
-    "impossible draft token", "uniforms shape", "uniforms range", "exponentials",
+    "tokens dtype",
+    "tokens rank",
+    "K mismatch",
+    "draft shape",
+    "int probs",
+    "dtype mismatch",
+    "NaN",
+    "negative",
+    "not normalised",
+    "logits",
+    "num_verified range",
+    "num_verified dtype",
+    "token out of vocabulary",
+    "negative token",
+    "impossible draft token",
+    "uniforms shape",
+    "uniforms range",
+    "exponentials",
 ]
 
 

@@ -51,8 +51,9 @@ def test_a_server_running_the_rule_passes(server):
     assert replies["asked"] == ["blockspec_status"]
 
 
-@pytest.mark.parametrize("status", [{**BLOCK, "rule": "token"}, {**BLOCK, "expand": "stock"},
-                                    {**BLOCK, "drafts": "global"}])
+@pytest.mark.parametrize(
+    "status", [{**BLOCK, "rule": "token"}, {**BLOCK, "expand": "stock"}, {**BLOCK, "drafts": "global"}]
+)
 def test_a_worker_with_another_rule_the_broken_kernel_or_unseeded_drafts_fails(server, status):
     url, replies = server
     replies["body"] = {"results": [BLOCK, status]}

@@ -27,13 +27,17 @@ from blockspec.verify import Randomness, expected_accepted, position_gains, veri
 from blockspec.verify.base import race
 from blockspec.vllm import plugin
 from blockspec.vllm.ragged import (
-    PLACEHOLDER, block_verify_ragged, expected_accepted_ragged, has_spare_row, pad_ragged, padded_block,
+    PLACEHOLDER,
+    block_verify_ragged,
+    expected_accepted_ragged,
+    has_spare_row,
+    pad_ragged,
+    padded_block,
     target_probs_with_spare_row,
 )
 
 
-def ragged_batch(counts: list[int], vocab: int, generator: torch.Generator, max_spec_len: int,
-                 spare_row: bool = False):
+def ragged_batch(counts: list[int], vocab: int, generator: torch.Generator, max_spec_len: int, spare_row: bool = False):
     """Random distributions and draws for requests drafting ``counts`` tokens, in vLLM's layout, plus each
     request's own row after its last drafted token (the bonus token's distribution). With ``spare_row`` the
     target's rows are stored with one more row after them, of NaN: the rule may look at it only where it
@@ -45,16 +49,26 @@ def ragged_batch(counts: list[int], vocab: int, generator: torch.Generator, max_
     target_probs /= target_probs.sum(-1, keepdim=True)
     if spare_row:
         target_probs = torch.cat([target_probs, torch.full((1, vocab), float("nan"), dtype=torch.float64)])[:total]
-    tokens = (torch.multinomial(draft_probs, 1, generator=generator).squeeze(-1) if total
-              else torch.zeros(0, dtype=torch.long))
+    tokens = (
+        torch.multinomial(draft_probs, 1, generator=generator).squeeze(-1)
+        if total
+        else torch.zeros(0, dtype=torch.long)
+    )
     after = torch.rand(len(counts), vocab, generator=generator, dtype=torch.float64)
     after /= after.sum(-1, keepdim=True)
     uniforms = torch.rand(total, generator=generator, dtype=torch.float64)
     exponentials = torch.empty(len(counts), vocab, dtype=torch.float64).exponential_(generator=generator)
     bonus = race(after, exponentials)[:, None]  # what verify_block draws after all tokens, with the same draws
-    return dict(draft_token_ids=tokens, num_draft_tokens=torch.tensor(counts), max_spec_len=max_spec_len,
-                draft_probs=draft_probs, target_probs=target_probs, bonus_token_ids=bonus, uniforms=uniforms,
-                exponentials=exponentials), after
+    return dict(
+        draft_token_ids=tokens,
+        num_draft_tokens=torch.tensor(counts),
+        max_spec_len=max_spec_len,
+        draft_probs=draft_probs,
+        target_probs=target_probs,
+        bonus_token_ids=bonus,
+        uniforms=uniforms,
+        exponentials=exponentials,
+    ), after
 
 
 def one_request(batch: dict, after: torch.Tensor, b: int) -> list[int]:
@@ -62,10 +76,11 @@ def one_request(batch: dict, after: torch.Tensor, b: int) -> list[int]:
     counts = batch["num_draft_tokens"].tolist()
     start, n = sum(counts[:b]), counts[b]
     rows = slice(start, start + n)
-    target = torch.cat([batch["target_probs"][rows], after[b:b + 1]])[None]
-    randomness = Randomness(batch["uniforms"][rows][None], batch["exponentials"][b:b + 1])
-    out = verify_block(batch["draft_token_ids"][rows][None], batch["draft_probs"][rows][None], target,
-                       randomness=randomness)
+    target = torch.cat([batch["target_probs"][rows], after[b : b + 1]])[None]
+    randomness = Randomness(batch["uniforms"][rows][None], batch["exponentials"][b : b + 1])
+    out = verify_block(
+        batch["draft_token_ids"][rows][None], batch["draft_probs"][rows][None], target, randomness=randomness
+    )
     return [t for t in out.tokens[0].tolist() if t != -1]
 
 
@@ -80,8 +95,8 @@ def test_each_request_is_verify_block_alone(counts, spare_row):
         assert output.shape == (len(counts), 5) and output.dtype == torch.int32
         for b in range(len(counts)):
             expected = one_request(batch, after, b)
-            assert output[b, :len(expected)].tolist() == expected
-            assert (output[b, len(expected):] == PLACEHOLDER).all()
+            assert output[b, : len(expected)].tolist() == expected
+            assert (output[b, len(expected) :] == PLACEHOLDER).all()
 
 
 @pytest.mark.parametrize("counts", [[3], [2, 0, 1], [1, 3, 2, 3]])
@@ -89,16 +104,22 @@ def test_expected_accepted_is_each_request_s_own(counts):
     """The analytic score of the vLLM benchmark: per request, what blockspec.verify scores on that request alone,
     and the two rules differ (so a score of one rule under the other's name would fail)."""
     batch, _ = ragged_batch(counts, 5, torch.Generator().manual_seed(7), max_spec_len=4)
-    scored = expected_accepted_ragged(batch["draft_token_ids"], batch["num_draft_tokens"], batch["draft_probs"],
-                                      batch["target_probs"])
+    scored = expected_accepted_ragged(
+        batch["draft_token_ids"], batch["num_draft_tokens"], batch["draft_probs"], batch["target_probs"]
+    )
     start = 0
     for b, n in enumerate(counts):
         rows = slice(start, start + n)
         start += n
         target = torch.cat([batch["target_probs"][rows], torch.full((1, 5), 0.2, dtype=torch.float64)])[None]
         for method in ("token", "block"):
-            alone = expected_accepted(batch["draft_token_ids"][rows][None], batch["draft_probs"][rows][None], target,
-                                      method) if n else torch.zeros(1, dtype=torch.float64)
+            alone = (
+                expected_accepted(
+                    batch["draft_token_ids"][rows][None], batch["draft_probs"][rows][None], target, method
+                )
+                if n
+                else torch.zeros(1, dtype=torch.float64)
+            )
             assert torch.allclose(scored[method][b], alone[0], rtol=1e-12, atol=1e-12), (method, b)
     assert (scored["block"] - scored["token"]).abs().max() > 1e-3
 
@@ -118,8 +139,9 @@ def test_equal_drafts_are_laid_out_without_copies():
     assert torch.allclose(target_probs, logits.softmax(-1)) and has_spare_row(target_probs)
     assert not has_spare_row(target_probs.clone()) and not has_spare_row(target_probs.t())
     draft_probs = torch.rand(6, 5).softmax(-1)
-    tokens, draft, target, _ = padded_block(torch.tensor([1, 2, 3, 4, 0, 1]), torch.tensor([2, 2, 2]), draft_probs,
-                                            target_probs)
+    tokens, draft, target, _ = padded_block(
+        torch.tensor([1, 2, 3, 4, 0, 1]), torch.tensor([2, 2, 2]), draft_probs, target_probs
+    )
     assert tokens.tolist() == [[1, 2], [3, 4], [0, 1]] and draft.data_ptr() == draft_probs.data_ptr()
     assert target.data_ptr() == target_probs.data_ptr() and target.shape == (3, 3, 5)
     assert torch.equal(target[:, :2].reshape(6, 5), target_probs) and torch.allclose(target[2, 2], torch.tensor(0.2))
@@ -143,8 +165,15 @@ def first_token_counts(verify, samples: int, seed: int):
         uniforms = torch.rand(6, generator=generator, dtype=torch.float64)
         exponentials = torch.empty(3, 4, dtype=torch.float64).exponential_(generator=generator)
         bonus = torch.multinomial(after, 1, generator=generator)
-        output = verify(**{**batch, "draft_token_ids": draft, "uniforms": uniforms, "exponentials": exponentials,
-                           "bonus_token_ids": bonus})
+        output = verify(
+            **{
+                **batch,
+                "draft_token_ids": draft,
+                "uniforms": uniforms,
+                "exponentials": exponentials,
+                "bonus_token_ids": bonus,
+            }
+        )
         counts[output[1, 0]] += 1
     return counts, batch["target_probs"][1]  # request 1's first target row
 
@@ -179,8 +208,9 @@ def grammar_tables(seed: int) -> tuple[lawkit.Tables, lawkit.Tables, list[torch.
     allowed, target, draft = [], [], []
     for length in range(GRAMMAR_SPEC_LEN + 1):
         rows = GRAMMAR_VOCAB**length
-        forbidden = torch.nn.functional.one_hot(torch.randint(GRAMMAR_VOCAB, (rows,), generator=generator),
-                                                GRAMMAR_VOCAB)  # [rows, V]
+        forbidden = torch.nn.functional.one_hot(
+            torch.randint(GRAMMAR_VOCAB, (rows,), generator=generator), GRAMMAR_VOCAB
+        )  # [rows, V]
         forbids = (torch.rand(rows, generator=generator) < 0.4) | (length == 0)  # [rows]
         heavy = forbids & (torch.rand(rows, generator=generator) < 0.25)  # [rows]
         allowed.append(~(forbidden.bool() & forbids[:, None]))
@@ -202,8 +232,13 @@ def grammar_batch(seed: int, samples: int) -> tuple[dict, lawkit.Tables, torch.T
     drafted = raw.draw_blocks(samples, GRAMMAR_SPEC_LEN, generator)  # K tokens; request b keeps its first n_b
     grammar = lawkit.Tables(GRAMMAR_VOCAB, allowed, allowed)  # a table lookup: allowed sets after each context
     real = torch.arange(GRAMMAR_SPEC_LEN) < counts[:, None]  # [N, K]
-    ok = torch.stack([grammar.target_at(drafted[:, :i]).gather(1, drafted[:, i:i + 1]).squeeze(1)
-                      for i in range(GRAMMAR_SPEC_LEN)], dim=1)  # [N, K]: x_i is allowed after x_<i
+    ok = torch.stack(
+        [
+            grammar.target_at(drafted[:, :i]).gather(1, drafted[:, i : i + 1]).squeeze(1)
+            for i in range(GRAMMAR_SPEC_LEN)
+        ],
+        dim=1,
+    )  # [N, K]: x_i is allowed after x_<i
     alive = ok.cumprod(1).bool()  # [N, K]: x_1..x_i all allowed
     draft_probs, target_masked = masked.block_inputs(drafted)  # [N, K, V], [N, K+1, V]
     _, target_raw = raw.block_inputs(drafted)
@@ -213,11 +248,16 @@ def grammar_batch(seed: int, samples: int) -> tuple[dict, lawkit.Tables, torch.T
     target_probs = torch.where(valid_context[..., None], target_masked, target_raw)
     bonus = torch.multinomial(target_probs[torch.arange(samples), counts], 1, generator=generator)  # [N, 1]
     total = int(counts.sum())
-    batch = dict(draft_token_ids=drafted.masked_fill(~alive, PLACEHOLDER)[real], num_draft_tokens=counts,
-                 max_spec_len=GRAMMAR_SPEC_LEN, draft_probs=draft_probs[real], target_probs=target_probs[:, :-1][real],
-                 bonus_token_ids=bonus, uniforms=torch.rand(total, generator=generator, dtype=torch.float64),
-                 exponentials=torch.empty(samples, GRAMMAR_VOCAB, dtype=torch.float64).exponential_(
-                     generator=generator))
+    batch = dict(
+        draft_token_ids=drafted.masked_fill(~alive, PLACEHOLDER)[real],
+        num_draft_tokens=counts,
+        max_spec_len=GRAMMAR_SPEC_LEN,
+        draft_probs=draft_probs[real],
+        target_probs=target_probs[:, :-1][real],
+        bonus_token_ids=bonus,
+        uniforms=torch.rand(total, generator=generator, dtype=torch.float64),
+        exponentials=torch.empty(samples, GRAMMAR_VOCAB, dtype=torch.float64).exponential_(generator=generator),
+    )
     return batch, masked, (real & ~alive).any(1)
 
 
@@ -263,11 +303,16 @@ def test_refused_drafts_keep_the_masked_target_law(verify, passes):
 def sv_for_vllm(max_draft: int) -> SVPolicy:
     """The plugin's kind of SVPolicy (ragged, whole drafts, draft-only predictor), with hand-set weights."""
     predictor = Predictor(DRAFT_FEATURES, (1.0, -0.5, -0.5, 1.0, 0.4))
-    profile = Profile("target", "draft", None, {"temperature": 1.0, "top_k": 0, "top_p": 1.0},
-                      {"block": {"draft": predictor}}, {"block": [0.9] * max_draft})
+    profile = Profile(
+        "target",
+        "draft",
+        None,
+        {"temperature": 1.0, "top_k": 0, "top_p": 1.0},
+        {"block": {"draft": predictor}},
+        {"block": [0.9] * max_draft},
+    )
     latency = LatencyProfile(LatencyTable((1,), (1, 2), ((1.0, 1.5),)), LatencyTable((1,), (1,), ((0.1,),)), None, {})
-    return SVPolicy(profile, latency, method="block", max_draft=max_draft, kind="draft", ragged=True,
-                    whole_drafts=True)
+    return SVPolicy(profile, latency, method="block", max_draft=max_draft, kind="draft", ragged=True, whole_drafts=True)
 
 
 @pytest.mark.parametrize("counts", [[3, 0, 1, 2], [2, 2, 2], [4, 1], [0, 3], [1, 0]])
@@ -290,8 +335,14 @@ def test_sv_learns_from_a_ragged_step_what_it_learns_from_each_request_alone(cou
             gains = position_gains(tokens, draft, batch["target_probs"][rows][None], "block")
             predicted = policy.predict("draft", draft_features(draft, prefix_logprob(tokens, draft)))
             differences.append((gains - predicted)[0])
-    plugin.learn_from_verification(policy, batch["draft_token_ids"], batch["num_draft_tokens"], sampled,
-                                   batch["draft_probs"], batch["target_probs"])
+    plugin.learn_from_verification(
+        policy,
+        batch["draft_token_ids"],
+        batch["num_draft_tokens"],
+        sampled,
+        batch["draft_probs"],
+        batch["target_probs"],
+    )
     expected = policy.rate * float(torch.cat(differences).mean()) if differences else 0.0
     assert policy.offsets["draft"] == pytest.approx(expected, rel=1e-9, abs=1e-12)
     assert plugin.CUT["offset"] == policy.offsets["draft"]

@@ -10,12 +10,23 @@ from blockspec.vllm import plugin
 READERS = {"SWITCH": plugin.requested_rule, "CUT_SWITCH": plugin.min_draft_prob, "SV_SWITCH": plugin.sv_profiles}
 
 
-@pytest.mark.parametrize(("switch", "value", "read"), [
-    ("SWITCH", None, None), ("SWITCH", "", None), ("SWITCH", "off", None), ("SWITCH", " Block ", "block"),
-    ("SWITCH", "token", "token"),
-    ("CUT_SWITCH", None, None), ("CUT_SWITCH", "", None), ("CUT_SWITCH", "0.5", 0.5), ("CUT_SWITCH", "1", 1.0),
-    ("SV_SWITCH", None, None), ("SV_SWITCH", " ", None), ("SV_SWITCH", "a/c.json:b/l.json", ("a/c.json", "b/l.json")),
-])
+@pytest.mark.parametrize(
+    ("switch", "value", "read"),
+    [
+        ("SWITCH", None, None),
+        ("SWITCH", "", None),
+        ("SWITCH", "off", None),
+        ("SWITCH", " Block ", "block"),
+        ("SWITCH", "token", "token"),
+        ("CUT_SWITCH", None, None),
+        ("CUT_SWITCH", "", None),
+        ("CUT_SWITCH", "0.5", 0.5),
+        ("CUT_SWITCH", "1", 1.0),
+        ("SV_SWITCH", None, None),
+        ("SV_SWITCH", " ", None),
+        ("SV_SWITCH", "a/c.json:b/l.json", ("a/c.json", "b/l.json")),
+    ],
+)
 def test_what_each_switch_reads(monkeypatch, switch, value, read):
     if value is None:
         monkeypatch.delenv(getattr(plugin, switch), raising=False)
@@ -24,9 +35,20 @@ def test_what_each_switch_reads(monkeypatch, switch, value, read):
     assert READERS[switch]() == read
 
 
-@pytest.mark.parametrize(("switch", "value"), [("SWITCH", "blocks"), ("CUT_SWITCH", "0"), ("CUT_SWITCH", "1.5"),
-                                               ("CUT_SWITCH", "-0.2"), ("CUT_SWITCH", "half"), ("CUT_SWITCH", "nan"),
-                                               ("SV_SWITCH", "c.json"), ("SV_SWITCH", "c.json:"), ("SV_SWITCH", "a:b:c")])
+@pytest.mark.parametrize(
+    ("switch", "value"),
+    [
+        ("SWITCH", "blocks"),
+        ("CUT_SWITCH", "0"),
+        ("CUT_SWITCH", "1.5"),
+        ("CUT_SWITCH", "-0.2"),
+        ("CUT_SWITCH", "half"),
+        ("CUT_SWITCH", "nan"),
+        ("SV_SWITCH", "c.json"),
+        ("SV_SWITCH", "c.json:"),
+        ("SV_SWITCH", "a:b:c"),
+    ],
+)
 def test_unusable_values_are_refused_by_name(monkeypatch, switch, value):
     name = getattr(plugin, switch)
     monkeypatch.setenv(name, value)

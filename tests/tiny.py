@@ -15,11 +15,21 @@ def tiny_model(*, family: str = "qwen2", layers: int = 2, seed: int = 0, vocab: 
     """A float32 causal LM with a small vocabulary; ``sharpness`` scales the output head (peakier laws)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    config_class, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[family]
+    config_class, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[
+        family
+    ]
     config = config_class(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, eos_token_id=vocab - 1, bos_token_id=0,
-        pad_token_id=0, tie_word_embeddings=False,
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=vocab - 1,
+        bos_token_id=0,
+        pad_token_id=0,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
     model = model_class(config).float().eval()
@@ -46,8 +56,9 @@ def tiny_tokenizer(vocab: int = VOCAB):
     from transformers import Qwen2Tokenizer
 
     symbols = ["\u0120"] + list(string.ascii_letters[: vocab - 2]) + ["<eos>"]  # \u0120 is byte-level's space
-    return Qwen2Tokenizer(vocab={s: i for i, s in enumerate(symbols)}, merges=[], unk_token=None,
-                          eos_token="<eos>", pad_token="\u0120")
+    return Qwen2Tokenizer(
+        vocab={s: i for i, s in enumerate(symbols)}, merges=[], unk_token=None, eos_token="<eos>", pad_token="\u0120"
+    )
 
 
 def save_tiny(path, *, seed: int = 0, sharpness: float = 5.0, noise: float = 0.0) -> str:
@@ -60,8 +71,9 @@ def save_tiny(path, *, seed: int = 0, sharpness: float = 5.0, noise: float = 0.0
     return str(path)
 
 
-def exact_law_of_first_tokens(model, prompt: list[int], length: int, repetition_penalty: float = 1.0,
-                              allowed: list[int] | None = None) -> torch.Tensor:
+def exact_law_of_first_tokens(
+    model, prompt: list[int], length: int, repetition_penalty: float = 1.0, allowed: list[int] | None = None
+) -> torch.Tensor:
     """The target's exact joint law of its first ``length`` tokens, [V] * length, from its conditionals; with
     vLLM's repetition penalty, a logit of a token already in the context is divided by the penalty if positive,
     multiplied by it otherwise; with ``allowed``, each conditional restricted to those tokens (a grammar that
@@ -71,7 +83,9 @@ def exact_law_of_first_tokens(model, prompt: list[int], length: int, repetition_
     with torch.no_grad():
         for i in range(length):
             prefixes = torch.tensor(list(itertools.product(range(vocab), repeat=i)), dtype=torch.long)
-            contexts = torch.cat([torch.tensor(prompt).expand(len(prefixes), -1), prefixes.reshape(len(prefixes), i)], 1)
+            contexts = torch.cat(
+                [torch.tensor(prompt).expand(len(prefixes), -1), prefixes.reshape(len(prefixes), i)], 1
+            )
             logits = model(contexts).logits[:, -1].double()
             seen = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, contexts, True)
             penalised = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)

@@ -15,12 +15,11 @@ which is the order a drafter draws them in (a parent before its children, siblin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
-
-import torch
 
 import lawkit
+import torch
 
 SCHEMES = ("iid", "distinct")
 
@@ -114,8 +113,9 @@ def _compact(tables, parents, paths, tokens, kept, prob) -> Trees:
     count, slots = tokens.shape
     vocab = tables.vocab
     rows_of = [tables.draft_at, tables.target_at]
-    slot_rows = [torch.stack([at(tokens[:, [s - 1 for s in paths[slot]]]) for slot in range(slots + 1)], 1)
-                 for at in rows_of]  # [T, S+1, V]: after each slot's path
+    slot_rows = [
+        torch.stack([at(tokens[:, [s - 1 for s in paths[slot]]]) for slot in range(slots + 1)], 1) for at in rows_of
+    ]  # [T, S+1, V]: after each slot's path
     order = torch.sort((~kept).long(), dim=1, stable=True).indices  # kept slots first, in slot order
     new_id = kept.long().cumsum(1) * kept  # [T, S]: 1..n for kept slots
     parent_slot = torch.tensor(parents, dtype=torch.long).expand(count, slots)
@@ -147,8 +147,9 @@ def all_trees(tables: lawkit.Tables, shape: tuple[int, ...], scheme: str, *, pru
     return trees
 
 
-def sample_trees(tables: lawkit.Tables, shape: tuple[int, ...], scheme: str, count: int,
-                 generator: torch.Generator) -> Trees:
+def sample_trees(
+    tables: lawkit.Tables, shape: tuple[int, ...], scheme: str, count: int, generator: torch.Generator
+) -> Trees:
     """``count`` trees drawn from the draft as a drafter would (each with prob 1)."""
 
     def one_token(q, live):
@@ -187,8 +188,9 @@ def node_codes(trees: Trees, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
         live = node <= trees.num_nodes
         parent = trees.parents[:, node - 1].clamp(min=0)
         depth[:, node] = torch.where(live, depth.gather(1, parent[:, None]).squeeze(1) + 1, 0)
-        code[:, node] = torch.where(live, code.gather(1, parent[:, None]).squeeze(1) * vocab
-                                    + trees.draft_tokens[:, node - 1], 0)
+        code[:, node] = torch.where(
+            live, code.gather(1, parent[:, None]).squeeze(1) * vocab + trees.draft_tokens[:, node - 1], 0
+        )
     return depth, code
 
 
@@ -221,18 +223,32 @@ def complete(tables: lawkit.Tables, prefix: torch.Tensor, known: int, length: in
     return law
 
 
-def sample_emissions(tables: lawkit.Tables, trees: Trees, verifier: Callable, length: int,
-                     generator: torch.Generator, *, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def sample_emissions(
+    tables: lawkit.Tables,
+    trees: Trees,
+    verifier: Callable,
+    length: int,
+    generator: torch.Generator,
+    *,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
     """Counts [V] * length of one batched call ``verifier(*trees.inputs, num_nodes=, generator=)`` on ``trees``,
     each emission completed with exact target samples."""
     draft_tokens, parents, draft_probs, target_probs = trees.inputs
-    out = verifier(draft_tokens, parents, draft_probs.to(dtype), target_probs.to(dtype), num_nodes=trees.num_nodes,
-                   generator=generator)
+    out = verifier(
+        draft_tokens,
+        parents,
+        draft_probs.to(dtype),
+        target_probs.to(dtype),
+        num_nodes=trees.num_nodes,
+        generator=generator,
+    )
     sequences = torch.nn.functional.pad(out.tokens, (0, max(0, length - out.tokens.shape[1])), value=-1)[:, :length]
     for position in range(length):
         missing = position > out.num_accepted
         if bool(missing.any()):
             context = sequences[missing, :position]
-            sequences[missing, position] = torch.multinomial(tables.target_at(context), 1,
-                                                             generator=generator).squeeze(1)
+            sequences[missing, position] = torch.multinomial(tables.target_at(context), 1, generator=generator).squeeze(
+                1
+            )
     return lawkit.joint_counts(sequences, tables.vocab)

@@ -12,9 +12,8 @@ test_engine_stock.py runs the same law test on vLLM CPU as shipped, which must f
 from __future__ import annotations
 
 import pytest
-import torch
-
 import tinyvllm
+import torch
 
 from blockspec.vllm import plugin
 
@@ -72,6 +71,7 @@ def test_seeded_first_tokens_follow_the_target(llm, target, drafts):
 def test_a_seeded_request_s_tokens_depend_on_its_seed_alone(llm):
     """The same seeded request gives the same tokens after unseeded requests moved the engine's global generator.
     With vLLM's own draft sampler put back in the worker (drafts from the global generator) it does not."""
+
     def seeded_after_traffic(rounds: int) -> list[list[int]]:
         outputs = []
         for _ in range(rounds):
@@ -109,8 +109,9 @@ def test_a_seeded_request_s_tokens_do_not_depend_on_prefill_chunks(llm, chunk_dr
         llm.collective_rpc(tinyvllm.chunk_sampler, args=("apart",))
     if chunk_draws == "apart":  # some prompt was chunked (without a chunk, "consumed" could not fail)
         assert plugin.check(llm, "block")[0]["chunks"]["drawn apart"] > before
-    alone = [tinyvllm.continuations(llm, [prompt], 8, [seed], temperature=2.0)[0]
-             for prompt, seed in zip(prompts, seeds)]
+    alone = [
+        tinyvllm.continuations(llm, [prompt], 8, [seed], temperature=2.0)[0] for prompt, seed in zip(prompts, seeds)
+    ]
     differ = sum(a != b for a, b in zip(together, alone))
     assert (differ == 0) == (chunk_draws == "apart")
 
@@ -174,14 +175,16 @@ def test_logprobs_are_the_target_s(llm, target):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=tinyvllm.PROMPT)] * 20,
-                           SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, logprobs=5),
-                           use_tqdm=False)
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=tinyvllm.PROMPT)] * 20,
+        SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, logprobs=5),
+        use_tqdm=False,
+    )
     model = tinyvllm.load(target)
     for output in outputs:
         tokens = list(output.outputs[0].token_ids)
         with torch.no_grad():
-            logits = model(torch.tensor([tinyvllm.PROMPT + tokens])).logits[0, len(tinyvllm.PROMPT) - 1:-1]
+            logits = model(torch.tensor([tinyvllm.PROMPT + tokens])).logits[0, len(tinyvllm.PROMPT) - 1 : -1]
         expected = logits.double().log_softmax(-1)
         for position, (token, top) in enumerate(zip(tokens, output.outputs[0].logprobs)):
             assert abs(top[token].logprob - float(expected[position, token])) < 1e-3
@@ -199,8 +202,9 @@ def test_structured_outputs_with_sampled_drafts_are_refused(llm):
     choice = StructuredOutputsParams(choice=["w3", "w5"])  # token ids 5 and 7
     with pytest.raises(ValueError, match="structured outputs at temperature > 0"):
         llm.generate(prompt, SamplingParams(temperature=1.0, max_tokens=2, structured_outputs=choice), use_tqdm=False)
-    greedy = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2, structured_outputs=choice),
-                          use_tqdm=False)
+    greedy = llm.generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=2, structured_outputs=choice), use_tqdm=False
+    )
     assert greedy[0].outputs[0].token_ids[0] in (5, 7)
 
 
@@ -219,8 +223,11 @@ def grammar_samples(llm, monkeypatch):
     monkeypatch.setattr(InputProcessor, "_validate_params", stock)
     grammar = StructuredOutputsParams(regex=f"({words}){{{LENGTH}}}")
     sequences = tinyvllm.first_tokens(llm, SAMPLES, LENGTH, temperature=1.0, structured_outputs=grammar)
-    complete = [sequence for sequence in sequences
-                if len(sequence) == LENGTH and all(token in GRAMMAR_WORDS for token in sequence)]
+    complete = [
+        sequence
+        for sequence in sequences
+        if len(sequence) == LENGTH and all(token in GRAMMAR_WORDS for token in sequence)
+    ]
     assert len(complete) >= 0.99 * len(sequences)
     return complete
 
@@ -258,8 +265,9 @@ def test_the_latency_profile_times_every_verification_width(llm, tmp_path):
     from blockspec.policy.latency import LatencyProfile
     from blockspec.vllm import profile
 
-    measured = profile.profile(llm, "target", "draft", "float32", [1, 2], max_draft=2, context=8, repeats=4,
-                               log=lambda line: None)
+    measured = profile.profile(
+        llm, "target", "draft", "float32", [1, 2], max_draft=2, context=8, repeats=4, log=lambda line: None
+    )
     measured.save(tmp_path / "latency.json")
     loaded = LatencyProfile.load(tmp_path / "latency.json")
     assert (loaded.target.batch_sizes, loaded.target.tokens) == ((1, 2), (1, 2, 3))

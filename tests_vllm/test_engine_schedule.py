@@ -8,7 +8,6 @@ token's own probability (broken) must fail the same test in the same traffic.
 from __future__ import annotations
 
 import pytest
-
 import tinyvllm
 
 from blockspec.vllm import plugin

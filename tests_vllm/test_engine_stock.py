@@ -6,7 +6,6 @@ seeded request whose prompt is prefilled in chunks kills the engine, which the p
 from __future__ import annotations
 
 import pytest
-
 import tinyvllm
 from test_engine_block import LENGTH, SAMPLES
 

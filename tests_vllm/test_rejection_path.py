@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import warnings
 
+import lawkit
 import pytest
 import torch
-
-import lawkit
 from vllmkit import Batch, OneStep, configure, emitted
 
 from blockspec.verify import accepted_length_law
@@ -126,7 +125,7 @@ def test_mixed_batch_greedy_rows_and_the_draws_are_vllm_s(tables):
         tokens = batch.run(generators=generators).sampled_token_ids
         states = {b: g.get_state() for b, g in generators.items()}
         runs.setdefault(rule, []).append((tokens, states, torch.get_rng_state()))
-    (token_out, token_states, token_global), = runs["token"]
+    ((token_out, token_states, token_global),) = runs["token"]
     (block_out, block_states, block_global), (again, _, _) = runs["block"]
     greedy = [b for b, t in enumerate(batch.temperature) if t == 0]
     assert torch.equal(block_out[greedy], token_out[greedy])

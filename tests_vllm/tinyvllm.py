@@ -12,9 +12,8 @@ import collections
 import dataclasses
 from pathlib import Path
 
-import torch
-
 import lawkit
+import torch
 from tiny import exact_law_of_first_tokens
 
 VOCAB = 16
@@ -35,10 +34,20 @@ def model(seed: int, noise: float = 0.0, base_seed: int | None = None):
     """A float32 Llama; with ``noise``, the model of ``base_seed`` with Gaussian noise on every weight."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                         bos_token_id=0, eos_token_id=1, pad_token_id=0, tie_word_embeddings=False,
-                         torch_dtype="float32")
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
     torch.manual_seed(seed if base_seed is None else base_seed)
     built = LlamaForCausalLM(config).float().eval()
     with torch.no_grad():
@@ -67,8 +76,9 @@ def load(path: str):
     return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def exact_law(path: str, length: int, repetition_penalty: float = 1.0,
-              allowed: list[int] | None = None) -> torch.Tensor:
+def exact_law(
+    path: str, length: int, repetition_penalty: float = 1.0, allowed: list[int] | None = None
+) -> torch.Tensor:
     """The saved model's exact joint law of its first ``length`` tokens after PROMPT, [V] * length float64 (with
     ``allowed``: restricted to those tokens at every position)."""
     return exact_law_of_first_tokens(load(path), PROMPT, length, repetition_penalty, allowed)
@@ -80,7 +90,7 @@ def greedy_continuation(path: str, length: int) -> list[int]:
     with torch.no_grad():
         for _ in range(length):
             tokens.append(int(built(torch.tensor([tokens])).logits[0, -1].argmax()))
-    return tokens[len(PROMPT):]
+    return tokens[len(PROMPT) :]
 
 
 def law_test(sequences, law: torch.Tensor) -> lawkit.ChiSquare:
@@ -90,8 +100,13 @@ def law_test(sequences, law: torch.Tensor) -> lawkit.ChiSquare:
     return lawkit.chi_square(lawkit.pool_cells(counts, groups), lawkit.pool_cells(law, groups))
 
 
-def start(directory: Path, rule: str | None, num_speculative_tokens: int = 2,
-          schedule: list[tuple[int, int, int]] | None = None, **engine):
+def start(
+    directory: Path,
+    rule: str | None,
+    num_speculative_tokens: int = 2,
+    schedule: list[tuple[int, int, int]] | None = None,
+    **engine,
+):
     """vLLM's offline engine on the tiny pair, float32, drafting with probabilities (``num_speculative_tokens`` 0:
     the target alone; ``schedule``: vLLM's batch-size schedule of K, ``num_speculative_tokens_per_batch_size``);
     the worker process inherits ``BLOCKSPEC_VLLM_RULE`` = ``rule`` (None: unset, vLLM as shipped). ``engine``:
@@ -107,11 +122,23 @@ def start(directory: Path, rule: str | None, num_speculative_tokens: int = 2,
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # lets the tests send functions to the worker (below)
     try:
-        speculative = {"method": "draft_model", "model": draft, "num_speculative_tokens": num_speculative_tokens,
-                       "draft_sample_method": "probabilistic", "rejection_sample_method": "standard",
-                       "num_speculative_tokens_per_batch_size": schedule}
-        return LLM(model=target, dtype="float32", max_model_len=64, seed=0, enforce_eager=True,
-                   speculative_config=speculative if num_speculative_tokens else None, **engine)
+        speculative = {
+            "method": "draft_model",
+            "model": draft,
+            "num_speculative_tokens": num_speculative_tokens,
+            "draft_sample_method": "probabilistic",
+            "rejection_sample_method": "standard",
+            "num_speculative_tokens_per_batch_size": schedule,
+        }
+        return LLM(
+            model=target,
+            dtype="float32",
+            max_model_len=64,
+            seed=0,
+            enforce_eager=True,
+            speculative_config=speculative if num_speculative_tokens else None,
+            **engine,
+        )
     finally:
         os.environ.pop("BLOCKSPEC_VLLM_RULE", None)
 
@@ -122,15 +149,18 @@ def long_prompts(count: int, length: int, seed: int) -> list[list[int]]:
     return torch.randint(2, VOCAB, (count, length), generator=generator).tolist()
 
 
-def continuations(llm, prompts: list[list[int]], length: int, seeds: list[int] | None = None,
-                  **params) -> list[list[int]]:
+def continuations(
+    llm, prompts: list[list[int]], length: int, seeds: list[int] | None = None, **params
+) -> list[list[int]]:
     """One request per prompt, all submitted at once, ``length`` tokens each (EOS ignored); with ``seeds``,
     request i has seed ``seeds[i]``. Their tokens."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = [SamplingParams(max_tokens=length, ignore_eos=True, seed=seed, **params)
-              for seed in (seeds or [None] * len(prompts))]
+    params = [
+        SamplingParams(max_tokens=length, ignore_eos=True, seed=seed, **params)
+        for seed in (seeds or [None] * len(prompts))
+    ]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=prompt) for prompt in prompts], params, use_tqdm=False)
     return [list(output.outputs[0].token_ids) for output in outputs]
 
@@ -153,8 +183,11 @@ def arriving_first_tokens(llm, samples: int, length: int, arrivals: int, seed: i
     while len(finished) < samples:
         arriving = draw.randint(0 if engine.has_unfinished_requests() else 1, arrivals)  # a step waits for work
         for _ in range(min(arriving, samples - submitted)):
-            engine.add_request(f"arriving-{submitted}", TokensPrompt(prompt_token_ids=PROMPT),
-                               SamplingParams(max_tokens=length, ignore_eos=True, **params))
+            engine.add_request(
+                f"arriving-{submitted}",
+                TokensPrompt(prompt_token_ids=PROMPT),
+                SamplingParams(max_tokens=length, ignore_eos=True, **params),
+            )
             submitted += 1
         for output in engine.step():
             if output.finished:
@@ -194,16 +227,21 @@ def draft_sampler(worker, kind: str) -> None:
 
     from blockspec.vllm import plugin
 
-    samplers = {"request seeds": plugin.draft_with_request_seeds, "global": plugin.draft_with_request_seeds.stock,
-                "replayed": replayed_draws}
+    samplers = {
+        "request seeds": plugin.draft_with_request_seeds,
+        "global": plugin.draft_with_request_seeds.stock,
+        "replayed": replayed_draws,
+    }
     SpecDecodeBaseProposer._sample_from_logits = samplers[kind]
 
 
 def replayed_draws(self, logits, sampling_metadata):
     from blockspec.vllm import plugin
 
-    generators = {request: torch.Generator().set_state(generator.get_state())
-                  for request, generator in sampling_metadata.generators.items()}
+    generators = {
+        request: torch.Generator().set_state(generator.get_state())
+        for request, generator in sampling_metadata.generators.items()
+    }
     return plugin.draft_with_request_seeds(self, logits, dataclasses.replace(sampling_metadata, generators=generators))
 
 
@@ -242,8 +280,10 @@ def draft_cut(worker, min_prob: float | None, kind: str) -> None:
     from blockspec.vllm import plugin
 
     plugin.CUT["min_prob"] = min_prob
-    GPUModelRunner.propose_draft_token_ids = {"top probability": plugin.plan_drafts,
-                                              "drafted token's probability": cut_by_drafted_token}[kind]
+    GPUModelRunner.propose_draft_token_ids = {
+        "top probability": plugin.plan_drafts,
+        "drafted token's probability": cut_by_drafted_token,
+    }[kind]
 
 
 def cut_by_drafted_token(self, *args, **kwargs):
@@ -252,7 +292,7 @@ def cut_by_drafted_token(self, *args, **kwargs):
     drafts = plugin.plan_drafts.stock(self, *args, **kwargs)
     if not torch.is_tensor(drafts) or self._draft_probs is None:
         return drafts
-    probs = self._draft_probs[:len(drafts), :drafts.shape[1]]
+    probs = self._draft_probs[: len(drafts), : drafts.shape[1]]
     drawn = probs.gather(-1, drafts.long()[..., None]).squeeze(-1)
     lengths = (drawn >= plugin.CUT["min_prob"]).cumprod(-1).sum(-1).tolist()
     return [row[:length] for row, length in zip(drafts.tolist(), lengths)]
@@ -270,12 +310,18 @@ def sv_profiles(directory: Path, drafting: float, prior: float) -> tuple[str, st
 
     weights = dict.fromkeys(DRAFT_FEATURES, 0.0) | {"bias": 12.0, "log_max_prob": 10.0}  # logit 10 log(m / 0.3)
     sampling = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
-    calibration = Profile("target", "draft", None, sampling,
-                          {"block": {"draft": Predictor(DRAFT_FEATURES, tuple(weights.values()))}},
-                          {"block": [prior, prior]})
+    calibration = Profile(
+        "target",
+        "draft",
+        None,
+        sampling,
+        {"block": {"draft": Predictor(DRAFT_FEATURES, tuple(weights.values()))}},
+        {"block": [prior, prior]},
+    )
     steps = LatencyTable((1, 64), (1, 2, 3), ((1.0, 1.2, 1.4), (1.0, 1.2, 1.4)))
-    latency = LatencyProfile(steps, LatencyTable((1, 64), (1,), ((drafting,), (drafting,))), None,
-                             dict.fromkeys(META_FIELDS, "tiny"))
+    latency = LatencyProfile(
+        steps, LatencyTable((1, 64), (1,), ((drafting,), (drafting,))), None, dict.fromkeys(META_FIELDS, "tiny")
+    )
     paths = str(directory / "calibration.json"), str(directory / "latency.json")
     calibration.save(paths[0])
     latency.save(paths[1])
@@ -304,7 +350,7 @@ def sv_reading_x_i(self, scheduler_output, *args, **kwargs):
     if not torch.is_tensor(drafts) or self._draft_probs is None:
         return drafts
     drafts = drafts.long()
-    probs = self._draft_probs[:len(drafts), :drafts.shape[1]]
+    probs = self._draft_probs[: len(drafts), : drafts.shape[1]]
     features = draft_features(probs, prefix_logprob(drafts, probs))
     drawn = probs.gather(-1, drafts[..., None]).squeeze(-1)
     features[..., DRAFT_FEATURES.index("log_max_prob")] = drawn.clamp(min=1e-6).log()  # THE BREAK
@@ -319,5 +365,6 @@ def verification_rule(worker, rule: str) -> None:
 
     from blockspec.vllm import plugin
 
-    sampler.rejection_sample = {"block": plugin.block_rejection_sample,
-                                "token": plugin.block_rejection_sample.stock}[rule]
+    sampler.rejection_sample = {"block": plugin.block_rejection_sample, "token": plugin.block_rejection_sample.stock}[
+        rule
+    ]

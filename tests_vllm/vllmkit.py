@@ -16,7 +16,6 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-
 import vllm.utils.cpu_triton_utils as cpu_kernels
 import vllm.v1.sample.rejection_sampler as sampler
 from vllm.platforms.cpu import CpuPlatform
@@ -47,8 +46,12 @@ def configure(rule: str) -> None:
     plugin.register()  # keeps the stock rule for the greedy and probability-less paths
     os.environ.pop(plugin.SWITCH)
     EXPAND[0] = STOCK_EXPAND if rule == "stock" else plugin.expand_in_place
-    sampler.rejection_sample = {"stock": STOCK_RULE, "token": STOCK_RULE, "block": plugin.block_rejection_sample,
-                                **BROKEN}[rule]
+    sampler.rejection_sample = {
+        "stock": STOCK_RULE,
+        "token": STOCK_RULE,
+        "block": plugin.block_rejection_sample,
+        **BROKEN,
+    }[rule]
 
 
 def temperature_twice(*args, **kwargs):
@@ -94,26 +97,39 @@ class Batch:
         starts = (cu_sampled - torch.tensor(counts) - 1).tolist()
         spec = SpecDecodeMetadata(
             draft_token_ids=torch.tensor(sum(self.drafts, []), dtype=torch.int32),
-            num_draft_tokens=counts, cu_num_draft_tokens=cu_draft, cu_num_sampled_tokens=cu_sampled,
-            target_logits_indices=torch.tensor([s + j for s, n in zip(starts, counts) for j in range(n)],
-                                               dtype=torch.int32),
+            num_draft_tokens=counts,
+            cu_num_draft_tokens=cu_draft,
+            cu_num_sampled_tokens=cu_sampled,
+            target_logits_indices=torch.tensor(
+                [s + j for s, n in zip(starts, counts) for j in range(n)], dtype=torch.int32
+            ),
             bonus_logits_indices=torch.tensor([s + n for s, n in zip(starts, counts)], dtype=torch.int32),
-            logits_indices=torch.arange(total + batch, dtype=torch.int32))
+            logits_indices=torch.arange(total + batch, dtype=torch.int32),
+        )
         temperature = torch.tensor(self.temperature, dtype=torch.float32)
         greedy = temperature == 0
         if generators is None:
             generators = {b: torch.Generator().manual_seed(s) for b, s in self.seeds.items()}
         history = self.history or [[] for _ in range(batch)]
         metadata = SamplingMetadata(
-            temperature=temperature, all_greedy=bool(greedy.all()), all_random=not bool(greedy.any()),
-            top_p=None, top_k=None, generators=generators, max_num_logprobs=max_num_logprobs,
+            temperature=temperature,
+            all_greedy=bool(greedy.all()),
+            all_random=not bool(greedy.any()),
+            top_p=None,
+            top_k=None,
+            generators=generators,
+            max_num_logprobs=max_num_logprobs,
             no_penalties=self.repetition_penalty == 1.0,
-            prompt_token_ids=torch.full((batch, 1), -1, dtype=torch.long) if self.repetition_penalty != 1.0
-            else None,
-            frequency_penalties=torch.zeros(batch), presence_penalties=torch.zeros(batch),
+            prompt_token_ids=torch.full((batch, 1), -1, dtype=torch.long) if self.repetition_penalty != 1.0 else None,
+            frequency_penalties=torch.zeros(batch),
+            presence_penalties=torch.zeros(batch),
             repetition_penalties=torch.full((batch,), self.repetition_penalty),
-            output_token_ids=history, allowed_token_ids_mask=None, bad_words_token_ids={},
-            logitsprocs=LogitsProcessors(), spec_token_ids=self.drafts)
+            output_token_ids=history,
+            allowed_token_ids_mask=None,
+            bad_words_token_ids={},
+            logitsprocs=LogitsProcessors(),
+            spec_token_ids=self.drafts,
+        )
         rejection_sampler = sampler.RejectionSampler(Sampler())
         return rejection_sampler(spec, self.draft_probs, self.logits.clone(), metadata)
 
@@ -133,8 +149,11 @@ class OneStep:
     def __call__(self, draft_tokens, draft_probs, target_probs, generator=None):
         rows, width, vocab = draft_probs.shape
         logits = (self.temperature * target_probs.log()).reshape(rows * (width + 1), vocab).float()
-        batch = Batch(drafts=draft_tokens.tolist(),
-                      draft_probs=draft_probs.reshape(rows * width, vocab).float() if self.with_draft_probs else None,
-                      logits=logits, temperature=[self.temperature] * rows)
+        batch = Batch(
+            drafts=draft_tokens.tolist(),
+            draft_probs=draft_probs.reshape(rows * width, vocab).float() if self.with_draft_probs else None,
+            logits=logits,
+            temperature=[self.temperature] * rows,
+        )
         tokens = batch.run().sampled_token_ids.long()
         return VerifyOutput(tokens, (tokens != sampler.PLACEHOLDER_TOKEN_ID).sum(-1) - 1)

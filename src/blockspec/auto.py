@@ -30,7 +30,7 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -80,16 +80,24 @@ def choose_arithmetic(device: torch.device | str = "cpu", *, refresh: bool = Fal
     dtype = min(("bfloat16", "float32"), key=lambda d: ms[d]["1"])
     quant = "int8" if "int8" in ms and ms["int8"]["1"] * INT8_MARGIN <= ms[dtype]["1"] else None
     flags = ",".join(machine.cpu_flags()) or "no AVX2/AVX-512 flags"
-    reason = (f"CPU ({flags}; native bfloat16: {native_bf16()}): a 1-token pass costs "
-              + ", ".join(f"{d} {v['1']:.1f} ms" for d, v in ms.items())
-              + f" -> {dtype}" + (", int8 draft" if quant else ", unquantized draft"))
+    reason = (
+        f"CPU ({flags}; native bfloat16: {native_bf16()}): a 1-token pass costs "
+        + ", ".join(f"{d} {v['1']:.1f} ms" for d, v in ms.items())
+        + f" -> {dtype}"
+        + (", int8 draft" if quant else ", unquantized draft")
+    )
     return Arithmetic(dtype, quant, reason, ms)
 
 
 def cpu_probe(*, refresh: bool = False) -> dict:
     """Milliseconds per pass of PROBE_TOKENS tokens through the probe's matrices, by arithmetic; cached."""
-    key = {"schema": PROBE_SCHEMA, "cpu_flags": machine.cpu_flags(), "threads": torch.get_num_threads(),
-           "torch": torch.__version__, "processor": platform.processor() or platform.machine()}
+    key = {
+        "schema": PROBE_SCHEMA,
+        "cpu_flags": machine.cpu_flags(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "processor": platform.processor() or platform.machine(),
+    }
     path = _probe_path(key)
     if path.is_file() and not refresh:
         try:
@@ -102,8 +110,9 @@ def cpu_probe(*, refresh: bool = False) -> dict:
     ms = _measure()
     others = machine.others_load(start, machine.cpu_clock())["others_cores"]
     if others is not None and others > BUSY_CORES:  # a busy machine times every arithmetic wrong: do not keep it
-        log.warning("other processes kept %.1f cores busy during the arithmetic probe: using it for this run only",
-                    others)
+        log.warning(
+            "other processes kept %.1f cores busy during the arithmetic probe: using it for this run only", others
+        )
         return ms
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{id(ms)}")
@@ -122,8 +131,9 @@ def _measure(repeats: int = 5) -> dict:
     from .models.quant import quantize
 
     generator = torch.Generator().manual_seed(0)
-    layers = torch.nn.Sequential(*[torch.nn.Linear(PROBE_SHAPE[1], PROBE_SHAPE[0], bias=False)
-                                   for _ in range(PROBE_MATRICES)])
+    layers = torch.nn.Sequential(
+        *[torch.nn.Linear(PROBE_SHAPE[1], PROBE_SHAPE[0], bias=False) for _ in range(PROBE_MATRICES)]
+    )
     for layer in layers:
         layer.weight.normal_(generator=generator)
     variants = {"bfloat16": list(copy.deepcopy(layers).bfloat16()), "float32": list(layers)}
@@ -131,9 +141,13 @@ def _measure(repeats: int = 5) -> dict:
         variants["int8"] = list(quantize(copy.deepcopy(layers), "int8"))
     except RuntimeError as error:  # a torch without the int8 kernels: the float dtypes still decide
         log.info("int8 probe skipped: %s", error)
-    inputs = {(name, n): torch.randn(n, PROBE_SHAPE[1], generator=generator,
-                                     dtype=torch.bfloat16 if name == "bfloat16" else torch.float32)
-              for name in variants for n in PROBE_TOKENS}
+    inputs = {
+        (name, n): torch.randn(
+            n, PROBE_SHAPE[1], generator=generator, dtype=torch.bfloat16 if name == "bfloat16" else torch.float32
+        )
+        for name in variants
+        for n in PROBE_TOKENS
+    }
     times: dict = {cell: [] for cell in inputs}
     for _ in range(1 + repeats):  # round 0 warms up; cells take turns so drift is shared
         for (name, n), x in inputs.items():
@@ -141,8 +155,9 @@ def _measure(repeats: int = 5) -> dict:
             for layer in variants[name]:  # each matrix reads the same input: a pass streams every weight once
                 layer(x)
             times[name, n].append(time.perf_counter() - start)
-    return {name: {str(n): round(1e3 * statistics.median(times[name, n][1:]), 3) for n in PROBE_TOKENS}
-            for name in variants}
+    return {
+        name: {str(n): round(1e3 * statistics.median(times[name, n][1:]), 3) for n in PROBE_TOKENS} for name in variants
+    }
 
 
 def adaptive_policy(latency, batch: int, max_draft: int):
@@ -167,8 +182,15 @@ def latency_probe(target, draft, batch: int, *, refresh: bool = False):
         except ValueError as error:
             log.warning("measuring again: %s", error)
     log.info("measuring step latency of %s and %s at batch %d (once per machine)", target.name, draft.name, batch)
-    profile = measure_profile(target, draft, batch_sizes=tuple(sorted({1, batch})), tokens=(1, 2, 3, 5, 9),
-                              context=128, repeats=2, progress=False)
+    profile = measure_profile(
+        target,
+        draft,
+        batch_sizes=tuple(sorted({1, batch})),
+        tokens=(1, 2, 3, 5, 9),
+        context=128,
+        repeats=2,
+        progress=False,
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     profile.save(path)
     return profile
@@ -212,22 +234,31 @@ def measure_profile(
             times = {cell: [] for cell in cells}
             for _ in range(1 + repeats):  # the first round warms up (allocation, kernel selection) and is not kept
                 for (name, n), step in cells.items():
-                    times[name, n].append(step_seconds(models[name][0], step.to(models[name][0].device),
-                                                       last_only=name == "draft"))
+                    times[name, n].append(
+                        step_seconds(models[name][0], step.to(models[name][0].device), last_only=name == "draft")
+                    )
                     bar.update()
             for name, (_, grid) in models.items():
                 # finer than microseconds is timer noise
                 seconds[name].append(tuple(round(statistics.median(times[name, n][1:]), 6) for n in grid))
     for model, _ in models.values():
         model.prefill([])  # frees the last batch
-    tables = {name: LatencyTable(tuple(batch_sizes), tuple(grid), tuple(seconds[name]))
-              for name, (_, grid) in models.items()}
+    tables = {
+        name: LatencyTable(tuple(batch_sizes), tuple(grid), tuple(seconds[name])) for name, (_, grid) in models.items()
+    }
     meta = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "target": model_name(target), "draft": model_name(draft), "companion": None if companion is None else model_name(companion),
-        "dtype": dtype_name(getattr(target, "dtype", None)), "device": str(target.device),
-        "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.platform(),
-        "processor": platform.processor() or platform.machine(), "context": context, "repeats": repeats,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "target": model_name(target),
+        "draft": model_name(draft),
+        "companion": None if companion is None else model_name(companion),
+        "dtype": dtype_name(getattr(target, "dtype", None)),
+        "device": str(target.device),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "context": context,
+        "repeats": repeats,
     }
     return LatencyProfile(tables["target"], tables["draft"], tables.get("companion"), meta)
 

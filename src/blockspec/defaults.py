@@ -14,5 +14,11 @@ SV_PREDICTOR = "draft"  # SV's features: draft-only (no companion forward)
 SV_BATCH_SIZES = (1, 4, 16, 32, 64)  # the batch sizes an SV latency profile measures and replays
 # The alignment sweep (`blockspec align`, the bench's "align" preset): block verification at K = 4 with the draft
 # sampling at temperatures of its own, the target at 1; the other settings are the bench's defaults
-ALIGN = {"dtype": "bfloat16", "prompts_per_dataset": 4, "max_drafts": (4,), "configs": ("block",),
-         "draft_temperatures": (0.4, 0.7, 1.0, 1.5, 2.0), "out": "results/align"}
+ALIGN = {
+    "dtype": "bfloat16",
+    "prompts_per_dataset": 4,
+    "max_drafts": (4,),
+    "configs": ("block",),
+    "draft_temperatures": (0.4, 0.7, 1.0, 1.5, 2.0),
+    "out": "results/align",
+}

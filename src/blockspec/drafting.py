@@ -14,7 +14,7 @@ through the same function with table look-ups, so an ordering mistake in this lo
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -28,8 +28,9 @@ Choose = Callable[[int, torch.Tensor], torch.Tensor]
 PAD = 0  # the token of a row past its limit: never read by the draft, never verified
 
 
-def draft_block(policy, limit: torch.Tensor, next_probs: NextProbs, choose: Choose,
-                vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+def draft_block(
+    policy, limit: torch.Tensor, next_probs: NextProbs, choose: Choose, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Draft up to ``limit`` [B] int64 tokens per row over ``vocab`` tokens; fewer if the policy stops.
 
     Returns (tokens [B, n] int64, probs [B, n, V] float32), n = the positions drafted (0 if none). The policy is

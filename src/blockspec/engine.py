@@ -13,8 +13,8 @@ import logging
 import operator
 import secrets
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 
@@ -123,13 +123,24 @@ class SpeculativeDecoder:
     """
 
     @renamed(draft_len="max_draft")
-    def __init__(self, target, draft=None, *, verifier: str = "block", max_draft: int = MAX_DRAFT,
-                 policy: LengthPolicy | str | None = None, companion=None, lookup: PromptLookup | None = None):
+    def __init__(
+        self,
+        target,
+        draft=None,
+        *,
+        verifier: str = "block",
+        max_draft: int = MAX_DRAFT,
+        policy: LengthPolicy | str | None = None,
+        companion=None,
+        lookup: PromptLookup | None = None,
+    ):
         if verifier not in VERIFIER_CHOICES:
             raise ValueError(f"verifier must be one of {VERIFIER_CHOICES}, got {verifier!r}")
         if verifier != "none" and draft is None and lookup is None:
-            raise ValueError(f"verifier={verifier!r} needs a draft model or prompt lookup (lookup=PromptLookup()), "
-                             "or use verifier='none'")
+            raise ValueError(
+                f"verifier={verifier!r} needs a draft model or prompt lookup (lookup=PromptLookup()), "
+                "or use verifier='none'"
+            )
         if isinstance(policy, str) and policy != "sv":
             raise ValueError(f"policy must be a LengthPolicy, 'sv' or None, got {policy!r}")
         if policy is not None and not isinstance(policy, (str, LengthPolicy)):
@@ -137,22 +148,30 @@ class SpeculativeDecoder:
         if verifier != "none" and not isinstance(policy, LengthPolicy) and not (is_int(max_draft) and max_draft >= 1):
             raise ValueError(f"max_draft must be an int >= 1, got {max_draft!r}")
         if policy is not None and (verifier == "none" or draft is None):
-            raise ValueError("a length policy needs a draft model: verifier='none' decodes with the target alone, "
-                             "and prompt lookup without a draft takes its lengths from its own settings")
+            raise ValueError(
+                "a length policy needs a draft model: verifier='none' decodes with the target alone, "
+                "and prompt lookup without a draft takes its lengths from its own settings"
+            )
         if lookup is not None:
             if not isinstance(lookup, PromptLookup):
                 raise TypeError(f"lookup must be a PromptLookup, got {type(lookup).__name__}")
             if verifier == "none":
-                raise ValueError("prompt lookup drafts tokens for verification: use verifier 'block', 'token' or "
-                                 "'greedy' with it (verifier='none' decodes with the target alone)")
+                raise ValueError(
+                    "prompt lookup drafts tokens for verification: use verifier 'block', 'token' or "
+                    "'greedy' with it (verifier='none' decodes with the target alone)"
+                )
             if policy is not None and not isinstance(policy, FixedLength):
-                raise ValueError(f"prompt lookup combines only with FixedLength and its subclasses (AdaptiveLength), "
-                                 f"not with {policy if isinstance(policy, str) else type(policy).__name__}: SV's "
-                                 "per-position predictions model the draft model's drafts")
+                raise ValueError(
+                    f"prompt lookup combines only with FixedLength and its subclasses (AdaptiveLength), "
+                    f"not with {policy if isinstance(policy, str) else type(policy).__name__}: SV's "
+                    "per-position predictions model the draft model's drafts"
+                )
         method = getattr(policy, "method", None)
         if method in ("token", "block") and verifier in ("token", "block") and method != verifier:
-            raise ValueError(f"the length policy was built for the {method} rule but verifier={verifier!r}: its "
-                             "predicted gains would be those of another rule")
+            raise ValueError(
+                f"the length policy was built for the {method} rule but verifier={verifier!r}: its "
+                "predicted gains would be those of another rule"
+            )
         self.target = as_model(target)
         self.draft = as_model(draft) if verifier != "none" and draft is not None else None
         self.companion = as_model(companion) if companion is not None and self.draft is not None else None
@@ -224,8 +243,13 @@ class SpeculativeDecoder:
         self._check_context(sequences, max_new_tokens)
         generators = [torch.Generator().manual_seed(s) for s in _row_seeds(seed, len(sequences))]
         if self.sv:
-            self.policy = SVPolicy.from_cache(self.target, self.draft, sampling=sampling, max_draft=self.max_draft,
-                                              method="token" if self.verifier == "token" else "block")
+            self.policy = SVPolicy.from_cache(
+                self.target,
+                self.draft,
+                sampling=sampling,
+                max_draft=self.max_draft,
+                method="token" if self.verifier == "token" else "block",
+            )
         self.policy.reset()
         lookup = LookupState(self.lookup, len(sequences)) if self.lookup is not None else None  # fresh per call
         stop = _Stopper(self, stop_on_eos, stop_strings, max_new_tokens)
@@ -247,19 +271,33 @@ class SpeculativeDecoder:
             remaining = torch.tensor([max_new_tokens - len(generated[i]) for i in active])
             draft_u, verify_u, exponentials = self._draw([generators[i] for i in active], sampling)
             draft_tokens, draft_probs, verified, drafted, looked_up, forward_s = self._plan(
-                active, [sequences[i] + generated[i] for i in active], remaining.sub(1), sampling, draft_sampling,
-                draft_u, lookup)
+                active,
+                [sequences[i] + generated[i] for i in active],
+                remaining.sub(1),
+                sampling,
+                draft_sampling,
+                draft_u,
+                lookup,
+            )
             t1 = time.perf_counter()
             pending = torch.tensor([(sequences[i] + generated[i])[-1] for i in active], device=device)[:, None]
-            valid = torch.cat([torch.ones_like(pending, dtype=torch.bool),
-                               verified_mask(verified.to(device), draft_tokens.shape[1])], dim=1)
+            valid = torch.cat(
+                [torch.ones_like(pending, dtype=torch.bool), verified_mask(verified.to(device), draft_tokens.shape[1])],
+                dim=1,
+            )
             logits = self.target.forward(torch.cat([pending, draft_tokens], 1), valid)
             forward_s += time.perf_counter() - t1
             target_probs = self._process(self.target, logits, sampling)  # [B, K+1, V]
             t2 = time.perf_counter()
-            randomness = None if sampling.greedy else Randomness(verify_u[:, :draft_tokens.shape[1]], exponentials)
-            out = verify(draft_tokens, draft_probs, target_probs, num_verified=verified.to(device),
-                         randomness=randomness, validate=False)
+            randomness = None if sampling.greedy else Randomness(verify_u[:, : draft_tokens.shape[1]], exponentials)
+            out = verify(
+                draft_tokens,
+                draft_probs,
+                target_probs,
+                num_verified=verified.to(device),
+                randomness=randomness,
+                validate=False,
+            )
             t3 = time.perf_counter()
 
             # the policy learns from the model's drafts only: a lookup row's acceptance says nothing about them
@@ -271,9 +309,17 @@ class SpeculativeDecoder:
             emitted, finished = self._commit(out.tokens, tau, active, generated, reasons, stop, on_tokens)
             self._roll_back([len(sequences[i]) + len(generated[i]) - 1 for i in active], finished, models)
             step = StepStats(
-                rows=list(active), verified=verified.tolist(), accepted=tau.tolist(), emitted=emitted,
-                draft_s=t1 - t0, target_s=t2 - t1, verify_s=t3 - t2, total_s=time.perf_counter() - t0,
-                forward_s=forward_s, drafted=drafted, lookup=looked_up.tolist() if lookup is not None else None,
+                rows=list(active),
+                verified=verified.tolist(),
+                accepted=tau.tolist(),
+                emitted=emitted,
+                draft_s=t1 - t0,
+                target_s=t2 - t1,
+                verify_s=t3 - t2,
+                total_s=time.perf_counter() - t0,
+                forward_s=forward_s,
+                drafted=drafted,
+                lookup=looked_up.tolist() if lookup is not None else None,
             )
             if expected:  # bookkeeping outside the timed region: taken off the wall clock as well
                 t4 = time.perf_counter()
@@ -325,13 +371,22 @@ class SpeculativeDecoder:
             return None, None, None
         draft_u = torch.stack([torch.rand(self.max_draft, dtype=torch.float64, generator=g) for g in generators])
         verify_u = torch.stack([torch.rand(self.max_draft, generator=g) for g in generators])
-        exponentials = torch.cat([draw_exponentials(1, self.vocab, dtype=torch.float32, device="cpu", generator=g)
-                                  for g in generators])
+        exponentials = torch.cat(
+            [draw_exponentials(1, self.vocab, dtype=torch.float32, device="cpu", generator=g) for g in generators]
+        )
         device = self.target.device
         return draft_u.to(device), verify_u.to(device), exponentials.to(device)
 
-    def _plan(self, rows: list[int], contexts: list[list[int]], room: torch.Tensor, sampling: SamplingParams,
-              draft_sampling: SamplingParams, draft_u, lookup: LookupState | None):
+    def _plan(
+        self,
+        rows: list[int],
+        contexts: list[list[int]],
+        room: torch.Tensor,
+        sampling: SamplingParams,
+        draft_sampling: SamplingParams,
+        draft_u,
+        lookup: LookupState | None,
+    ):
         """Draft, let the companion score, and let the policy pick each row's verification length (at most
         ``room``: the step's last token is the target's own; and at most what fits in every model's context).
         With ``lookup`` (``rows`` = the rows' prompt indices) a row with a lookup proposal verifies it and does
@@ -366,8 +421,9 @@ class SpeculativeDecoder:
         at positions len - 1 .. len - 1 + k; the draft and the companion (if the policy scores with it) read
         x_1..x_{k-1} after the context."""
         scorer = self.companion if self.policy.needs_companion else None
-        return min([_room(self.target, context) - 1] + [_room(m, context) for m in (self.draft, scorer)
-                                                          if m is not None])
+        return min(
+            [_room(self.target, context) - 1] + [_room(m, context) for m in (self.draft, scorer) if m is not None]
+        )
 
     def _propose(self, unseen: list[list[int]], limit: torch.Tensor, sampling: SamplingParams, uniforms):
         """Draft up to ``limit[b]`` tokens in row b after the ``unseen`` tokens the draft reads first, fewer if the
@@ -391,8 +447,9 @@ class SpeculativeDecoder:
         tokens, probs = draft_block(self.policy, limit.to(device), next_probs, choose, self.vocab)
         return tokens, probs, forward_s
 
-    def _score(self, contexts: list[list[int]], draft_tokens: torch.Tensor, own: torch.Tensor,
-               sampling: SamplingParams):
+    def _score(
+        self, contexts: list[list[int]], draft_tokens: torch.Tensor, own: torch.Tensor, sampling: SamplingParams
+    ):
         """The companion's processed distributions at the K drafted positions [B, K, V] (one forward over what it
         has not seen plus x_1..x_{K-1}; a row reads only its own ``own[b]`` drafts, the rest are holes) and
         the forward's seconds; (None, 0) when the policy needs no companion."""
@@ -404,11 +461,13 @@ class SpeculativeDecoder:
         # columns hold x_1..x_{K-1} (x_j in column j - 1 of those), the rest are holes.
         own = own.cpu()
         seen = self.companion.lengths.tolist()
-        rows = [c[n:] + d if k else [] for c, n, d, k in
-                zip(contexts, seen, draft_tokens[:, : drafted - 1].tolist(), own.tolist())]
+        rows = [
+            c[n:] + d if k else []
+            for c, n, d, k in zip(contexts, seen, draft_tokens[:, : drafted - 1].tolist(), own.tolist())
+        ]
         tokens, valid = left_pad(rows)
         if drafted > 1:
-            valid[:, -(drafted - 1):] &= torch.arange(drafted - 1)[None] < (own[:, None] - 1)
+            valid[:, -(drafted - 1) :] &= torch.arange(drafted - 1)[None] < (own[:, None] - 1)
         t0 = time.perf_counter()
         logits = self.companion.forward(tokens.to(self.companion.device), valid.to(self.companion.device))
         seconds = time.perf_counter() - t0
@@ -417,12 +476,13 @@ class SpeculativeDecoder:
     def _process(self, model: LanguageModel, logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
         """``process`` over the shared vocabulary, naming the model whose logits are not finite."""
         try:
-            return process(logits[..., :self.vocab], sampling)
+            return process(logits[..., : self.vocab], sampling)
         except NonFiniteLogitsError as error:
             role = {id(self.target): "target", id(self.draft): "draft", id(self.companion): "companion"}[id(model)]
             raise NonFiniteLogitsError(
                 f"the {role} model ({model_name(model)}) returned {error}: a float16 overflow or a broken checkpoint? "
-                "Try another dtype (bfloat16 or float32)") from None
+                "Try another dtype (bfloat16 or float32)"
+            ) from None
 
     def _check_context(self, sequences: list[list[int]], max_new_tokens: int) -> None:
         """Refuse, before any forward, a row that cannot fit in the target's context with its new tokens."""
@@ -432,7 +492,8 @@ class SpeculativeDecoder:
                 raise ValueError(
                     f"prompt {b} has {len(prompt)} tokens and max_new_tokens is {max_new_tokens}: {len(prompt)} + "
                     f"{max_new_tokens} = {len(prompt) + max_new_tokens} exceeds the context of {context} tokens of "
-                    f"the target ({model_name(self.target)}); shorten the prompt or lower max_new_tokens")
+                    f"the target ({model_name(self.target)}); shorten the prompt or lower max_new_tokens"
+                )
 
     def _encode(self, prompts, chat: bool) -> list[list[int]]:
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or len(prompts) == 0:
@@ -463,9 +524,12 @@ class _Stopper:
 
     def __init__(self, decoder: SpeculativeDecoder, stop_on_eos: bool, stop_strings: Sequence[str], limit: int):
         if isinstance(stop_strings, str) or not all(isinstance(s, str) for s in stop_strings):
-            raise TypeError(f"stop_strings must be a list of strings, got {stop_strings!r} (a single stop string: "
-                            f"[{stop_strings!r}])" if isinstance(stop_strings, str) else
-                            f"stop_strings must be a list of strings, got {stop_strings!r}")
+            raise TypeError(
+                f"stop_strings must be a list of strings, got {stop_strings!r} (a single stop string: "
+                f"[{stop_strings!r}])"
+                if isinstance(stop_strings, str)
+                else f"stop_strings must be a list of strings, got {stop_strings!r}"
+            )
         if any(s == "" for s in stop_strings):
             raise ValueError("stop_strings holds an empty string, which would end every row after one token")
         if stop_strings and decoder.tokenizer is None:
@@ -482,7 +546,7 @@ class _Stopper:
                 new, reason = new[: n + 1], "eos"
                 break
         if self.stop_strings:
-            before = generated[-self.window:]
+            before = generated[-self.window :]
             for n in range(1, len(new) + 1):  # the shortest prefix whose text completes a stop string
                 text = self.tokenizer.decode(before + new[:n])
                 if any(s in text for s in self.stop_strings):
@@ -493,26 +557,20 @@ class _Stopper:
         return new, reason
 
 
-
-
-
-
-
-
 def _refuse_shared_adapters(*models: LanguageModel | None) -> None:
     """One adapter object in two roles would share one KV cache between them: each role's forwards would
     corrupt the other's. (The same transformers model wrapped in two adapters is fine: two caches.)"""
     present = [m for m in models if m is not None]
     if len({id(m) for m in present}) < len(present):
-        raise ValueError("target, draft and companion must be different model objects (each keeps its own KV "
-                         "cache); to draft with the target's own weights, wrap them again: HFModel(model)")
+        raise ValueError(
+            "target, draft and companion must be different model objects (each keeps its own KV "
+            "cache); to draft with the target's own weights, wrap them again: HFModel(model)"
+        )
 
 
 def _room(model: LanguageModel, context: list[int]) -> int:
     """Tokens ``model`` can still take after ``context`` before its context length (a large number if none)."""
     return (model.max_length if model.max_length is not None else 1 << 62) - len(context) + 1
-
-
 
 
 def _token_id(token, row: int) -> int:
@@ -543,8 +601,9 @@ def _row_seeds(seed, batch: int) -> list[int]:
     return seeds
 
 
-def _with_proposals(proposals: list[list[int]], draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
-                    verified: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+def _with_proposals(
+    proposals: list[list[int]], draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, verified: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The step's drafts (tokens [B, W'], probs [B, W', V] or None, verified [B]) with every row that has a
     lookup proposal verifying it instead: (tokens [B, W], probs [B, W, V] or None, verified [B]).
 
@@ -572,13 +631,20 @@ def _with_proposals(proposals: list[list[int]], draft_tokens: torch.Tensor, draf
 
 def _with_expected(step: StepStats, draft_tokens, draft_probs, target_probs, verified) -> StepStats:
     values = {
-        method: expected_accepted(draft_tokens, draft_probs, target_probs, method, verified.to(draft_tokens.device),
-                                  validate=False).tolist()
+        method: expected_accepted(
+            draft_tokens, draft_probs, target_probs, method, verified.to(draft_tokens.device), validate=False
+        ).tolist()
         for method in ("token", "block")
     }
     probs = draft_distributions(draft_tokens, draft_probs, target_probs.shape[-1])
     mask = verified_mask(verified.to(draft_tokens.device), draft_tokens.shape[1])
     summed = (agreement(probs, target_probs[:, : draft_tokens.shape[1]]) * mask).sum(1)
     mean = (summed / mask.sum(1).clamp(min=1)).where(mask.any(1), float("nan"))
-    return StepStats(**{**step.__dict__, "expected_token": values["token"], "expected_block": values["block"],
-                        "overlap": mean.tolist()})
+    return StepStats(
+        **{
+            **step.__dict__,
+            "expected_token": values["token"],
+            "expected_block": values["block"],
+            "overlap": mean.tolist(),
+        }
+    )

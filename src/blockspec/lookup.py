@@ -29,8 +29,8 @@ alone, before any token is drafted.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from .sampling import is_int
 
@@ -60,8 +60,9 @@ class PromptLookup:
         if self.min_ngram > self.max_ngram:
             raise ValueError(f"PromptLookup.min_ngram ({self.min_ngram}) must not exceed max_ngram ({self.max_ngram})")
         if self.initial_len > self.max_draft:
-            raise ValueError(f"PromptLookup.initial_len ({self.initial_len}) must not exceed max_draft "
-                             f"({self.max_draft})")
+            raise ValueError(
+                f"PromptLookup.initial_len ({self.initial_len}) must not exceed max_draft ({self.max_draft})"
+            )
 
     def match(self, context: Sequence[int], length: int) -> list[int]:
         """The proposal for ``context`` (see the module's glossary): at most ``length`` tokens, [] if none.
@@ -75,13 +76,13 @@ class PromptLookup:
         # The occurrence must end before the last token: at most len - 1 tokens before it, and n <= len - 1.
         end = len(data) - _TOKEN
         for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
-            suffix = data[len(data) - n * _TOKEN:]
+            suffix = data[len(data) - n * _TOKEN :]
             start = data.rfind(suffix, 0, end)
             while start >= 0 and start % _TOKEN:  # a byte match straddling token boundaries: look further left
                 start = data.rfind(suffix, 0, start + len(suffix) - 1)
             if start >= 0:
                 follow = start // _TOKEN + n  # the first token after the occurrence
-                return list(context[follow: follow + length])
+                return list(context[follow : follow + length])
         return []
 
     def next_length(self, allowed: int, proposed: int, accepted: int) -> int:
@@ -99,8 +100,9 @@ class LookupState:
         self.settings = settings
         self.allowed = [settings.initial_len] * prompts
 
-    def propose(self, prompts: Sequence[int], contexts: Sequence[Sequence[int]],
-                limit: Sequence[int]) -> list[list[int]]:
+    def propose(
+        self, prompts: Sequence[int], contexts: Sequence[Sequence[int]], limit: Sequence[int]
+    ) -> list[list[int]]:
         """One proposal per batch row (prompt ``prompts[b]``), at most min(its allowed length, ``limit[b]``)."""
         return [self.settings.match(c, min(self.allowed[i], n)) for i, c, n in zip(prompts, contexts, limit)]
 

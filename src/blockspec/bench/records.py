@@ -34,9 +34,9 @@ import gzip
 import json
 import logging
 import zlib
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,9 @@ FIXED_CONFIGS = ("token", "block", "block-int8")  # fixed-K speculative decoding
 # the machine's probe chose), prompt lookup alone, and lookup with that model draft where nothing matches
 ADAPTIVE_CONFIGS = ("auto", "lookup", "lookup+model")
 CONFIGS = ("target-only", "token", "block", "hf-assisted", "auto")  # the default comparison (no profiles needed)
-KNOWN_CONFIGS = ("target-only", "token", "block", "block-int8", "hf-assisted", "hf-lookup") + ADAPTIVE_CONFIGS \
-    + SV_CONFIGS
+KNOWN_CONFIGS = (
+    ("target-only", "token", "block", "block-int8", "hf-assisted", "hf-lookup") + ADAPTIVE_CONFIGS + SV_CONFIGS
+)
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,15 @@ class Record:
 
     @property
     def key(self) -> tuple:
-        return (self.dataset, self.prompt_id, self.config, self.max_draft, self.temperature, self.batch_size,
-                self.draft_temperature)
+        return (
+            self.dataset,
+            self.prompt_id,
+            self.config,
+            self.max_draft,
+            self.temperature,
+            self.batch_size,
+            self.draft_temperature,
+        )
 
     @property
     def ok(self) -> bool:
@@ -168,8 +176,10 @@ def read(path: Path) -> Iterator[Record]:
             log.warning("%s: not a record but a JSON %s: skipped", where, type(data).__name__)
             continue
         if data.get("kind") == "align":
-            raise ValueError(f"{where}: a record of the alignment sweep of an older blockspec, which wrote its own "
-                             "kind of record: these cannot be read any more; run `blockspec align` again")
+            raise ValueError(
+                f"{where}: a record of the alignment sweep of an older blockspec, which wrote its own "
+                "kind of record: these cannot be read any more; run `blockspec align` again"
+            )
         if data.get("schema") not in READABLE_SCHEMAS:
             raise ValueError(f"{where}: record schema {data.get('schema')} is not one of {READABLE_SCHEMAS}")
         if data["schema"] < 4:
@@ -186,6 +196,8 @@ def refuse_other_settings(where: Path, found: dict, wanted: dict) -> None:
     skipped as done, or pooled with these, under the same keys."""
     differ = {name: (found.get(name), value) for name, value in wanted.items() if found.get(name) != value}
     if differ:
-        raise ValueError(f"{where} holds runs with other settings "
-                         f"({', '.join(f'{k}: {a!r} there, {b!r} here' for k, (a, b) in differ.items())}): "
-                         "use another --out")
+        raise ValueError(
+            f"{where} holds runs with other settings "
+            f"({', '.join(f'{k}: {a!r} there, {b!r} here' for k, (a, b) in differ.items())}): "
+            "use another --out"
+        )

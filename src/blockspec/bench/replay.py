@@ -35,8 +35,17 @@ class Outcome:
         return self.emitted / self.seconds
 
 
-def replay(recording: Recording, profile, latency, *, batch: int, method: str, fixed: tuple[int, ...] = (1, 2, 4, 8),
-           steps: int = 200, seed: int = 0) -> dict[str, Outcome]:
+def replay(
+    recording: Recording,
+    profile,
+    latency,
+    *,
+    batch: int,
+    method: str,
+    fixed: tuple[int, ...] = (1, 2, 4, 8),
+    steps: int = 200,
+    seed: int = 0,
+) -> dict[str, Outcome]:
     """Outcomes of target-only, fixed K in ``fixed``, SV (draft-only and companion predictors) and the oracle."""
     rows = torch.randint(len(recording.prompt), (steps, batch), generator=torch.Generator().manual_seed(seed))
     max_draft = recording.draft.shape[1]
@@ -96,11 +105,14 @@ def oracle(taus: list[torch.Tensor], drafted: list[torch.Tensor], latency, batch
     step of width w emits sum_b (1 + min(tau_b, w)). Dinkelbach's iteration: at the current rate r, each step
     takes the width maximising emitted - r * seconds; the pooled rate of those choices is the next r, until it
     stops growing (a per-step argmax of emitted / seconds is not the run's optimum)."""
+
     def seconds(w: int) -> float:
         return latency.target(batch, 1 + w) + latency.drafting(batch, w, CATCH_UP, companion=False)
 
-    options = [[(float((1 + tau.clamp(max=w)).sum()), seconds(w)) for w in range(int(n.max()) + 1)]
-               for tau, n in zip(taus, drafted)]  # (emitted, seconds) per width, per step
+    options = [
+        [(float((1 + tau.clamp(max=w)).sum()), seconds(w)) for w in range(int(n.max()) + 1)]
+        for tau, n in zip(taus, drafted)
+    ]  # (emitted, seconds) per width, per step
     rate = 0.0
     while True:
         widths = [max(range(len(o)), key=lambda w, o=o: o[w][0] - rate * o[w][1]) for o in options]

@@ -64,7 +64,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -121,8 +121,10 @@ class BenchConfig:
             )
         if self.draft_temperatures:
             if not all(t > 0 for t in self.temperatures):
-                raise ValueError(f"the target temperature must be > 0 for a draft temperature to mean anything "
-                                 f"(at 0 the draft proposes its argmax), got {self.temperatures}")
+                raise ValueError(
+                    f"the target temperature must be > 0 for a draft temperature to mean anything "
+                    f"(at 0 the draft proposes its argmax), got {self.temperatures}"
+                )
             if not all(t >= 0 for t in self.draft_temperatures):
                 raise ValueError(f"draft temperatures must be >= 0 (0 = argmax draft), got {self.draft_temperatures}")
             if len(set(self.draft_temperatures)) != len(self.draft_temperatures):
@@ -130,8 +132,10 @@ class BenchConfig:
             if self.batch_sizes != (1,):
                 raise ValueError(f"draft temperatures are run at batch size 1 only, not {self.batch_sizes}")
             if not set(self.configs) & set(rec.FIXED_CONFIGS):
-                raise ValueError(f"draft temperatures apply to the fixed-length configs ({', '.join(rec.FIXED_CONFIGS)})"
-                                 f" only, and none is run: {', '.join(self.configs)}")
+                raise ValueError(
+                    f"draft temperatures apply to the fixed-length configs ({', '.join(rec.FIXED_CONFIGS)})"
+                    f" only, and none is run: {', '.join(self.configs)}"
+                )
 
 
 PRESETS = {
@@ -140,15 +144,23 @@ PRESETS = {
     # The paper's grid: every dataset, K in {2, 4, 6, 8}, greedy and sampled; resumable, in several parts.
     "paper": BenchConfig(
         datasets=("gsm8k", "translation", "humaneval", "sharegpt", "summarize", "lm1b"),
-        prompts_per_dataset=20, max_drafts=(2, 4, 6, 8), temperatures=(1.0, 0.0), max_new_tokens=128,
-        time_budget=3 * 3600.0, precision=0.01,
+        prompts_per_dataset=20,
+        max_drafts=(2, 4, 6, 8),
+        temperatures=(1.0, 0.0),
+        max_new_tokens=128,
+        time_budget=3 * 3600.0,
+        precision=0.01,
     ),
     # Speculative Verification: target-only, token and block at K in {2, 4, 8}, and SV with the
     # draft-only and the companion predictor (at most 8 drafted tokens), at batch sizes 1 to 64, on prompt
     # sets disjoint from `blockspec sv calibrate`'s default (sharegpt). Long: resumable, at most 3 h per call.
     "sv": BenchConfig(
-        datasets=("gsm8k", "humaneval"), prompts_per_dataset=64, max_drafts=(2, 4, 8), batch_sizes=(1, 4, 16, 32, 64),
-        configs=("target-only", "token", "block", "sv-draft", "sv-token", "sv-block"), time_budget=3 * 3600.0,
+        datasets=("gsm8k", "humaneval"),
+        prompts_per_dataset=64,
+        max_drafts=(2, 4, 8),
+        batch_sizes=(1, 4, 16, 32, 64),
+        configs=("target-only", "token", "block", "sv-draft", "sv-token", "sv-block"),
+        time_budget=3 * 3600.0,
     ),
     # The alignment sweep (`blockspec align`): block at K = 4 with the draft at five temperatures of its own, the
     # target at 1; what it measures needs no wall clock (expected accepted lengths, overlap).
@@ -180,8 +192,15 @@ class Run:
 
     @property
     def key(self) -> tuple:
-        return (self.dataset, self.prompt_id, self.config, self.max_draft, self.temperature, self.batch_size,
-                self.draft_temperature)
+        return (
+            self.dataset,
+            self.prompt_id,
+            self.config,
+            self.max_draft,
+            self.temperature,
+            self.batch_size,
+            self.draft_temperature,
+        )
 
 
 AUTO_DRAFT = ("auto", "lookup+model")  # draft with the model auto.choose_arithmetic picked (int8 or not)
@@ -213,13 +232,20 @@ def plan(config: BenchConfig, prompts: dict[str, list[tuple[str, list[int]]]]) -
     batch_sizes = sorted(set(config.batch_sizes))
     short = {dataset: len(items) for dataset, items in prompts.items() if len(items) < batch_sizes[-1]}
     if short:
-        raise ValueError(f"batch size {batch_sizes[-1]} needs at least {batch_sizes[-1]} prompts per dataset; "
-                         f"these have fewer: {short}")
+        raise ValueError(
+            f"batch size {batch_sizes[-1]} needs at least {batch_sizes[-1]} prompts per dataset; "
+            f"these have fewer: {short}"
+        )
     for batch_size in batch_sizes:
         for dataset, items in prompts.items():
             if len(items) % batch_size:
-                log.warning("%s: the last %d of %d prompts do not fill a batch of %d and are left out at that size",
-                            dataset, len(items) % batch_size, len(items), batch_size)
+                log.warning(
+                    "%s: the last %d of %d prompts do not fill a batch of %d and are left out at that size",
+                    dataset,
+                    len(items) % batch_size,
+                    len(items),
+                    batch_size,
+                )
     runs = []
     rounds = max((len(items) for items in prompts.values()), default=0)  # batch size 1 has the most
     for n in range(rounds):
@@ -228,17 +254,21 @@ def plan(config: BenchConfig, prompts: dict[str, list[tuple[str, list[int]]]]) -
             for dataset, items in prompts.items():
                 if first + batch_size > len(items):
                     continue
-                batch = items[first:first + batch_size]
+                batch = items[first : first + batch_size]
                 ids, rows = tuple(i for i, _ in batch), tuple(tuple(p) for _, p in batch)
                 seed = config.seed + first  # prompt i uses seed + i in every configuration and at every B
                 for temperature in config.temperatures:
                     for name in config.configs:
                         if name in rec.HF_CONFIGS and batch_size > 1:
                             continue  # transformers' assisted generation decodes one row
-                        draft_temperatures = (config.draft_temperatures or (None,)) \
-                            if name in rec.FIXED_CONFIGS else (None,)
-                        runs.extend(Run(dataset, ids, rows, name, k, temperature, seed, n, draft_temperature)
-                                    for k in max_drafts_of(config, name) for draft_temperature in draft_temperatures)
+                        draft_temperatures = (
+                            (config.draft_temperatures or (None,)) if name in rec.FIXED_CONFIGS else (None,)
+                        )
+                        runs.extend(
+                            Run(dataset, ids, rows, name, k, temperature, seed, n, draft_temperature)
+                            for k in max_drafts_of(config, name)
+                            for draft_temperature in draft_temperatures
+                        )
     return runs
 
 
@@ -246,8 +276,20 @@ RECORDS, CONFIG = "records.jsonl", "config.json"
 # BenchConfig fields a resume may change: they steer how much runs (budget, precision, retries, downloads, where),
 # or only select which runs are planned, each recorded under its own key (nested prompt samples: more prompts
 # add prompts, the first ones keep their seeds). Every other field, and the machine's facts, must match.
-RESUMABLE = ("time_budget", "precision", "retry_failed", "allow_download", "out", "datasets", "prompts_per_dataset",
-             "max_drafts", "temperatures", "configs", "batch_sizes", "draft_temperatures")
+RESUMABLE = (
+    "time_budget",
+    "precision",
+    "retry_failed",
+    "allow_download",
+    "out",
+    "datasets",
+    "prompts_per_dataset",
+    "max_drafts",
+    "temperatures",
+    "configs",
+    "batch_sizes",
+    "draft_temperatures",
+)
 
 
 def settings(config: BenchConfig) -> dict:
@@ -266,13 +308,17 @@ def prepare_out(config: BenchConfig) -> list[rec.Record]:
     wanted = settings(config)
     older = sorted({r.schema for r in existing if r.schema < rec.SCHEMA})
     if older:
-        raise ValueError(f"{out} holds records of schema {older[0]}, written by an older blockspec under other field "
-                         f"names; this one writes schema {rec.SCHEMA}, and one file must not mix the two: use a new "
-                         "--out (the old records can still be reported: python -m blockspec.bench.report)")
+        raise ValueError(
+            f"{out} holds records of schema {older[0]}, written by an older blockspec under other field "
+            f"names; this one writes schema {rec.SCHEMA}, and one file must not mix the two: use a new "
+            "--out (the old records can still be reported: python -m blockspec.bench.report)"
+        )
     if existing:
         if not (out / CONFIG).exists():
-            raise ValueError(f"{out} holds records but no {CONFIG}: created by an older blockspec: use a new --out "
-                             "(its records can still be reported: python -m blockspec.bench.report)")
+            raise ValueError(
+                f"{out} holds records but no {CONFIG}: created by an older blockspec: use a new --out "
+                "(its records can still be reported: python -m blockspec.bench.report)"
+            )
         try:
             found = json.loads((out / CONFIG).read_text())
         except json.JSONDecodeError as error:
@@ -296,13 +342,18 @@ def gain_is_known(records_file: Path, precision: float) -> bool:
     from .report import build_report, summary
 
     records = [r for r in rec.read(records_file) if r.batch_size == 1 and r.ok and r.draft_temperature is None]
-    prompts = Counter((t, dataset) for t, dataset, _ in
-                      {(r.temperature, r.dataset, r.prompt_id) for r in records if r.config == "block"})
+    prompts = Counter(
+        (t, dataset)
+        for t, dataset, _ in {(r.temperature, r.dataset, r.prompt_id) for r in records if r.config == "block"}
+    )
     if not prompts or min(prompts.values()) < MIN_PROMPTS:
         return False
     rows = summary(build_report(records))["summary"]
-    widths = [(r["analytic_gain"]["hi"] - r["analytic_gain"]["lo"]) / 2 for r in rows
-              if r["analytic_gain"] and r["analytic_gain"]["lo"] is not None]
+    widths = [
+        (r["analytic_gain"]["hi"] - r["analytic_gain"]["lo"]) / 2
+        for r in rows
+        if r["analytic_gain"] and r["analytic_gain"]["lo"] is not None
+    ]
     return bool(widths) and len(widths) == len(rows) and max(widths) <= precision
 
 
@@ -324,14 +375,24 @@ def run(config: BenchConfig, *, progress: bool = True) -> Path:
         arithmetic = choose_arithmetic(resolve_device(config.device))
         log.info("arithmetic: %s", arithmetic.reason)
     dtype = arithmetic.dtype if config.dtype == "auto" else config.dtype
-    target = load_model(config.target, dtype=dtype, device=config.device, quant=config.target_quant,
-                        allow_download=config.allow_download)
-    drafts = {quant: load_model(config.draft, dtype=dtype, device=config.device, quant=quant,
-                                allow_download=config.allow_download)
-              for quant in {draft_quant_of(name, arithmetic) for name in config.configs if name not in NO_DRAFT}}
+    target = load_model(
+        config.target,
+        dtype=dtype,
+        device=config.device,
+        quant=config.target_quant,
+        allow_download=config.allow_download,
+    )
+    drafts = {
+        quant: load_model(
+            config.draft, dtype=dtype, device=config.device, quant=quant, allow_download=config.allow_download
+        )
+        for quant in {draft_quant_of(name, arithmetic) for name in config.configs if name not in NO_DRAFT}
+    }
     prompts = {
-        name: [(p.id, encode_prompt(target.tokenizer, p.text, chat=config.chat))
-               for p in datasets.load(name, n=config.prompts_per_dataset, seed=config.seed)]
+        name: [
+            (p.id, encode_prompt(target.tokenizer, p.text, chat=config.chat))
+            for p in datasets.load(name, n=config.prompts_per_dataset, seed=config.seed)
+        ]
         for name in config.datasets
     }
     todo = [r for r in plan(config, prompts) if r.key not in done]
@@ -345,14 +406,20 @@ def run(config: BenchConfig, *, progress: bool = True) -> Path:
     for n, item in enumerate(todo):
         # Budget checked before each run; the first always goes, so every resumed call makes progress.
         if config.time_budget is not None and executed and time.perf_counter() - start > config.time_budget:
-            log.warning("time budget of %.0f s spent: %d runs left for a resumed run", config.time_budget,
-                        len(todo) - n - skipped)
+            log.warning(
+                "time budget of %.0f s spent: %d runs left for a resumed run",
+                config.time_budget,
+                len(todo) - n - skipped,
+            )
             break
         new_round = n and item.round != todo[n - 1].round
         if config.precision is not None and new_round and not precise and gain_is_known(records_file, config.precision):
             precise = True
-            log.warning("block-vs-token gain known to +-%.3f: no more batch-1 runs (%d left out)", config.precision,
-                        sum(r.batch_size == 1 for r in todo[n:]))
+            log.warning(
+                "block-vs-token gain known to +-%.3f: no more batch-1 runs (%d left out)",
+                config.precision,
+                sum(r.batch_size == 1 for r in todo[n:]),
+            )
         if precise and item.batch_size == 1:
             skipped += 1
             bar.update(1)
@@ -379,11 +446,19 @@ class Executor:
         self.warm: set[tuple] = set()
         self.sv = _SVSetup(target, config, dtype) if set(config.configs) & set(rec.SV_CONFIGS) else None
         self.meta = {
-            "target": config.target, "draft": config.draft, "dtype": dtype, "target_quant": config.target_quant,
+            "target": config.target,
+            "draft": config.draft,
+            "dtype": dtype,
+            "target_quant": config.target_quant,
             "device": config.device,
-            **machine.facts(), "machine": platform.platform(), "processor": platform.processor(),
-            "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
-                         "transformers": __import__("transformers").__version__},
+            **machine.facts(),
+            "machine": platform.platform(),
+            "processor": platform.processor(),
+            "versions": {
+                "python": sys.version.split()[0],
+                "torch": torch.__version__,
+                "transformers": __import__("transformers").__version__,
+            },
         }
 
     def warm_up(self, item: Run) -> None:
@@ -404,12 +479,20 @@ class Executor:
 
     def failed(self, item: Run, error: Exception) -> rec.Record:
         """The record of a run that raised ``error``: no measurement."""
-        return self._record(item, {"new_tokens": 0, "wall_time": 0.0, "prefill_time": None, "status": rec.FAILED,
-                                   "error": f"{type(error).__name__}: {error}"})
+        return self._record(
+            item,
+            {
+                "new_tokens": 0,
+                "wall_time": 0.0,
+                "prefill_time": None,
+                "status": rec.FAILED,
+                "error": f"{type(error).__name__}: {error}",
+            },
+        )
 
     def _record(self, item: Run, result: dict, load: dict | None = None) -> rec.Record:
         """A record of ``result`` (Record fields), with the CPU ``load`` of other processes in its meta."""
-        meta = {**self.meta, **(load or {}), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        meta = {**self.meta, **(load or {}), "date": datetime.now(UTC).isoformat(timespec="seconds")}
         if item.config in rec.SV_CONFIGS:
             meta.update(self.sv.meta(item))
         if item.config == "hf-lookup":
@@ -417,9 +500,17 @@ class Executor:
         if item.config not in NO_DRAFT:
             meta["draft_quant"] = draft_quant_of(item.config, self.arithmetic)
         return rec.Record(
-            dataset=item.dataset, prompt_id=item.prompt_id, config=item.config, max_draft=item.max_draft,
-            temperature=item.temperature, batch_size=item.batch_size, seed=item.seed,
-            prompt_ids=list(item.prompt_ids), draft_temperature=item.draft_temperature, **result, meta=meta,
+            dataset=item.dataset,
+            prompt_id=item.prompt_id,
+            config=item.config,
+            max_draft=item.max_draft,
+            temperature=item.temperature,
+            batch_size=item.batch_size,
+            seed=item.seed,
+            prompt_ids=list(item.prompt_ids),
+            draft_temperature=item.draft_temperature,
+            **result,
+            meta=meta,
         )
 
     def _decoder(self, item: Run):
@@ -431,19 +522,26 @@ class Executor:
         if item.config == "target-only":
             return SpeculativeDecoder(self.target, verifier="none")
         if item.config in rec.FIXED_CONFIGS:
-            return SpeculativeDecoder(self.target, draft, verifier=item.config.removesuffix("-int8"),
-                                      max_draft=item.max_draft)
+            return SpeculativeDecoder(
+                self.target, draft, verifier=item.config.removesuffix("-int8"), max_draft=item.max_draft
+            )
         if item.config in rec.ADAPTIVE_CONFIGS:  # as `blockspec generate` decides, with a fresh policy per run
-            policy = None if draft is None else adaptive_policy(
-                latency_probe(self.target, draft, item.batch_size), item.batch_size, item.max_draft)
+            policy = (
+                None
+                if draft is None
+                else adaptive_policy(
+                    latency_probe(self.target, draft, item.batch_size), item.batch_size, item.max_draft
+                )
+            )
             lookup = PromptLookup() if item.config != "auto" else None
             if policy is None and lookup is None:  # speculation cannot pay here: the target alone
                 return SpeculativeDecoder(self.target, verifier="none")
             draft = draft if policy is not None else None  # lookup alone where the model's drafts cannot pay
             return SpeculativeDecoder(self.target, draft, verifier="block", policy=policy, lookup=lookup)
         policy, companion, method = self.sv.policy(item)  # a fresh policy: no history across runs
-        return SpeculativeDecoder(self.target, draft, verifier=method, max_draft=item.max_draft, policy=policy,
-                                  companion=companion)
+        return SpeculativeDecoder(
+            self.target, draft, verifier=method, max_draft=item.max_draft, policy=policy, companion=companion
+        )
 
     def _generate(self, item: Run, max_new_tokens: int) -> dict:
         from ..sampling import SamplingParams
@@ -451,24 +549,35 @@ class Executor:
         sampling = SamplingParams(temperature=item.temperature)
         draft_sampling = None if item.draft_temperature is None else SamplingParams(item.draft_temperature)
         if item.config == "hf-assisted":
-            return run_assisted(self.target, self.drafts[None], list(item.prompts[0]), sampling, max_new_tokens,
-                                item.seed)
+            return run_assisted(
+                self.target, self.drafts[None], list(item.prompts[0]), sampling, max_new_tokens, item.seed
+            )
         if item.config == "hf-lookup":
             return run_lookup(self.target, list(item.prompts[0]), sampling, max_new_tokens, item.seed)
         decoder = self._decoder(item)
-        result = decoder.generate([list(p) for p in item.prompts], max_new_tokens=max_new_tokens, sampling=sampling,
-                                  draft_sampling=draft_sampling, seed=item.seed,
-                                  expected=item.config in rec.FIXED_CONFIGS)
+        result = decoder.generate(
+            [list(p) for p in item.prompts],
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            draft_sampling=draft_sampling,
+            seed=item.seed,
+            expected=item.config in rec.FIXED_CONFIGS,
+        )
         steps = result.stats  # per-row lists flattened in step order, then row order
         return {
-            "new_tokens": result.new_tokens, "wall_time": result.wall_time, "prefill_time": result.prefill_s,
-            "accepted": [a for s in steps for a in s.accepted], "verified": [k for s in steps for k in s.verified],
+            "new_tokens": result.new_tokens,
+            "wall_time": result.wall_time,
+            "prefill_time": result.prefill_s,
+            "accepted": [a for s in steps for a in s.accepted],
+            "verified": [k for s in steps for k in s.verified],
             "expected_token": [e for s in steps if s.expected_token is not None for e in s.expected_token],
             "expected_block": [e for s in steps if s.expected_block is not None for e in s.expected_block],
             # NaN (a row-step that verified nothing) is not JSON: stored as null
             "overlap": [None if math.isnan(o) else o for s in steps if s.overlap is not None for o in s.overlap],
-            "drafted": [s.drafted for s in steps], "rows": [len(s.rows) for s in steps],
-            "finish_reason": result.finish_reasons[0], "finish_reasons": list(result.finish_reasons),
+            "drafted": [s.drafted for s in steps],
+            "rows": [len(s.rows) for s in steps],
+            "finish_reason": result.finish_reasons[0],
+            "finish_reasons": list(result.finish_reasons),
         }
 
 
@@ -485,29 +594,43 @@ class _SVSetup:
 
         self.config, self.profiles, self.paths = config, {}, {}
         for temperature in config.temperatures:
-            profile, path = load_calibration(config.target, config.draft, config.companion,
-                                             SamplingParams(temperature=temperature), config.sv_profile)
+            profile, path = load_calibration(
+                config.target,
+                config.draft,
+                config.companion,
+                SamplingParams(temperature=temperature),
+                config.sv_profile,
+            )
             self.profiles[temperature], self.paths[temperature] = profile, str(path)
-        self.latency, path = load_latency(config.target, config.draft, config.companion, dtype, target.device,
-                                          config.latency)
+        self.latency, path = load_latency(
+            config.target, config.draft, config.companion, dtype, target.device, config.latency
+        )
         self.latency_path = str(path)
         needs_companion = bool({"sv-token", "sv-block"} & set(config.configs))
-        self.companion = load_companion(config.companion, target, dtype=dtype, device=config.device,
-                                        allow_download=config.allow_download) \
-            if needs_companion else None
+        self.companion = (
+            load_companion(
+                config.companion, target, dtype=dtype, device=config.device, allow_download=config.allow_download
+            )
+            if needs_companion
+            else None
+        )
 
     def policy(self, item: Run):
         """(a fresh SVPolicy, the companion or None, the verification rule) for this run."""
         from ..policy import SVPolicy
 
         method, kind = self.SPEC[item.config]
-        policy = SVPolicy(self.profiles[item.temperature], self.latency, method=method, max_draft=item.max_draft,
-                          kind=kind)
+        policy = SVPolicy(
+            self.profiles[item.temperature], self.latency, method=method, max_draft=item.max_draft, kind=kind
+        )
         return policy, (self.companion if kind == "companion" else None), method
 
     def meta(self, item: Run) -> dict:
-        return {"companion": self.config.companion, "sv_profile": self.paths[item.temperature],
-                "latency": self.latency_path}
+        return {
+            "companion": self.config.companion,
+            "sv_profile": self.paths[item.temperature],
+            "latency": self.latency_path,
+        }
 
 
 def run_assisted(target, draft, prompt: list[int], sampling, max_new_tokens: int, seed: int) -> dict:
@@ -526,17 +649,30 @@ def _hf_generate(target, prompt: list[int], sampling, max_new_tokens: int, seed:
     """One row through the target's transformers ``generate`` with ``drafting`` options, as Record fields."""
     torch.manual_seed(seed)  # transformers samples from the global generator (top_k=0 disables its default 50)
     ids = torch.tensor([prompt], device=target.device)
-    options = {"do_sample": False} if sampling.greedy else {
-        "do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k,
-        "top_p": sampling.top_p}
+    options = (
+        {"do_sample": False}
+        if sampling.greedy
+        else {"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
+    )
     start = time.perf_counter()
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                eos_token_id=list(target.eos_token_ids), pad_token_id=target.eos_token_ids[0],
-                                **drafting, **options)
-    new = out[0, len(prompt):].tolist()
+    out = target.model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        eos_token_id=list(target.eos_token_ids),
+        pad_token_id=target.eos_token_ids[0],
+        **drafting,
+        **options,
+    )
+    new = out[0, len(prompt) :].tolist()
     reason = "eos" if new and new[-1] in target.eos_token_ids else "length"
-    return {"new_tokens": len(new), "wall_time": time.perf_counter() - start, "prefill_time": None,
-            "finish_reason": reason, "finish_reasons": [reason]}
+    return {
+        "new_tokens": len(new),
+        "wall_time": time.perf_counter() - start,
+        "prefill_time": None,
+        "finish_reason": reason,
+        "finish_reasons": [reason],
+    }
 
 
 class _Progress:
@@ -547,18 +683,22 @@ class _Progress:
 
         self.total, self.done = total, 0
         self.lines = enabled and not sys.stderr.isatty()
-        self.bar = tqdm(total=total, desc="bench runs", unit="run", disable=not enabled or self.lines,
-                        file=sys.stderr)
+        self.bar = tqdm(total=total, desc="bench runs", unit="run", disable=not enabled or self.lines, file=sys.stderr)
 
     def update(self, n: int, record: rec.Record | None = None) -> None:
         self.done += n
         self.bar.update(n)
         if self.lines and record is not None:
-            outcome = (f"{record.new_tokens} tokens in {record.wall_time:.1f} s" if record.ok
-                       else f"failed: {record.error}")
+            outcome = (
+                f"{record.new_tokens} tokens in {record.wall_time:.1f} s" if record.ok else f"failed: {record.error}"
+            )
             draft = "" if record.draft_temperature is None else f" T_d={record.draft_temperature:g}"
-            print(f"bench run {self.done}/{self.total}: {record.prompt_id} {record.config} K={record.max_draft} "
-                  f"T={record.temperature:g}{draft} B={record.batch_size}: {outcome}", file=sys.stderr, flush=True)
+            print(
+                f"bench run {self.done}/{self.total}: {record.prompt_id} {record.config} K={record.max_draft} "
+                f"T={record.temperature:g}{draft} B={record.batch_size}: {outcome}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def close(self) -> None:
         self.bar.close()

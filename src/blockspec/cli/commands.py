@@ -13,8 +13,8 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..bench.records import CONFIGS, KNOWN_CONFIGS
 from .. import defaults
+from ..bench.records import CONFIGS, KNOWN_CONFIGS
 from ..defaults import DTYPES, QUANTS
 from . import sv as sv_cli
 
@@ -104,8 +104,12 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args, top: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         # A subcommand's --debug defaults to SUPPRESS so that it never overwrites the top-level value.
-        self.add_argument("--debug", action="store_true", default=False if top else argparse.SUPPRESS,
-                          help="on an error, show the traceback instead of a one-line message")
+        self.add_argument(
+            "--debug",
+            action="store_true",
+            default=False if top else argparse.SUPPRESS,
+            help="on an error, show the traceback instead of a one-line message",
+        )
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
@@ -113,69 +117,115 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
-        prog="blockspec", description="Lossless speculative decoding with token and block verification.",
-        epilog=EXAMPLES + "\n" + EXIT_STATUS, formatter_class=argparse.RawDescriptionHelpFormatter, top=True,
+        prog="blockspec",
+        description="Lossless speculative decoding with token and block verification.",
+        epilog=EXAMPLES + "\n" + EXIT_STATUS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        top=True,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress (model loading, cache)")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
     gen = sub.add_parser(
-        "generate", help="generate text with speculative decoding, streamed as tokens are accepted",
+        "generate",
+        help="generate text with speculative decoding, streamed as tokens are accepted",
         description="Generate text with speculative decoding. The output law is exactly the target's: the "
         "draft only changes the speed. Models: a bundled preset name (see `blockspec models`), a GGUF file, "
         "a local directory or a hub id already in the local Hugging Face cache (see --allow-download).",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     gen.add_argument("prompts", nargs="*", help="prompt texts (default: read one prompt from stdin)")
-    gen.add_argument("--target", default=defaults.TARGET,
-                     help="the model whose distribution is kept (default: %(default)s)")
-    gen.add_argument("--draft", default=defaults.DRAFT,
-                     help="the small model that proposes tokens (default: %(default)s)")
-    gen.add_argument("--verifier", default="block", choices=["block", "token", "greedy", "none"],
-                     help="verification rule; 'none' decodes with the target alone (default: %(default)s)")
-    gen.add_argument("--drafter", default="model", choices=DRAFTERS,
-                     help="who proposes tokens: the draft model; prompt lookup (the tokens that followed the last "
-                     "earlier occurrence of the context's last 1-3 tokens, no forward: pays when the answer repeats "
-                     "the prompt, as in code editing); or lookup where it matches and the model elsewhere (its "
-                     "lengths set by --policy auto or fixed). Lookup proposals adapt their own length "
-                     "(default: %(default)s)")
-    sv_cli.renamed_flag(gen, "--draft-len", gen.add_argument(
-        "--max-draft", type=sv_cli.int_at_least(1), default=None,
-        help=f"tokens drafted per step, K, with --policy fixed (default: {defaults.MAX_DRAFT}); the most a step "
-        f"drafts with --policy auto (default: {defaults.ADAPTIVE_MAX_DRAFT}) or sv (default: {defaults.MAX_DRAFT})"))
+    gen.add_argument(
+        "--target", default=defaults.TARGET, help="the model whose distribution is kept (default: %(default)s)"
+    )
+    gen.add_argument(
+        "--draft", default=defaults.DRAFT, help="the small model that proposes tokens (default: %(default)s)"
+    )
+    gen.add_argument(
+        "--verifier",
+        default="block",
+        choices=["block", "token", "greedy", "none"],
+        help="verification rule; 'none' decodes with the target alone (default: %(default)s)",
+    )
+    gen.add_argument(
+        "--drafter",
+        default="model",
+        choices=DRAFTERS,
+        help="who proposes tokens: the draft model; prompt lookup (the tokens that followed the last "
+        "earlier occurrence of the context's last 1-3 tokens, no forward: pays when the answer repeats "
+        "the prompt, as in code editing); or lookup where it matches and the model elsewhere (its "
+        "lengths set by --policy auto or fixed). Lookup proposals adapt their own length "
+        "(default: %(default)s)",
+    )
+    sv_cli.renamed_flag(
+        gen,
+        "--draft-len",
+        gen.add_argument(
+            "--max-draft",
+            type=sv_cli.int_at_least(1),
+            default=None,
+            help=f"tokens drafted per step, K, with --policy fixed (default: {defaults.MAX_DRAFT}); the most a step "
+            f"drafts with --policy auto (default: {defaults.ADAPTIVE_MAX_DRAFT}) or sv (default: {defaults.MAX_DRAFT})",
+        ),
+    )
     gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default: %(default)s)")
-    gen.add_argument("--top-k", type=sv_cli.int_at_least(0), default=0,
-                     help="keep the k most likely tokens, 0 = all (default: 0)")
+    gen.add_argument(
+        "--top-k", type=sv_cli.int_at_least(0), default=0, help="keep the k most likely tokens, 0 = all (default: 0)"
+    )
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus mass, 1 = all (default: 1.0)")
     gen.add_argument("--max-new-tokens", type=sv_cli.int_at_least(1), default=128, help="(default: %(default)s)")
     gen.add_argument("--seed", type=int, default=None, help="random seed; prompt i uses seed + i (default: random)")
-    gen.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
-                     help="weights and activations; auto: what a probe measured fastest on this machine (cached; "
-                     "`blockspec env` shows it) (default: %(default)s)")
-    gen.add_argument("--draft-quant", default="auto", choices=["auto", "none", *QUANTS],
-                     help="quantize the draft's linear layers (CPU): a cheaper draft forward, the same output law; "
-                     "auto: int8 where the probe measured it faster (not with --policy sv, whose profiles are "
-                     "measured unquantized) (default: %(default)s)")
-    gen.add_argument("--target-quant", default="none", choices=["none", *QUANTS],
-                     help="quantize the target too (CPU): a different, faster model, whose law is then the one kept; "
-                     "compare against --verifier none with the same flag (default: %(default)s)")
+    gen.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", *DTYPES],
+        help="weights and activations; auto: what a probe measured fastest on this machine (cached; "
+        "`blockspec env` shows it) (default: %(default)s)",
+    )
+    gen.add_argument(
+        "--draft-quant",
+        default="auto",
+        choices=["auto", "none", *QUANTS],
+        help="quantize the draft's linear layers (CPU): a cheaper draft forward, the same output law; "
+        "auto: int8 where the probe measured it faster (not with --policy sv, whose profiles are "
+        "measured unquantized) (default: %(default)s)",
+    )
+    gen.add_argument(
+        "--target-quant",
+        default="none",
+        choices=["none", *QUANTS],
+        help="quantize the target too (CPU): a different, faster model, whose law is then the one kept; "
+        "compare against --verifier none with the same flag (default: %(default)s)",
+    )
     gen.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
-    gen.add_argument("--no-chat", dest="chat", action="store_false",
-                     help="send the raw prompt instead of wrapping it in the model's chat template")
-    gen.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop a row after this text (repeatable)")
-    gen.add_argument("--policy", default="auto", choices=["auto", "fixed", "sv"],
-                     help="auto: each step drafts the length with the most expected tokens per second, from this "
-                     "machine's measured step latency (measured once, cached) and the acceptance seen so far, or "
-                     "decodes with the target alone where speculation cannot pay; "
-                     "fixed: draft and verify --max-draft tokens every step; sv: Speculative Verification, "
-                     "verify per row only the drafted tokens predicted to pay for their cost, at most --max-draft "
-                     "(needs `blockspec sv profile` and `blockspec sv calibrate` first) (default: %(default)s)")
+    gen.add_argument(
+        "--no-chat",
+        dest="chat",
+        action="store_false",
+        help="send the raw prompt instead of wrapping it in the model's chat template",
+    )
+    gen.add_argument(
+        "--stop", action="append", default=[], metavar="TEXT", help="stop a row after this text (repeatable)"
+    )
+    gen.add_argument(
+        "--policy",
+        default="auto",
+        choices=["auto", "fixed", "sv"],
+        help="auto: each step drafts the length with the most expected tokens per second, from this "
+        "machine's measured step latency (measured once, cached) and the acceptance seen so far, or "
+        "decodes with the target alone where speculation cannot pay; "
+        "fixed: draft and verify --max-draft tokens every step; sv: Speculative Verification, "
+        "verify per row only the drafted tokens predicted to pay for their cost, at most --max-draft "
+        "(needs `blockspec sv profile` and `blockspec sv calibrate` first) (default: %(default)s)",
+    )
     sv_cli.add_arguments(gen)
     gen.add_argument("--allow-download", action="store_true", help=sv_cli.ALLOW_DOWNLOAD_HELP)
     gen.set_defaults(run=run_generate)
 
     bench = sub.add_parser(
-        "bench", help="compare target-only, token and block verification, Speculative Verification and "
+        "bench",
+        help="compare target-only, token and block verification, Speculative Verification and "
         "transformers' assisted generation, at one or more batch sizes",
         description="Decode the same prompts with the same seeds through every configuration (interleaved, "
         "warm-up excluded), write one JSONL record per prompt (or batch) and configuration, then the report: block "
@@ -194,63 +244,117 @@ def build_parser() -> argparse.ArgumentParser:
         "  blockspec bench --preset sv --out results/bench-sv",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bench.add_argument("--preset", default="quick", choices=["quick", "paper", "sv", "align"],
-                       help="quick: 3 datasets, a few prompts, K in {4, 8}, T=1; paper: the full token-vs-block grid; "
-                       "sv: target-only, token, block (K in {2, 4, 8}) and SV at batch sizes 1 to 64; align: the "
-                       "alignment sweep of `blockspec align` (default: quick)")
+    bench.add_argument(
+        "--preset",
+        default="quick",
+        choices=["quick", "paper", "sv", "align"],
+        help="quick: 3 datasets, a few prompts, K in {4, 8}, T=1; paper: the full token-vs-block grid; "
+        "sv: target-only, token, block (K in {2, 4, 8}) and SV at batch sizes 1 to 64; align: the "
+        "alignment sweep of `blockspec align` (default: quick)",
+    )
     bench.add_argument("--target", help="target model (default: the preset's, the bundled 1.5B)")
     bench.add_argument("--draft", help="draft model (default: the preset's, the bundled 0.5B)")
     bench.add_argument("--datasets", nargs="+", help="prompt sets (see blockspec.bench.datasets.DATASETS)")
     bench.add_argument("--prompts", type=sv_cli.int_at_least(1), dest="prompts_per_dataset", help="prompts per dataset")
-    sv_cli.renamed_flag(bench, "--draft-lens", bench.add_argument(
-        "--max-draft", type=sv_cli.int_at_least(1), nargs="+", dest="max_drafts",
-        help="draft lengths K to compare (the most a step drafts for auto, lookup+model and SV: the largest)"))
+    sv_cli.renamed_flag(
+        bench,
+        "--draft-lens",
+        bench.add_argument(
+            "--max-draft",
+            type=sv_cli.int_at_least(1),
+            nargs="+",
+            dest="max_drafts",
+            help="draft lengths K to compare (the most a step drafts for auto, lookup+model and SV: the largest)",
+        ),
+    )
     bench.add_argument("--temperatures", type=float, nargs="+", help="sampling temperatures (0 = greedy)")
-    bench.add_argument("--draft-temperatures", type=float, nargs="+",
-                       help="the draft's own sampling temperatures T_d, each run by token, block and block-int8 at "
-                       "batch size 1 (the alignment sweep; see `blockspec align`) (default: the preset's; align: "
-                       f"{' '.join(f'{t:g}' for t in defaults.ALIGN['draft_temperatures'])}; others: none, the draft "
-                       "samples at the target's temperature)")
-    bench.add_argument("--configs", nargs="+", choices=KNOWN_CONFIGS, metavar="CONFIG",
-                       help="configurations to run, any of " + ", ".join(KNOWN_CONFIGS) + "; token, block and "
-                       "block-int8 (the draft quantized to int8) at each K; auto: what `generate` runs by default; "
-                       "lookup: prompt lookup alone; lookup+model: lookup, else auto's draft; hf-assisted / "
-                       "hf-lookup: transformers' assisted generation / prompt lookup; sv-token / sv-block: "
-                       "Speculative Verification with the companion predictor (token / block rule), sv-draft: with "
-                       "the draft-only predictor (block rule); auto, lookup+model and SV draft at most "
-                       "max(--max-draft) tokens (default: the preset's; quick and paper: "
-                       + " ".join(CONFIGS) + ")")
-    bench.add_argument("--batch-sizes", type=sv_cli.int_at_least(1), nargs="+",
-                       help="prompts decoded together per run, e.g. 1 4 16 32 64 (default: the preset's; quick: 1)")
-    bench.add_argument("--companion", help="SV companion: prefix:K (the target's first K layers) or a model sharing "
-                       "the target's tokenizer (default: the same as `blockspec sv`)")
-    bench.add_argument("--sv-profile", type=Path, help="SV calibration profile (default: the one `blockspec sv "
-                       "calibrate` saved for these models and each temperature)")
-    bench.add_argument("--latency", type=Path, help="SV latency profile (default: the one `blockspec sv profile` saved "
-                       "for these models, dtype and device)")
+    bench.add_argument(
+        "--draft-temperatures",
+        type=float,
+        nargs="+",
+        help="the draft's own sampling temperatures T_d, each run by token, block and block-int8 at "
+        "batch size 1 (the alignment sweep; see `blockspec align`) (default: the preset's; align: "
+        f"{' '.join(f'{t:g}' for t in defaults.ALIGN['draft_temperatures'])}; others: none, the draft "
+        "samples at the target's temperature)",
+    )
+    bench.add_argument(
+        "--configs",
+        nargs="+",
+        choices=KNOWN_CONFIGS,
+        metavar="CONFIG",
+        help="configurations to run, any of " + ", ".join(KNOWN_CONFIGS) + "; token, block and "
+        "block-int8 (the draft quantized to int8) at each K; auto: what `generate` runs by default; "
+        "lookup: prompt lookup alone; lookup+model: lookup, else auto's draft; hf-assisted / "
+        "hf-lookup: transformers' assisted generation / prompt lookup; sv-token / sv-block: "
+        "Speculative Verification with the companion predictor (token / block rule), sv-draft: with "
+        "the draft-only predictor (block rule); auto, lookup+model and SV draft at most "
+        "max(--max-draft) tokens (default: the preset's; quick and paper: " + " ".join(CONFIGS) + ")",
+    )
+    bench.add_argument(
+        "--batch-sizes",
+        type=sv_cli.int_at_least(1),
+        nargs="+",
+        help="prompts decoded together per run, e.g. 1 4 16 32 64 (default: the preset's; quick: 1)",
+    )
+    bench.add_argument(
+        "--companion",
+        help="SV companion: prefix:K (the target's first K layers) or a model sharing "
+        "the target's tokenizer (default: the same as `blockspec sv`)",
+    )
+    bench.add_argument(
+        "--sv-profile",
+        type=Path,
+        help="SV calibration profile (default: the one `blockspec sv "
+        "calibrate` saved for these models and each temperature)",
+    )
+    bench.add_argument(
+        "--latency",
+        type=Path,
+        help="SV latency profile (default: the one `blockspec sv profile` saved for these models, dtype and device)",
+    )
     bench.add_argument("--max-new-tokens", type=sv_cli.int_at_least(1), help="new tokens per prompt")
-    bench.add_argument("--time-budget", type=sv_cli.positive_float,
-                       help="seconds; stop scheduling runs after this (resume later)")
-    bench.add_argument("--precision", type=sv_cli.positive_float,
-                       help="stop the batch-1 runs once the paired analytic block-vs-token gain is known to +- this "
-                       "(paper: 0.01); batched runs go on")
+    bench.add_argument(
+        "--time-budget", type=sv_cli.positive_float, help="seconds; stop scheduling runs after this (resume later)"
+    )
+    bench.add_argument(
+        "--precision",
+        type=sv_cli.positive_float,
+        help="stop the batch-1 runs once the paired analytic block-vs-token gain is known to +- this "
+        "(paper: 0.01); batched runs go on",
+    )
     bench.add_argument("--seed", type=int, help="base seed: prompt i of a set uses seed + i in every configuration")
-    bench.add_argument("--dtype", choices=["auto", *DTYPES],
-                       help="auto: what a probe measured fastest on this machine, as for generate (default: auto)")
-    bench.add_argument("--target-quant", choices=QUANTS,
-                       help="quantize the target (CPU); every configuration, target-only included, decodes it")
+    bench.add_argument(
+        "--dtype",
+        choices=["auto", *DTYPES],
+        help="auto: what a probe measured fastest on this machine, as for generate (default: auto)",
+    )
+    bench.add_argument(
+        "--target-quant",
+        choices=QUANTS,
+        help="quantize the target (CPU); every configuration, target-only included, decodes it",
+    )
     bench.add_argument("--device", help="cpu, cuda, cuda:N or auto")
     bench.add_argument("--out", type=Path, help="output directory for records, report and plots")
     # default None, not False: only the flags given override the preset
     bench.add_argument("--allow-download", action="store_true", default=None, help=sv_cli.ALLOW_DOWNLOAD_HELP)
-    bench.add_argument("--no-chat", dest="chat", action="store_false", default=None,
-                       help="send the raw prompts instead of wrapping them in the model's chat template")
-    bench.add_argument("--retry-failed", action="store_true", default=None,
-                       help="rerun the runs a previous call recorded as failed (default: keep their failure records)")
+    bench.add_argument(
+        "--no-chat",
+        dest="chat",
+        action="store_false",
+        default=None,
+        help="send the raw prompts instead of wrapping them in the model's chat template",
+    )
+    bench.add_argument(
+        "--retry-failed",
+        action="store_true",
+        default=None,
+        help="rerun the runs a previous call recorded as failed (default: keep their failure records)",
+    )
     bench.set_defaults(run=run_bench)
 
     align = sub.add_parser(
-        "align", help="alignment sweep: block-vs-token gain against draft-target overlap, the draft sampling at "
+        "align",
+        help="alignment sweep: block-vs-token gain against draft-target overlap, the draft sampling at "
         "several temperatures of its own",
         description="How does the gain of block over token verification depend on draft quality? The draft samples "
         "at its own temperature T_d (still lossless: verification sees the distribution the draft actually sampled "
@@ -260,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
         "overlap sum_v min(draft, target) at the verified positions. Measured and reported per T_d, pooled over "
         "datasets and per dataset: mean overlap, analytic block efficiency of each rule (1 + mean expected "
         "accepted per step) and the paired analytic gain (BE block / BE token - 1) with a bootstrap interval over "
-        "prompts; a table (alignment.md), a JSON summary (the last stdout line, under \"alignment\") and a plot of "
+        'prompts; a table (alignment.md), a JSON summary (the last stdout line, under "alignment") and a plot of '
         "gain vs overlap (alignment_gain_vs_overlap.png). No wall clock is measured. This is `blockspec bench "
         "--preset align`: resumable (records already written are skipped; round n runs prompt n of every dataset "
         "at every T_d, so a time-boxed run covers every T_d), failed runs recorded and listed. Defaults: the align "
@@ -273,45 +377,77 @@ def build_parser() -> argparse.ArgumentParser:
     # default None: only the flags given override the align preset
     align.add_argument("--target", help="the model whose distribution is kept (default: the bundled 1.5B)")
     align.add_argument("--draft", help="the small model that proposes tokens (default: the bundled 0.5B)")
-    align.add_argument("--datasets", nargs="+",
-                       help="prompt sets (see blockspec.bench.datasets.DATASETS) (default: the bench's)")
-    align.add_argument("--prompts", type=sv_cli.int_at_least(1), dest="prompts_per_dataset",
-                       help=f"prompts per dataset (default: {defaults.ALIGN['prompts_per_dataset']})")
-    align.add_argument("--draft-temperatures", type=float, nargs="+",
-                       help="the draft's own sampling temperatures T_d; 0 = its argmax (default: "
-                       f"{' '.join(f'{t:g}' for t in defaults.ALIGN['draft_temperatures'])})")
-    align.add_argument("--temperature", type=float,
-                       help="the target's sampling temperature, > 0 (default: the bench's)")
-    sv_cli.renamed_flag(align, "--draft-len", align.add_argument(
-        "--max-draft", type=sv_cli.int_at_least(1),
-        help=f"tokens drafted per step, K (default: {defaults.ALIGN['max_drafts'][0]})"))
-    align.add_argument("--max-new-tokens", type=sv_cli.int_at_least(1),
-                       help="new tokens per prompt (default: the bench's)")
-    align.add_argument("--seed", type=int,
-                       help="base seed: prompt n of a set uses seed + n at every T_d (default: the bench's)")
+    align.add_argument(
+        "--datasets", nargs="+", help="prompt sets (see blockspec.bench.datasets.DATASETS) (default: the bench's)"
+    )
+    align.add_argument(
+        "--prompts",
+        type=sv_cli.int_at_least(1),
+        dest="prompts_per_dataset",
+        help=f"prompts per dataset (default: {defaults.ALIGN['prompts_per_dataset']})",
+    )
+    align.add_argument(
+        "--draft-temperatures",
+        type=float,
+        nargs="+",
+        help="the draft's own sampling temperatures T_d; 0 = its argmax (default: "
+        f"{' '.join(f'{t:g}' for t in defaults.ALIGN['draft_temperatures'])})",
+    )
+    align.add_argument(
+        "--temperature", type=float, help="the target's sampling temperature, > 0 (default: the bench's)"
+    )
+    sv_cli.renamed_flag(
+        align,
+        "--draft-len",
+        align.add_argument(
+            "--max-draft",
+            type=sv_cli.int_at_least(1),
+            help=f"tokens drafted per step, K (default: {defaults.ALIGN['max_drafts'][0]})",
+        ),
+    )
+    align.add_argument(
+        "--max-new-tokens", type=sv_cli.int_at_least(1), help="new tokens per prompt (default: the bench's)"
+    )
+    align.add_argument(
+        "--seed", type=int, help="base seed: prompt n of a set uses seed + n at every T_d (default: the bench's)"
+    )
     align.add_argument("--dtype", choices=DTYPES, help=f"(default: {defaults.ALIGN['dtype']})")
     align.add_argument("--device", help="cpu, cuda, cuda:N or auto (default: the bench's)")
-    align.add_argument("--no-chat", dest="chat", action="store_false", default=None,
-                       help="send the raw prompts instead of wrapping them in the model's chat template")
+    align.add_argument(
+        "--no-chat",
+        dest="chat",
+        action="store_false",
+        default=None,
+        help="send the raw prompts instead of wrapping them in the model's chat template",
+    )
     align.add_argument("--allow-download", action="store_true", default=None, help=sv_cli.ALLOW_DOWNLOAD_HELP)
-    align.add_argument("--time-budget", type=sv_cli.positive_float,
-                       help="seconds; stop scheduling runs after this (resume later)")
-    align.add_argument("--out", type=Path,
-                       help="output directory for records, tables, summary and plot "
-                       f"(default: {defaults.ALIGN['out']})")
+    align.add_argument(
+        "--time-budget", type=sv_cli.positive_float, help="seconds; stop scheduling runs after this (resume later)"
+    )
+    align.add_argument(
+        "--out",
+        type=Path,
+        help=f"output directory for records, tables, summary and plot (default: {defaults.ALIGN['out']})",
+    )
     align.set_defaults(run=run_bench, preset="align")
 
     models = sub.add_parser("models", help="list the bundled model presets, installed or not, and their cache state")
     models.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    models.add_argument("--verify", action="store_true",
-                        help="hash every cached file (each GGUF and converted copy) in full and report any mismatch; "
-                        "slow: it reads every cached byte (a load checks sizes and fingerprints only)")
+    models.add_argument(
+        "--verify",
+        action="store_true",
+        help="hash every cached file (each GGUF and converted copy) in full and report any mismatch; "
+        "slow: it reads every cached byte (a load checks sizes and fingerprints only)",
+    )
     models.set_defaults(run=run_models)
 
     sv_cli.add_parsers(sub)
 
-    env = sub.add_parser("env", help="versions, threads, device, CPU flags and the arithmetic chosen for this machine, "
-                         "to paste into a bug report")
+    env = sub.add_parser(
+        "env",
+        help="versions, threads, device, CPU flags and the arithmetic chosen for this machine, "
+        "to paste into a bug report",
+    )
     env.add_argument("--json", action="store_true", help="print JSON instead of lines")
     env.set_defaults(run=run_env)
     return parser
@@ -320,21 +456,37 @@ def build_parser() -> argparse.ArgumentParser:
 def run_generate(args) -> int:
     prompts = tuple(args.prompts) or (sys.stdin.read(),)
     config = GenerateConfig(
-        prompts=prompts, target=args.target,
-        draft=None if args.verifier == "none" or args.drafter == "lookup" else args.draft, drafter=args.drafter,
-        verifier=args.verifier, max_draft=args.max_draft, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed, dtype=args.dtype,
-        device=args.device, chat=args.chat, stop=tuple(args.stop), policy=args.policy,
-        companion=args.companion, sv_predictor=args.sv_predictor, sv_profile=args.sv_profile, latency=args.latency,
-        allow_download=args.allow_download, draft_quant=args.draft_quant, target_quant=args.target_quant,
+        prompts=prompts,
+        target=args.target,
+        draft=None if args.verifier == "none" or args.drafter == "lookup" else args.draft,
+        drafter=args.drafter,
+        verifier=args.verifier,
+        max_draft=args.max_draft,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        dtype=args.dtype,
+        device=args.device,
+        chat=args.chat,
+        stop=tuple(args.stop),
+        policy=args.policy,
+        companion=args.companion,
+        sv_predictor=args.sv_predictor,
+        sv_profile=args.sv_profile,
+        latency=args.latency,
+        allow_download=args.allow_download,
+        draft_quant=args.draft_quant,
+        target_quant=args.target_quant,
     )
     return generate(config)
 
 
 def generate(config: GenerateConfig) -> int:
-    from ..models.chat import encode_prompt
     from ..engine import SpeculativeDecoder
     from ..lookup import PromptLookup
+    from ..models.chat import encode_prompt
     from ..models.hf import load_model, resolve_device
     from ..sampling import SamplingParams
 
@@ -354,12 +506,16 @@ def generate(config: GenerateConfig) -> int:
         config = replace(config, max_draft=most)
     config = _resolve_arithmetic(config, device)
     models = {}
-    for role, name, quant in (("target", config.target, config.target_quant), ("draft", config.draft, config.draft_quant)):
+    for role, name, quant in (
+        ("target", config.target, config.target_quant),
+        ("draft", config.draft, config.draft_quant),
+    ):
         if name:
             quant = None if quant == "none" else quant
             _status(f"loading {role} {name} ({quant or config.dtype}, {device})")
-            models[role] = load_model(name, dtype=config.dtype, device=config.device, quant=quant,
-                                      allow_download=config.allow_download)
+            models[role] = load_model(
+                name, dtype=config.dtype, device=config.device, quant=quant, allow_download=config.allow_download
+            )
     target, draft = models["target"], models.get("draft")
     policy, companion, verifier = None, None, config.verifier
     if config.policy == "sv":
@@ -369,8 +525,9 @@ def generate(config: GenerateConfig) -> int:
         if policy is None:
             draft, verifier = None, verifier if config.drafter == "lookup+model" else "none"
     lookup = PromptLookup() if config.drafter != "model" else None
-    decoder = SpeculativeDecoder(target, draft, verifier=verifier, max_draft=config.max_draft, policy=policy,
-                                 companion=companion, lookup=lookup)
+    decoder = SpeculativeDecoder(
+        target, draft, verifier=verifier, max_draft=config.max_draft, policy=policy, companion=companion, lookup=lookup
+    )
     if decoder.tokenizer is None:
         raise ValueError(f"{config.target} has no tokenizer: the CLI needs one to read and print text")
     ids = [encode_prompt(decoder.tokenizer, p, chat=config.chat) for p in config.prompts]
@@ -382,8 +539,14 @@ def generate(config: GenerateConfig) -> int:
         if model is not None:
             watch_prefill(model, PrefillProgress(role))
     stream = _Streamer(decoder.tokenizer) if len(ids) == 1 else None
-    result = decoder.generate(ids, max_new_tokens=config.max_new_tokens, sampling=sampling, seed=config.seed,
-                              stop_strings=config.stop, on_tokens=stream)
+    result = decoder.generate(
+        ids,
+        max_new_tokens=config.max_new_tokens,
+        sampling=sampling,
+        seed=config.seed,
+        stop_strings=config.stop,
+        on_tokens=stream,
+    )
     if stream is not None:
         stream.close()
     else:
@@ -411,8 +574,11 @@ def _resolve_arithmetic(config: GenerateConfig, device) -> GenerateConfig:
     _status(f"arithmetic: {arithmetic.reason}")
     # SV's latency and calibration profiles are measured on the unquantized draft
     quant = arithmetic.draft_quant if config.policy != "sv" else None
-    return replace(config, dtype=arithmetic.dtype if config.dtype == "auto" else config.dtype,
-                   draft_quant=(quant or "none") if config.draft_quant == "auto" else config.draft_quant)
+    return replace(
+        config,
+        dtype=arithmetic.dtype if config.dtype == "auto" else config.dtype,
+        draft_quant=(quant or "none") if config.draft_quant == "auto" else config.draft_quant,
+    )
 
 
 def _adaptive_policy(config: GenerateConfig, target, draft):
@@ -426,11 +592,16 @@ def _adaptive_policy(config: GenerateConfig, target, draft):
     policy = adaptive_policy(latency, batch, config.max_draft)
     if policy is None:
         step, wider = latency.target(batch, 1), latency.target(batch, 2)
-        _status(f"speculation cannot pay here: a target step costs {1e3 * step:.0f} ms and verifying one drafted "
-                f"token {1e3 * wider:.0f} ms on this machine, so "
-                + ("drafting by prompt lookup alone" if config.drafter == "lookup+model" else
-                   "decoding with the target alone")
-                + " (--policy fixed speculates anyway; --target-quant int8 makes verification cheaper)")
+        _status(
+            f"speculation cannot pay here: a target step costs {1e3 * step:.0f} ms and verifying one drafted "
+            f"token {1e3 * wider:.0f} ms on this machine, so "
+            + (
+                "drafting by prompt lookup alone"
+                if config.drafter == "lookup+model"
+                else "decoding with the target alone"
+            )
+            + " (--policy fixed speculates anyway; --target-quant int8 makes verification cheaper)"
+        )
         return None
     return policy
 
@@ -493,7 +664,7 @@ class _Streamer:
         text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
         if text.endswith("\ufffd"):  # an incomplete character: wait for the next tokens
             return
-        sys.stdout.write(text[len(self.shown):])
+        sys.stdout.write(text[len(self.shown) :])
         sys.stdout.flush()
         self.shown = text
 
@@ -543,12 +714,24 @@ def run_models(args) -> int:
     # one message per file that differs, naming it and the fix
     problems = {s.name: presets.verify(s.name, progress=sys.stderr.isatty()) for s in rows} if args.verify else {}
     if args.json:
-        print(json.dumps([
-            {"name": s.name, "role": s.role, "installed": s.installed, "missing": list(s.missing),
-             "cache_state": s.cache_state, "converted": list(s.converted), "cache_dir": str(s.cache_dir),
-             **({"mismatches": problems[s.name]} if args.verify else {})}
-            for s in rows
-        ], indent=1))
+        print(
+            json.dumps(
+                [
+                    {
+                        "name": s.name,
+                        "role": s.role,
+                        "installed": s.installed,
+                        "missing": list(s.missing),
+                        "cache_state": s.cache_state,
+                        "converted": list(s.converted),
+                        "cache_dir": str(s.cache_dir),
+                        **({"mismatches": problems[s.name]} if args.verify else {}),
+                    }
+                    for s in rows
+                ],
+                indent=1,
+            )
+        )
         return _verified(problems, rows)
     print(f"{'preset':<22} {'role':<7} {'installed':<10} {'cache':<10} cache directory")
     for s in rows:
@@ -568,8 +751,12 @@ def _verified(problems: dict[str, list[str]], rows) -> int:
         raise ValueError(f"{count} cached file(s) differ from what was recorded: see the mismatch lines")
     if problems:
         cached = [s.name for s in rows if s.cache_state != "empty"]
-        print(f"verified: the cached files of {', '.join(cached)} match their recorded sha256" if cached else
-              "verified: nothing is cached yet", file=sys.stderr)
+        print(
+            f"verified: the cached files of {', '.join(cached)} match their recorded sha256"
+            if cached
+            else "verified: nothing is cached yet",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -604,8 +791,11 @@ def run_env(args) -> int:
         "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", ""),
     }
     arithmetic = choose_arithmetic("cuda" if torch.cuda.is_available() else "cpu")  # probes once per machine
-    info |= {"auto_dtype": arithmetic.dtype, "auto_draft_quant": arithmetic.draft_quant or "none",
-             "auto_reason": arithmetic.reason}
+    info |= {
+        "auto_dtype": arithmetic.dtype,
+        "auto_draft_quant": arithmetic.draft_quant or "none",
+        "auto_reason": arithmetic.reason,
+    }
     if args.json:
         print(json.dumps(info, indent=1))
     else:

@@ -52,8 +52,13 @@ class TreeLanguageModel(LanguageModel, Protocol):
     accepted path, in slot order) and forget the others, where ``rollback`` can only cut by length.
     """
 
-    def forward(self, tokens: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor | None = None,
-                ancestors: torch.Tensor | None = None) -> torch.Tensor: ...
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        valid: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        ancestors: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
 
     def commit(self, keep: torch.Tensor) -> None: ...
 
@@ -66,8 +71,8 @@ def left_pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     valid = torch.zeros(len(rows), width, dtype=torch.bool)
     for b, row in enumerate(rows):
         if row:
-            tokens[b, width - len(row):] = torch.tensor(row)
-            valid[b, width - len(row):] = True
+            tokens[b, width - len(row) :] = torch.tensor(row)
+            valid[b, width - len(row) :] = True
     return tokens, valid
 
 

@@ -62,7 +62,12 @@ def target_prefix(target, layers: int) -> HFModel:
 
 
 def load_companion(
-    spec: str, target, *, dtype: str = "bfloat16", device: str = "cpu", progress: bool = True,
+    spec: str,
+    target,
+    *,
+    dtype: str = "bfloat16",
+    device: str = "cpu",
+    progress: bool = True,
     allow_download: bool = False,
 ) -> HFModel:
     """``prefix:K`` is the target's first K layers (``target_prefix``); anything else is loaded by ``load_model``

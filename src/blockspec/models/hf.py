@@ -52,8 +52,9 @@ class HFModel:
     far and the total: a long prompt on a slow CPU takes minutes, and a caller can show that it advances.
     """
 
-    def __init__(self, model, tokenizer=None, *, name: str | None = None,
-                 on_prefill: Callable[[int, int], None] | None = None):
+    def __init__(
+        self, model, tokenizer=None, *, name: str | None = None, on_prefill: Callable[[int, int], None] | None = None
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.name = name or getattr(model, "name_or_path", None) or type(model).__name__
@@ -115,7 +116,7 @@ class HFModel:
                 if self.on_prefill is not None:
                     self.on_prefill(done, total)
             rows = torch.tensor(rows, device=self.device)
-            self._slot_pos[rows, longest - width:] = slot_pos  # right-aligned: every row's last token at the end
+            self._slot_pos[rows, longest - width :] = slot_pos  # right-aligned: every row's last token at the end
             for layer, filled in zip(self._layers, part):
                 layer.place(rows, filled, batch, longest)
 
@@ -152,8 +153,14 @@ class HFModel:
         return logits
 
     @torch.no_grad()
-    def _call(self, layers: list[_SlotLayer], tokens: torch.Tensor, slot_pos: torch.Tensor, positions: torch.Tensor,
-              logits_to_keep: int) -> torch.Tensor:
+    def _call(
+        self,
+        layers: list[_SlotLayer],
+        tokens: torch.Tensor,
+        slot_pos: torch.Tensor,
+        positions: torch.Tensor,
+        logits_to_keep: int,
+    ) -> torch.Tensor:
         """The model's forward of ``tokens`` [B, S] at ``positions``, appended to ``layers``; ``slot_pos`` [B, T+S]
         covers the cached slots and the new ones."""
         with self._own_settings():
@@ -192,7 +199,7 @@ class HFModel:
         if used > 32 and (used >= 2 * longest or used + new > capacity):
             # Stable sort puts each row's holes (-1) first and its tokens in position order after them; the
             # last `longest` columns hold every row's tokens, right-aligned.
-            order = self._slot_pos.argsort(dim=1, stable=True)[:, used - longest:]
+            order = self._slot_pos.argsort(dim=1, stable=True)[:, used - longest :]
             for layer in self._layers:
                 layer.gather(order)
             self._slot_pos = self._slot_pos.gather(1, order)
@@ -204,18 +211,27 @@ class HFModel:
 GROUPED_SDPA = "blockspec_grouped_sdpa"
 
 
-def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
-                 **kwargs):
+def grouped_sdpa(
+    module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs
+):
     """transformers' sdpa attention, except that several query tokens under a 4D mask attend to grouped
     key/value heads in place: the query heads sharing a key/value head are stacked along the query axis (and the
     mask, which is small, repeated for each), instead of the keys and values being copied once per query head.
     """
     batch, heads, length, dim = query.shape
     groups = key.shape[1]
-    if (length == 1 or groups == heads or dropout or attention_mask is None or attention_mask.dim() != 4
-            or attention_mask.shape[1] != 1 or kwargs.get("position_bias") is not None):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+    if (
+        length == 1
+        or groups == heads
+        or dropout
+        or attention_mask is None
+        or attention_mask.dim() != 4
+        or attention_mask.shape[1] != 1
+        or kwargs.get("position_bias") is not None
+    ):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     per_group = heads // groups
     stacked = query.reshape(batch, groups, per_group * length, dim)  # head g * per_group + r: group g, block r
     mask = attention_mask.repeat(1, 1, per_group, 1)
@@ -244,9 +260,11 @@ def _unsupported_attention(config) -> str | None:
     """Why the slot mask cannot give the decoder of text config ``config`` its attention, or None if it can."""
     implementation = config._attn_implementation
     if implementation not in MASKED_ATTENTION:
-        return (f"attention implementation {implementation!r} is not supported: the slot cache needs one known to "
-                f"apply an explicit 4D attention mask ({', '.join(MASKED_ATTENTION)}); load the model with "
-                "attn_implementation='sdpa'")
+        return (
+            f"attention implementation {implementation!r} is not supported: the slot cache needs one known to "
+            f"apply an explicit 4D attention mask ({', '.join(MASKED_ATTENTION)}); load the model with "
+            "attn_implementation='sdpa'"
+        )
     layer_types = getattr(config, "layer_types", None)
     other = sorted({t for t in layer_types or () if t not in ("full_attention", "sliding_attention")})
     if other:
@@ -258,8 +276,10 @@ def _unsupported_attention(config) -> str | None:
     slides = layer_types is None or "sliding_attention" in layer_types
     if window is not None and slides and (reach is None or window < reach):
         limit = "the model's unstated context" if reach is None else f"the context of {reach}"
-        return (f"sliding_attention over a window of {window} tokens, shorter than {limit}, is not supported: the "
-                "slot mask would silently give it full attention")
+        return (
+            f"sliding_attention over a window of {window} tokens, shorter than {limit}, is not supported: the "
+            "slot mask would silently give it full attention"
+        )
     return None
 
 
@@ -271,7 +291,7 @@ def _slot_mask(slot_pos: torch.Tensor, new: int, dtype: torch.dtype) -> torch.Te
     """
     total = slot_pos.shape[1]
     key = torch.arange(total, device=slot_pos.device)
-    query = key[total - new:, None]  # [S, 1]
+    query = key[total - new :, None]  # [S, 1]
     visible = ((key <= query) & (slot_pos[:, None, :] >= 0)) | (key == query)  # [B, S, T+S]
     mask = torch.zeros(visible.shape, dtype=dtype, device=slot_pos.device)
     return mask.masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
@@ -296,10 +316,10 @@ class _SlotLayer(DynamicLayer):
             self.keys = key_states.new_empty(*key_states.shape[:2], self.capacity, key_states.shape[3])
             self.values = value_states.new_empty(*value_states.shape[:2], self.capacity, value_states.shape[3])
         new = key_states.shape[2]
-        self.keys[:, :, self.used:self.used + new] = key_states
-        self.values[:, :, self.used:self.used + new] = value_states
+        self.keys[:, :, self.used : self.used + new] = key_states
+        self.values[:, :, self.used : self.used + new] = value_states
         self.used += new
-        return self.keys[:, :, :self.used], self.values[:, :, :self.used]
+        return self.keys[:, :, : self.used], self.values[:, :, : self.used]
 
     def get_seq_length(self) -> int:
         return self.used
@@ -315,8 +335,8 @@ class _SlotLayer(DynamicLayer):
         if self.keys is not None:
             keys = self.keys.new_empty(*self.keys.shape[:2], self.capacity, self.keys.shape[3])
             values = self.values.new_empty(*self.values.shape[:2], self.capacity, self.values.shape[3])
-            keys[:, :, :self.used] = self.keys[:, :, :self.used]
-            values[:, :, :self.used] = self.values[:, :, :self.used]
+            keys[:, :, : self.used] = self.keys[:, :, : self.used]
+            values[:, :, : self.used] = self.values[:, :, : self.used]
             self.keys, self.values = keys, values
 
     def gather(self, order: torch.Tensor) -> None:
@@ -325,11 +345,11 @@ class _SlotLayer(DynamicLayer):
             return
         index = order[:, None, :, None].expand(-1, self.keys.shape[1], -1, self.keys.shape[3])
         kept = order.shape[1]
-        self.keys[:, :, :kept] = self.keys[:, :, :self.used].gather(2, index)
-        self.values[:, :, :kept] = self.values[:, :, :self.used].gather(2, index)
+        self.keys[:, :, :kept] = self.keys[:, :, : self.used].gather(2, index)
+        self.values[:, :, :kept] = self.values[:, :, : self.used].gather(2, index)
         self.used = kept
 
-    def place(self, rows: torch.Tensor, part: "_SlotLayer", batch: int, slots: int) -> None:
+    def place(self, rows: torch.Tensor, part: _SlotLayer, batch: int, slots: int) -> None:
         """Copy ``part``'s filled slots into rows ``rows`` (of ``batch``), right-aligned in the first ``slots``."""
         if part.keys is None:
             return
@@ -339,8 +359,8 @@ class _SlotLayer(DynamicLayer):
             self.keys = part.keys.new_zeros(batch, part.keys.shape[1], self.capacity, part.keys.shape[3])
             self.values = part.values.new_zeros(batch, part.values.shape[1], self.capacity, part.values.shape[3])
             self.used = slots
-        self.keys[rows, :, slots - part.used:slots] = part.keys[:, :, :part.used]
-        self.values[rows, :, slots - part.used:slots] = part.values[:, :, :part.used]
+        self.keys[rows, :, slots - part.used : slots] = part.keys[:, :, : part.used]
+        self.values[rows, :, slots - part.used : slots] = part.values[:, :, : part.used]
 
     def select(self, rows: torch.Tensor) -> None:
         if self.keys is not None:
@@ -389,20 +409,32 @@ def resolve_device(device: str) -> torch.device:
         raise ValueError(f"unknown device {device!r}; use auto, cpu, cuda, cuda:N or mps")
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r} requested but torch has no CUDA here (torch.cuda.is_available() is "
-                             "False); use --device cpu or auto")
+            raise ValueError(
+                f"device {device!r} requested but torch has no CUDA here (torch.cuda.is_available() is "
+                "False); use --device cpu or auto"
+            )
         count = torch.cuda.device_count()
         if resolved.index is not None and resolved.index >= count:
-            raise ValueError(f"device {device!r} requested but torch sees {count} CUDA device(s), cuda:0 to "
-                             f"cuda:{count - 1}")
+            raise ValueError(
+                f"device {device!r} requested but torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+            )
     if resolved.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"device {device!r} requested but torch has no MPS here (torch.backends.mps.is_available() "
-                         "is False); use --device cpu or auto")
+        raise ValueError(
+            f"device {device!r} requested but torch has no MPS here (torch.backends.mps.is_available() "
+            "is False); use --device cpu or auto"
+        )
     return resolved
 
 
-def load_model(name_or_path: str, *, dtype: str = "bfloat16", device: str = "cpu", progress: bool = True,
-               allow_download: bool = False, quant: str | None = None) -> HFModel:
+def load_model(
+    name_or_path: str,
+    *,
+    dtype: str = "bfloat16",
+    device: str = "cpu",
+    progress: bool = True,
+    allow_download: bool = False,
+    quant: str | None = None,
+) -> HFModel:
     """Load a causal LM as an HFModel: a bundled preset name, a GGUF file, a local directory or a hub id.
 
     Hub ids resolve from the local Hugging Face cache only: a name that is none of these is refused with the
@@ -452,9 +484,11 @@ def _in_hub_cache(name: str) -> bool:
 def _unknown_model_message(name: str, preset_names) -> str:
     close = difflib.get_close_matches(name.lower(), preset_names, n=1)
     suggestion = f" (did you mean {close[0]!r}?)" if close else ""
-    return (f"unknown model {name!r}; presets: {', '.join(preset_names)}{suggestion}. Otherwise give a .gguf file, a "
-            "model folder, or a Hugging Face hub id already in the local Hugging Face cache; to download a hub id, "
-            "pass --allow-download (allow_download=True)")
+    return (
+        f"unknown model {name!r}; presets: {', '.join(preset_names)}{suggestion}. Otherwise give a .gguf file, a "
+        "model folder, or a Hugging Face hub id already in the local Hugging Face cache; to download a hub id, "
+        "pass --allow-download (allow_download=True)"
+    )
 
 
 def _optional_tokenizer(name_or_path: str, *, local_files_only: bool) -> Any:

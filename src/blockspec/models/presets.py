@@ -137,7 +137,7 @@ class PresetStatus:
 
     @property
     def cache_state(self) -> str:
-        """"converted" (fast load), "gguf" (concatenated, slow first load left), or "empty"."""
+        """ "converted" (fast load), "gguf" (concatenated, slow first load left), or "empty"."""
         return "converted" if self.converted else "gguf" if self.gguf_verified else "empty"
 
 
@@ -417,9 +417,14 @@ def _copy_files(folder: Path) -> list[Path]:
 def _write_converted_marker(folder: Path, preset: Preset, dtype_name: str) -> None:
     """Mark ``folder`` complete, recording size, fingerprint and sha256 of each of its files (the full hash reads
     the whole copy once, at conversion, where dequantising took a minute anyway)."""
-    files = {f.name: {"size": f.stat().st_size, "fingerprint": fingerprint(f),
-                      "sha256": _sha256_file(f, f"{preset.name}: hashing {f.name}", False)}
-             for f in _copy_files(folder)}
+    files = {
+        f.name: {
+            "size": f.stat().st_size,
+            "fingerprint": fingerprint(f),
+            "sha256": _sha256_file(f, f"{preset.name}: hashing {f.name}", False),
+        }
+        for f in _copy_files(folder)
+    }
     marker = {"preset": preset.name, "sha256": preset.sha256, "dtype": dtype_name, "files": files}
     (folder / _CONVERTED_MARKER).write_text(json.dumps(marker, indent=1))
 
@@ -458,13 +463,17 @@ def verify(preset: str | Preset, *, cache: str | os.PathLike | None = None, prog
     problems = []
     gguf = _gguf_path(preset, cache)
     if gguf.is_file() and _sha256_file(gguf, f"verifying {gguf.name}", progress) != preset.sha256:
-        problems.append(f"{gguf}: sha256 differs from the pinned {preset.sha256}; delete it and the next load "
-                        "rebuilds it from the installed packages")
+        problems.append(
+            f"{gguf}: sha256 differs from the pinned {preset.sha256}; delete it and the next load "
+            "rebuilds it from the installed packages"
+        )
     for dtype_name in status(preset, cache=cache).converted:
         out = converted_dir(preset, dtype_name, cache)
         recorded = _converted_marker(preset, out)["files"]
-        problems += [f"{line}; delete {out} and the next load rebuilds it"
-                     for line in _changed_files(out, recorded, full=True, progress=progress)]
+        problems += [
+            f"{line}; delete {out} and the next load rebuilds it"
+            for line in _changed_files(out, recorded, full=True, progress=progress)
+        ]
     return problems
 
 
@@ -474,11 +483,17 @@ def verify(preset: str | Preset, *, cache: str | os.PathLike | None = None, prog
 def status(preset: str | Preset, *, cache: str | os.PathLike | None = None) -> PresetStatus:
     preset = get_preset(preset)
     folder = preset_dir(preset, cache)
-    converted = tuple(
-        sorted(  # hf-<dtype> only: an interrupted save leaves hf-<dtype>.partial<pid>, never counted
-            d.name[3:] for d in folder.glob("hf-*") if d.name[3:] in _DTYPES.values() and _converted_marker(preset, d)
+    converted = (
+        tuple(
+            sorted(  # hf-<dtype> only: an interrupted save leaves hf-<dtype>.partial<pid>, never counted
+                d.name[3:]
+                for d in folder.glob("hf-*")
+                if d.name[3:] in _DTYPES.values() and _converted_marker(preset, d)
+            )
         )
-    ) if folder.is_dir() else ()
+        if folder.is_dir()
+        else ()
+    )
     missing = missing_packages(preset)
     return PresetStatus(
         name=preset.name,
@@ -498,8 +513,14 @@ def status_all() -> list[PresetStatus]:
 # ------------------------------------------------------------------------------------------------ loading
 
 
-_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
-           "float16": "float16", "fp16": "float16"}
+_DTYPES = {
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float32": "float32",
+    "fp32": "float32",
+    "float16": "float16",
+    "fp16": "float16",
+}
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -544,8 +565,9 @@ def load(
             )
         model = AutoModelForCausalLM.from_pretrained(out, dtype=torch_dtype)
         tokenizer = AutoTokenizer.from_pretrained(out)
-        log.info("preset %s: checked and loaded cached %s copy in %.1f s", preset.name, dtype_name,
-                 time.perf_counter() - t0)
+        log.info(
+            "preset %s: checked and loaded cached %s copy in %.1f s", preset.name, dtype_name, time.perf_counter() - t0
+        )
         return model.eval(), tokenizer
 
     gguf = materialize(preset, cache=cache, progress=progress)

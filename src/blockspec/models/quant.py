@@ -32,8 +32,10 @@ def quantize(model: torch.nn.Module, quant: str) -> torch.nn.Module:
         raise ValueError(f"int8 quantization runs on the CPU only (fbgemm kernels); the model is on {device}")
     quantization = getattr(getattr(torch, "ao", None), "quantization", None)
     if quantization is None or not hasattr(quantization, "quantize_dynamic"):
-        raise RuntimeError(f"torch {torch.__version__} has no torch.ao.quantization.quantize_dynamic: int8 drafts "
-                           "need torch 2.13 or another release that still ships it")
+        raise RuntimeError(
+            f"torch {torch.__version__} has no torch.ao.quantization.quantize_dynamic: int8 drafts "
+            "need torch 2.13 or another release that still ships it"
+        )
     engines = torch.backends.quantized.supported_engines
     if "fbgemm" not in engines and "x86" not in engines:
         raise RuntimeError(f"this torch build has no x86 int8 kernels (its quantized engines: {engines})")

@@ -11,8 +11,9 @@ marginal gain does not pay (a global argmax over L would be look-ahead: later pr
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -61,11 +62,23 @@ class LengthPolicy(Protocol):
 
     def keep_drafting(self, position: int, probs: torch.Tensor, prefix: torch.Tensor) -> bool: ...
 
-    def lengths(self, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
-                companion_probs: torch.Tensor | None, drafted: torch.Tensor) -> torch.Tensor: ...
+    def lengths(
+        self,
+        draft_tokens: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+        companion_probs: torch.Tensor | None,
+        drafted: torch.Tensor,
+    ) -> torch.Tensor: ...
 
-    def observe(self, rows: list[int], draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
-                target_probs: torch.Tensor, verified: torch.Tensor, accepted: torch.Tensor) -> None: ...
+    def observe(
+        self,
+        rows: list[int],
+        draft_tokens: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+        target_probs: torch.Tensor,
+        verified: torch.Tensor,
+        accepted: torch.Tensor,
+    ) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -119,7 +132,8 @@ def stopping_lengths(
     for i in range(len(gains[0]) if gains else 0):
         gained, sunk = sum(row[i] for row, n in zip(gains, limit) if n > i), paid(i + 1)
         if not any(n > i for n in limit) or (emitted + gained) / (sunk + step_seconds(i + 1)) <= emitted / (
-                sunk + step_seconds(i)):
+            sunk + step_seconds(i)
+        ):
             break
         emitted, width = emitted + gained, i + 1
     return drafted.clamp(max=width)

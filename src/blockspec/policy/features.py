@@ -36,18 +36,33 @@ def draft_features(probs: torch.Tensor, prefix: torch.Tensor, first: int = 1) ->
     for rows in row_chunks(batch, positions * vocab):
         entropy[rows] = -torch.special.xlogy(probs[rows], probs[rows]).sum(-1).float()
     position = torch.arange(first, first + positions, device=probs.device, dtype=torch.float32).log()
-    return torch.stack([
-        torch.ones_like(entropy), position.expand(batch, positions), entropy,
-        probs.amax(-1).float().clamp(min=_TINY).log(), prefix.float(),
-    ], dim=-1)
+    return torch.stack(
+        [
+            torch.ones_like(entropy),
+            position.expand(batch, positions),
+            entropy,
+            probs.amax(-1).float().clamp(min=_TINY).log(),
+            prefix.float(),
+        ],
+        dim=-1,
+    )
 
 
 def companion_features(
-    draft_tokens: torch.Tensor, draft_probs: torch.Tensor, companion_probs: torch.Tensor, method: str,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    companion_probs: torch.Tensor,
+    method: str,
     draft_part: torch.Tensor,
 ) -> torch.Tensor:
     """``draft_part`` (the draft-only features [B, K, .]) plus the companion's plug-in gain and overlap S_i."""
     companion_probs = companion_probs[:, : draft_tokens.shape[1]]
     plugin = position_gains(draft_tokens, draft_probs, companion_probs, method).float().clamp(_TINY, 1 - _TINY)
-    return torch.cat([draft_part, (plugin.log() - (-plugin).log1p())[..., None],
-                      agreement(draft_probs, companion_probs).float().clamp(min=_TINY).log()[..., None]], dim=-1)
+    return torch.cat(
+        [
+            draft_part,
+            (plugin.log() - (-plugin).log1p())[..., None],
+            agreement(draft_probs, companion_probs).float().clamp(min=_TINY).log()[..., None],
+        ],
+        dim=-1,
+    )

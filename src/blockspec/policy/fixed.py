@@ -53,11 +53,19 @@ class AdaptiveLength(FixedLength):
     per token as a plain step), ``best_length`` is 0 from the first step and stays 0: the caller can say so.
     """
 
-    def __init__(self, latency, *, max_draft: int = ADAPTIVE_MAX_DRAFT, prior: float = 0.8, memory: float = 0.9,
-                 carry_over: bool = False):
+    def __init__(
+        self,
+        latency,
+        *,
+        max_draft: int = ADAPTIVE_MAX_DRAFT,
+        prior: float = 0.8,
+        memory: float = 0.9,
+        carry_over: bool = False,
+    ):
         if not (is_int(max_draft) and max_draft >= 1) or not 0 < prior < 1 or not 0 <= memory < 1:
-            raise ValueError(f"need max_draft >= 1, 0 < prior < 1 and 0 <= memory < 1; got {max_draft}, {prior}, "
-                             f"{memory}")
+            raise ValueError(
+                f"need max_draft >= 1, 0 < prior < 1 and 0 <= memory < 1; got {max_draft}, {prior}, {memory}"
+            )
         super().__init__(max_draft)
         self.latency, self.memory, self.prior, self.carry_over = latency, memory, prior, carry_over
         self.acceptance = prior
@@ -70,9 +78,12 @@ class AdaptiveLength(FixedLength):
 
     def best_length(self, batch: int, catch_up: int = 1) -> int:
         """The K in 0..max_draft with the most expected tokens per second at this batch size."""
-        emitted = [sum(self.acceptance ** i for i in range(k + 1)) for k in range(self.max_draft + 1)]
-        goodput = [emitted[k] / (self.latency.drafting(batch, k, catch_up, companion=False)
-                                 + self.latency.target(batch, 1 + k)) for k in range(self.max_draft + 1)]
+        emitted = [sum(self.acceptance**i for i in range(k + 1)) for k in range(self.max_draft + 1)]
+        goodput = [
+            emitted[k]
+            / (self.latency.drafting(batch, k, catch_up, companion=False) + self.latency.target(batch, 1 + k))
+            for k in range(self.max_draft + 1)
+        ]
         return max(range(len(goodput)), key=goodput.__getitem__)
 
     def draft_budget(self, batch: int, catch_up: int) -> int:
@@ -82,8 +93,9 @@ class AdaptiveLength(FixedLength):
         width = int(verified.max()) if len(verified) else 0
         if width == 0:
             return
-        probs = draft_distributions(draft_tokens[:, :width], None if draft_probs is None else draft_probs[:, :width],
-                                    target_probs.shape[-1])
+        probs = draft_distributions(
+            draft_tokens[:, :width], None if draft_probs is None else draft_probs[:, :width], target_probs.shape[-1]
+        )
         accept = agreement(probs, target_probs[:, :width])  # [B, width]: P(accept x_i | x_<i accepted), token rule
         mask = torch.arange(width, device=verified.device) < verified[:, None]  # [B, width]
         step = float(accept[mask].mean())

@@ -27,8 +27,20 @@ SCHEMA = 1
 # The draft tokens per row a profile measures: a step's first draft forward catches up (1 token, 2 after a fully
 # accepted step, more after steps that did not draft); each later one scores a single token.
 DRAFT_TOKENS = (1, 2, 4)
-META_FIELDS = ("date", "target", "draft", "companion", "dtype", "device", "torch_threads", "torch", "machine",
-               "processor", "context", "repeats")
+META_FIELDS = (
+    "date",
+    "target",
+    "draft",
+    "companion",
+    "dtype",
+    "device",
+    "torch_threads",
+    "torch",
+    "machine",
+    "processor",
+    "context",
+    "repeats",
+)
 _RERUN = "run `blockspec sv profile` to measure a profile for these models on this machine"
 
 
@@ -57,8 +69,13 @@ class LatencyProfile:
 
     def check(self, target_name: str, draft_name: str, companion_name: str | None, dtype, device) -> None:
         """Raise ValueError naming the first field that differs from what the profile was measured for."""
-        wanted = {"target": target_name, "draft": draft_name, "companion": companion_name,
-                  "dtype": dtype_name(dtype), "device": str(torch.device(device))}
+        wanted = {
+            "target": target_name,
+            "draft": draft_name,
+            "companion": companion_name,
+            "dtype": dtype_name(dtype),
+            "device": str(torch.device(device)),
+        }
         for field, value in wanted.items():
             if self.meta[field] != value:
                 raise ValueError(f"latency profile was measured for {field} {self.meta[field]}, not {value}: {_RERUN}")
@@ -76,8 +93,7 @@ class LatencyProfile:
         data = json.loads(Path(path).read_text())
         schema = data.get("schema") if isinstance(data, dict) else None
         if schema != SCHEMA:
-            raise ValueError(f"{path}: latency profile schema {schema}, this blockspec reads schema "
-                             f"{SCHEMA}: {_RERUN}")
+            raise ValueError(f"{path}: latency profile schema {schema}, this blockspec reads schema {SCHEMA}: {_RERUN}")
         _require(data, ("meta", "target", "draft", "companion"), path)
         _require(data["meta"], META_FIELDS, f"{path} meta")
         tables = {name: _table(data[name], f"{path} {name}") for name in ("target", "draft")}
@@ -92,8 +108,11 @@ def dtype_name(dtype) -> str:
 def _table_dict(table: LatencyTable | None) -> dict | None:
     if table is None:
         return None
-    return {"batch_sizes": list(table.batch_sizes), "tokens": list(table.tokens),
-            "seconds": [list(row) for row in table.seconds]}
+    return {
+        "batch_sizes": list(table.batch_sizes),
+        "tokens": list(table.tokens),
+        "seconds": [list(row) for row in table.seconds],
+    }
 
 
 def _table(data: dict, where) -> LatencyTable:

@@ -36,8 +36,9 @@ class Predictor:
         return x.double() @ torch.tensor(self.weights, dtype=torch.float64, device=x.device)
 
     @classmethod
-    def fit(cls, features: tuple[str, ...], x: torch.Tensor, y: torch.Tensor, *, monotone: str,
-            l2: float = 1e-4) -> Predictor:
+    def fit(
+        cls, features: tuple[str, ...], x: torch.Tensor, y: torch.Tensor, *, monotone: str, l2: float = 1e-4
+    ) -> Predictor:
         """Minimise the mean cross-entropy of sigmoid(x @ w) against labels y in [0, 1], with w[monotone] >= 0."""
         if x.ndim != 2 or x.shape[1] != len(features) or y.shape != x.shape[:1]:
             raise ValueError(f"fit needs x [N, {len(features)}] and y [N], got {tuple(x.shape)} and {tuple(y.shape)}")
@@ -52,7 +53,7 @@ class Predictor:
         opt = torch.optim.LBFGS([free], max_iter=200, line_search_fn="strong_wolfe", tolerance_change=1e-12)
 
         def weights():
-            return torch.cat([free[:m], torch.nn.functional.softplus(free[m:m + 1]), free[m + 1:]])
+            return torch.cat([free[:m], torch.nn.functional.softplus(free[m : m + 1]), free[m + 1 :]])
 
         def loss():
             opt.zero_grad()
@@ -133,8 +134,14 @@ MONOTONE = {"draft": "log_max_prob", "companion": "logit_plugin_gain"}
 
 def evaluate(predictor: Predictor, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
     p = predictor(x)
-    return {"log_loss": log_loss(p, y), "brier": brier(p, y), "mean_predicted": float(p.mean()),
-            "mean_label": float(y.double().mean()), "positions": len(y), "entropy_of_labels": _label_entropy(y)}
+    return {
+        "log_loss": log_loss(p, y),
+        "brier": brier(p, y),
+        "mean_predicted": float(p.mean()),
+        "mean_label": float(y.double().mean()),
+        "positions": len(y),
+        "entropy_of_labels": _label_entropy(y),
+    }
 
 
 def _label_entropy(y: torch.Tensor) -> float:

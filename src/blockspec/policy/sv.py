@@ -10,8 +10,8 @@ Profiles are made by ``blockspec sv calibrate`` and ``blockspec sv profile`` and
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -26,8 +26,9 @@ from .predictor import Profile
 from .profiles import latency_path, profile_path, require_file, sampling_key
 
 
-def load_calibration(target: str, draft: str, companion: str | None, sampling: SamplingParams,
-                     path: Path | None = None) -> tuple[Profile, Path]:
+def load_calibration(
+    target: str, draft: str, companion: str | None, sampling: SamplingParams, path: Path | None = None
+) -> tuple[Profile, Path]:
     """The calibration profile ``blockspec sv calibrate`` saved for these model names and sampling (or ``path``),
     checked to be theirs, and where it was read from."""
     path = require_file(path or profile_path(target, draft, companion, sampling_key(sampling)), "sv calibrate")
@@ -36,8 +37,9 @@ def load_calibration(target: str, draft: str, companion: str | None, sampling: S
     return profile, path
 
 
-def load_latency(target: str, draft: str, companion: str | None, dtype: str, device,
-                 path: Path | None = None) -> tuple[LatencyProfile, Path]:
+def load_latency(
+    target: str, draft: str, companion: str | None, dtype: str, device, path: Path | None = None
+) -> tuple[LatencyProfile, Path]:
     """The latency profile ``blockspec sv profile`` saved for these model names, dtype and device (or ``path``),
     checked to be theirs, and where it was read from."""
     path = require_file(path or latency_path(target, draft, companion, dtype, str(device)), "sv profile")
@@ -80,9 +82,20 @@ class SVPolicy:
     seed, its tokens; never its law) depend on the calls before it.
     """
 
-    def __init__(self, profile, latency, *, method: str, max_draft: int, kind: str = SV_PREDICTOR,
-                 memory: float = 0.9, rate: float = 0.5, carry_over: bool = False, ragged: bool = False,
-                 whole_drafts: bool = False):
+    def __init__(
+        self,
+        profile,
+        latency,
+        *,
+        method: str,
+        max_draft: int,
+        kind: str = SV_PREDICTOR,
+        memory: float = 0.9,
+        rate: float = 0.5,
+        carry_over: bool = False,
+        ragged: bool = False,
+        whole_drafts: bool = False,
+    ):
         if kind not in ("draft", "companion"):
             raise ValueError(f"kind must be 'draft' or 'companion', got {kind!r}")
         if kind == "companion" and latency.companion is None:
@@ -99,9 +112,21 @@ class SVPolicy:
         self._start()
 
     @classmethod
-    def from_cache(cls, target, draft, *, sampling: SamplingParams, method: str = "block", max_draft: int = MAX_DRAFT,
-                   kind: str = SV_PREDICTOR, companion: str | None = COMPANION, profile: Path | None = None,
-                   latency: Path | None = None, names: tuple[str, str] | None = None, **options) -> SVPolicy:
+    def from_cache(
+        cls,
+        target,
+        draft,
+        *,
+        sampling: SamplingParams,
+        method: str = "block",
+        max_draft: int = MAX_DRAFT,
+        kind: str = SV_PREDICTOR,
+        companion: str | None = COMPANION,
+        profile: Path | None = None,
+        latency: Path | None = None,
+        names: tuple[str, str] | None = None,
+        **options,
+    ) -> SVPolicy:
         """The policy for these loaded models and ``sampling``, from the profiles ``blockspec sv profile`` and
         ``blockspec sv calibrate`` saved for them (found by the models' names, dtype and device, as the command
         line finds them; ``names`` = (target, draft) overrides the names, ``profile`` and ``latency`` the files).
@@ -130,12 +155,16 @@ class SVPolicy:
         the draft has ``catch_up`` tokens to read first, has already run the forwards of ``drafted`` positions
         and sampled ``sampled`` tokens: those forwards are paid whatever the width, and the companion scores
         every token sampled, so a narrower width saves neither."""
+
         def seconds(width: int) -> float:
             latency = self.latency
             scoring = latency.scoring(batch, max(width, sampled), catch_up) if self.needs_companion else 0.0
             forwards = (self.max_draft if width else 1) if self.whole_drafts else max(width, drafted)
-            return (latency.drafting(batch, forwards, catch_up, companion=False) + scoring
-                    + latency.target(batch, 1 + width))
+            return (
+                latency.drafting(batch, forwards, catch_up, companion=False)
+                + scoring
+                + latency.target(batch, 1 + width)
+            )
 
         return seconds
 
@@ -191,17 +220,21 @@ class SVPolicy:
     def lengths_given(self, features: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
         """``lengths`` from the ``kind`` predictor's features [B, K, F] of the drafted positions."""
         gains = self.predict(self.kind, features)
-        draft = gains if self.kind == "draft" else self.predict("draft", features[..., :len(DRAFT_FEATURES)])
+        draft = gains if self.kind == "draft" else self.predict("draft", features[..., : len(DRAFT_FEATURES)])
         self._predicted = {"draft": draft, self.kind: gains}
         # positions drafted move towards this step's predictions, the others towards the (recalibrated) prior's
-        now = torch.cat([gains.mean(0).cpu(), self.expected()[gains.shape[1]:]])
+        now = torch.cat([gains.mean(0).cpu(), self.expected()[gains.shape[1] :]])
         self.history = self.memory * self.history + (1 - self.memory) * now
         # Drafting (and the companion's scoring) up to position i is paid by the time x_i is decided on; the
         # sunk seconds are those of i positions, never of how far drafting went (which depends on x_i), unless the
         # engine drafts whole budgets, whose length does not depend on the tokens.
         batch, catch_up, budget = self._batch, self._catch_up, features.shape[1]
-        paid = lambda i: self.latency.drafting(batch, budget if self.whole_drafts else i, catch_up,  # noqa: E731
-                                               self.needs_companion)
+        paid = lambda i: self.latency.drafting(
+            batch,
+            budget if self.whole_drafts else i,
+            catch_up,  # noqa: E731
+            self.needs_companion,
+        )
         if self.ragged:
             per_row = lambda tokens: self.latency.target(batch, 1 + tokens / batch)  # noqa: E731
             lengths = ragged_stopping_lengths(gains, drafted, per_row, paid=paid)
@@ -223,8 +256,9 @@ class SVPolicy:
         probs = draft_distributions(draft_tokens, draft_probs, target_probs.shape[-1])
         self.learn(position_gains(draft_tokens, probs, target_probs, self.method), verified)
 
-    def learn(self, labels: torch.Tensor, verified: torch.Tensor,
-              predicted: dict[str, torch.Tensor] | None = None) -> None:
+    def learn(
+        self, labels: torch.Tensor, verified: torch.Tensor, predicted: dict[str, torch.Tensor] | None = None
+    ) -> None:
         """One online step on the exact gains ``labels`` [B, W] of the first ``verified`` [B] <= W positions of
         each row (where the target's distributions are known), against the gains each predictor gave them
         (``predicted``, [B, >=W] per predictor; default: those of the step whose ``lengths`` were just decided)."""

@@ -15,12 +15,26 @@ extended to trees) and verify_tree_greedy; tree_law and expected_accepted_tree a
 
 from .base import Randomness, VerifyOutput, positive_part_mass, row_chunks
 from .block import block_acceptance, block_weights, verify_block
-from .exact import (accepted_length_law, acceptance_survival, agreement, draft_distributions, expected_accepted,
-                    final_distributions, position_gains)
+from .exact import (
+    acceptance_survival,
+    accepted_length_law,
+    agreement,
+    draft_distributions,
+    expected_accepted,
+    final_distributions,
+    position_gains,
+)
 from .greedy import verify_greedy
 from .token import token_acceptance, verify_token
-from .tree import (TreeLaw, TreeVerifyOutput, expected_accepted_tree, tree_law, verify_tree_block, verify_tree_greedy,
-                   verify_tree_token)
+from .tree import (
+    TreeLaw,
+    TreeVerifyOutput,
+    expected_accepted_tree,
+    tree_law,
+    verify_tree_block,
+    verify_tree_greedy,
+    verify_tree_token,
+)
 
 VERIFIERS = {"token": verify_token, "block": verify_block, "greedy": verify_greedy}
 

@@ -32,6 +32,7 @@ import torch
 def renamed(**new_names: str):
     """Decorator: keyword arguments under their old names (``old="new"``) still work for one release, with a
     DeprecationWarning naming the new one; giving both names is an error."""
+
     def wrap(function):
         @functools.wraps(function)
         def call(*args, **kwargs):
@@ -39,11 +40,16 @@ def renamed(**new_names: str):
                 if old in kwargs:
                     if new in kwargs:
                         raise TypeError(f"{function.__qualname__}() got both {old}= and {new}=; {old} is the old name")
-                    warnings.warn(f"{function.__qualname__}({old}=...) is deprecated: use {new}=", DeprecationWarning,
-                                  stacklevel=2)
+                    warnings.warn(
+                        f"{function.__qualname__}({old}=...) is deprecated: use {new}=",
+                        DeprecationWarning,
+                        stacklevel=2,
+                    )
                     kwargs[new] = kwargs.pop(old)
             return function(*args, **kwargs)
+
         return call
+
     return wrap
 
 
@@ -111,8 +117,9 @@ def draw_uniforms(randomness: Randomness | None, generator, target_probs: torch.
     """The caller's explicit uniforms [B, K], or a fresh draw from ``generator`` in the dtype of ``target_probs``."""
     if randomness is not None:
         return randomness.uniforms
-    return torch.rand(target_probs.shape[0], width, dtype=target_probs.dtype, device=target_probs.device,
-                      generator=generator)
+    return torch.rand(
+        target_probs.shape[0], width, dtype=target_probs.dtype, device=target_probs.device, generator=generator
+    )
 
 
 def row_chunks(batch: int, vocab: int) -> list[slice]:
@@ -154,14 +161,19 @@ def sample_final(
     last = torch.empty_like(tau)
     for rows in row_chunks(batch, vocab):
         dist = final_distribution(
-            draft_tokens[rows], None if draft_probs is None else draft_probs[rows], target_probs[rows],
-            num_verified[rows], tau[rows], weight[rows],
+            draft_tokens[rows],
+            None if draft_probs is None else draft_probs[rows],
+            target_probs[rows],
+            num_verified[rows],
+            tau[rows],
+            weight[rows],
         )
         if randomness is not None:
             exponentials = randomness.exponentials[rows]
         else:
-            exponentials = draw_exponentials(len(dist), vocab, dtype=dist.dtype, device=dist.device,
-                                             generator=generator)
+            exponentials = draw_exponentials(
+                len(dist), vocab, dtype=dist.dtype, device=dist.device, generator=generator
+            )
         last[rows] = race(dist, exponentials)
     return last
 
@@ -289,9 +301,7 @@ def _check_values(draft_tokens, draft_probs, target_probs, num_verified, randomn
     bad_ids = verified & ((draft_tokens < 0) | (draft_tokens >= vocab))
     if bool(bad_ids.any()):
         b, i = bad_ids.nonzero()[0].tolist()
-        raise ValueError(
-            f"draft_tokens[{b}, {i}] = {int(draft_tokens[b, i])} is outside the vocabulary [0, {vocab})"
-        )
+        raise ValueError(f"draft_tokens[{b}, {i}] = {int(draft_tokens[b, i])} is outside the vocabulary [0, {vocab})")
     # The target row at position num_verified (the bonus distribution) is used too.
     target_used = torch.arange(width + 1, device=num_verified.device) <= num_verified[:, None]  # [B, K+1]
     check_distributions("target_probs", target_probs, target_used)
@@ -332,7 +342,9 @@ def check_distributions(name: str, probs: torch.Tensor, used: torch.Tensor) -> N
         bad = bad & used
         if bool(bad.any()):
             b, i = bad.nonzero()[0].tolist()
-            raise ValueError(f"{name}[{b}, {i}] {problem}: sum = {float(sums[b, i]):.9g}; pass probabilities, not logits")
+            raise ValueError(
+                f"{name}[{b}, {i}] {problem}: sum = {float(sums[b, i]):.9g}; pass probabilities, not logits"
+            )
 
 
 def describe(value) -> str:

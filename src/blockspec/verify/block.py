@@ -5,8 +5,16 @@ from __future__ import annotations
 import torch
 
 from .base import (
-    Randomness, VerifyOutput, draw_uniforms, emit, positive_part_mass, prepare, probs_of_drafted, renamed,
-    sample_final, verified_mask,
+    Randomness,
+    VerifyOutput,
+    draw_uniforms,
+    emit,
+    positive_part_mass,
+    prepare,
+    probs_of_drafted,
+    renamed,
+    sample_final,
+    verified_mask,
 )
 
 

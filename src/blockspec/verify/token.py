@@ -5,7 +5,15 @@ from __future__ import annotations
 import torch
 
 from .base import (
-    Randomness, VerifyOutput, draw_uniforms, emit, prepare, probs_of_drafted, renamed, sample_final, verified_mask,
+    Randomness,
+    VerifyOutput,
+    draw_uniforms,
+    emit,
+    prepare,
+    probs_of_drafted,
+    renamed,
+    sample_final,
+    verified_mask,
 )
 
 

@@ -29,8 +29,14 @@ from dataclasses import dataclass
 import torch
 
 from .base import (
-    Randomness, VerifyOutput, check_distributions, check_randomness_values, describe, draw_exponentials,
-    draw_uniforms, race,
+    Randomness,
+    VerifyOutput,
+    check_distributions,
+    check_randomness_values,
+    describe,
+    draw_exponentials,
+    draw_uniforms,
+    race,
 )
 
 RULES = ("token", "block")
@@ -276,8 +282,9 @@ def verify_tree_token(
     distinct siblings, Q[x_c] <- 0, renormalised). When every child of the current node is rejected, or it has
     none, emit y ~ P. Lossless for either scheme; on a chain, ``verify_token`` with the same randomness.
     """
-    return _verify_sampled("token", draft_tokens, parents, draft_probs, target_probs, scheme, num_nodes, generator,
-                           randomness, validate)
+    return _verify_sampled(
+        "token", draft_tokens, parents, draft_probs, target_probs, scheme, num_nodes, generator, randomness, validate
+    )
 
 
 def verify_tree_block(
@@ -301,15 +308,16 @@ def verify_tree_block(
     token shares the exponentials). Its expected accepted depth is at least the token rule's on average over
     trees (not for every tree).
     """
-    return _verify_sampled("block", draft_tokens, parents, draft_probs, target_probs, scheme, num_nodes, generator,
-                           randomness, validate)
+    return _verify_sampled(
+        "block", draft_tokens, parents, draft_probs, target_probs, scheme, num_nodes, generator, randomness, validate
+    )
 
 
-def _verify_sampled(rule, draft_tokens, parents, draft_probs, target_probs, scheme, num_nodes, generator,
-                    randomness, validate) -> TreeVerifyOutput:
+def _verify_sampled(
+    rule, draft_tokens, parents, draft_probs, target_probs, scheme, num_nodes, generator, randomness, validate
+) -> TreeVerifyOutput:
     _require_draft(draft_probs)
-    num_nodes = prepare_tree(draft_tokens, parents, draft_probs, target_probs, num_nodes, scheme, randomness,
-                             validate)
+    num_nodes = prepare_tree(draft_tokens, parents, draft_probs, target_probs, num_nodes, scheme, randomness, validate)
     uniforms = draw_uniforms(randomness, generator, target_probs, draft_tokens.shape[1])  # [B, N]
     accept, final = tree_acceptance(draft_tokens, parents, draft_probs, target_probs, num_nodes, rule, scheme)
     hits = uniforms < accept  # P(u < a) = a for u ~ U[0, 1); a = 0 (padding) never hits
@@ -343,8 +351,7 @@ def verify_tree_greedy(
 
     The emitted tokens equal plain greedy decoding of the target; argmax ties go to the lowest id.
     """
-    num_nodes = prepare_tree(draft_tokens, parents, draft_probs, target_probs, num_nodes, scheme, randomness,
-                             validate)
+    num_nodes = prepare_tree(draft_tokens, parents, draft_probs, target_probs, num_nodes, scheme, randomness, validate)
     batch, nodes = draft_tokens.shape
     live = node_mask(num_nodes, nodes)
     choice = target_probs.argmax(-1)  # [B, N+1]
@@ -355,8 +362,7 @@ def verify_tree_greedy(
         matched[:, child] = live[:, child - 1] & matched.gather(1, parent).squeeze(1) & agrees
     depth = node_depths(parents, num_nodes)
     node = torch.where(matched, depth, -1).argmax(-1)  # the first maximum: lowest index among the deepest
-    return _emit_tree(draft_tokens, parents, depth, node, choice.gather(1, node[:, None]).squeeze(1),
-                      _max_depth(depth))
+    return _emit_tree(draft_tokens, parents, depth, node, choice.gather(1, node[:, None]).squeeze(1), _max_depth(depth))
 
 
 # --- closed forms given a tree ------------------------------------------------------------------------------
@@ -394,8 +400,9 @@ def expected_accepted_tree(
 ) -> torch.Tensor:
     """E[tau | tree] [B] float, exactly, in O(N V) per row: sum_a P(accepted node = a) * depth(a)."""
     num_nodes = prepare_tree(draft_tokens, parents, draft_probs, target_probs, num_nodes, scheme, None, validate)
-    law = tree_law(draft_tokens, parents, draft_probs, target_probs, rule=rule, scheme=scheme, num_nodes=num_nodes,
-                   validate=False)
+    law = tree_law(
+        draft_tokens, parents, draft_probs, target_probs, rule=rule, scheme=scheme, num_nodes=num_nodes, validate=False
+    )
     return (law.node_law * node_depths(parents, num_nodes)).sum(-1)
 
 
@@ -432,8 +439,11 @@ def _check_tree_shapes(draft_tokens, parents, draft_probs, target_probs, num_nod
     batch, nodes = draft_tokens.shape
     if not isinstance(parents, torch.Tensor) or list(parents.shape) != [batch, nodes] or parents.dtype != torch.long:
         raise ValueError(f"parents must be a [B, N] = [{batch}, {nodes}] int64 tensor, got {describe(parents)}")
-    if not isinstance(target_probs, torch.Tensor) or target_probs.dim() != 3 \
-            or target_probs.shape[:2] != (batch, nodes + 1):
+    if (
+        not isinstance(target_probs, torch.Tensor)
+        or target_probs.dim() != 3
+        or target_probs.shape[:2] != (batch, nodes + 1)
+    ):
         raise ValueError(
             f"target_probs must be a [B, N+1, V] = [{batch}, {nodes + 1}, V] tensor, got {describe(target_probs)}"
         )
@@ -450,12 +460,15 @@ def _check_tree_shapes(draft_tokens, parents, draft_probs, target_probs, num_nod
             )
         if draft_probs.dtype != target_probs.dtype:
             raise ValueError(f"draft_probs is {draft_probs.dtype} but target_probs is {target_probs.dtype}")
-    if num_nodes is not None and (not isinstance(num_nodes, torch.Tensor) or list(num_nodes.shape) != [batch]
-                                  or num_nodes.dtype != torch.long):
+    if num_nodes is not None and (
+        not isinstance(num_nodes, torch.Tensor) or list(num_nodes.shape) != [batch] or num_nodes.dtype != torch.long
+    ):
         raise ValueError(f"num_nodes must be a [B] = [{batch}] int64 tensor, got {describe(num_nodes)}")
     if randomness is not None:
-        for name, value, shape in (("uniforms", randomness.uniforms, [batch, nodes]),
-                                   ("exponentials", randomness.exponentials, [batch, vocab])):
+        for name, value, shape in (
+            ("uniforms", randomness.uniforms, [batch, nodes]),
+            ("exponentials", randomness.exponentials, [batch, vocab]),
+        ):
             if list(value.shape) != shape:
                 raise ValueError(f"randomness.{name} must have shape {shape}, got {list(value.shape)}")
     devices = {t.device for t in (draft_tokens, parents, draft_probs, target_probs, num_nodes) if t is not None}

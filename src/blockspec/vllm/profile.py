@@ -19,7 +19,7 @@ import os
 import platform
 import statistics
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 TIMES = {"target": [], "draft": []}  # in the worker: (requests, tokens, seconds) of each forward timed
 WIDTH = {"verified": None}  # in the worker: the drafts each request has verified (None: all)
@@ -37,8 +37,13 @@ def timing(worker) -> None:
     def timed_execute(self, scheduler_output, *args, **kwargs):
         start = time.perf_counter()
         output = execute(self, scheduler_output, *args, **kwargs)
-        TIMES["target"].append((len(scheduler_output.num_scheduled_tokens),
-                                scheduler_output.total_num_scheduled_tokens, time.perf_counter() - start))
+        TIMES["target"].append(
+            (
+                len(scheduler_output.num_scheduled_tokens),
+                scheduler_output.total_num_scheduled_tokens,
+                time.perf_counter() - start,
+            )
+        )
         return output
 
     def timed_propose(self, scheduler_output, *args, **kwargs):
@@ -48,7 +53,7 @@ def timing(worker) -> None:
         if hasattr(drafts, "shape"):  # a tensor [B, K]: nothing cut yet
             TIMES["draft"].append((drafts.shape[0], drafts.shape[1], seconds))
             if WIDTH["verified"] is not None:
-                drafts = [row[:WIDTH["verified"]] for row in drafts.tolist()]
+                drafts = [row[: WIDTH["verified"]] for row in drafts.tolist()]
         return drafts
 
     timed_execute.timed = True
@@ -78,32 +83,55 @@ def measure(llm, batch_sizes, max_draft: int, context: int, repeats: int, log=pr
     for batch in batch_sizes:
         target[batch] = []
         vocab = llm.llm_engine.model_config.get_vocab_size()
-        prompts = [TokensPrompt(prompt_token_ids=[2 + (7 * request + i) % min(vocab - 2, 4096) for i in range(context)])
-                   for request in range(batch)]  # ordinary tokens, a different prompt for each request
+        prompts = [
+            TokensPrompt(prompt_token_ids=[2 + (7 * request + i) % min(vocab - 2, 4096) for i in range(context)])
+            for request in range(batch)
+        ]  # ordinary tokens, a different prompt for each request
         for width in range(max_draft + 1):
             llm.collective_rpc(verify, args=(width,))
-            params = [SamplingParams(max_tokens=(repeats + 2) * (width + 1), ignore_eos=True, seed=request,
-                                     temperature=1.0) for request in range(batch)]
+            params = [
+                SamplingParams(max_tokens=(repeats + 2) * (width + 1), ignore_eos=True, seed=request, temperature=1.0)
+                for request in range(batch)
+            ]
             llm.generate(prompts, params, use_tqdm=False)
             timed = llm.collective_rpc(times)[0]
-            steps = [seconds for requests, tokens, seconds in timed["target"]
-                     if requests == batch and tokens == batch * (width + 1)][1:]
+            steps = [
+                seconds
+                for requests, tokens, seconds in timed["target"]
+                if requests == batch and tokens == batch * (width + 1)
+            ][1:]
             if len(steps) < repeats // 2:
-                raise RuntimeError(f"only {len(steps)} decoding steps of {batch} requests verifying {width} drafts "
-                                   "each were seen: is vLLM's batch limit (max_num_seqs) below the batch size?")
+                raise RuntimeError(
+                    f"only {len(steps)} decoding steps of {batch} requests verifying {width} drafts "
+                    "each were seen: is vLLM's batch limit (max_num_seqs) below the batch size?"
+                )
             target[batch].append(round(statistics.median(steps), 6))
             if width == max_draft:
-                drafting = [seconds for requests, drafted, seconds in timed["draft"]
-                            if requests == batch and drafted == max_draft][1:]
+                drafting = [
+                    seconds
+                    for requests, drafted, seconds in timed["draft"]
+                    if requests == batch and drafted == max_draft
+                ][1:]
                 draft[batch] = round(statistics.median(drafting) / max_draft, 6)
-            log(f"B={batch} w={width}: target {target[batch][-1] * 1e3:.1f} ms over {len(steps)} steps"
-                + (f", one draft forward {draft[batch] * 1e3:.1f} ms" if width == max_draft else ""))
+            log(
+                f"B={batch} w={width}: target {target[batch][-1] * 1e3:.1f} ms over {len(steps)} steps"
+                + (f", one draft forward {draft[batch] * 1e3:.1f} ms" if width == max_draft else "")
+            )
     llm.collective_rpc(verify, args=(None,))
     return target, draft
 
 
-def profile(llm, target_name: str, draft_name: str, dtype: str, batch_sizes, max_draft: int, context: int,
-            repeats: int, log=print):
+def profile(
+    llm,
+    target_name: str,
+    draft_name: str,
+    dtype: str,
+    batch_sizes,
+    max_draft: int,
+    context: int,
+    repeats: int,
+    log=print,
+):
     """The LatencyProfile of this vLLM engine (``measure``), with what it was measured on."""
     import torch
 
@@ -113,27 +141,46 @@ def profile(llm, target_name: str, draft_name: str, dtype: str, batch_sizes, max
 
     target, draft = measure(llm, batch_sizes, max_draft, context, repeats, log)
     sizes = tuple(sorted(target))
-    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "target": target_name,
-            "draft": draft_name, "companion": None, "dtype": dtype, "device": "cuda" if torch.cuda.is_available()
-            else "cpu", "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "machine": platform.platform(),
-            "processor": " ".join([platform.processor() or platform.machine(), *cpu_flags()]),
-            "context": context, "repeats": repeats}
-    return LatencyProfile(LatencyTable(sizes, tuple(range(1, max_draft + 2)), tuple(tuple(target[b]) for b in sizes)),
-                          LatencyTable(sizes, (1,), tuple((draft[b],) for b in sizes)), None, meta)
+    meta = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "target": target_name,
+        "draft": draft_name,
+        "companion": None,
+        "dtype": dtype,
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": platform.platform(),
+        "processor": " ".join([platform.processor() or platform.machine(), *cpu_flags()]),
+        "context": context,
+        "repeats": repeats,
+    }
+    return LatencyProfile(
+        LatencyTable(sizes, tuple(range(1, max_draft + 2)), tuple(tuple(target[b]) for b in sizes)),
+        LatencyTable(sizes, (1,), tuple((draft[b],) for b in sizes)),
+        None,
+        meta,
+    )
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m blockspec.vllm.profile", description=__doc__.split("\n\n")[1],
+        prog="python -m blockspec.vllm.profile",
+        description=__doc__.split("\n\n")[1],
         epilog="Then serve with BLOCKSPEC_VLLM_RULE=block BLOCKSPEC_VLLM_SV=<calibration>:<latency> (the calibration "
-               "profile from `blockspec sv calibrate`, made on blockspec's side of the same pair).")
+        "profile from `blockspec sv calibrate`, made on blockspec's side of the same pair).",
+    )
     parser.add_argument("--target", required=True, help="the target model, as vLLM is given it (a path)")
     parser.add_argument("--draft", required=True, help="the draft model, as vLLM is given it")
     parser.add_argument("--dtype", default="bfloat16", help="vLLM's dtype (default: %(default)s)")
     parser.add_argument("--max-draft", type=int, default=4, help="tokens drafted a step, K (default: %(default)s)")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16],
-                        help="requests decoding at once (default: %(default)s)")
+    parser.add_argument(
+        "--batch-sizes",
+        type=int,
+        nargs="+",
+        default=[1, 4, 16],
+        help="requests decoding at once (default: %(default)s)",
+    )
     parser.add_argument("--context", type=int, default=160, help="prompt tokens (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=8, help="steps timed per point, at least (default: %(default)s)")
     parser.add_argument("--out", required=True, help="where to write the latency profile (JSON)")
@@ -149,14 +196,31 @@ def main(argv=None) -> None:
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # sends the timing functions above to vLLM's worker
     for switch in (plugin.CUT_SWITCH, plugin.SV_SWITCH):  # the cut here is the profile's own
         os.environ.pop(switch, None)
-    llm = LLM(model=args.target, dtype=args.dtype, seed=0, max_num_seqs=max(args.batch_sizes),
-              max_model_len=args.context + (args.repeats + 2) * (args.max_draft + 1) + args.max_draft + 8,
-              speculative_config={"method": "draft_model", "model": args.draft,
-                                  "num_speculative_tokens": args.max_draft, "draft_sample_method": "probabilistic",
-                                  "rejection_sample_method": "standard"})
+    llm = LLM(
+        model=args.target,
+        dtype=args.dtype,
+        seed=0,
+        max_num_seqs=max(args.batch_sizes),
+        max_model_len=args.context + (args.repeats + 2) * (args.max_draft + 1) + args.max_draft + 8,
+        speculative_config={
+            "method": "draft_model",
+            "model": args.draft,
+            "num_speculative_tokens": args.max_draft,
+            "draft_sample_method": "probabilistic",
+            "rejection_sample_method": "standard",
+        },
+    )
     plugin.check(llm)
-    result = profile(llm, args.target, args.draft, args.dtype, sorted(set(args.batch_sizes)), args.max_draft,
-                     args.context, args.repeats)
+    result = profile(
+        llm,
+        args.target,
+        args.draft,
+        args.dtype,
+        sorted(set(args.batch_sizes)),
+        args.max_draft,
+        args.context,
+        args.repeats,
+    )
     result.save(args.out)
     print(f"wrote {args.out}")
 

@@ -79,18 +79,22 @@ def block_verify_ragged(
     caller keeps greedy requests on vLLM's greedy path). A drafted -1 is never accepted (the sentinel above)."""
     num_draft_tokens = num_draft_tokens.to(torch.long)
     if int(num_draft_tokens.sum()) != len(draft_token_ids) or bool((num_draft_tokens > max_spec_len).any()):
-        raise ValueError(f"num_draft_tokens {num_draft_tokens.tolist()} must sum to the {len(draft_token_ids)} drafted "
-                         f"tokens, each at most max_spec_len = {max_spec_len}")
-    tokens, draft, target, exponentials = padded_block(draft_token_ids, num_draft_tokens, draft_probs, target_probs,
-                                                       exponentials)
+        raise ValueError(
+            f"num_draft_tokens {num_draft_tokens.tolist()} must sum to the {len(draft_token_ids)} drafted "
+            f"tokens, each at most max_spec_len = {max_spec_len}"
+        )
+    tokens, draft, target, exponentials = padded_block(
+        draft_token_ids, num_draft_tokens, draft_probs, target_probs, exponentials
+    )
     randomness = Randomness(pad_ragged(uniforms, num_draft_tokens, tokens.shape[1], 0.5), exponentials)
     out = verify_block(tokens, draft, target, num_verified=num_draft_tokens, randomness=randomness, validate=False)
     emitted = out.tokens  # [B, width + 1]: x_1..x_tau, then one more token, -1 after
     all_accepted = out.num_accepted == num_draft_tokens
     emitted[all_accepted, num_draft_tokens[all_accepted]] = bonus_token_ids[all_accepted, 0].to(emitted.dtype)
-    output = torch.full((len(num_draft_tokens), max_spec_len + 1), PLACEHOLDER, dtype=torch.int32,
-                        device=emitted.device)
-    output[:, :emitted.shape[1]] = emitted.to(torch.int32)
+    output = torch.full(
+        (len(num_draft_tokens), max_spec_len + 1), PLACEHOLDER, dtype=torch.int32, device=emitted.device
+    )
+    output[:, : emitted.shape[1]] = emitted.to(torch.int32)
     return output
 
 
@@ -111,8 +115,9 @@ def padded_block(draft_token_ids, num_draft_tokens, draft_probs, target_probs, e
     draft = pad_ragged(draft_probs, num_draft_tokens, width, 1.0 / vocab)
     # row n_b, the target after all drafted tokens, is padding: the token drawn from it is replaced by the bonus
     if len(target_probs) == batch * width and has_spare_row(target_probs):  # see the module's docstring
-        target = target_probs.as_strided((batch, width + 1, vocab), (width * vocab, vocab, 1),
-                                         target_probs.storage_offset())
+        target = target_probs.as_strided(
+            (batch, width + 1, vocab), (width * vocab, vocab, 1), target_probs.storage_offset()
+        )
     else:
         target = pad_ragged(target_probs, num_draft_tokens, width + 1, 1.0 / vocab)
     return tokens, draft, target, exponentials
@@ -123,5 +128,7 @@ def expected_accepted_ragged(draft_token_ids, num_draft_tokens, draft_probs, tar
     the same drafts, so their ratio carries no sampling noise (``blockspec.verify.expected_accepted``)."""
     num_draft_tokens = num_draft_tokens.to(torch.long)
     tokens, draft, target, _ = padded_block(draft_token_ids, num_draft_tokens, draft_probs, target_probs)
-    return {method: expected_accepted(tokens, draft, target, method, num_draft_tokens, validate=False)
-            for method in ("token", "block")}
+    return {
+        method: expected_accepted(tokens, draft, target, method, num_draft_tokens, validate=False)
+        for method in ("token", "block")
+    }

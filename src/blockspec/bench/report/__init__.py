@@ -56,5 +56,15 @@ from .plots import new_figure
 from .stats import ReportConfig
 from .tables import ALL, MAX_OTHERS_CORES, build_report, summary
 
-__all__ = ["ALL", "HEADER", "MAX_OTHERS_CORES", "ReportConfig", "build_report", "format_table", "main", "new_figure",
-           "render", "summary"]
+__all__ = [
+    "ALL",
+    "HEADER",
+    "MAX_OTHERS_CORES",
+    "ReportConfig",
+    "build_report",
+    "format_table",
+    "main",
+    "new_figure",
+    "render",
+    "summary",
+]

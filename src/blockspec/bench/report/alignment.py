@@ -94,8 +94,14 @@ def _unit_columns(units: list[list[Record]]) -> dict[str, np.ndarray]:
     }
 
 
-def _row(label: str, records: list[Record], temperature: float, max_draft: int, draft_temperature: float,
-         config: ReportConfig) -> AlignRow:
+def _row(
+    label: str,
+    records: list[Record],
+    temperature: float,
+    max_draft: int,
+    draft_temperature: float,
+    config: ReportConfig,
+) -> AlignRow:
     if any(len(r.expected_token) != len(r.expected_block) for r in records):
         raise ValueError(f"{label} T_d={draft_temperature:g}: expected_token and expected_block differ in length")
     by_unit: dict[tuple[str, str], list[Record]] = defaultdict(list)
@@ -106,13 +112,18 @@ def _row(label: str, records: list[Record], temperature: float, max_draft: int, 
     strata = np.array([dataset for dataset, _ in units])
     steps, verified, block_steps = (columns[name].sum() for name in ("steps", "verified", "block_steps"))
     return AlignRow(
-        dataset=label, temperature=temperature, max_draft=max_draft, draft_temperature=draft_temperature,
-        prompts=len(units), steps=int(steps),
+        dataset=label,
+        temperature=temperature,
+        max_draft=max_draft,
+        draft_temperature=draft_temperature,
+        prompts=len(units),
+        steps=int(steps),
         overlap=bootstrap(lambda s: s["overlap"] / s["verified"], columns, strata, config) if verified else None,
         analytic_be_token=1 + columns["exp_t"].sum() / steps if steps else None,
         analytic_be_block=1 + columns["exp_b"].sum() / steps if steps else None,
         gain=bootstrap(lambda s: (s["steps"] + s["exp_b"]) / (s["steps"] + s["exp_t"]) - 1, columns, strata, config)
-        if steps else None,
+        if steps
+        else None,
         be_block=1 + columns["accepted"].sum() / block_steps if block_steps else None,
     )
 
@@ -143,21 +154,42 @@ def build_report(records: list[Record], config: ReportConfig = ReportConfig()) -
     return AlignReport(datasets, tuple(rows), len(found), config)
 
 
-HEADER = ("T", "K", "T_d", "prompts", "steps", "overlap (CI)", "analytic BE token", "analytic BE block",
-          "gain block vs token (CI)", "measured BE block")
+HEADER = (
+    "T",
+    "K",
+    "T_d",
+    "prompts",
+    "steps",
+    "overlap (CI)",
+    "analytic BE token",
+    "analytic BE block",
+    "gain block vs token (CI)",
+    "measured BE block",
+)
 
 
 def _cells(row: AlignRow) -> list[str]:
-    return [f"{row.temperature:g}", str(row.max_draft), f"{row.draft_temperature:g}", str(row.prompts),
-            str(row.steps), interval(row.overlap), num(row.analytic_be_token), num(row.analytic_be_block),
-            percent(row.gain), num(row.be_block)]
+    return [
+        f"{row.temperature:g}",
+        str(row.max_draft),
+        f"{row.draft_temperature:g}",
+        str(row.prompts),
+        str(row.steps),
+        interval(row.overlap),
+        num(row.analytic_be_token),
+        num(row.analytic_be_block),
+        percent(row.gain),
+        num(row.be_block),
+    ]
 
 
 def format_table(report: AlignReport) -> str:
     """Markdown: the convention, the table pooled over datasets, then one table per dataset."""
     cfg = report.config
-    parts = ["# alignment sweep: block-vs-token gain vs draft-target overlap",
-             CONVENTION.format(conf=100 * cfg.confidence, n_boot=cfg.n_boot, seed=cfg.seed) + "."]
+    parts = [
+        "# alignment sweep: block-vs-token gain vs draft-target overlap",
+        CONVENTION.format(conf=100 * cfg.confidence, n_boot=cfg.n_boot, seed=cfg.seed) + ".",
+    ]
     for label in (ALL, *report.datasets):
         body = [_cells(row) for row in report.rows_of(label)]
         if body:
@@ -171,7 +203,8 @@ def summary(report: AlignReport) -> dict:
     cfg = report.config
     return {
         "convention": CONVENTION.format(conf=100 * cfg.confidence, n_boot=cfg.n_boot, seed=cfg.seed),
-        "records": report.n_records, "datasets": list(report.datasets),
+        "records": report.n_records,
+        "datasets": list(report.datasets),
         "pooled": [asdict(row) for row in report.rows_of(ALL)],
     }
 
@@ -184,22 +217,43 @@ def plot(report: AlignReport, path: Path) -> Path:
     for ax, (temperature, max_draft) in zip(axes, panels):
         ax.axhline(0.0, color="grey", lw=0.8)
         for index, label in enumerate((*report.datasets, ALL)):
-            rows = [r for r in report.rows_of(label) if (r.temperature, r.max_draft) == (temperature, max_draft)
-                    and r.gain is not None and r.overlap is not None]
+            rows = [
+                r
+                for r in report.rows_of(label)
+                if (r.temperature, r.max_draft) == (temperature, max_draft)
+                and r.gain is not None
+                and r.overlap is not None
+            ]
             if not rows:
                 continue
             pooled = label == ALL
             xs, ys = [r.overlap.value for r in rows], [100 * r.gain.value for r in rows]
-            ax.errorbar(xs, ys, xerr=_errors(r.overlap for r in rows), yerr=_errors((r.gain for r in rows), 100),
-                        fmt="s-" if pooled else "o--", color="black" if pooled else f"C{index}", capsize=3,
-                        lw=2 if pooled else 1, alpha=1 if pooled else 0.7, label="pooled" if pooled else label)
+            ax.errorbar(
+                xs,
+                ys,
+                xerr=_errors(r.overlap for r in rows),
+                yerr=_errors((r.gain for r in rows), 100),
+                fmt="s-" if pooled else "o--",
+                color="black" if pooled else f"C{index}",
+                capsize=3,
+                lw=2 if pooled else 1,
+                alpha=1 if pooled else 0.7,
+                label="pooled" if pooled else label,
+            )
             if pooled:
                 for n, (row, x, y) in enumerate(zip(rows, xs, ys)):  # labels alternate above / below
-                    ax.annotate(f"T_d={row.draft_temperature:g}", (x, y), textcoords="offset points",
-                                xytext=(5, 5 if n % 2 == 0 else -13), fontsize=8)
-        ax.set(title=f"T={temperature:g}, K={max_draft} (bars: bootstrap CI over prompts)",
-               xlabel="mean overlap sum_v min(draft, target) per verified position",
-               ylabel="block vs token gain, analytic (%)")
+                    ax.annotate(
+                        f"T_d={row.draft_temperature:g}",
+                        (x, y),
+                        textcoords="offset points",
+                        xytext=(5, 5 if n % 2 == 0 else -13),
+                        fontsize=8,
+                    )
+        ax.set(
+            title=f"T={temperature:g}, K={max_draft} (bars: bootstrap CI over prompts)",
+            xlabel="mean overlap sum_v min(draft, target) per verified position",
+            ylabel="block vs token gain, analytic (%)",
+        )
         ax.legend(fontsize=7)
     figure.savefig(path, dpi=110)
     return path

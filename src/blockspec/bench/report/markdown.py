@@ -5,14 +5,35 @@ from __future__ import annotations
 
 from .stats import Estimate
 from .tables import (
-    ALL, BASELINES, BATCH_CONVENTION, CONVENTION, MAX_OTHERS_CORES, BaselineRow, BatchRow, LeftOut, Report, Row,
+    ALL,
+    BASELINES,
+    BATCH_CONVENTION,
+    CONVENTION,
+    MAX_OTHERS_CORES,
+    BaselineRow,
+    BatchRow,
+    LeftOut,
+    Report,
+    Row,
 )
 
 DASH = "-"
 HEADER = (
-    "T", "K", "B", "config", "prompts", "BE token", "BE block", "gain (CI)", "analytic BE token",
-    "analytic BE block", "analytic gain (CI)", "tok/s token / block", "x target-only token / block",
-    "x hf-assisted token / block", "block / token wall (CI)",
+    "T",
+    "K",
+    "B",
+    "config",
+    "prompts",
+    "BE token",
+    "BE block",
+    "gain (CI)",
+    "analytic BE token",
+    "analytic BE block",
+    "analytic gain (CI)",
+    "tok/s token / block",
+    "x target-only token / block",
+    "x hf-assisted token / block",
+    "block / token wall (CI)",
 )
 
 
@@ -42,9 +63,17 @@ def _times(estimate: Estimate | None) -> str:
 
 def _spec_cells(row: Row) -> list[str]:
     return [
-        f"{row.temperature:g}", str(row.max_draft), str(row.batch_size), "token vs block", str(row.prompts),
-        num(row.be_token), num(row.be_block), percent(row.gain),
-        num(row.analytic_be_token), num(row.analytic_be_block), percent(row.analytic_gain),
+        f"{row.temperature:g}",
+        str(row.max_draft),
+        str(row.batch_size),
+        "token vs block",
+        str(row.prompts),
+        num(row.be_token),
+        num(row.be_block),
+        percent(row.gain),
+        num(row.analytic_be_token),
+        num(row.analytic_be_block),
+        percent(row.analytic_gain),
         _pair(row.tokens_per_s_token, row.tokens_per_s_block, ".2f"),
         _pair(row.speedup_token_vs_target, row.speedup_block_vs_target, ".3f", "x"),
         _pair(row.speedup_token_vs_hf, row.speedup_block_vs_hf, ".3f", "x"),
@@ -54,9 +83,16 @@ def _spec_cells(row: Row) -> list[str]:
 
 def _baseline_cells(row: BaselineRow) -> list[str]:
     return [
-        f"{row.temperature:g}", str(row.max_draft), str(row.batch_size), row.config, str(row.prompts),
-        *[DASH] * 6, num(row.tokens_per_s, ".2f"),
-        "1.000x" if row.config == "target-only" else num(row.speedup_vs_target, ".3f", "x"), DASH, DASH,
+        f"{row.temperature:g}",
+        str(row.max_draft),
+        str(row.batch_size),
+        row.config,
+        str(row.prompts),
+        *[DASH] * 6,
+        num(row.tokens_per_s, ".2f"),
+        "1.000x" if row.config == "target-only" else num(row.speedup_vs_target, ".3f", "x"),
+        DASH,
+        DASH,
     ]
 
 
@@ -67,20 +103,37 @@ def markdown_table(header: tuple[str, ...], body: list[list[str]]) -> str:
 
 
 BATCH_HEADER = (
-    "T", "B", "config", "K", "batches", "tok/s (CI)", "x target-only (CI)", "x best fixed K (CI)",
+    "T",
+    "B",
+    "config",
+    "K",
+    "batches",
+    "tok/s (CI)",
+    "x target-only (CI)",
+    "x best fixed K (CI)",
     "x transformers (CI)",
-    "rejected / verified (CI)", "verified / emitted (CI)", "drafted / emitted", "BE",
+    "rejected / verified (CI)",
+    "verified / emitted (CI)",
+    "drafted / emitted",
+    "BE",
 )
 
 
 def _batch_cells(row: BatchRow) -> list[str]:
     return [
-        f"{row.temperature:g}", str(row.batch_size), row.config + (" *" if row.best_fixed else ""), str(row.max_draft),
-        str(row.batches), interval(row.tokens_per_s, ".2f"),
+        f"{row.temperature:g}",
+        str(row.batch_size),
+        row.config + (" *" if row.best_fixed else ""),
+        str(row.max_draft),
+        str(row.batches),
+        interval(row.tokens_per_s, ".2f"),
         "1.000x" if row.config == "target-only" else _times(row.speedup_vs_target),
-        "1.000x" if row.best_fixed else _times(row.speedup_vs_best_fixed), _times(row.speedup_vs_hf),
-        percent(row.rejected).replace("+", ""), interval(row.verified_per_emitted),
-        num(row.drafted_per_emitted), num(row.block_efficiency),
+        "1.000x" if row.best_fixed else _times(row.speedup_vs_best_fixed),
+        _times(row.speedup_vs_hf),
+        percent(row.rejected).replace("+", ""),
+        interval(row.verified_per_emitted),
+        num(row.drafted_per_emitted),
+        num(row.block_efficiency),
     ]
 
 
@@ -91,30 +144,40 @@ def format_batch_table(report: Report) -> str:
     cfg = report.config
     caption = BATCH_CONVENTION.format(conf=100 * cfg.confidence, n_boot=cfg.n_boot, seed=cfg.seed)
     body = [_batch_cells(row) for row in report.batch]
-    return f"## batch sizes and Speculative Verification: all datasets pooled\n\n{caption}.\n\n" \
+    return (
+        f"## batch sizes and Speculative Verification: all datasets pooled\n\n{caption}.\n\n"
         f"{markdown_table(BATCH_HEADER, body)}"
+    )
 
 
 def _run_name(run: dict) -> str:
     draft = f" T_d={run['draft_temperature']:g}" if "draft_temperature" in run else ""
-    return (f"{run['prompt_id']} {run['config']} K={run['max_draft']} T={run['temperature']:g}{draft} "
-            f"B={run['batch_size']}")
+    return (
+        f"{run['prompt_id']} {run['config']} K={run['max_draft']} T={run['temperature']:g}{draft} B={run['batch_size']}"
+    )
 
 
 def format_left_out(left_out: LeftOut) -> str:
     """The report's section on the runs its figures leave out, or "" when there are none."""
     lines = []
     if left_out.failed:
-        lines.append(f"- failed runs ({len(left_out.failed)}), in no figure (a resume reruns them only when asked "
-                     "to retry failed runs):")
+        lines.append(
+            f"- failed runs ({len(left_out.failed)}), in no figure (a resume reruns them only when asked "
+            "to retry failed runs):"
+        )
         lines += [f"    - {_run_name(run)}: {run['error']}" for run in left_out.failed]
-        lines += [f"- {run['config']} failed on {run['prompt_id']} (T={run['temperature']:g}, B={run['batch_size']}): "
-                  f"the speedups over {run['config']} leave that prompt out" for run in left_out.failed
-                  if run["config"] in BASELINES]
+        lines += [
+            f"- {run['config']} failed on {run['prompt_id']} (T={run['temperature']:g}, B={run['batch_size']}): "
+            f"the speedups over {run['config']} leave that prompt out"
+            for run in left_out.failed
+            if run["config"] in BASELINES
+        ]
     if left_out.contended:
-        lines.append(f"- {len(left_out.contended)} runs measured while other processes used more than "
-                     f"{MAX_OTHERS_CORES} CPU-seconds per wall second: left out of tok/s and speedups, kept in the "
-                     "block efficiencies:")
+        lines.append(
+            f"- {len(left_out.contended)} runs measured while other processes used more than "
+            f"{MAX_OTHERS_CORES} CPU-seconds per wall second: left out of tok/s and speedups, kept in the "
+            "block efficiencies:"
+        )
         lines += [f"    - {_run_name(run)}: others used {run['others_cores']:.2f}" for run in left_out.contended]
     return "## runs left out\n\n" + "\n".join(lines) if lines else ""
 
@@ -140,4 +203,3 @@ def format_table(report: Report) -> str:
     if report.batch:
         parts.append(format_batch_table(report))
     return "\n\n".join(parts)
-

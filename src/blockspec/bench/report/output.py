@@ -26,8 +26,9 @@ def document(report: Report, aligned: alignment.AlignReport | None = None) -> di
     return {**summary(report), **({"alignment": alignment.summary(aligned)} if aligned else {})}
 
 
-def render(report: Report, out_dir: Path, plots: bool = True,
-           aligned: alignment.AlignReport | None = None) -> list[Path]:
+def render(
+    report: Report, out_dir: Path, plots: bool = True, aligned: alignment.AlignReport | None = None
+) -> list[Path]:
     """Write report.md (the tables), summary.json (``document``) and, if ``plots``, three PNG plots (four with
     the batch table: tokens/s vs batch size); with ``aligned``, alignment.md and its plot, and only those plots
     when every run was at a draft temperature of its own. Return the paths.
@@ -61,13 +62,19 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = ReportConfig()
     parser = argparse.ArgumentParser(
         prog="python -m blockspec.bench.report",
-        description="Tables and plots from saved benchmark records; the last stdout line is a JSON summary.")
+        description="Tables and plots from saved benchmark records; the last stdout line is a JSON summary.",
+    )
     parser.add_argument("--records", type=Path, nargs="+", required=True, help="JSONL record file(s)")
-    parser.add_argument("--out", type=Path, help="directory for report.md, summary.json and plots (and alignment.md "
-                        "for runs at draft temperatures of their own)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="directory for report.md, summary.json and plots (and alignment.md "
+        "for runs at draft temperatures of their own)",
+    )
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    parser.add_argument("--n-boot", type=int, default=defaults.n_boot,
-                        help="bootstrap resamples (default: %(default)s)")
+    parser.add_argument(
+        "--n-boot", type=int, default=defaults.n_boot, help="bootstrap resamples (default: %(default)s)"
+    )
     parser.add_argument("--confidence", type=float, default=defaults.confidence, help="(default: %(default)s)")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="bootstrap seed (default: %(default)s)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")

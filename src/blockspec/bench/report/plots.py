@@ -63,8 +63,14 @@ def plot_speedup(report: Report, path: Path) -> Path:
             color, ks = ("black" if label == ALL else f"C{index}"), [r.max_draft for r in rows]
             ax.plot(ks, [_nan(r.speedup_token_vs_target) for r in rows], "o--", color=color, label=f"{label} token")
             ax.plot(ks, [_nan(r.speedup_block_vs_target) for r in rows], "s-", color=color, label=f"{label} block")
-            hf = [b for b in report.baselines if b.dataset == label and b.config == "hf-assisted"
-                  and (b.temperature, b.batch_size) == (temperature, batch_size) and b.speedup_vs_target]
+            hf = [
+                b
+                for b in report.baselines
+                if b.dataset == label
+                and b.config == "hf-assisted"
+                and (b.temperature, b.batch_size) == (temperature, batch_size)
+                and b.speedup_vs_target
+            ]
             for b in hf:  # own schedule (K=0): a horizontal line; fixed K: a point
                 if b.max_draft:
                     ax.plot([b.max_draft], [b.speedup_vs_target], "x", color=color, ms=9)
@@ -98,15 +104,26 @@ def plot_batch(report: Report, path: Path) -> Path:
     """tok/s vs batch size per configuration (and K), one panel per temperature, pooled over datasets."""
     temperatures = sorted({row.temperature for row in report.batch})
     figure, axes = new_figure(len(temperatures), "tokens/s vs batch size (all datasets pooled)")
-    style = {"target-only": ("o-", "black"), "hf-assisted": ("x", "grey"), "hf-lookup": ("+", "grey"),
-             "sv-draft": ("D-", "C3"), "sv-token": ("^-", "C4"), "sv-block": ("v-", "C5"), "auto": ("*-", "C7"),
-             "lookup": ("P-", "darkgreen"), "lookup+model": ("X-", "darkred")}
+    style = {
+        "target-only": ("o-", "black"),
+        "hf-assisted": ("x", "grey"),
+        "hf-lookup": ("+", "grey"),
+        "sv-draft": ("D-", "C3"),
+        "sv-token": ("^-", "C4"),
+        "sv-block": ("v-", "C5"),
+        "auto": ("*-", "C7"),
+        "lookup": ("P-", "darkgreen"),
+        "lookup+model": ("X-", "darkred"),
+    }
     for ax, temperature in zip(axes, temperatures):
         rows = [r for r in report.batch if r.temperature == temperature]
         ks = sorted({r.max_draft for r in rows if r.config in records_io.FIXED_CONFIGS})
         for name, k in sorted({(r.config, r.max_draft) for r in rows}):
-            line = sorted((r.batch_size, r.tokens_per_s.value) for r in rows
-                          if (r.config, r.max_draft) == (name, k) and r.tokens_per_s is not None)
+            line = sorted(
+                (r.batch_size, r.tokens_per_s.value)
+                for r in rows
+                if (r.config, r.max_draft) == (name, k) and r.tokens_per_s is not None
+            )
             if not line:
                 continue
             if name in records_io.FIXED_CONFIGS:  # one colour per K; token dashed, block solid
@@ -128,4 +145,3 @@ def plot_batch(report: Report, path: Path) -> Path:
 
 def _nan(value: float | None) -> float:
     return float("nan") if value is None else value
-

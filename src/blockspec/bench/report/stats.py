@@ -3,8 +3,8 @@ drawn from an explicit seeded ``numpy.random.Generator``, so the same records gi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -17,6 +17,7 @@ class ReportConfig:
     confidence: float = 0.95
     seed: int = 0  # seed of the bootstrap's numpy Generator: the same records give the same report
 
+
 @dataclass(frozen=True)
 class Estimate:
     """A point value and its bootstrap interval (lo/hi are None with fewer than two prompts)."""
@@ -24,7 +25,6 @@ class Estimate:
     value: float
     lo: float | None = None
     hi: float | None = None
-
 
 
 def resample_counts(strata: np.ndarray, n_boot: int, generator: np.random.Generator) -> np.ndarray:
@@ -70,4 +70,3 @@ def bootstrap(
     tail = (1 - config.confidence) / 2
     lo, hi = np.quantile(replicas, [tail, 1 - tail])
     return Estimate(point, float(lo), float(hi))
-

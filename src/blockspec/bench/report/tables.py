@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable
 
 import numpy as np
 
@@ -44,7 +44,6 @@ BATCH_CONVENTION = (
     "1 + accepted per row-step; {conf:.0f}% percentile bootstrap CIs over batches, stratified by dataset (given "
     "once every dataset has 2 batches), {n_boot} resamples, seed {seed}"
 )
-
 
 
 @dataclass(frozen=True)
@@ -144,6 +143,7 @@ class Report:
     def rows_of(self, dataset: str) -> list[Row]:
         return [row for row in self.rows if row.dataset == dataset]
 
+
 # ------------------------------------------------------------------------------------ record helpers
 
 
@@ -229,9 +229,7 @@ def analytic_columns(token: list[Record], block: list[Record], strata: np.ndarra
         "exp_b": per_prompt("expected_block"),
         "steps": np.array([len(t.expected_token) + len(b.expected_token) for t, b in zip(token, block)], float),
     }
-    lengths_match = all(
-        len(r.expected_token) == len(r.expected_block) for r in (*token, *block)
-    )
+    lengths_match = all(len(r.expected_token) == len(r.expected_block) for r in (*token, *block))
     if not lengths_match:
         log.warning("expected_token and expected_block differ in length in some records: analytic BE skipped")
     if not lengths_match or columns["steps"].sum() == 0:
@@ -287,8 +285,12 @@ def _cells(records: list[Record]) -> dict[tuple, list[Record]]:
 
 def _target_cell(cells: dict, temperature: float, batch_size: int) -> dict:
     """target-only records at this temperature and batch size (their max_draft is 0 by convention)."""
-    return _by_unit(r for (c, t, _, b), found in cells.items() for r in found
-                    if c == "target-only" and (t, b) == (temperature, batch_size))
+    return _by_unit(
+        r
+        for (c, t, _, b), found in cells.items()
+        for r in found
+        if c == "target-only" and (t, b) == (temperature, batch_size)
+    )
 
 
 def _hf_cell(cells: dict, temperature: float, max_draft: int, batch_size: int) -> dict:
@@ -307,18 +309,33 @@ def _spec_row(
     units = sorted(token_all.keys() & block_all.keys())
     unpaired = len(token_all) + len(block_all) - 2 * len(units)
     if unpaired:
-        log.warning("%s T=%g K=%d B=%d: %d records without their token/block pair are left out",
-                    label, temperature, max_draft, batch_size, unpaired)
+        log.warning(
+            "%s T=%g K=%d B=%d: %d records without their token/block pair are left out",
+            label,
+            temperature,
+            max_draft,
+            batch_size,
+            unpaired,
+        )
     token = {u: token_all[u] for u in units}
     block = {u: block_all[u] for u in units}
     strata = np.array([dataset for dataset, _ in units])
     token_list, block_list = list(token.values()), list(block.values())
     return Row(
-        dataset=label, temperature=temperature, max_draft=max_draft, batch_size=batch_size, prompts=len(units),
+        dataset=label,
+        temperature=temperature,
+        max_draft=max_draft,
+        batch_size=batch_size,
+        prompts=len(units),
         **efficiency_columns(token_list, block_list, strata, config),
         **analytic_columns(token_list, block_list, strata, config),
-        **speed_columns(token, block, _target_cell(cells, temperature, batch_size),
-                        _hf_cell(cells, temperature, max_draft, batch_size), config),
+        **speed_columns(
+            token,
+            block,
+            _target_cell(cells, temperature, batch_size),
+            _hf_cell(cells, temperature, max_draft, batch_size),
+            config,
+        ),
     )
 
 
@@ -333,18 +350,26 @@ def _baseline_rows(label: str, cells: dict, alone: set[tuple]) -> list[BaselineR
     included) and the speedup over target-only."""
     rows = []
     order = {"target-only": 0, "hf-assisted": 1, "hf-lookup": 1, "token": 2, "block": 2}  # the reference first
-    baseline_cells = sorted((key for key in cells if key[0] in ("target-only", *records_io.HF_CONFIGS)
-                             or key in alone),
-                            key=lambda key: (order[key[0]], key[1:]))
+    baseline_cells = sorted(
+        (key for key in cells if key[0] in ("target-only", *records_io.HF_CONFIGS) or key in alone),
+        key=lambda key: (order[key[0]], key[1:]),
+    )
     for config_name, temperature, max_draft, batch_size in baseline_cells:
         found = cells[(config_name, temperature, max_draft, batch_size)]
         units = _by_unit(found)
         target = _target_cell(cells, temperature, batch_size)
-        rows.append(BaselineRow(
-            dataset=label, config=config_name, temperature=temperature, max_draft=max_draft, batch_size=batch_size,
-            prompts=len(units), tokens_per_s=_rate(units.values()),
-            speedup_vs_target=None if config_name == "target-only" else _speedup(units, target),
-        ))
+        rows.append(
+            BaselineRow(
+                dataset=label,
+                config=config_name,
+                temperature=temperature,
+                max_draft=max_draft,
+                batch_size=batch_size,
+                prompts=len(units),
+                tokens_per_s=_rate(units.values()),
+                speedup_vs_target=None if config_name == "target-only" else _speedup(units, target),
+            )
+        )
     return rows
 
 
@@ -354,8 +379,9 @@ def _histograms(records: list[Record]) -> list[AcceptedHistogram]:
         if record.config in ("token", "block") and record.accepted:
             pooled[(record.config, record.temperature, record.max_draft)].extend(record.accepted)
     return [
-        AcceptedHistogram(config_name, temperature, max_draft,
-                          tuple(int(c) for c in np.bincount(accepted, minlength=max_draft + 1)))
+        AcceptedHistogram(
+            config_name, temperature, max_draft, tuple(int(c) for c in np.bincount(accepted, minlength=max_draft + 1))
+        )
         for (config_name, temperature, max_draft), accepted in sorted(pooled.items())
     ]
 
@@ -376,8 +402,11 @@ def build_report(records: list[Record], config: ReportConfig = ReportConfig()) -
     machine = _one_machine(known)
     left_out = _left_out(known)
     n_records, known = len(known), [r for r in known if r.ok and r.draft_temperature is None]
-    batch = tuple(_batch_rows(known, config)) if _unpaired(_cells(known)) or any(
-        r.batch_size > 1 or r.config in BATCH_TABLE_ONLY for r in known) else ()
+    batch = (
+        tuple(_batch_rows(known, config))
+        if _unpaired(_cells(known)) or any(r.batch_size > 1 or r.config in BATCH_TABLE_ONLY for r in known)
+        else ()
+    )
     paper = [r for r in known if r.batch_size == 1 and r.config not in records_io.SV_CONFIGS]
     datasets = tuple(sorted({r.dataset for r in paper}))
     groups = [(dataset, [r for r in paper if r.dataset == dataset]) for dataset in datasets]
@@ -391,8 +420,9 @@ def build_report(records: list[Record], config: ReportConfig = ReportConfig()) -
         rows += [_spec_row(label, cells, t, k, b, config) for t, k, b in spec_keys]
         baselines += _baseline_rows(label, cells, alone)
         log.info("%s: %d records, %d token/block rows", label, len(group), len(spec_keys))
-    return Report(datasets, tuple(rows), tuple(baselines), tuple(_histograms(paper)), n_records, config, batch,
-                  left_out, machine)
+    return Report(
+        datasets, tuple(rows), tuple(baselines), tuple(_histograms(paper)), n_records, config, batch, left_out, machine
+    )
 
 
 def _one_machine(records: list[Record]) -> dict | None:
@@ -400,27 +430,42 @@ def _one_machine(records: list[Record]) -> dict | None:
     kinds of CPU or two thread counts are not comparable, and pooling them would blur both)."""
     kinds = {(tuple(r.meta["cpu_flags"]) if "cpu_flags" in r.meta else None, r.meta.get("threads")) for r in records}
     if len(kinds) > 1:
-        found = "; ".join(f"CPU flags {' '.join(flags) if flags else '(none)'} with {threads} threads"
-                          if flags is not None else f"CPU flags unrecorded (schema < 3) with {threads} threads"
-                          for flags, threads in sorted(kinds, key=str))
-        raise ValueError(f"records from {len(kinds)} machine kinds or thread counts ({found}): their speeds are "
-                         "not comparable; report each machine's records separately")
+        found = "; ".join(
+            f"CPU flags {' '.join(flags) if flags else '(none)'} with {threads} threads"
+            if flags is not None
+            else f"CPU flags unrecorded (schema < 3) with {threads} threads"
+            for flags, threads in sorted(kinds, key=str)
+        )
+        raise ValueError(
+            f"records from {len(kinds)} machine kinds or thread counts ({found}): their speeds are "
+            "not comparable; report each machine's records separately"
+        )
     flags, threads = kinds.pop() if kinds else (None, None)
     return None if flags is None else {"cpu_flags": list(flags), "threads": threads}
 
 
 def _key_fields(record: Record) -> dict:
     draft = {} if record.draft_temperature is None else {"draft_temperature": record.draft_temperature}
-    return dict(dataset=record.dataset, prompt_id=record.prompt_id, config=record.config, max_draft=record.max_draft,
-                temperature=record.temperature, batch_size=record.batch_size, **draft)
+    return dict(
+        dataset=record.dataset,
+        prompt_id=record.prompt_id,
+        config=record.config,
+        max_draft=record.max_draft,
+        temperature=record.temperature,
+        batch_size=record.batch_size,
+        **draft,
+    )
 
 
 def _left_out(records: list[Record]) -> LeftOut:
     """Failed runs whose run has no successful record (the last error of each), and contended runs."""
     return LeftOut(
         failed=tuple(dict(_key_fields(r), error=r.error) for r in records_io.still_failed(records).values()),
-        contended=tuple(dict(_key_fields(r), others_cores=r.meta["others_cores"]) for r in records
-                        if r.ok and r.draft_temperature is None and not _timed(r)),
+        contended=tuple(
+            dict(_key_fields(r), others_cores=r.meta["others_cores"])
+            for r in records
+            if r.ok and r.draft_temperature is None and not _timed(r)
+        ),
     )
 
 
@@ -434,7 +479,8 @@ def _step_sums(record: Record, decode: bool = True) -> dict[str, float]:
         "new": float(record.new_tokens),
         "wall": float(record.wall_time - (record.prefill_time or 0.0) if decode else record.wall_time),
         "accepted": float(sum(record.accepted)),
-        "verified": float(sum(record.verified)), "row_steps": float(len(record.accepted)),
+        "verified": float(sum(record.verified)),
+        "row_steps": float(len(record.accepted)),
         "drafted": float(sum(d * r for d, r in zip(record.drafted, record.rows))),
     }
 
@@ -464,8 +510,15 @@ def _batch_rows(records: list[Record], config: ReportConfig) -> list[BatchRow]:
         target = here.get(("target-only", 0), {})
         fixed = {key: cell for key, cell in here.items() if key[0] in records_io.FIXED_CONFIGS}
         # units every fixed-K configuration ran: where their tok/s are compared and the best one is chosen
-        fixed_units = sorted(u for u in set.intersection(*(set(c) for c in fixed.values()))
-                             if all(_timed(c[u]) for c in fixed.values())) if fixed else []
+        fixed_units = (
+            sorted(
+                u
+                for u in set.intersection(*(set(c) for c in fixed.values()))
+                if all(_timed(c[u]) for c in fixed.values())
+            )
+            if fixed
+            else []
+        )
         best = None
         if fixed_units:
             rates = {key: _decode_rate(cell[u] for u in fixed_units) for key, cell in fixed.items()}
@@ -476,25 +529,51 @@ def _batch_rows(records: list[Record], config: ReportConfig) -> list[BatchRow]:
             timed = [u for u in units if _timed(cell[u])]
             steps = name not in records_io.HF_CONFIGS  # their records carry neither per-step lists nor a prefill time
             drafted_known = all(cell[u].rows for u in units) or name == "target-only"
-            rows.append(BatchRow(
-                temperature=temperature, batch_size=batch_size, config=name, max_draft=k, batches=len(units),
-                tokens_per_s=_estimate(lambda s: s["new"] / s["wall"], _columns(cell, timed), timed, config),
-                speedup_vs_target=None if name == "target-only" else _paired_speedup(cell, [target], config,
-                                                                                     decode=steps),
-                best_fixed=(name, k) == best,
-                speedup_vs_best_fixed=(_paired_speedup(cell, list(fixed.values()), config)
-                                       if name in records_io.SV_CONFIGS else None),
-                speedup_vs_hf=(None if name in ("target-only", *records_io.HF_CONFIGS) else _paired_speedup(
-                    cell, [here.get(("hf-lookup" if name.startswith("lookup") else "hf-assisted", 0), {})], config,
-                    decode=False)),
-                rejected=_estimate(lambda s: 1 - s["accepted"] / s["verified"], columns, units, config,
-                                   when=steps and columns["verified"].sum() > 0),
-                verified_per_emitted=_estimate(lambda s: s["verified"] / s["new"], columns, units, config, when=steps),
-                drafted_per_emitted=(_ratio(columns["drafted"].sum(), columns["new"].sum())
-                                     if steps and drafted_known else None),
-                block_efficiency=(1 + columns["accepted"].sum() / columns["row_steps"].sum()
-                                  if steps and columns["row_steps"].sum() > 0 else None),
-            ))
+            rows.append(
+                BatchRow(
+                    temperature=temperature,
+                    batch_size=batch_size,
+                    config=name,
+                    max_draft=k,
+                    batches=len(units),
+                    tokens_per_s=_estimate(lambda s: s["new"] / s["wall"], _columns(cell, timed), timed, config),
+                    speedup_vs_target=None
+                    if name == "target-only"
+                    else _paired_speedup(cell, [target], config, decode=steps),
+                    best_fixed=(name, k) == best,
+                    speedup_vs_best_fixed=(
+                        _paired_speedup(cell, list(fixed.values()), config) if name in records_io.SV_CONFIGS else None
+                    ),
+                    speedup_vs_hf=(
+                        None
+                        if name in ("target-only", *records_io.HF_CONFIGS)
+                        else _paired_speedup(
+                            cell,
+                            [here.get(("hf-lookup" if name.startswith("lookup") else "hf-assisted", 0), {})],
+                            config,
+                            decode=False,
+                        )
+                    ),
+                    rejected=_estimate(
+                        lambda s: 1 - s["accepted"] / s["verified"],
+                        columns,
+                        units,
+                        config,
+                        when=steps and columns["verified"].sum() > 0,
+                    ),
+                    verified_per_emitted=_estimate(
+                        lambda s: s["verified"] / s["new"], columns, units, config, when=steps
+                    ),
+                    drafted_per_emitted=(
+                        _ratio(columns["drafted"].sum(), columns["new"].sum()) if steps and drafted_known else None
+                    ),
+                    block_efficiency=(
+                        1 + columns["accepted"].sum() / columns["row_steps"].sum()
+                        if steps and columns["row_steps"].sum() > 0
+                        else None
+                    ),
+                )
+            )
     return rows
 
 
@@ -514,8 +593,12 @@ def _paired_speedup(cell: dict, others: list[dict], config: ReportConfig, decode
     units = sorted(u for u in set(cell).intersection(*others) if all(_timed(c[u]) for c in (cell, *others)))
     if not units:
         return None
-    columns = {f"{name}{i}": column for i, other in enumerate([cell, *others])
-               for name, column in _columns(other, units, decode).items() if name in ("new", "wall")}
+    columns = {
+        f"{name}{i}": column
+        for i, other in enumerate([cell, *others])
+        for name, column in _columns(other, units, decode).items()
+        if name in ("new", "wall")
+    }
     if any(column.sum() <= 0 for column in columns.values()):
         return None
 
@@ -528,8 +611,11 @@ def _paired_speedup(cell: dict, others: list[dict], config: ReportConfig, decode
 
 def _fastest(report: Report) -> list[dict]:
     """Per (temperature, batch size), the configuration and K with the highest pooled tok/s."""
-    candidates = [(b.temperature, b.batch_size, b.config, b.max_draft, b.tokens_per_s)
-                  for b in report.baselines if b.dataset == ALL]
+    candidates = [
+        (b.temperature, b.batch_size, b.config, b.max_draft, b.tokens_per_s)
+        for b in report.baselines
+        if b.dataset == ALL
+    ]
     for row in report.rows_of(ALL):
         candidates.append((row.temperature, row.batch_size, "token", row.max_draft, row.tokens_per_s_token))
         candidates.append((row.temperature, row.batch_size, "block", row.max_draft, row.tokens_per_s_block))
@@ -537,8 +623,10 @@ def _fastest(report: Report) -> list[dict]:
     for temperature, batch_size, name, k, rate in candidates:
         if rate is not None and ((temperature, batch_size) not in best or rate > best[(temperature, batch_size)][2]):
             best[(temperature, batch_size)] = (name, k, rate)
-    return [dict(temperature=t, batch_size=b, config=name, max_draft=k, tokens_per_s=rate)
-            for (t, b), (name, k, rate) in sorted(best.items())]
+    return [
+        dict(temperature=t, batch_size=b, config=name, max_draft=k, tokens_per_s=rate)
+        for (t, b), (name, k, rate) in sorted(best.items())
+    ]
 
 
 def summary(report: Report) -> dict:
@@ -551,20 +639,33 @@ def summary(report: Report) -> dict:
         "seed": cfg.seed,
         "records": report.n_records,
         "machine": report.machine,
-        "left_out": {"failed": list(report.left_out.failed), "contended": list(report.left_out.contended),
-                     "max_others_cores": MAX_OTHERS_CORES},
+        "left_out": {
+            "failed": list(report.left_out.failed),
+            "contended": list(report.left_out.contended),
+            "max_others_cores": MAX_OTHERS_CORES,
+        },
         "datasets": list(report.datasets),
         "summary": [asdict(row) for row in report.rows_of(ALL)],
         "baselines": [asdict(b) for b in report.baselines if b.dataset == ALL],
         "fastest": _fastest(report),
-        **({"batch": [asdict(row) for row in report.batch], "batch_best_fixed": _best_fixed(report)}
-           if report.batch else {}),
+        **(
+            {"batch": [asdict(row) for row in report.batch], "batch_best_fixed": _best_fixed(report)}
+            if report.batch
+            else {}
+        ),
     }
 
 
 def _best_fixed(report: Report) -> list[dict]:
     """Per (temperature, batch size) of the batch table, the best fixed-K configuration."""
-    return [dict(temperature=r.temperature, batch_size=r.batch_size, config=r.config, max_draft=r.max_draft,
-                 tokens_per_s=r.tokens_per_s.value if r.tokens_per_s else None)
-            for r in report.batch if r.best_fixed]
-
+    return [
+        dict(
+            temperature=r.temperature,
+            batch_size=r.batch_size,
+            config=r.config,
+            max_draft=r.max_draft,
+            tokens_per_s=r.tokens_per_s.value if r.tokens_per_s else None,
+        )
+        for r in report.batch
+        if r.best_fixed
+    ]

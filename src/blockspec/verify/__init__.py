@@ -25,6 +25,7 @@ from .exact import (
     position_gains,
 )
 from .greedy import verify_greedy
+from .rules import RULES, SAMPLED_RULES, Rule, get_rule
 from .token import token_acceptance, verify_token
 from .tree import (
     TreeLaw,
@@ -39,6 +40,10 @@ from .tree import (
 VERIFIERS = {"token": verify_token, "block": verify_block, "greedy": verify_greedy}
 
 __all__ = [
+    "RULES",
+    "SAMPLED_RULES",
+    "Rule",
+    "get_rule",
     "VERIFIERS",
     "Randomness",
     "TreeLaw",

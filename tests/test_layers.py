@@ -27,7 +27,7 @@ LAYERS = (  # lowest first
     ("blockspec.cli", "blockspec.__main__"),  # the command line
 )
 FACADE = "blockspec"  # the package's __init__: lazy re-exports of public names, importable from anywhere
-VERIFY_MAY_IMPORT = {"torch", "__future__", "dataclasses", "functools", "math", "typing", "warnings"}
+VERIFY_MAY_IMPORT = {"torch", "__future__", "collections", "dataclasses", "functools", "math", "typing", "warnings"}
 
 SOURCE = Path(blockspec.__file__).parent
 

@@ -3,15 +3,18 @@ EOS and length exactness, row independence, and clear errors."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import lawkit
 import pytest
 import torch
 from tiny import EOS, exact_law_of_first_tokens, perturbed, tiny_model, tiny_tokenizer
 
 from blockspec import SamplingParams, SpeculativeDecoder
-from blockspec import engine as engine_module
+from blockspec.bench.executor import ExpectedScores
 from blockspec.models.hf import PREFILL_TOKENS, HFModel, prefill_groups
 from blockspec.policy import FixedLength
+from blockspec.verify import RULES, SAMPLED_RULES
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
@@ -30,22 +33,22 @@ def reference_greedy(target, prompt, max_new_tokens, eos=EOS):
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize("verifier", ["block", "token", "greedy", "none"])
+@pytest.mark.parametrize("rule", [*RULES, None])  # None: the target alone
 @pytest.mark.parametrize("max_draft", [1, 3, 5])
-def test_greedy_output_equals_plain_greedy_decoding(pair, verifier, max_draft):
+def test_greedy_output_equals_plain_greedy_decoding(pair, rule, max_draft):
     target, draft = pair
-    decoder = SpeculativeDecoder(target, draft, verifier=verifier, max_draft=max_draft)
+    decoder = SpeculativeDecoder(target, draft if rule else None, rule=rule or "block", max_draft=max_draft)
     for prompts in (PROMPTS[:1], PROMPTS):  # batch 1, and batch 4 with different prompt lengths
         result = decoder.generate(prompts, max_new_tokens=24, sampling=GREEDY)
         for b, prompt in enumerate(prompts):
             assert result.sequences[b] == reference_greedy(target, prompt, 24), f"row {b}"
-    if verifier != "none":  # the check means something only if drafts were both accepted and rejected
+    if rule is not None:  # the check means something only if drafts were both accepted and rejected
         assert 1.3 < result.block_efficiency < max_draft + 1 or max_draft == 1
 
 
 def test_greedy_equivalence_on_a_llama_model():
     target = tiny_model(family="llama", sharpness=5.0, seed=3)
-    decoder = SpeculativeDecoder(target, perturbed(target, scale=0.3, seed=2), verifier="block", max_draft=4)
+    decoder = SpeculativeDecoder(target, perturbed(target, scale=0.3, seed=2), rule="block", max_draft=4)
     result = decoder.generate(PROMPTS, max_new_tokens=20, sampling=GREEDY)
     assert result.sequences == [reference_greedy(target, p, 20) for p in PROMPTS]
 
@@ -90,7 +93,7 @@ def test_eos_and_max_new_tokens_are_exact(pair):
     target, draft = pair
     plain = [reference_greedy(target, p, 30, eos=None) for p in PROMPTS]
     eos = plain[0][6]  # make a token the greedy continuation of prompt 0 reaches an end of sequence
-    decoder = SpeculativeDecoder(target, draft, verifier="block", max_draft=4)
+    decoder = SpeculativeDecoder(target, draft, rule="block", max_draft=4)
     decoder.target.eos_token_ids = (eos,)
     result = decoder.generate(PROMPTS, max_new_tokens=30, sampling=GREEDY)
     for b, seq in enumerate(plain):
@@ -104,7 +107,7 @@ def test_eos_and_max_new_tokens_are_exact(pair):
 
 def test_sampled_rows_stop_right_after_their_first_eos(pair):
     target, draft = pair
-    decoder = SpeculativeDecoder(target, draft, verifier="token", max_draft=4)
+    decoder = SpeculativeDecoder(target, draft, rule="token", max_draft=4)
     decoder.target.eos_token_ids = (3, 7, 11)  # several EOS ids, frequent enough to end rows mid-draft
     result = decoder.generate(PROMPTS * 4, max_new_tokens=40, seed=0)
     for seq, reason in zip(result.sequences, result.finish_reasons):
@@ -124,15 +127,15 @@ def off_by_one(verify):
     return broken
 
 
-@pytest.mark.parametrize("verifier", ["token", "block"])
-def test_law_of_the_first_tokens_is_the_targets(verifier, monkeypatch):
+@pytest.mark.parametrize("rule", SAMPLED_RULES)
+def test_law_of_the_first_tokens_is_the_targets(rule, monkeypatch):
     """Chi-square of the joint law of the first 3 tokens (6**3 outcomes) against the exact target law; the
     same test on an engine whose verifier sees misaligned target distributions must fail."""
     vocab, length, samples = 6, 3, 6000
     target = tiny_model(vocab=vocab, sharpness=5.0)
     draft = perturbed(target, scale=0.6, seed=1)
     law = exact_law_of_first_tokens(target, [1, 2, 3], length)
-    decoder = SpeculativeDecoder(target, draft, verifier=verifier, max_draft=2)
+    decoder = SpeculativeDecoder(target, draft, rule=rule, max_draft=2)
 
     def counts():
         result = decoder.generate([[1, 2, 3]] * samples, max_new_tokens=length, seed=0, stop_on_eos=False)
@@ -140,10 +143,10 @@ def test_law_of_the_first_tokens_is_the_targets(verifier, monkeypatch):
 
     observed, result = counts()
     test = lawkit.chi_square(observed, law)
-    assert test.passed, f"{verifier}: {test}"
+    assert test.passed, f"{rule}: {test}"
     assert 1.3 < result.block_efficiency < 2.9  # drafts were both accepted and rejected
 
-    monkeypatch.setitem(engine_module.VERIFIERS, verifier, off_by_one(engine_module.VERIFIERS[verifier]))
+    monkeypatch.setitem(RULES, rule, replace(RULES[rule], verify=off_by_one(RULES[rule].verify)))
     broken = lawkit.chi_square(counts()[0], law)
     assert not broken.passed, f"negative control passed: {broken}"
 
@@ -165,7 +168,7 @@ def test_the_policy_is_told_how_many_tokens_the_draft_reads_before_drafting(pair
     first forward of the step then reads (the policy prices drafting with it)."""
     target, _ = pair
     policy = Schedule([2, 2, 0, 0, 2, 2])
-    decoder = SpeculativeDecoder(target, target, verifier="block", policy=policy)  # the target drafts: all accepted
+    decoder = SpeculativeDecoder(target, target, rule="block", policy=policy)  # the target drafts: all accepted
     widths = []
     forward = decoder.draft.forward
     decoder.draft.forward = lambda tokens, valid: widths.append(tokens.shape[1]) or forward(tokens, valid)
@@ -177,7 +180,7 @@ def test_the_policy_is_told_how_many_tokens_the_draft_reads_before_drafting(pair
 
 def test_a_row_does_not_depend_on_its_neighbours(pair):
     target, draft = pair
-    decoder = SpeculativeDecoder(target, draft, verifier="block", max_draft=3)
+    decoder = SpeculativeDecoder(target, draft, rule="block", max_draft=3)
     together = decoder.generate(PROMPTS, max_new_tokens=20, seed=[11, 12, 13, 14])
     for b, prompt in enumerate(PROMPTS):
         alone = decoder.generate([prompt], max_new_tokens=20, seed=[11 + b])
@@ -186,7 +189,7 @@ def test_a_row_does_not_depend_on_its_neighbours(pair):
 
 def test_same_seed_same_output_and_seeds_matter(pair):
     target, draft = pair
-    decoder = SpeculativeDecoder(target, draft, verifier="block", max_draft=3)
+    decoder = SpeculativeDecoder(target, draft, rule="block", max_draft=3)
     first = decoder.generate(PROMPTS, max_new_tokens=15, seed=5).sequences
     assert decoder.generate(PROMPTS, max_new_tokens=15, seed=5).sequences == first
     assert decoder.generate(PROMPTS, max_new_tokens=15, seed=6).sequences != first
@@ -194,14 +197,13 @@ def test_same_seed_same_output_and_seeds_matter(pair):
 
 def test_expected_accepted_lengths_are_recorded_and_match_the_observed_mean(pair):
     target, draft = pair
-    decoder = SpeculativeDecoder(target, draft, verifier="block", max_draft=4)
-    result = decoder.generate(PROMPTS * 8, max_new_tokens=30, seed=0, expected=True)
-    full = [
-        (a, e, t)
-        for s in result.stats
-        for a, e, t, k in zip(s.accepted, s.expected_block, s.expected_token, s.verified)
-        if k == 4
-    ]
+    decoder = SpeculativeDecoder(target, draft, rule="block", max_draft=4)
+    scores = ExpectedScores()
+    result = decoder.generate(PROMPTS * 8, max_new_tokens=30, seed=0, on_step=scores)
+    accepted = [a for s in result.stats for a in s.accepted]
+    verified = [k for s in result.stats for k in s.verified]
+    rows = zip(accepted, scores.expected["block"], scores.expected["token"], verified, strict=True)
+    full = [(a, e, t) for a, e, t, k in rows if k == 4]
     observed = sum(a for a, _, _ in full) / len(full)
     predicted = sum(e for _, e, _ in full) / len(full)
     # tau lies in [0, 4]: its standard deviation is at most 2, so 5 standard errors is 10 / sqrt(n).
@@ -236,14 +238,14 @@ def test_bad_generate_arguments_get_clear_errors(pair, call, message):
 
 def test_bad_decoder_arguments_get_clear_errors(pair):
     target, draft = pair
-    with pytest.raises(ValueError, match="verifier must be one of"):
-        SpeculativeDecoder(target, draft, verifier="typical")
-    with pytest.raises(ValueError, match="needs a draft model"):
-        SpeculativeDecoder(target, None, verifier="block")
+    with pytest.raises(ValueError, match="rule must be one of"):
+        SpeculativeDecoder(target, draft, rule="typical")
+    with pytest.raises(ValueError, match="a length policy needs a draft model"):
+        SpeculativeDecoder(target, None, policy=FixedLength(2))
     with pytest.raises(ValueError, match="max_draft must be an int >= 1"):
         SpeculativeDecoder(target, draft, max_draft=0)
     with pytest.raises(ValueError, match="needs temperature 0"):
-        SpeculativeDecoder(target, draft, verifier="greedy").generate([[1]], max_new_tokens=2)
+        SpeculativeDecoder(target, draft, rule="greedy").generate([[1]], max_new_tokens=2)
     with pytest.raises(ValueError, match="cannot check they share a vocabulary"):
         SpeculativeDecoder(target, tiny_model(vocab=40))
 

@@ -21,7 +21,15 @@ LAYERS = (  # lowest first
     ("blockspec.sampling",),  # logits -> probabilities
     ("blockspec.models",),  # adapters, presets, quantization, companions, prompt encoding
     ("blockspec.policy",),  # length policies and what SV runs on
-    ("blockspec.drafting", "blockspec.lookup", "blockspec.engine", "blockspec.vllm"),  # the loops: ours, vLLM's
+    (  # the loops, ours and vLLM's, and the pieces of ours
+        "blockspec.batch",
+        "blockspec.checks",
+        "blockspec.drafting",
+        "blockspec.engine",
+        "blockspec.outputs",
+        "blockspec.stopping",
+        "blockspec.vllm",
+    ),
     ("blockspec.auto",),  # machine-aware choices and latency measurement
     ("blockspec.bench",),  # benchmarks, SV calibration and replay
     ("blockspec.cli", "blockspec.__main__"),  # the command line

@@ -11,10 +11,10 @@ The names below load on first use, so that `blockspec --help` does not wait for 
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "GenerationResult": "engine",
+    "GenerationResult": "outputs",
     "SpeculativeDecoder": "engine",
-    "StepStats": "engine",
-    "PromptLookup": "lookup",
+    "StepStats": "outputs",
+    "PromptLookup": "drafting",
     "AdaptiveLength": "policy",
     "FixedLength": "policy",
     "LengthPolicy": "policy",

@@ -1,82 +1,26 @@
 """The benchmark runner: the same prompts and seeds through every configuration, interleaved, resumable.
 
 For each dataset and temperature, prompt by prompt (or batch by batch), every configuration runs in turn
-(A B C A B C ...), so machine drift affects them alike; each variant (configuration, K, temperature, batch
-size) is warmed up once just before its first run, outside the records. Records go to ``<out>/records.jsonl``
-as they are made; a rerun skips what is there, and ``time_budget`` stops scheduling new runs once spent.
-
-Failures: a run that raises (an ``Exception``: Ctrl-C still stops the bench) is recorded as failed, with its
-error, and the bench goes on; a resume does not retry failed runs unless ``retry_failed``.
-
-Resuming: ``<out>/config.json`` holds the settings of the run directory (every BenchConfig field, the CPU flags
-and the thread count, ``blockspec.machine.facts``). A resume whose settings differ is refused, naming the fields,
-except for RESUMABLE: the fields that only steer how much runs, and the lists that only select which runs are
-planned (each run is recorded under its own key: dataset, prompt, configuration, K, temperature, batch size,
-draft temperature), so they may grow (or shrink) between calls. A directory with records but no config.json (from
-an older blockspec) can be reported but not resumed. Both checks, and the one that ``out`` is a directory, come
-before any model loads.
-
-Machine state: each record's meta holds the CPU flags, the thread count and the CPU time other processes used
-while the run was timed (``others_cpu_s``, ``others_cores``); the report leaves contended runs out of its speeds.
-
-Batch sizes: at batch size B a run decodes B consecutive prompts of one dataset together in one ``generate``
-call (row b of batch j, i.e. prompt j*B + b, uses seed + j*B + b: the seed of a prompt does not depend on B).
-Only whole batches run: every dataset needs at least max(batch_sizes) prompts (else ValueError), and the last
-len % B prompts of a dataset are left out at batch size B (logged). Round j runs batch j of every batch size
-(smallest first), so a time-boxed run covers every batch size early. hf-assisted and hf-lookup are batch 1 only
-(transformers' assisted generation takes one row): they are left out of the plan at B > 1.
-
-Configurations: target-only; token and block at each K of ``max_drafts`` (fixed-K speculative decoding);
-transformers' own speculative decoding, each timed as one ``generate`` call: hf-assisted (the draft model, with
-transformers' default assistant schedule) and hf-lookup (prompt lookup decoding, no draft model: up to 10 drafted
-tokens copied from the context after a match of its last 2 tokens, ``LOOKUP``, stored in the meta of every hf-lookup
-record); block-int8 (block at each K with the draft quantized to int8, ``models.quant``); blockspec's defaults,
-which set their own lengths: auto (what ``blockspec generate`` runs: ``auto.adaptive_policy`` over the draft the
-machine's probe chose, at most max(max_drafts) drafted tokens, or the target alone where speculation cannot pay),
-lookup (``PromptLookup`` proposals, no draft model) and lookup+model (lookup where the context matches, auto's
-draft elsewhere); and Speculative Verification, once per batch with at most max(max_drafts) drafted tokens:
-sv-token / sv-block (SVPolicy with the companion predictor, token / block rule) and sv-draft (SVPolicy with the
-draft-only predictor, block rule, no companion forward). SV needs a calibration profile per temperature and a
-latency profile (``blockspec sv calibrate`` / ``blockspec sv profile``); by default they are read from where
-those commands save them for these models, sampling, dtype and device.
-
-Draft temperatures (the alignment sweep, preset "align", ``blockspec align``): with ``draft_temperatures``, the
-fixed-K configurations run once at each draft temperature T_d, the draft sampling at T_d while the target keeps its
-temperature T (lossless at any T_d: verification sees the distribution the draft actually sampled from, so T_d only
-changes how well the draft matches the target). Such runs score every step's draft under both rules (the exact
-expected accepted lengths) and record the draft-target overlap; the report shows the paired analytic gain of block
-over token against the mean overlap per T_d (``report.alignment``). The draft temperatures of one prompt are
-neighbours in the plan and share its seed (common random numbers across the sweep), so a time-boxed run covers
-every T_d early.
-
-``dtype="auto"`` (the default) is what ``auto.choose_arithmetic`` measured fastest on this machine; each record's
-meta holds the dtype used and the draft's quantization. ``target_quant="int8"`` benchmarks a quantized target
-(every configuration, target-only included, decodes that same target).
+(A B C A B C ...), so machine drift affects them alike; each variant is warmed up once before its first run.
+Records go to ``<out>/records.jsonl`` as they are made; a rerun skips what is there, and ``time_budget`` stops
+scheduling new runs once spent. docs/guide/bench.md describes the configurations, batches, resuming and failures.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
-import platform
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field, replace
-from datetime import UTC, datetime
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-import torch
 
 from .. import defaults, machine
 from . import records as rec
+from .executor import AUTO_DRAFT, NO_DRAFT, Executor, draft_quant_of
 
 log = logging.getLogger(__name__)
-
-# hf-lookup's settings: transformers' prompt lookup drafts up to 10 tokens that followed the first earlier match of
-# the context's last 2 tokens (else of its last token); 2 is transformers' default, pinned so the records stay true.
-LOOKUP = {"prompt_lookup_num_tokens": 10, "max_matching_ngram_size": 2}
 
 
 @dataclass(frozen=True)
@@ -203,10 +147,6 @@ class Run:
         )
 
 
-AUTO_DRAFT = ("auto", "lookup+model")  # draft with the model auto.choose_arithmetic picked (int8 or not)
-NO_DRAFT = ("target-only", "lookup", "hf-lookup")
-
-
 def max_drafts_of(config: BenchConfig, name: str) -> tuple[int, ...]:
     """The K values a configuration runs at: every K for fixed-K SD, the largest for SV and the model-drafting
     defaults (their most), none (0) otherwise."""
@@ -215,13 +155,6 @@ def max_drafts_of(config: BenchConfig, name: str) -> tuple[int, ...]:
     if name in rec.SV_CONFIGS or name in AUTO_DRAFT:
         return (max(config.max_drafts),)
     return (0,)
-
-
-def draft_quant_of(name: str, arithmetic) -> str | None:
-    """How the draft of configuration ``name`` is quantized, given the machine's ``auto.Arithmetic``."""
-    if name == "block-int8":
-        return "int8"
-    return arithmetic.draft_quant if name in AUTO_DRAFT else None
 
 
 def plan(config: BenchConfig, prompts: dict[str, list[tuple[str, list[int]]]]) -> list[Run]:
@@ -402,7 +335,7 @@ def run(config: BenchConfig, *, progress: bool = True) -> Path:
 
     executor = Executor(target, drafts, config, dtype, arithmetic)
     start, executed, skipped, precise = time.perf_counter(), 0, 0, False
-    bar = _Progress(len(todo), progress)
+    bar = Progress(len(todo), progress)
     for n, item in enumerate(todo):
         # Budget checked before each run; the first always goes, so every resumed call makes progress.
         if config.time_budget is not None and executed and time.perf_counter() - start > config.time_budget:
@@ -437,245 +370,7 @@ def run(config: BenchConfig, *, progress: bool = True) -> Path:
     return records_file
 
 
-class Executor:
-    """Runs one planned generation and turns it into a Record; warms each variant up before its first run.
-    ``drafts`` maps each draft quantization the configurations use (None: unquantized) to its loaded model."""
-
-    def __init__(self, target, drafts: dict, config: BenchConfig, dtype: str, arithmetic=None):
-        self.target, self.drafts, self.config, self.arithmetic = target, drafts, config, arithmetic
-        self.warm: set[tuple] = set()
-        self.sv = _SVSetup(target, config, dtype) if set(config.configs) & set(rec.SV_CONFIGS) else None
-        self.meta = {
-            "target": config.target,
-            "draft": config.draft,
-            "dtype": dtype,
-            "target_quant": config.target_quant,
-            "device": config.device,
-            **machine.facts(),
-            "machine": platform.platform(),
-            "processor": platform.processor(),
-            "versions": {
-                "python": sys.version.split()[0],
-                "torch": torch.__version__,
-                "transformers": __import__("transformers").__version__,
-            },
-        }
-
-    def warm_up(self, item: Run) -> None:
-        """A short generation of this variant (B copies of a short prompt, 8 tokens), once, outside the records."""
-        variant = (item.config, item.max_draft, item.temperature, item.batch_size)
-        if variant in self.warm:
-            return
-        prompt = tuple(self.target.tokenizer("Hello")["input_ids"])
-        copies = {"prompt_ids": ("warm-up",) * item.batch_size, "prompts": (prompt,) * item.batch_size}
-        self._generate(replace(item, dataset="warm-up", seed=0, **copies), 8)
-        self.warm.add(variant)  # only once it went: a variant whose warm-up raised warms up before its next run
-
-    def __call__(self, item: Run) -> rec.Record:
-        self.warm_up(item)
-        start = machine.cpu_clock()
-        result = self._generate(item, self.config.max_new_tokens)
-        return self._record(item, result, machine.others_load(start, machine.cpu_clock()))
-
-    def failed(self, item: Run, error: Exception) -> rec.Record:
-        """The record of a run that raised ``error``: no measurement."""
-        return self._record(
-            item,
-            {
-                "new_tokens": 0,
-                "wall_time": 0.0,
-                "prefill_time": None,
-                "status": rec.FAILED,
-                "error": f"{type(error).__name__}: {error}",
-            },
-        )
-
-    def _record(self, item: Run, result: dict, load: dict | None = None) -> rec.Record:
-        """A record of ``result`` (Record fields), with the CPU ``load`` of other processes in its meta."""
-        meta = {**self.meta, **(load or {}), "date": datetime.now(UTC).isoformat(timespec="seconds")}
-        if item.config in rec.SV_CONFIGS:
-            meta.update(self.sv.meta(item))
-        if item.config == "hf-lookup":
-            meta["prompt_lookup"] = dict(LOOKUP)
-        if item.config not in NO_DRAFT:
-            meta["draft_quant"] = draft_quant_of(item.config, self.arithmetic)
-        return rec.Record(
-            dataset=item.dataset,
-            prompt_id=item.prompt_id,
-            config=item.config,
-            max_draft=item.max_draft,
-            temperature=item.temperature,
-            batch_size=item.batch_size,
-            seed=item.seed,
-            prompt_ids=list(item.prompt_ids),
-            draft_temperature=item.draft_temperature,
-            **result,
-            meta=meta,
-        )
-
-    def _decoder(self, item: Run):
-        from ..auto import adaptive_policy, latency_probe
-        from ..engine import SpeculativeDecoder
-        from ..lookup import PromptLookup
-
-        draft = None if item.config in NO_DRAFT else self.drafts[draft_quant_of(item.config, self.arithmetic)]
-        if item.config == "target-only":
-            return SpeculativeDecoder(self.target, verifier="none")
-        if item.config in rec.FIXED_CONFIGS:
-            return SpeculativeDecoder(
-                self.target, draft, verifier=item.config.removesuffix("-int8"), max_draft=item.max_draft
-            )
-        if item.config in rec.ADAPTIVE_CONFIGS:  # as `blockspec generate` decides, with a fresh policy per run
-            policy = (
-                None
-                if draft is None
-                else adaptive_policy(
-                    latency_probe(self.target, draft, item.batch_size), item.batch_size, item.max_draft
-                )
-            )
-            lookup = PromptLookup() if item.config != "auto" else None
-            if policy is None and lookup is None:  # speculation cannot pay here: the target alone
-                return SpeculativeDecoder(self.target, verifier="none")
-            draft = draft if policy is not None else None  # lookup alone where the model's drafts cannot pay
-            return SpeculativeDecoder(self.target, draft, verifier="block", policy=policy, lookup=lookup)
-        policy, companion, method = self.sv.policy(item)  # a fresh policy: no history across runs
-        return SpeculativeDecoder(
-            self.target, draft, verifier=method, max_draft=item.max_draft, policy=policy, companion=companion
-        )
-
-    def _generate(self, item: Run, max_new_tokens: int) -> dict:
-        from ..sampling import SamplingParams
-
-        sampling = SamplingParams(temperature=item.temperature)
-        draft_sampling = None if item.draft_temperature is None else SamplingParams(item.draft_temperature)
-        if item.config == "hf-assisted":
-            return run_assisted(
-                self.target, self.drafts[None], list(item.prompts[0]), sampling, max_new_tokens, item.seed
-            )
-        if item.config == "hf-lookup":
-            return run_lookup(self.target, list(item.prompts[0]), sampling, max_new_tokens, item.seed)
-        decoder = self._decoder(item)
-        result = decoder.generate(
-            [list(p) for p in item.prompts],
-            max_new_tokens=max_new_tokens,
-            sampling=sampling,
-            draft_sampling=draft_sampling,
-            seed=item.seed,
-            expected=item.config in rec.FIXED_CONFIGS,
-        )
-        steps = result.stats  # per-row lists flattened in step order, then row order
-        return {
-            "new_tokens": result.new_tokens,
-            "wall_time": result.wall_time,
-            "prefill_time": result.prefill_s,
-            "accepted": [a for s in steps for a in s.accepted],
-            "verified": [k for s in steps for k in s.verified],
-            "expected_token": [e for s in steps if s.expected_token is not None for e in s.expected_token],
-            "expected_block": [e for s in steps if s.expected_block is not None for e in s.expected_block],
-            # NaN (a row-step that verified nothing) is not JSON: stored as null
-            "overlap": [None if math.isnan(o) else o for s in steps if s.overlap is not None for o in s.overlap],
-            "drafted": [s.drafted for s in steps],
-            "rows": [len(s.rows) for s in steps],
-            "finish_reason": result.finish_reasons[0],
-            "finish_reasons": list(result.finish_reasons),
-        }
-
-
-class _SVSetup:
-    """The SV pieces shared by every SV run: calibration profiles (one per temperature), the latency profile and
-    the companion, loaded and checked once, before the first run, so a missing profile fails fast."""
-
-    SPEC = {"sv-token": ("token", "companion"), "sv-block": ("block", "companion"), "sv-draft": ("block", "draft")}
-
-    def __init__(self, target, config: BenchConfig, dtype: str):
-        from ..models.companion import load_companion
-        from ..policy.sv import load_calibration, load_latency
-        from ..sampling import SamplingParams
-
-        self.config, self.profiles, self.paths = config, {}, {}
-        for temperature in config.temperatures:
-            profile, path = load_calibration(
-                config.target,
-                config.draft,
-                config.companion,
-                SamplingParams(temperature=temperature),
-                config.sv_profile,
-            )
-            self.profiles[temperature], self.paths[temperature] = profile, str(path)
-        self.latency, path = load_latency(
-            config.target, config.draft, config.companion, dtype, target.device, config.latency
-        )
-        self.latency_path = str(path)
-        needs_companion = bool({"sv-token", "sv-block"} & set(config.configs))
-        self.companion = (
-            load_companion(
-                config.companion, target, dtype=dtype, device=config.device, allow_download=config.allow_download
-            )
-            if needs_companion
-            else None
-        )
-
-    def policy(self, item: Run):
-        """(a fresh SVPolicy, the companion or None, the verification rule) for this run."""
-        from ..policy import SVPolicy
-
-        method, kind = self.SPEC[item.config]
-        policy = SVPolicy(
-            self.profiles[item.temperature], self.latency, method=method, max_draft=item.max_draft, kind=kind
-        )
-        return policy, (self.companion if kind == "companion" else None), method
-
-    def meta(self, item: Run) -> dict:
-        return {
-            "companion": self.config.companion,
-            "sv_profile": self.paths[item.temperature],
-            "latency": self.latency_path,
-        }
-
-
-def run_assisted(target, draft, prompt: list[int], sampling, max_new_tokens: int, seed: int) -> dict:
-    """transformers' own assisted generation (its default assistant schedule) on the same models and sampling."""
-    return _hf_generate(target, prompt, sampling, max_new_tokens, seed, assistant_model=draft.model)
-
-
-def run_lookup(target, prompt: list[int], sampling, max_new_tokens: int, seed: int) -> dict:
-    """transformers' prompt lookup decoding (``LOOKUP``) on the target and the same sampling: drafts copied from
-    the context, verified by the target (greedy: kept while they equal its argmax; sampled: while they equal its
-    samples, which keeps its distribution)."""
-    return _hf_generate(target, prompt, sampling, max_new_tokens, seed, **LOOKUP)
-
-
-def _hf_generate(target, prompt: list[int], sampling, max_new_tokens: int, seed: int, **drafting) -> dict:
-    """One row through the target's transformers ``generate`` with ``drafting`` options, as Record fields."""
-    torch.manual_seed(seed)  # transformers samples from the global generator (top_k=0 disables its default 50)
-    ids = torch.tensor([prompt], device=target.device)
-    options = (
-        {"do_sample": False}
-        if sampling.greedy
-        else {"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
-    )
-    start = time.perf_counter()
-    out = target.model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=max_new_tokens,
-        eos_token_id=list(target.eos_token_ids),
-        pad_token_id=target.eos_token_ids[0],
-        **drafting,
-        **options,
-    )
-    new = out[0, len(prompt) :].tolist()
-    reason = "eos" if new and new[-1] in target.eos_token_ids else "length"
-    return {
-        "new_tokens": len(new),
-        "wall_time": time.perf_counter() - start,
-        "prefill_time": None,
-        "finish_reason": reason,
-        "finish_reasons": [reason],
-    }
-
-
-class _Progress:
+class Progress:
     """Progress on stderr: a bar in a terminal; elsewhere (a log file) one line per finished run."""
 
     def __init__(self, total: int, enabled: bool):

@@ -32,7 +32,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .sampling import is_int
+from ..sampling import is_int
 
 _TOKEN = struct.calcsize("<I")  # bytes per token id in the searched encoding (ids are < 2**32)
 

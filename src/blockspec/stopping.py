@@ -1,0 +1,38 @@
+"""Where a row ends: at its first EOS (kept), at the end of a stop string, or at its token limit."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+
+class Stopper:
+    """Cuts each step's new tokens where the row ends.
+
+    Stop strings are looked for in the text of a window: the new tokens and, before them, as many generated
+    tokens as the longest stop string has UTF-8 bytes, plus 3 (a token carries at least one byte, and the
+    window's first character may be cut: a UTF-8 character spans at most 4 bytes). A stop string that ends in
+    the new tokens lies inside that window, so a step decodes a bounded number of tokens however long the row.
+    """
+
+    def __init__(self, eos_ids: Iterable[int], tokenizer, stop_strings: Sequence[str], limit: int):
+        self.eos, self.tokenizer = set(eos_ids), tokenizer
+        self.stop_strings, self.limit = tuple(stop_strings), limit
+        self.window = max((len(s.encode("utf-8")) for s in stop_strings), default=0) + 3
+
+    def cut(self, generated: list[int], new: list[int]) -> tuple[list[int], str | None]:
+        """The part of ``new`` that is kept, and why the row finished (None if it goes on)."""
+        reason = None
+        for n, token in enumerate(new):
+            if token in self.eos:
+                new, reason = new[: n + 1], "eos"
+                break
+        if self.stop_strings:
+            before = generated[-self.window :]
+            for n in range(1, len(new) + 1):  # the shortest prefix whose text completes a stop string
+                text = self.tokenizer.decode(before + new[:n])
+                if any(s in text for s in self.stop_strings):
+                    new, reason = new[:n], "stop"
+                    break
+        if len(generated) + len(new) >= self.limit:
+            new, reason = new[: self.limit - len(generated)], reason or "length"
+        return new, reason

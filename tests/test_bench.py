@@ -13,8 +13,8 @@ from test_auto import CHEAP_VERIFICATION, LINEAR_VERIFICATION, profile
 from tiny import save_tiny
 
 from blockspec import auto, machine
+from blockspec.bench import executor, runner
 from blockspec.bench import records as rec
-from blockspec.bench import runner
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -188,9 +188,9 @@ def test_hf_lookup_greedy_output_is_the_target_alone_and_it_drafts_from_the_cont
 
     monkeypatch.setattr(target.model, "generate", generate_and_keep)
     hook = target.model.register_forward_pre_hook(lambda module, args: forwards.append(module))
-    result = runner.run_lookup(target, prompt, greedy, 24, seed=0)
+    result = executor.run_lookup(target, prompt, greedy, 24, seed=0)
     hook.remove()
-    alone = SpeculativeDecoder(target, verifier="none").generate([prompt], max_new_tokens=24, sampling=greedy)
+    alone = SpeculativeDecoder(target).generate([prompt], max_new_tokens=24, sampling=greedy)
     assert outputs[0][0, len(prompt) :].tolist() == alone.sequences[0]
     assert result["new_tokens"] == len(alone.sequences[0]) and result["finish_reason"] == alone.finish_reasons[0]
     assert len(forwards) < result["new_tokens"]  # drafts were accepted: fewer target forwards than tokens

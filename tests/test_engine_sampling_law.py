@@ -29,9 +29,11 @@ import pytest
 import torch
 from tiny import perturbed, tiny_model
 
-from blockspec import SamplingParams, SpeculativeDecoder
+from blockspec import SamplingParams, SpeculativeDecoder, checks
+from blockspec.drafting import DraftProposer
+from blockspec.drafting import proposer as proposer_module
 from blockspec.sampling import process
-from blockspec.verify import accepted_length_law, expected_accepted, final_distributions
+from blockspec.verify import SAMPLED_RULES, accepted_length_law, expected_accepted, final_distributions
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -114,7 +116,6 @@ CASES = {
         ),
     ),
 }
-VERIFIERS = ("token", "block")
 
 
 # --- exact laws from the models' processed tables ---------------------------------------------------------------
@@ -173,7 +174,7 @@ def _at(table: list[torch.Tensor], contexts: torch.Tensor) -> torch.Tensor:
 
 
 def engine_law(
-    target: list[torch.Tensor], draft_sampled: list[torch.Tensor], draft_reported: list[torch.Tensor], method: str
+    target: list[torch.Tensor], draft_sampled: list[torch.Tensor], draft_reported: list[torch.Tensor], rule: str
 ) -> torch.Tensor:
     """The exact joint law [V] * LENGTH of the engine's first LENGTH tokens, step by step as the engine runs them.
 
@@ -207,8 +208,8 @@ def engine_law(
         # A drafted token the reported draft gives 0 would make the verifier divide 0 by 0 where the target gives 0
         # too: the controls are chosen so that it never happens (their law is then well defined).
         assert bool((reported.gather(-1, blocks[..., None]) > 0).all()), "a drafted token is reported impossible"
-        tau_law = accepted_length_law(blocks, reported, target_probs, method, validate=False)  # [N, k+1]
-        final = final_distributions(blocks, reported, target_probs, method, validate=False)  # [N, k+1, V]
+        tau_law = accepted_length_law(blocks, reported, target_probs, rule, validate=False)  # [N, k+1]
+        final = final_distributions(blocks, reported, target_probs, rule, validate=False)  # [N, k+1, V]
         for b, block in enumerate(blocks.tolist()):
             for tau in range(width + 1):
                 step_mass = float(block_prob[b] * tau_law[b, tau])
@@ -221,50 +222,50 @@ def engine_law(
     return law
 
 
-def first_step_accepted(target: list[torch.Tensor], draft: list[torch.Tensor], method: str) -> float:
+def first_step_accepted(target: list[torch.Tensor], draft: list[torch.Tensor], rule: str) -> float:
     """E[tau] of the first step (DRAFT_LEN drafted tokens), exactly: the draft-weighted mean over every block."""
     blocks = lawkit.all_blocks(VOCAB, DRAFT_LEN)
     draft_probs = torch.stack([_at(draft, blocks[:, :i]) for i in range(DRAFT_LEN)], 1)  # [N, K, V]
     target_probs = torch.stack([_at(target, blocks[:, :i]) for i in range(DRAFT_LEN + 1)], 1)  # [N, K+1, V]
     block_prob = draft_probs.gather(-1, blocks[..., None]).squeeze(-1).prod(-1)
     drafted = block_prob > 0
-    accepted = expected_accepted(blocks[drafted], draft_probs[drafted], target_probs[drafted], method, validate=False)
+    accepted = expected_accepted(blocks[drafted], draft_probs[drafted], target_probs[drafted], rule, validate=False)
     return float((block_prob[drafted] * accepted).sum())
 
 
 # --- the engine, right and subtly wrong ---------------------------------------------------------------------------
 
 
-def wrong_engine(decoder: SpeculativeDecoder, control: Control) -> dict[str, int]:
-    """Patches ``decoder`` (this instance only) into the engine ``control`` describes; returns call counters, so a
-    test can check the patch was exercised. Relies on two private hooks of the engine: ``_process(model, logits,
-    sampling)`` (every model's logits -> processed probabilities) and ``_propose(unseen, limit, sampling, uniforms)``
-    -> (tokens, probs, seconds), the drafting of one step; if they are renamed, this raises instead of silently
-    testing a correct engine."""
-    process_probs, propose = decoder._process, decoder._propose
+def wrong_engine(control: Control, monkeypatch) -> dict[str, int]:
+    """Patches the engine into the one ``control`` describes; returns call counters, so a test can check the patch
+    was exercised. Relies on two hooks: ``checks.probabilities(model, role, logits, sampling, vocab)`` (every
+    model's logits -> processed probabilities, as the engine and the proposer call it) and
+    ``DraftProposer._draft(unseen, limit, uniforms)`` -> (tokens, probs), the drafting of one step; if they are
+    renamed, this raises instead of silently testing a correct engine."""
+    probabilities, draft = checks.probabilities, DraftProposer._draft
     reported: list[torch.Tensor] = []
     calls = {"target": 0, "draft": 0}
 
-    def process_wrongly(model, logits, sampling):
-        if model is decoder.target and control.target is not None:
+    def probabilities_wrongly(model, role, logits, sampling, vocab):
+        if role == "target" and control.target is not None:
             calls["target"] += 1
             sampling = control.target
-        if model is decoder.draft and control.draft_reported is not None:
+        if role == "draft" and control.draft_reported is not None:
             calls["draft"] += 1
-            reported.append(process_probs(model, logits, control.draft_reported))  # what verification will see
-        return process_probs(model, logits, sampling)  # what the draft samples from
+            reported.append(probabilities(model, role, logits, control.draft_reported, vocab))  # what verification sees
+        return probabilities(model, role, logits, sampling, vocab)  # what the draft samples from
 
-    def propose_and_misreport(unseen, limit, sampling, uniforms):
+    def draft_and_misreport(self, unseen, limit, uniforms):
         reported.clear()
-        tokens, probs, seconds = propose(unseen, limit, sampling, uniforms)
+        tokens, probs = draft(self, unseen, limit, uniforms)
         if control.draft_reported is not None and probs.shape[1] > 0:
             assert len(reported) == probs.shape[1], "one draft forward per drafted position"
             probs = torch.stack(reported, dim=1)  # [B, n, V]
-        return tokens, probs, seconds
+        return tokens, probs
 
-    for name, patch in (("_process", process_wrongly), ("_propose", propose_and_misreport)):
-        getattr(type(decoder), name)  # AttributeError if the engine's hook is gone
-        setattr(decoder, name, patch)
+    monkeypatch.setattr(checks, "probabilities", probabilities_wrongly)  # the engine's
+    monkeypatch.setattr(proposer_module, "probabilities", probabilities_wrongly)  # the proposer's
+    monkeypatch.setattr(DraftProposer, "_draft", draft_and_misreport)
     return calls
 
 
@@ -303,9 +304,9 @@ def describe(label: str, test: lawkit.ChiSquare) -> str:
     return line
 
 
-@pytest.mark.parametrize("method", VERIFIERS)
+@pytest.mark.parametrize("rule", SAMPLED_RULES)
 @pytest.mark.parametrize("name", CASES)
-def test_first_tokens_follow_the_processed_target_law(models, name, method):
+def test_first_tokens_follow_the_processed_target_law(models, name, rule, monkeypatch):
     case = CASES[name]
     target_model, draft_model, target_logits, draft_logits = models
     for logits, params in ((target_logits, case.sampling), (draft_logits, case.draft)):
@@ -313,37 +314,37 @@ def test_first_tokens_follow_the_processed_target_law(models, name, method):
     target = processed(target_logits, case.sampling)
     draft = processed(draft_logits, case.draft)
     law = lawkit.target_law(lawkit.Tables(VOCAB, target, target), LENGTH)
-    if method == "block":
+    if rule == "block":
         gain = first_step_accepted(target, draft, "block") - first_step_accepted(target, draft, "token")
         assert gain > MIN_BLOCK_GAIN, f"{name}: block verification accepts only {gain:.2g} more than token here"
 
     # Exact, before sampling: the correct engine's steps give the target's law (so ``engine_law`` is the engine's
     # law), and the control's law is far enough from it that this test at this N rejects it almost surely.
-    assert lawkit.max_abs_error(engine_law(target, draft, draft, method), law) < ENUMERATION_TOLERANCE
+    assert lawkit.max_abs_error(engine_law(target, draft, draft, rule), law) < ENUMERATION_TOLERANCE
     control = case.control
     wrong_law = engine_law(
         processed(target_logits, control.target) if control.target else target,
         draft,
         processed(draft_logits, control.draft_reported) if control.draft_reported else draft,
-        method,
+        rule,
     )
     power = statistic_power(law, wrong_law)
     error = lawkit.max_abs_error(law, wrong_law)
-    assert power >= MIN_POWER, f"{name} {method}: power {power:.3g} < {MIN_POWER} against the control"
+    assert power >= MIN_POWER, f"{name} {rule}: power {power:.3g} < {MIN_POWER} against the control"
 
-    decoder = SpeculativeDecoder(target_model, draft_model, verifier=method, max_draft=DRAFT_LEN)
+    decoder = SpeculativeDecoder(target_model, draft_model, rule=rule, max_draft=DRAFT_LEN)
     counts, result = run(decoder, case, seed=0)
     test = pooled_test(counts, law)
-    assert test.passed, describe(f"{name} {method}", test)
-    describe(f"{name} {method} (acceptance rate {result.acceptance_rate:.2f})", test)
+    assert test.passed, describe(f"{name} {rule}", test)
+    describe(f"{name} {rule} (acceptance rate {result.acceptance_rate:.2f})", test)
     assert 0.05 < result.acceptance_rate < 0.95, "the drafts were not both accepted and rejected"
 
-    broken = SpeculativeDecoder(target_model, draft_model, verifier=method, max_draft=DRAFT_LEN)
-    calls = wrong_engine(broken, control)
+    broken = SpeculativeDecoder(target_model, draft_model, rule=rule, max_draft=DRAFT_LEN)
+    calls = wrong_engine(control, monkeypatch)
     counts, _ = run(broken, case, seed=0)
     assert calls["target"] + calls["draft"] > 0, "the control's patch was never exercised"
     failed = pooled_test(counts, law)
-    message = describe(f"NEGATIVE CONTROL {name} {method} [{control.description}]", failed)
+    message = describe(f"NEGATIVE CONTROL {name} {rule} [{control.description}]", failed)
     print(
         f"    power {power:.6f}, max joint-law error {error:.3g}, statistic / threshold "
         f"{failed.statistic / failed.threshold:.2f}"
@@ -352,4 +353,4 @@ def test_first_tokens_follow_the_processed_target_law(models, name, method):
     # The failure is the predicted one: the control's samples follow its own exact law (so the power above is the
     # power against what it actually does).
     own = pooled_test(counts, wrong_law)
-    assert own.passed, describe(f"{name} {method} control against its own exact law", own)
+    assert own.passed, describe(f"{name} {rule} control against its own exact law", own)

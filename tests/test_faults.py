@@ -8,7 +8,7 @@ bounded window of tokens.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from dataclasses import replace
 
 import lawkit
 import numpy as np
@@ -19,11 +19,11 @@ from test_sv import flat_latency, hand_profile
 from tiny import exact_law_of_first_tokens, perturbed, tiny_model, tiny_tokenizer
 
 from blockspec import SamplingParams, SpeculativeDecoder
-from blockspec import engine as engine_module
-from blockspec.engine import _Stopper
 from blockspec.models.hf import HFModel
 from blockspec.policy import FixedLength, SVPolicy
 from blockspec.sampling import NonFiniteLogitsError
+from blockspec.stopping import Stopper
+from blockspec.verify import RULES
 
 GREEDY, SAMPLED = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7]]
@@ -69,6 +69,10 @@ BAD_GENERATE = [  # decoder.generate(PROMPTS or prompts, max_new_tokens=4, **kwa
     ({"prompts": [[1.0, 2.0]]}, TypeError, "token ids must be ints"),
     ({"prompts": [["1", "2"]]}, TypeError, "token ids must be ints"),
     ({"prompts": [[True, 2]]}, TypeError, "holds a bool"),
+    ({"prompts": [b"\x01\x02"]}, TypeError, "prompt 0 is a bytes: give a string or a list of int token ids"),
+    ({"prompts": [[1, 2], bytearray(b"\x01")]}, TypeError, "prompt 1 is a bytearray"),
+    ({"prompts": [{1: 2, 3: 4}]}, TypeError, "prompt 0 is a dict"),
+    ({"prompts": [{1, 2}]}, TypeError, "prompt 0 is a set"),
     ({"prompts": [[1] * 250], "max_new_tokens": 10}, ValueError, r"250 \+ 10 = 260 exceeds the context of 256"),
 ]
 
@@ -80,6 +84,25 @@ def test_bad_generate_input_is_refused_before_any_forward(pair, kwargs, error, m
     arguments = {"prompts": PROMPTS, "max_new_tokens": 4, **kwargs}
     with pytest.raises(error, match=message):
         decoder.generate(arguments.pop("prompts"), sampling=SAMPLED, **arguments)
+
+
+def test_prompts_as_tuples_arrays_and_tensors_are_token_ids(pair):
+    decoder = SpeculativeDecoder(*pair, max_draft=3)
+    expected = decoder.generate(PROMPTS, max_new_tokens=6, sampling=GREEDY).sequences
+    for kind in (tuple, np.array, torch.tensor):
+        assert decoder.generate([kind(p) for p in PROMPTS], max_new_tokens=6, sampling=GREEDY).sequences == expected
+
+
+def test_stop_strings_given_as_a_generator_are_read_once_and_used(pair):
+    """Validation used to consume a generator, and the empty remainder stopped nothing."""
+    target, draft = pair
+    decoder = SpeculativeDecoder(HFModel(target, tiny_tokenizer()), HFModel(draft, tiny_tokenizer()), max_draft=3)
+    free = decoder.generate(PROMPTS[:1], max_new_tokens=12, sampling=GREEDY, stop_on_eos=False)
+    assert free.texts is not None and len(free.texts[0]) > 6
+    stop = free.texts[0][3:5]  # text the row produces after a few tokens
+    for strings in ([stop], (s for s in [stop])):
+        result = decoder.generate(PROMPTS[:1], max_new_tokens=12, sampling=GREEDY, stop_strings=strings)
+        assert result.finish_reasons == ["stop"] and result.texts is not None and stop in result.texts[0]
 
 
 def short_logits(target):
@@ -99,9 +122,9 @@ BAD_DECODER = [  # SpeculativeDecoder(*make(target, draft)[0], **make(...)[1]) -
         "different model objects",
     ),
     (
-        lambda t, d: ((t, d), {"verifier": "token", "policy": sv_policy("block")}),
+        lambda t, d: ((t, d), {"rule": "token", "policy": sv_policy("block")}),
         ValueError,
-        "built for the block rule but verifier='token'",
+        "built for the block rule but rule='token'",
     ),
 ]
 
@@ -113,8 +136,8 @@ def test_bad_models_and_decoder_arguments_are_refused(pair, make, error, message
         SpeculativeDecoder(*models, **kwargs)
 
 
-def sv_policy(method: str) -> SVPolicy:
-    return SVPolicy(hand_profile(), flat_latency((1.0, 1.0), 1e-9), method=method, max_draft=3, kind="draft")
+def sv_policy(rule: str) -> SVPolicy:
+    return SVPolicy(hand_profile(), flat_latency((1.0, 1.0), 1e-9), rule=rule, max_draft=3, kind="draft")
 
 
 class Scored(FixedLength):
@@ -234,13 +257,14 @@ def test_a_prompt_longer_than_the_drafts_context_decodes_with_the_target_alone(p
 def test_law_of_the_first_tokens_when_a_rows_drafting_is_cut_by_its_context(monkeypatch):
     """Joint chi-square of the first 3 tokens (6**3 outcomes) against the exact target law for rows whose drafting
     the draft's context cuts (prompt of 6 tokens, draft context 6: 1 drafted, then none) batched with rows that
-    draft 2 (all that max_new_tokens leaves room for); a verifier that sees misaligned target distributions must fail the same test."""
+    draft 2 (all that max_new_tokens leaves room for); a verifier that sees misaligned target distributions must fail
+    the same test."""
     vocab, length, samples = 6, 3, 3000
     target = tiny_model(vocab=vocab, sharpness=5.0)
     draft = perturbed(target, scale=0.6, seed=1)
     long, short = [1, 2, 3, 4, 5, 1], [1, 2, 3]
     laws = {tuple(p): exact_law_of_first_tokens(target, p, length) for p in (long, short)}
-    decoder = SpeculativeDecoder(with_context(target, 9), with_context(draft, 6), verifier="block", max_draft=3)
+    decoder = SpeculativeDecoder(with_context(target, 9), with_context(draft, 6), rule="block", max_draft=3)
 
     def tests():
         result = decoder.generate([long, short] * samples, max_new_tokens=length, seed=0, stop_on_eos=False)
@@ -254,7 +278,7 @@ def test_law_of_the_first_tokens_when_a_rows_drafting_is_cut_by_its_context(monk
     assert all(test.passed for test in outcome.values()), outcome
     first = result.stats[0]
     assert set(first.verified[0::2]) == {1} and set(first.verified[1::2]) == {2}  # cut and uncut rows, one step
-    monkeypatch.setitem(engine_module.VERIFIERS, "block", off_by_one(engine_module.VERIFIERS["block"]))
+    monkeypatch.setitem(RULES, "block", replace(RULES["block"], verify=off_by_one(RULES["block"].verify)))
     broken, _ = tests()
     assert not any(test.passed for test in broken.values()), f"negative control passed: {broken}"
 
@@ -276,8 +300,7 @@ class ByteTokenizer:
 
 
 def stopper(stop_strings, limit=10**6):
-    decoder = SimpleNamespace(tokenizer=ByteTokenizer(), target=SimpleNamespace(eos_token_ids=()))
-    return _Stopper(decoder, True, stop_strings, limit)
+    return Stopper((), ByteTokenizer(), stop_strings, limit)
 
 
 def test_stop_strings_decode_a_bounded_window_not_the_whole_text():

@@ -14,10 +14,12 @@ from test_engine import reference_greedy
 from tiny import exact_law_of_first_tokens, perturbed, tiny_model
 
 from blockspec import PromptLookup, SamplingParams, SpeculativeDecoder
-from blockspec import engine as engine_module
-from blockspec.lookup import LookupState
+from blockspec.bench.executor import ExpectedScores
+from blockspec.drafting import LookupState
+from blockspec.drafting import proposer as proposer_module
 from blockspec.models.hf import HFModel
 from blockspec.policy import AdaptiveLength, FixedLength, SVPolicy
+from blockspec.verify import RULES, SAMPLED_RULES
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # thousands of tiny rows: faster on one thread
 
@@ -148,12 +150,12 @@ def lookup_steps(result) -> list[tuple[int, int]]:
     return [(k, a) for s in result.stats for used, k, a in zip(s.lookup, s.verified, s.accepted) if used]
 
 
-@pytest.mark.parametrize("verifier", ["block", "token", "greedy"])
+@pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("mode", ["lookup", "lookup+model"])
-def test_greedy_output_equals_plain_greedy_decoding(pair, mode, verifier):
+def test_greedy_output_equals_plain_greedy_decoding(pair, mode, rule):
     target, draft = pair
     decoder = SpeculativeDecoder(
-        target, draft if mode == "lookup+model" else None, verifier=verifier, max_draft=3, lookup=PromptLookup()
+        target, draft if mode == "lookup+model" else None, rule=rule, max_draft=3, lookup=PromptLookup()
     )
     result = decoder.generate(PROMPTS, max_new_tokens=30, sampling=GREEDY)
     assert result.sequences == [reference_greedy(target, p, 30) for p in PROMPTS]
@@ -192,9 +194,9 @@ def model_rows_kept(with_proposals, vocab: int):
     return broken
 
 
-@pytest.mark.parametrize("verifier", ["token", "block"])
+@pytest.mark.parametrize("rule", SAMPLED_RULES)
 @pytest.mark.parametrize("mode", ["lookup", "lookup+model", "lookup+adaptive"])
-def test_law_of_the_first_tokens_is_the_targets(mode, verifier, monkeypatch):
+def test_law_of_the_first_tokens_is_the_targets(mode, rule, monkeypatch):
     """Chi-square of the joint law of the first 3 tokens (6**3 outcomes) against the exact target law, for two
     prompts in one batch: one whose last 2-gram occurred before (lookup proposes [1, 1] at the first step, each
     token with target probability about 1/2), one with no match at the first step (a model draft, or a plain
@@ -210,7 +212,7 @@ def test_law_of_the_first_tokens_is_the_targets(mode, verifier, monkeypatch):
     if mode == "lookup+adaptive":  # latency under which the prior's K is 1 and what the steps teach moves it
         policy = AdaptiveLength(profile([100, 150, 200, 250, 300], draft_ms=10), max_draft=4, memory=0.5)
     first_k = policy.best_length(2 * samples) if policy else 2
-    decoder = SpeculativeDecoder(target, draft, verifier=verifier, max_draft=2, policy=policy, lookup=PromptLookup())
+    decoder = SpeculativeDecoder(target, draft, rule=rule, max_draft=2, policy=policy, lookup=PromptLookup())
 
     def tests():
         result = decoder.generate(
@@ -223,7 +225,7 @@ def test_law_of_the_first_tokens_is_the_targets(mode, verifier, monkeypatch):
         return out, result
 
     passed, result = tests()
-    assert all(test.passed for test in passed), f"{mode}, {verifier}: {passed}"
+    assert all(test.passed for test in passed), f"{mode}, {rule}: {passed}"
     first = result.stats[0]  # lookup in the first prompt's rows, not in the second's, in one step
     assert first.lookup == [True] * samples + [False] * samples
     assert set(first.verified[samples:]) == ({first_k} if draft is not None else {0})
@@ -234,7 +236,7 @@ def test_law_of_the_first_tokens_is_the_targets(mode, verifier, monkeypatch):
 
     controls = [smoothed] + ([model_rows_kept] if draft is not None else [])
     for control in controls:
-        monkeypatch.setattr(engine_module, "_with_proposals", control(engine_module._with_proposals, vocab))
+        monkeypatch.setattr(proposer_module, "with_proposals", control(proposer_module.with_proposals, vocab))
         broken, _ = tests()
         assert not all(test.passed for test in broken), f"negative control {control.__name__} passed: {broken}"
         monkeypatch.undo()
@@ -269,7 +271,7 @@ def test_each_prompt_keeps_its_own_adaptive_length_while_rows_finish(pair, mode)
     eos = plain[1][9]
     settings = PromptLookup(initial_len=2, max_draft=6)
     decoder = SpeculativeDecoder(
-        target, draft if mode == "lookup+model" else None, verifier="block", max_draft=3, lookup=settings
+        target, draft if mode == "lookup+model" else None, rule="block", max_draft=3, lookup=settings
     )
     decoder.target.eos_token_ids = (eos,)
     result = decoder.generate(PROMPTS * 2, max_new_tokens=40, seed=0)
@@ -285,9 +287,7 @@ def test_the_draft_catches_up_on_tokens_committed_by_lookup_steps(pair):
     """The target's own weights as the draft: every model draft must be accepted in full, which holds only if the
     draft's cache read the tokens that lookup steps committed while it skipped them."""
     target, _ = pair
-    decoder = SpeculativeDecoder(
-        target, HFModel(target), verifier="block", max_draft=3, lookup=PromptLookup(initial_len=1)
-    )
+    decoder = SpeculativeDecoder(target, HFModel(target), rule="block", max_draft=3, lookup=PromptLookup(initial_len=1))
     result = decoder.generate(PROMPTS, max_new_tokens=30, sampling=GREEDY, stop_on_eos=False)
     assert result.sequences == [reference_greedy(target, p, 30, eos=None) for p in PROMPTS]
     looked_up, caught_up = set(), False
@@ -306,16 +306,19 @@ def test_a_row_does_not_depend_on_its_neighbours_and_proposals_outrun_the_models
     max_draft are verified with the uniforms drawn for the widest step; a lookup row's expected accepted length is
     the same under both rules (one-hot draft), a sign it reached the verifier as an exact one-hot row."""
     target, draft = pair
-    decoder = SpeculativeDecoder(target, draft, verifier="block", max_draft=2, lookup=PromptLookup(max_draft=8))
+    decoder = SpeculativeDecoder(target, draft, rule="block", max_draft=2, lookup=PromptLookup(max_draft=8))
     assert decoder.max_draft == 8
     seeds = [11, 12, 13, 14, 15]
-    together = decoder.generate(PROMPTS, max_new_tokens=30, seed=seeds, expected=True)
+    scores = ExpectedScores()
+    together = decoder.generate(PROMPTS, max_new_tokens=30, seed=seeds, on_step=scores)
     assert max(k for k, _ in lookup_steps(together)) > 2
     for b, prompt in enumerate(PROMPTS):
         assert decoder.generate([prompt], max_new_tokens=30, seed=[seeds[b]]).sequences[0] == together.sequences[b]
     # Given a one-hot block, P(tau >= i) is prod_{j <= i} target(x_j) under both rules (for a sampled draft, block
     # verification wins only on average over blocks); a smoothed row would break the equality.
-    expected = [(t, b) for s in together.stats for u, t, b in zip(s.lookup, s.expected_token, s.expected_block) if u]
+    lookup = [u for s in together.stats for u in s.lookup]
+    pairs = zip(lookup, scores.expected["token"], scores.expected["block"], strict=True)
+    expected = [(t, b) for u, t, b in pairs if u]
     assert any(k > 1 for k, _ in lookup_steps(together))  # (one drafted token: the two rules coincide anyway)
     assert expected and all(b == pytest.approx(t, rel=1e-4, abs=1e-7) for t, b in expected)
     assert 0 < together.lookup_rate < 1
@@ -360,12 +363,8 @@ def test_bad_decoder_arguments_get_clear_errors(pair):
     with pytest.raises(TypeError, match="lacks some of the hooks of blockspec.policy.LengthPolicy"):
         SpeculativeDecoder(target, draft, policy=object())
     assert SpeculativeDecoder(target, draft, policy=FixedLength(3), lookup=PromptLookup()).max_draft == 10
-    with pytest.raises(ValueError, match="use verifier 'block', 'token' or 'greedy'"):
-        SpeculativeDecoder(target, None, verifier="none", lookup=PromptLookup())
     with pytest.raises(ValueError, match="a length policy needs a draft model"):
         SpeculativeDecoder(target, None, policy=FixedLength(3), lookup=PromptLookup())
-    with pytest.raises(ValueError, match="needs a draft model or prompt lookup"):
-        SpeculativeDecoder(target, None, verifier="token")
     with pytest.raises(TypeError, match="lookup must be a PromptLookup"):
         SpeculativeDecoder(target, draft, lookup={"max_ngram": 3})
     with pytest.raises(ValueError, match="max_draft must be an int >= 1"):

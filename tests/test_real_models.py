@@ -45,6 +45,7 @@ def test_the_pair_shares_a_tokenizer_and_stops_on_both_eos_ids(qwen_pair):
 def test_greedy_speculative_output_equals_greedy_target_output(qwen_pair):
     from blockspec import SamplingParams, SpeculativeDecoder
     from blockspec.models.chat import encode_prompt
+    from blockspec.verify import SAMPLED_RULES
 
     target, draft = qwen_pair
     prompts = [
@@ -52,9 +53,9 @@ def test_greedy_speculative_output_equals_greedy_target_output(qwen_pair):
         for text in ("Write a Python function that returns the n-th Fibonacci number.", "What is a hash map?")
     ]
     greedy = SamplingParams(temperature=0.0)
-    plain = SpeculativeDecoder(target, verifier="none").generate(prompts, max_new_tokens=24, sampling=greedy)
-    for verifier in ("block", "token"):
-        fast = SpeculativeDecoder(target, draft, verifier=verifier, max_draft=4)
+    plain = SpeculativeDecoder(target).generate(prompts, max_new_tokens=24, sampling=greedy)
+    for rule in SAMPLED_RULES:
+        fast = SpeculativeDecoder(target, draft, rule=rule, max_draft=4)
         result = fast.generate(prompts, max_new_tokens=24, sampling=greedy)
-        assert result.sequences == plain.sequences, verifier
+        assert result.sequences == plain.sequences, rule
         assert result.block_efficiency > 1.5  # the draft really was accepted most of the time

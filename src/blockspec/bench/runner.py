@@ -232,25 +232,18 @@ def settings(config: BenchConfig) -> dict:
 
 def prepare_out(config: BenchConfig) -> list[rec.Record]:
     """Check ``config.out`` before any model loads, store this call's settings there, and return the records
-    already in it. Raises ValueError when ``out`` is not a directory, or holds records of other settings or of
-    an older blockspec (no stored settings, or an older record schema)."""
+    already in it. Raises ValueError when ``out`` is not a directory, or holds records of other settings or
+    with no stored settings (``rec.read`` refuses records of another schema)."""
     out = config.out
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} is a file: --out must be a directory (a new one, or a bench's to resume)")
     existing = list(rec.read(out / RECORDS)) if (out / RECORDS).exists() else []
     wanted = settings(config)
-    older = sorted({r.schema for r in existing if r.schema < rec.SCHEMA})
-    if older:
-        raise ValueError(
-            f"{out} holds records of schema {older[0]}, written by an older blockspec under other field "
-            f"names; this one writes schema {rec.SCHEMA}, and one file must not mix the two: use a new "
-            "--out (the old records can still be reported: python -m blockspec.bench.report)"
-        )
     if existing:
         if not (out / CONFIG).exists():
             raise ValueError(
-                f"{out} holds records but no {CONFIG}: created by an older blockspec: use a new --out "
-                "(its records can still be reported: python -m blockspec.bench.report)"
+                f"{out} holds records but no {CONFIG}: their settings are unknown, so they cannot be resumed: use "
+                "a new --out (they can still be reported: python -m blockspec.bench.report)"
             )
         try:
             found = json.loads((out / CONFIG).read_text())

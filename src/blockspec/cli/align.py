@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
         description="How does the gain of block over token verification depend on draft quality? The draft\n"
         "samples at temperatures T_d of its own (still lossless) while the target keeps --temperature; the\n"
         "report gives, per T_d, the draft-target overlap, the analytic block efficiency of both rules and\n"
-        "the gain. No wall clock is measured. This is `blockspec bench --preset align`, resumable;\n"
+        "the paired analytic gain. No wall clock is measured. This is `blockspec bench --preset align`, resumable;\n"
         "docs/guide/cli.md explains it.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -12,7 +12,8 @@ import sys
 import pytest
 from tiny import save_tiny, tiny_model
 
-from blockspec.cli import commands as cli
+from blockspec import cli
+from blockspec.cli import progress as progress_cli
 from blockspec.models import hf
 
 pytestmark = pytest.mark.usefixtures("probes_in_a_temporary_cache")
@@ -30,9 +31,11 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 def test_help_is_instant_and_shows_examples():
     """--help must not import torch (heavy imports are deferred to the subcommands)."""
-    code = "import sys; from blockspec import cli\ntry: cli.main(['--help'])\nexcept SystemExit: pass\nprint('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert "blockspec generate" in out and out.strip().endswith("False")
+    for argv in (["--help"], ["generate", "--help"]):
+        code = f"import sys; from blockspec import cli\ntry: cli.main({argv})\nexcept SystemExit: pass\n"
+        code += "print('torch' in sys.modules)"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        assert "blockspec generate" in out and out.strip().endswith("False")
     assert "--max-draft" in run("generate", "--help").stdout
     module = subprocess.run([sys.executable, "-m", "blockspec", "env", "--json"], capture_output=True, text=True)
     assert module.returncode == 0 and json.loads(module.stdout)["torch_threads"] >= 1  # python -m blockspec works
@@ -40,10 +43,10 @@ def test_help_is_instant_and_shows_examples():
 
 def test_generate_defaults_come_from_one_place():
     args = cli.build_parser().parse_args(["generate", "hi"])
-    assert (args.target, args.draft, args.verifier, args.max_draft) == (
+    assert (args.target, args.draft, args.rule, args.max_draft) == (
         "qwen2.5-coder-1.5b",
         "qwen2.5-coder-0.5b",
-        "block",
+        None,  # the engine's default rule
         None,
     )
     assert (args.temperature, args.top_k, args.top_p, args.dtype, args.chat) == (1.0, 0, 1.0, "auto", True)
@@ -54,7 +57,7 @@ def test_generate_end_to_end_on_tiny_models(tiny_pair):
     target, draft = tiny_pair
     common = ["--target", target, "--draft", draft, "--dtype", "float32", "--max-new-tokens", "12", "--seed", "1"]
     spec = run("generate", *common, "--temperature", "0", "abc de")
-    plain = run("generate", *common, "--temperature", "0", "--verifier", "none", "abc de")
+    plain = run("generate", *common, "--temperature", "0", "--draft", "none", "abc de")
     assert spec.returncode == plain.returncode == 0, spec.stderr + plain.stderr
     assert spec.stdout == plain.stdout and spec.stdout.strip()  # same greedy text, streamed
     assert "acceptance length (1 + accepted/steps)" in spec.stderr and "tokens/s" in spec.stderr
@@ -79,7 +82,8 @@ def test_generate_with_prompt_lookup_gives_the_greedy_text_of_the_target(tiny_pa
         "--no-chat",
         "abc abc abc abc",
     ]
-    spec, plain = run("generate", "--drafter", drafter, *common), run("generate", "--verifier", "none", *common)
+    spec = run("generate", "--drafter", drafter, *common)
+    plain = run("generate", *common[:-1], "--draft", "none", common[-1])  # the last --draft wins
     assert spec.returncode == plain.returncode == 0, spec.stderr + plain.stderr
     assert spec.stdout == plain.stdout and spec.stdout.strip()
     # lookup alone takes its lengths from its own settings; lookup+model's model rows follow the default policy
@@ -92,7 +96,7 @@ def test_generate_reports_bad_input_without_a_traceback(tiny_pair):
     target, draft = tiny_pair
     bad = run("generate", "--target", target, "--draft", draft, "--top-p", "0", "hello")
     assert bad.returncode == 2 and "top_p must lie in (0, 1]" in bad.stderr and "Traceback" not in bad.stderr
-    missing = run("generate", "--target", "no/such/model.gguf", "--verifier", "none", "hello")
+    missing = run("generate", "--target", "no/such/model.gguf", "--draft", "none", "hello")
     assert missing.returncode == 2 and "no GGUF file" in missing.stderr
 
 
@@ -135,7 +139,7 @@ def test_generate_says_what_it_is_doing_before_the_first_token(tiny_pair):
 
 def test_generate_shows_prefill_progress_of_each_model_for_long_prompts(tiny_pair, monkeypatch, capsys):
     target, draft = tiny_pair
-    monkeypatch.setattr(cli, "LONG_PROMPT", 4)  # the tiny models' context is far below the real threshold
+    monkeypatch.setattr(progress_cli, "LONG_PROMPT", 4)  # the tiny models' context is far below the real threshold
     monkeypatch.setattr(hf, "PREFILL_TOKENS", 3)  # several prefill forwards, so several reports
     assert (
         cli.main(
@@ -176,20 +180,20 @@ class Stream(io.StringIO):
 
 def test_prefill_progress_is_shown_on_a_terminal_or_for_long_prompts_only():
     quiet = Stream(terminal=False)
-    progress = cli.PrefillProgress("target", quiet)
+    progress = progress_cli.PrefillProgress("target", quiet)
     for done in (0, 64, 128):
         progress(done, 128)
     assert quiet.getvalue() == ""  # a short prompt in a pipe: tests and scripts stay clean
 
     log = Stream(terminal=False)
-    progress = cli.PrefillProgress("target", log)
+    progress = progress_cli.PrefillProgress("target", log)
     for done in [*range(0, 5010, 64), 5010]:
         progress(done, 5010)
     lines = log.getvalue().splitlines()
     assert 2 <= len(lines) <= 11 and lines[-1] == "prefilling target: 5010/5010 tokens (100%)"  # one per tenth
 
     terminal = Stream(terminal=True)
-    progress = cli.PrefillProgress("draft", terminal)
+    progress = progress_cli.PrefillProgress("draft", terminal)
     for done in (0, 64, 128):
         progress(done, 128)
     text = terminal.getvalue()

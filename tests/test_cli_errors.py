@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockspec.cli import commands as cli
+from blockspec import cli
+from blockspec.cli import env as env_cli
 from blockspec.models import hf
 
 
@@ -35,7 +36,7 @@ def error_line(capsys) -> str:
 
 def test_a_model_path_that_does_not_exist_is_one_line_not_a_traceback(tmp_path, capsys):
     missing = str(tmp_path / "no-such-model")
-    assert cli.main(["generate", "--target", missing, "--verifier", "none", "--dtype", "bfloat16", "hello"]) == 2
+    assert cli.main(["generate", "--target", missing, "--draft", "none", "--dtype", "bfloat16", "hello"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
     *status, last = err.splitlines()
@@ -80,11 +81,43 @@ def test_counts_below_one_are_refused_in_one_line_before_loading_a_model(argv, l
     assert err.count("\n") == 1 and "error: argument --" in err and "got 0" in err, err
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--verifier", "none", "hello"],
+        ["generate", "--draft-len", "3", "hello"],
+        ["bench", "--draft-lens", "2", "4"],
+        ["align", "--draft-len", "5"],
+        ["sv", "calibrate", "--draft-len", "6"],
+        ["sv", "replay", "--recording", "r.pt", "--sv-profile", "p.json", "--latency", "l.json", "--methods", "block"],
+    ],
+)
+def test_the_former_flag_names_are_refused_in_one_line(argv, loads, capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and loads == []
+    assert err.count("\n") == 1 and "unrecognized arguments: " in err, err
+
+
+def test_a_rule_is_a_name_of_the_registry_checked_before_loading_a_model(loads, capsys):
+    from blockspec.verify import RULES
+
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["generate", "--rule", "nope", "hello"])
+    err = capsys.readouterr().err
+    assert (
+        exit.value.code == 2 and err.count("\n") == 1 and "argument --rule: must be one of " + ", ".join(RULES) in err
+    )
+    assert cli.main(["generate", "--rule", "greedy", "--temperature", "1", "hello"]) == 2
+    assert "--rule greedy needs --temperature 0" in error_line(capsys) and loads == []
+
+
 def test_an_unexpected_exception_is_one_line_with_its_type_and_exit_1(monkeypatch, capsys):
     def broken(args):
         raise KeyError("shape")
 
-    monkeypatch.setattr(cli, "run_env", broken)
+    monkeypatch.setattr(env_cli, "run", broken)
     assert cli.main(["env"]) == 1
     assert error_line(capsys) == "blockspec: error: KeyError: 'shape' (run with --debug for the traceback)\n"
 
@@ -93,7 +126,7 @@ def test_a_multi_line_message_is_folded_into_one_line(monkeypatch, capsys):
     def fails(args):
         raise OSError("no model here.\nCheck the path\n  or the hub id.")
 
-    monkeypatch.setattr(cli, "run_env", fails)
+    monkeypatch.setattr(env_cli, "run", fails)
     assert cli.main(["env"]) == 2
     assert "no model here. Check the path or the hub id." in error_line(capsys)
 
@@ -103,7 +136,7 @@ def test_debug_shows_the_traceback_wherever_it_is_given(argv, monkeypatch, capsy
     def broken(args):
         raise KeyError("shape")
 
-    monkeypatch.setattr(cli, "run_env", broken)
+    monkeypatch.setattr(env_cli, "run", broken)
     with pytest.raises(KeyError):
         cli.main(argv)
     assert capsys.readouterr().err == ""
@@ -113,7 +146,7 @@ def test_ctrl_c_exits_130_with_one_line(monkeypatch, capsys):
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "run_env", interrupted)
+    monkeypatch.setattr(env_cli, "run", interrupted)
     try:
         code = cli.main(["env"])
     except KeyboardInterrupt:  # caught here so that it fails this test instead of stopping pytest

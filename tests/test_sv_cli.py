@@ -11,8 +11,8 @@ import pytest
 import torch
 from tiny import save_tiny
 
+from blockspec import cli
 from blockspec.bench import replay
-from blockspec.cli import commands as cli
 from blockspec.models import hf
 from blockspec.policy import LatencyTable
 from blockspec.policy.latency import LatencyProfile
@@ -95,7 +95,7 @@ def test_profile_and_calibrate_save_where_generate_looks(calibrated):
 def test_generate_with_sv_gives_the_greedy_text_of_the_target(calibrated):
     root, models, _, _ = calibrated
     common = [*models, "--max-new-tokens", "16", "--temperature", "0", "--max-draft", "3"]
-    plain = run("generate", *common, "--verifier", "none", "abc de", cache=root)
+    plain = run("generate", *common, "--draft", "none", "abc de", cache=root)
     # calibrated at T=1: greedy needs its own calibration profile, and says so
     missing = run("generate", *common, "--policy", "sv", "--companion", "prefix:1", "abc de", cache=root)
     assert missing.returncode == 2 and "blockspec sv calibrate" in missing.stderr
@@ -180,14 +180,14 @@ def test_replay_compares_policies_and_the_oracle(calibrated):
     for r in rows:
         if r["policy"] == "target-only":
             assert r["speedup"] == 1.0 and r["verified_per_emitted"] == 0.0
-    for method in ("token", "block"):
+    for rule in ("token", "block"):
         for batch in (1, 2):
             best_fixed = max(
                 r["speedup"]
                 for r in rows
-                if r["method"] == method and r["batch"] == batch and r["policy"].startswith("fixed")
+                if r["rule"] == rule and r["batch"] == batch and r["policy"].startswith("fixed")
             )
-            oracle = next(r for r in rows if (r["method"], r["batch"], r["policy"]) == (method, batch, "oracle"))
+            oracle = next(r for r in rows if (r["rule"], r["batch"], r["policy"]) == (rule, batch, "oracle"))
             assert oracle["speedup"] >= 1.0  # it may always choose not to speculate
             assert oracle["speedup"] >= best_fixed * 0.9  # a ceiling, up to the expected-vs-realised noise
 

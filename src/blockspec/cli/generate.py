@@ -1,0 +1,289 @@
+"""``blockspec generate``: parse the options into a GenerateConfig, load the models, decode, stream the text."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+from .. import defaults
+from ..defaults import DTYPES, QUANTS
+from . import sv
+from .common import ALLOW_DOWNLOAD_HELP, DEVICE_HELP, NO_CHAT_HELP, int_at_least, rule_name
+from .progress import PrefillProgress, Streamer, watch_prefill
+
+DRAFTERS = ("model", "lookup", "lookup+model")
+NO_DRAFT = "none"  # --draft none: decode with the target alone
+
+EXAMPLES = """examples:
+  blockspec generate "Write a Python function that reverses a string."
+  blockspec generate --rule token --max-draft 8 --temperature 0 "def fib(n):"
+  blockspec generate --target smollm2-135m --draft none --max-new-tokens 32 "Hello"
+  blockspec sv profile && blockspec sv calibrate    # once per models and machine, then:
+  blockspec generate --policy sv --max-draft 8 "first prompt" "second prompt"   # Speculative Verification
+  blockspec models          # bundled presets: installed or not, cache state
+  blockspec env             # versions, threads and device, for bug reports
+"""
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    prompts: tuple[str, ...]
+    target: str
+    draft: str | None  # None: no draft model (the target alone, or prompt lookup alone)
+    rule: str | None  # None: the engine's default rule
+    max_draft: int | None  # None: the policy's default
+    temperature: float
+    top_k: int
+    top_p: float
+    max_new_tokens: int
+    seed: int | None
+    dtype: str
+    device: str
+    chat: bool
+    stop: tuple[str, ...]
+    policy: str = "auto"
+    drafter: str = "model"  # one of DRAFTERS
+    draft_quant: str = "auto"  # "auto", "none" or one of QUANTS
+    target_quant: str = "none"
+    companion: str | None = None
+    sv_predictor: str = "draft"
+    sv_profile: Path | None = None
+    latency: Path | None = None
+    allow_download: bool = False
+
+    @property
+    def resolved_max_draft(self) -> int:
+        """--max-draft, or the policy's default: the most a step drafts under auto, the length under fixed and sv."""
+        if self.max_draft is not None:
+            return self.max_draft
+        return defaults.ADAPTIVE_MAX_DRAFT if self.policy == "auto" else defaults.MAX_DRAFT
+
+
+def add_parser(sub) -> None:
+    gen = sub.add_parser(
+        "generate",
+        help="generate text with speculative decoding, streamed as tokens are accepted",
+        description="Generate text with speculative decoding: the output law is exactly the target's, the draft\n"
+        "only changes the speed. A model is a preset (`blockspec models`), a GGUF file, a local directory\n"
+        "or a cached hub id. Every option is explained in docs/guide/cli.md.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    gen.add_argument("prompts", nargs="*", help="prompt texts (default: one prompt read from stdin)")
+    gen.add_argument(
+        "--target", default=defaults.TARGET, help="the model whose distribution is kept (default: %(default)s)"
+    )
+    gen.add_argument(
+        "--draft",
+        default=defaults.DRAFT,
+        help=f"the small model that proposes tokens; {NO_DRAFT}: the target alone (default: %(default)s)",
+    )
+    gen.add_argument(
+        "--rule",
+        type=rule_name(),
+        metavar="RULE",
+        help="verification rule, a name in blockspec.verify.RULES (default: SpeculativeDecoder's)",
+    )
+    gen.add_argument(
+        "--drafter",
+        default="model",
+        choices=DRAFTERS,
+        help="who proposes tokens: the draft model, prompt lookup, or lookup where it matches (default: %(default)s)",
+    )
+    gen.add_argument(
+        "--policy",
+        default="auto",
+        choices=["auto", "fixed", "sv"],
+        help="draft length: measured best per step, --max-draft every step, or Speculative Verification "
+        "(default: %(default)s)",
+    )
+    gen.add_argument(
+        "--max-draft",
+        type=int_at_least(1),
+        help=f"K, tokens drafted per step (fixed), or the most a step drafts (default: {defaults.MAX_DRAFT}; "
+        f"auto: {defaults.ADAPTIVE_MAX_DRAFT})",
+    )
+    gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default: %(default)s)")
+    gen.add_argument(
+        "--top-k", type=int_at_least(0), default=0, help="keep the k most likely tokens, 0 = all (default: 0)"
+    )
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus mass, 1 = all (default: 1.0)")
+    gen.add_argument("--max-new-tokens", type=int_at_least(1), default=128, help="per prompt (default: %(default)s)")
+    gen.add_argument("--seed", type=int, help="random seed; prompt i uses seed + i (default: random)")
+    gen.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", *DTYPES],
+        help="auto: the fastest on this machine (default: %(default)s)",
+    )
+    gen.add_argument(
+        "--draft-quant",
+        default="auto",
+        choices=["auto", "none", *QUANTS],
+        help="quantize the draft (CPU): same output law (default: %(default)s)",
+    )
+    gen.add_argument(
+        "--target-quant",
+        default="none",
+        choices=["none", *QUANTS],
+        help="quantize the target (CPU): a different, faster model (default: %(default)s)",
+    )
+    gen.add_argument("--device", default="cpu", help=f"{DEVICE_HELP} (default: %(default)s)")
+    gen.add_argument("--no-chat", dest="chat", action="store_false", help=NO_CHAT_HELP)
+    gen.add_argument(
+        "--stop", action="append", default=[], metavar="TEXT", help="stop a row after this text (repeatable)"
+    )
+    sv.add_arguments(gen)
+    gen.add_argument("--allow-download", action="store_true", help=ALLOW_DOWNLOAD_HELP)
+    gen.set_defaults(run=run)
+
+
+def run(args) -> int:
+    given = {f.name for f in fields(GenerateConfig)} - {"prompts", "draft", "stop"}  # the flags named as the fields
+    config = GenerateConfig(
+        prompts=tuple(args.prompts) or (sys.stdin.read(),),
+        draft=None if args.draft == NO_DRAFT else args.draft,
+        stop=tuple(args.stop),
+        **{name: getattr(args, name) for name in given},
+    )
+    return generate(config)
+
+
+def generate(config: GenerateConfig) -> int:
+    from ..lookup import PromptLookup
+    from ..models.chat import encode_prompt
+    from ..models.hf import load_model, resolve_device
+    from ..sampling import SamplingParams
+    from ..verify import RULES, SAMPLED_RULES
+
+    # Everything that can be checked without a model is checked first: a bad value costs a second, not the minutes
+    # a large model takes to load.
+    sampling = SamplingParams(config.temperature, config.top_k, config.top_p)
+    device = resolve_device(config.device)
+    if config.rule is not None and not RULES[config.rule].sampled and not sampling.greedy:
+        raise ValueError(f"--rule {config.rule} needs --temperature 0; to sample use one of {', '.join(SAMPLED_RULES)}")
+    if config.policy == "sv" and config.draft is None:
+        raise ValueError(f"--policy sv needs a draft model (--draft {NO_DRAFT} decodes with the target alone)")
+    if config.drafter != "model":
+        if config.policy == "sv" or config.draft is None:
+            raise ValueError(f"--drafter {config.drafter} needs --policy fixed or auto, and no --draft {NO_DRAFT}")
+        if config.drafter == "lookup":  # no draft model: the lengths of lookup proposals adapt on their own
+            config = replace(config, draft=None, policy="fixed")
+    config = _resolve_arithmetic(config, device)
+    models = {}
+    for role, name, quant in (
+        ("target", config.target, config.target_quant),
+        ("draft", config.draft, config.draft_quant),
+    ):
+        if name:
+            quant = None if quant == "none" else quant
+            _status(f"loading {role} {name} ({quant or config.dtype}, {device})")
+            models[role] = load_model(
+                name, dtype=config.dtype, device=config.device, quant=quant, allow_download=config.allow_download
+            )
+    target, draft = models["target"], models.get("draft")
+    policy, companion = None, None
+    if config.policy == "sv":
+        policy, companion = sv.build_policy(config, target, sampling)
+    elif config.policy == "auto" and draft is not None:
+        policy = _adaptive_policy(config, target, draft)
+        if policy is None:
+            draft = None
+    lookup = PromptLookup() if config.drafter != "model" else None
+    decoder = _decoder(config, target, draft, policy=policy, companion=companion, lookup=lookup)
+    if decoder.tokenizer is None:
+        raise ValueError(f"{config.target} has no tokenizer: the CLI needs one to read and print text")
+    ids = [encode_prompt(decoder.tokenizer, p, chat=config.chat) for p in config.prompts]
+
+    # Before the first token the models read the whole prompt, minutes for thousands of tokens on a CPU: say so.
+    total = sum(len(i) for i in ids)
+    _status(f"prefilling {total} prompt tokens" + (f" ({len(ids)} prompts)" if len(ids) > 1 else ""))
+    for role, model in (("target", target), ("draft", draft), ("companion", companion)):
+        if model is not None:
+            watch_prefill(model, PrefillProgress(role))
+    stream = Streamer(decoder.tokenizer) if len(ids) == 1 else None
+    result = decoder.generate(
+        ids,
+        max_new_tokens=config.max_new_tokens,
+        sampling=sampling,
+        seed=config.seed,
+        stop_strings=config.stop,
+        on_tokens=stream,
+    )
+    if stream is not None:
+        stream.close()
+    else:
+        assert result.texts is not None  # the decoder has a tokenizer (checked above)
+        for i, text in enumerate(result.texts):
+            print(f"--- prompt {i}\n{text}")
+    print(
+        f"[{decoder.verifier}, {config.policy} K={decoder.max_draft}, {_drafted_per_step(result)} drafted per step] "
+        f"{result.new_tokens} tokens in {result.wall_time:.1f} s = {result.tokens_per_second:.2f} tokens/s; "
+        f"acceptance length (1 + accepted/steps) {result.block_efficiency:.2f}; "
+        f"acceptance rate (accepted/drafted) {result.acceptance_rate:.2f}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _decoder(config: GenerateConfig, target, draft, *, policy, companion, lookup):
+    """The one call into the engine. With neither a draft model nor lookup it decodes with the target alone."""
+    from ..engine import SpeculativeDecoder
+
+    verifier = "none" if draft is None and lookup is None else config.rule
+    rule = {} if verifier is None else {"verifier": verifier}  # None: the engine's default rule
+    return SpeculativeDecoder(
+        target, draft, **rule, max_draft=config.resolved_max_draft, policy=policy, companion=companion, lookup=lookup
+    )
+
+
+def _resolve_arithmetic(config: GenerateConfig, device) -> GenerateConfig:
+    """``config`` with ``dtype="auto"`` and ``draft_quant="auto"`` replaced by what this machine runs fastest
+    (``blockspec.auto``: a probe measured once per machine and cached)."""
+    from ..auto import choose_arithmetic
+
+    if config.dtype != "auto" and (config.draft_quant != "auto" or config.draft is None):
+        return config
+    arithmetic = choose_arithmetic(device)
+    _status(f"arithmetic: {arithmetic.reason}")
+    # SV's latency and calibration profiles are measured on the unquantized draft
+    quant = arithmetic.draft_quant if config.policy != "sv" else None
+    return replace(
+        config,
+        dtype=arithmetic.dtype if config.dtype == "auto" else config.dtype,
+        draft_quant=(quant or "none") if config.draft_quant == "auto" else config.draft_quant,
+    )
+
+
+def _adaptive_policy(config: GenerateConfig, target, draft):
+    """``policy.AdaptiveLength`` over this machine's measured step latency, or None (after saying so) where no
+    draft length is expected to beat the target alone."""
+    from ..auto import adaptive_policy, latency_probe
+
+    batch = len(config.prompts)
+    _status("step latency of these models on this machine (measured on the first run, then cached)")
+    latency = latency_probe(target, draft, batch)
+    policy = adaptive_policy(latency, batch, config.resolved_max_draft)
+    if policy is None:
+        step, wider = latency.target(batch, 1), latency.target(batch, 2)
+        fallback = (
+            "drafting by prompt lookup alone" if config.drafter == "lookup+model" else "decoding with the target alone"
+        )
+        _status(
+            f"speculation cannot pay here: a target step costs {1e3 * step:.0f} ms and verifying one drafted "
+            f"token {1e3 * wider:.0f} ms on this machine, so {fallback} "
+            "(--policy fixed speculates anyway; --target-quant int8 makes verification cheaper)"
+        )
+    return policy
+
+
+def _drafted_per_step(result) -> str:
+    """Mean drafted tokens verified per row and step."""
+    return f"{sum(sum(s.verified) for s in result.stats) / max(result.row_steps, 1):.1f}"
+
+
+def _status(message: str) -> None:
+    """What generate is doing, on stderr: stdout carries the generated text alone."""
+    print(message, file=sys.stderr, flush=True)

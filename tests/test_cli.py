@@ -46,7 +46,7 @@ def test_generate_defaults_come_from_one_place():
     assert (args.target, args.draft, args.rule, args.max_draft) == (
         "qwen2.5-coder-1.5b",
         "qwen2.5-coder-0.5b",
-        None,  # the engine's default rule
+        "block",
         None,
     )
     assert (args.temperature, args.top_k, args.top_p, args.dtype, args.chat) == (1.0, 0, 1.0, "auto", True)

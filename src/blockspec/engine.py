@@ -16,7 +16,7 @@ import torch
 
 from . import checks
 from .batch import Batch
-from .defaults import MAX_DRAFT
+from .defaults import MAX_DRAFT, RULE
 from .drafting import DraftProposer, LookupState, PromptLookup, Proposal
 from .models.base import as_model, check_shared_vocabulary, target_vocabulary
 from .outputs import GenerationResult, StepStats
@@ -46,7 +46,7 @@ class SpeculativeDecoder:
         target,
         draft=None,
         *,
-        rule: str = "block",
+        rule: str = RULE,
         max_draft: int = MAX_DRAFT,
         policy: LengthPolicy | str | None = None,
         companion=None,

@@ -32,7 +32,7 @@ class GenerateConfig:
     prompts: tuple[str, ...]
     target: str
     draft: str | None  # None: no draft model (the target alone, or prompt lookup alone)
-    rule: str | None  # None: the engine's default rule
+    rule: str
     max_draft: int | None  # None: the policy's default
     temperature: float
     top_k: int
@@ -82,9 +82,10 @@ def add_parser(sub) -> None:
     )
     gen.add_argument(
         "--rule",
+        default=defaults.RULE,
         type=rule_name(),
         metavar="RULE",
-        help="verification rule, a name in blockspec.verify.RULES (default: SpeculativeDecoder's)",
+        help="verification rule, a name in blockspec.verify.RULES (default: %(default)s)",
     )
     gen.add_argument(
         "--drafter",
@@ -152,7 +153,7 @@ def run(args) -> int:
 
 
 def generate(config: GenerateConfig) -> int:
-    from ..lookup import PromptLookup
+    from ..drafting import PromptLookup
     from ..models.chat import encode_prompt
     from ..models.hf import load_model, resolve_device
     from ..sampling import SamplingParams
@@ -162,7 +163,7 @@ def generate(config: GenerateConfig) -> int:
     # a large model takes to load.
     sampling = SamplingParams(config.temperature, config.top_k, config.top_p)
     device = resolve_device(config.device)
-    if config.rule is not None and not RULES[config.rule].sampled and not sampling.greedy:
+    if not RULES[config.rule].sampled and not sampling.greedy:
         raise ValueError(f"--rule {config.rule} needs --temperature 0; to sample use one of {', '.join(SAMPLED_RULES)}")
     if config.policy == "sv" and config.draft is None:
         raise ValueError(f"--policy sv needs a draft model (--draft {NO_DRAFT} decodes with the target alone)")
@@ -218,8 +219,9 @@ def generate(config: GenerateConfig) -> int:
         assert result.texts is not None  # the decoder has a tokenizer (checked above)
         for i, text in enumerate(result.texts):
             print(f"--- prompt {i}\n{text}")
+    mode = decoder.rule if decoder.draft is not None or decoder.lookup is not None else "target alone"
     print(
-        f"[{decoder.verifier}, {config.policy} K={decoder.max_draft}, {_drafted_per_step(result)} drafted per step] "
+        f"[{mode}, {config.policy} K={decoder.max_draft}, {_drafted_per_step(result)} drafted per step] "
         f"{result.new_tokens} tokens in {result.wall_time:.1f} s = {result.tokens_per_second:.2f} tokens/s; "
         f"acceptance length (1 + accepted/steps) {result.block_efficiency:.2f}; "
         f"acceptance rate (accepted/drafted) {result.acceptance_rate:.2f}",
@@ -232,10 +234,14 @@ def _decoder(config: GenerateConfig, target, draft, *, policy, companion, lookup
     """The one call into the engine. With neither a draft model nor lookup it decodes with the target alone."""
     from ..engine import SpeculativeDecoder
 
-    verifier = "none" if draft is None and lookup is None else config.rule
-    rule = {} if verifier is None else {"verifier": verifier}  # None: the engine's default rule
     return SpeculativeDecoder(
-        target, draft, **rule, max_draft=config.resolved_max_draft, policy=policy, companion=companion, lookup=lookup
+        target,
+        draft,
+        rule=config.rule,
+        max_draft=config.resolved_max_draft,
+        policy=policy,
+        companion=companion,
+        lookup=lookup,
     )
 
 

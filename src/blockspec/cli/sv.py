@@ -204,7 +204,7 @@ def run_calibrate(args) -> int:
         args.companion, target, dtype=args.dtype, device=args.device, allow_download=args.allow_download
     )
     decoder = SpeculativeDecoder(
-        target, draft, verifier="token", max_draft=args.max_draft, policy=Recorder(args.max_draft), companion=companion
+        target, draft, rule="token", max_draft=args.max_draft, policy=Recorder(args.max_draft), companion=companion
     )
     prompts = load_prompts(args.dataset, args.prompts, seed=args.seed)
     ids = [encode_prompt(decoder.tokenizer, p.text, chat=True) for p in prompts]

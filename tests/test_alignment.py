@@ -4,7 +4,6 @@ the plan, the records, resume and budget, the paired analytic gain by hand, boot
 
 from __future__ import annotations
 
-import gzip
 import json
 from dataclasses import replace
 
@@ -234,15 +233,6 @@ def test_no_interval_with_fewer_than_two_prompts_in_a_dataset():
     assert row.gain.value == pytest.approx(0.1, abs=0.02) and row.gain.lo is None and row.gain.hi is None
     assert row.overlap.lo is None and "[" not in alignment.format_table(built).split("## all datasets pooled")[1]
     assert alignment.summary(built)["pooled"][0]["gain"]["lo"] is None
-
-
-def test_records_of_the_former_alignment_sweep_are_refused_naming_the_file(tmp_path, capsys):
-    path = tmp_path / "records.jsonl.gz"
-    with gzip.open(path, "wt") as out:
-        out.write(json.dumps({"schema": 2, "kind": "align", "dataset": "x", "draft_temperature": 1.0}) + "\n")
-    with pytest.raises(ValueError, match=f"{path}:1: .*alignment sweep of an older blockspec"):
-        list(rec.read(path))
-    assert report.main(["--records", str(path)]) == 2 and "older blockspec" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------------ command line

@@ -511,31 +511,18 @@ def test_hf_assisted_in_the_batch_table_counts_prefill_on_both_sides():
     assert rows["target-only"].tokens_per_s.value == pytest.approx(64 / 1.42)
 
 
-def test_records_of_schemas_1_to_3_still_load_and_report_as_before(tmp_path):
+def test_records_of_another_schema_are_refused_naming_the_file_and_line(tmp_path, capsys):
     records = synthetic(np.random.default_rng(23), prompts=6)
     path = tmp_path / "old.jsonl"
-    new_fields = ("drafted", "rows", "prompt_ids", "finish_reasons", "status", "error")
-    former = {new: old for old, new in records_io.RENAMED.items()}  # the field names before schema 4
-
-    def as_written(record, schema: int, left_out=()) -> str:
-        data = {former.get(k, k): v for k, v in dataclasses.asdict(record).items() if k not in left_out}
-        return json.dumps({**data, "schema": schema}) + "\n"
-
-    with path.open("w") as out:
-        for record in records:  # as the schema-1 runner wrote them
-            out.write(as_written(record, 1, new_fields))
-    loaded = list(records_io.read(path))
-    assert [r.schema for r in loaded] == [1] * len(records) and all(r.drafted == r.rows == [] for r in loaded)
-    old, new = build_report(loaded, ReportConfig(n_boot=100)), build_report(records, ReportConfig(n_boot=100))
-    assert old.rows == new.rows and old.baselines == new.baselines and old.batch == ()
-    assert format_table(old) == format_table(new) and "batch" not in summary(old)
-    path.write_text(as_written(records[0], 2, ("status", "error")))
-    assert list(records_io.read(path))[0].ok  # schema 2: no status, so a completed run
-    path.write_text(as_written(records[0], 3))
-    assert dataclasses.replace(list(records_io.read(path))[0], schema=records_io.SCHEMA) == records[0]
-    path.write_text(json.dumps({**dataclasses.asdict(records[0]), "schema": 5}) + "\n")
-    with pytest.raises(ValueError, match="record schema 5"):
-        list(records_io.read(path))
+    for schema in (3, 5):
+        lines = [json.dumps({**dataclasses.asdict(r), "schema": s}) for r, s in zip(records[:2], (4, schema))]
+        path.write_text("\n".join(lines) + "\n")
+        with pytest.raises(
+            ValueError, match=f"{path}:2: record schema {schema}, but this blockspec reads schema 4 only"
+        ):
+            list(records_io.read(path))
+        assert main(["--records", str(path), "--no-plots"]) == 2
+        assert f"record schema {schema}" in capsys.readouterr().err
 
 
 def test_gzipped_records_read_as_the_plain_file_and_report_the_same(tmp_path, capsys):

@@ -152,13 +152,26 @@ def test_an_edited_figure_is_caught():
     assert not differences(table, table)
 
 
-def test_every_file_kept_under_benchmarks_results_is_cited_by_the_page():
+def test_every_run_directory_says_how_its_records_were_made():
+    """Provenance (commands, times, code, machine) lives beside the records, in a README.md per directory."""
+    directories = sorted({p.parent for p in KEPT.rglob("*") if p.is_file()})
+    assert directories
+    for directory in directories:
+        assert (directory / "README.md").is_file(), f"{directory.relative_to(ROOT)} has no README.md"
+
+
+def test_every_file_kept_under_benchmarks_results_is_cited():
+    """By the page, or by the README.md of its directory, which the page cites (config.json: its directory)."""
     text = PAGE.read_text()
-    kept = sorted(p.relative_to(ROOT).as_posix() for p in KEPT.rglob("*") if p.is_file())
+    kept = sorted(p.relative_to(ROOT) for p in KEPT.rglob("*") if p.is_file())
     assert kept
     for path in kept:
-        cited = path in text or (path.endswith("config.json") and str(Path(path).parent.as_posix()) in text)
-        assert cited, f"{path} is kept but docs/results.md does not cite it: cite it or remove it"
+        readme = path.parent / "README.md"
+        cited = path.as_posix() in text or (
+            readme.as_posix() in text
+            and (path.name in ("README.md", "config.json") or path.name in (ROOT / readme).read_text())
+        )
+        assert cited, f"{path} is kept but neither docs/results.md nor {readme} cites it: cite it or remove it"
 
 
 def test_every_plot_the_page_shows_exists():

@@ -522,7 +522,8 @@ def _batch_rows(records: list[Record], config: ReportConfig) -> list[BatchRow]:
         best = None
         if fixed_units:
             rates = {key: _decode_rate(cell[u] for u in fixed_units) for key, cell in fixed.items()}
-            best = max((key for key in rates if rates[key] is not None), key=rates.get, default=None)
+            known = {key: rate for key, rate in rates.items() if rate is not None}
+            best = max(known, key=lambda key: known[key], default=None)
         for (name, k), cell in sorted(here.items(), key=lambda item: (order[item[0][0]], item[0][1])):
             units = sorted(cell)
             columns = _columns(cell, units)

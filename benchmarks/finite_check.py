@@ -1,12 +1,13 @@
 """What the per-step check for NaN or inf logits costs on the bundled pair, against the step it guards.
 
-    python benchmarks/finite_check.py --batch-sizes 1 64 --out benchmarks/results/finite-check.json
+    python benchmarks/finite_check.py --batch-sizes 1 64 --out benchmarks/results/measurements/finite-check.json
 
 Every step the engine checks the target's logits [B, K+1, V] and, at each of the K drafted positions, the
-draft's logits [B, V] (``blockspec.sampling._check_finite``: one row-maximum reduction). Here, per batch size:
+draft's logits [B, V] (``blockspec.sampling.check_finite``: one row-maximum reduction). Here, per batch size:
 the target's real verification forward ([pending + K drafted] tokens per row, over a prompt of --context
-tokens) is timed, then the check on the real (bfloat16) logits it returned, repeated; the added time per step is the target's check plus K draft-sized checks. Run it alone:
-other CPU-heavy processes distort every figure (their CPU time is recorded). The last stdout line is JSON.
+tokens) is timed, then the check on the real (bfloat16) logits it returned, repeated; the added time per step
+is the target's check plus K draft-sized checks. Run it alone: other CPU-heavy processes distort every figure
+(their CPU time is recorded). The last stdout line is JSON.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 from blockspec import machine
 from blockspec.models.hf import load_model
-from blockspec.sampling import SamplingParams, _check_finite
+from blockspec.sampling import SamplingParams, check_finite
 
 
 def median_seconds(call, repeats: int) -> float:
@@ -44,9 +45,9 @@ def measure(target, batch: int, width: int, context: int, repeats: int) -> dict:
     logits = target.forward(tokens, valid)  # [B, K+1, V]
     forward_s = time.perf_counter() - start
     sampling = SamplingParams(temperature=1.0)
-    target_check = median_seconds(lambda: _check_finite(logits, sampling), repeats)
+    target_check = median_seconds(lambda: check_finite(logits, sampling), repeats)
     draft_rows = logits[:, 0]  # [B, V]: one drafted position's logits have this shape
-    draft_check = median_seconds(lambda: _check_finite(draft_rows, sampling), repeats)
+    draft_check = median_seconds(lambda: check_finite(draft_rows, sampling), repeats)
     added = target_check + width * draft_check
     return {
         "batch": batch,
@@ -61,7 +62,7 @@ def measure(target, batch: int, width: int, context: int, repeats: int) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])

@@ -33,7 +33,7 @@ DEFAULT_VARIANTS = [
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=(__doc__ or "").split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, help="MODEL:DTYPE[:QUANT]")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 5, 9], help="new tokens per forward")

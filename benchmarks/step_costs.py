@@ -2,7 +2,8 @@
 step (sampling, verification, bookkeeping) by difference, and what a latency profile predicts for the same
 forwards. This is what Speculative Verification's cost model must get right: it prices a step from the profile.
 
-    python benchmarks/step_costs.py --batch-sizes 16 --latency benchmarks/results/sv-profiles/latency-prefix8-interleaved.json
+    python benchmarks/step_costs.py --batch-sizes 16 \
+        --latency benchmarks/results/sv-profiles/latency-prefix8-interleaved.json
 
 The first --batch-size prompts of --dataset (chat template) are decoded --repeats times by each configuration
 (target-only, block verification at each K in --max-draft, and SV with --sv-profile), configurations
@@ -31,7 +32,7 @@ import torch
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=(__doc__ or "").split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b")

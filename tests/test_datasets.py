@@ -148,7 +148,9 @@ def test_humaneval_edit_prompts_hold_the_whole_function_and_rotate_the_edits():
         name = problem["entry_point"]
         assert f"`{name}`" in instruction
         if "{param}" in edit:  # a parameter the function has: its first
-            first_parameter = re.search(rf"def {name}\((\w+)", code).group(1)
+            found = re.search(rf"def {name}\((\w+)", code)
+            assert found, name
+            first_parameter = found.group(1)
             assert f"`{first_parameter}`" in instruction
 
 

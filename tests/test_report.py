@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -28,6 +29,7 @@ from blockspec.bench.report import (
     render,
     summary,
 )
+from blockspec.bench.report.stats import Estimate
 
 K = 8
 STEPS = 20  # per prompt: equal step counts make the pooled BE ratio's expectation exactly 1 + gain
@@ -56,7 +58,7 @@ def synthetic(
         # between real prompt samples, so the estimate's error includes the between-prompt variance
         g = gain + gain_spread * rng.choice([-1.0, 1.0])
         mu_block = (1 + g) * (1 + mu_token) - 1  # BE_block = (1 + g) * BE_token for this prompt
-        common = dict(
+        common: dict[str, Any] = dict(
             dataset=dataset,
             prompt_id=prompt_id,
             max_draft=max_draft,
@@ -81,10 +83,31 @@ def synthetic(
                 )
             )
         if with_baselines:
-            base = dict(common, max_draft=0)
+            base: dict[str, Any] = dict(common, max_draft=0)
             out.append(Record(config="target-only", new_tokens=64, wall_time=64 * 0.03, **base))
             out.append(Record(config="hf-assisted", new_tokens=64, wall_time=64 * 0.02, **base))
     return out
+
+
+def value(estimate: Estimate | None) -> float:
+    assert estimate is not None
+    return estimate.value
+
+
+def interval(estimate: Estimate | None) -> tuple[float, float]:
+    """(lo, hi) of an estimate that must have an interval."""
+    assert estimate is not None and estimate.lo is not None and estimate.hi is not None, estimate
+    return estimate.lo, estimate.hi
+
+
+def width(estimate: Estimate | None) -> float:
+    lo, hi = interval(estimate)
+    return hi - lo
+
+
+def decode_time(record: Record) -> float:
+    assert record.prefill_time is not None
+    return record.wall_time - record.prefill_time
 
 
 def row_of(report, dataset=ALL):
@@ -100,7 +123,7 @@ def test_measured_be_is_one_plus_pooled_mean_accepted():
     block = [a for r in records if r.config == "block" for a in r.accepted]
     assert row.be_token == pytest.approx(1 + np.mean(token), abs=1e-12)
     assert row.be_block == pytest.approx(1 + np.mean(block), abs=1e-12)
-    assert row.gain.value == pytest.approx((1 + np.mean(block)) / (1 + np.mean(token)) - 1, abs=1e-12)
+    assert value(row.gain) == pytest.approx((1 + np.mean(block)) / (1 + np.mean(token)) - 1, abs=1e-12)
     assert (row.prompts, row.steps_token, row.steps_block) == (6, 6 * STEPS, 6 * STEPS)
 
 
@@ -121,8 +144,9 @@ def test_paired_analytic_gain_equals_the_mean_of_the_per_step_expected_values():
     all_block = [e for r in records for e in r.expected_block]
     assert row.analytic_be_token == pytest.approx(1 + np.mean(all_token), rel=1e-12)
     assert row.analytic_be_block == pytest.approx(1 + np.mean(all_block), rel=1e-12)
-    assert row.analytic_gain.value == pytest.approx((1 + np.mean(all_block)) / (1 + np.mean(all_token)) - 1, rel=1e-12)
+    assert value(row.analytic_gain) == pytest.approx((1 + np.mean(all_block)) / (1 + np.mean(all_token)) - 1, rel=1e-12)
     per_prompt_means = np.mean([np.mean(r.expected_token) for r in records])
+    assert row.analytic_be_token is not None
     assert abs(row.analytic_be_token - (1 + per_prompt_means)) > 1e-6  # the test can tell the two apart
 
 
@@ -132,17 +156,18 @@ def test_bootstrap_ci_covers_a_known_ten_percent_gain_and_excludes_zero():
     report = build_report(synthetic(np.random.default_rng(4), prompts=60, gain=0.10))
     row = row_of(report)
     for estimate in (row.gain, row.analytic_gain):
-        assert estimate.lo < 0.10 < estimate.hi, estimate
-        assert estimate.lo > 0, estimate
+        lo, hi = interval(estimate)
+        assert lo < 0.10 < hi, estimate
+        assert lo > 0, estimate
     # the analytic gain shares its drafts between rules: its interval is the narrower one
-    assert row.analytic_gain.hi - row.analytic_gain.lo < row.gain.hi - row.gain.lo
+    assert width(row.analytic_gain) < width(row.gain)
 
 
 def test_bootstrap_ci_covers_zero_when_there_is_no_gain():
     """One fixed-seed draw (a 95 % CI misses 1 draw in 20; calibration is the repeated-experiment test's job)."""
     row = row_of(build_report(synthetic(np.random.default_rng(4), prompts=60, gain=0.0)))
-    assert row.gain.lo < 0 < row.gain.hi
-    assert row.analytic_gain.lo < 0 < row.analytic_gain.hi
+    assert interval(row.gain)[0] < 0 < interval(row.gain)[1]
+    assert interval(row.analytic_gain)[0] < 0 < interval(row.analytic_gain)[1]
 
 
 @pytest.mark.parametrize("gain", [0.10, 0.0])
@@ -161,8 +186,10 @@ def test_bootstrap_coverage_over_repeated_experiments(gain):
     for _ in range(40):
         records = synthetic(rng, prompts=30, gain=gain, gain_spread=0.25, with_baselines=False)
         row = row_of(build_report(records, config))
-        covered += row.gain.lo <= gain <= row.gain.hi
-        analytic_covered += row.analytic_gain.lo <= gain <= row.analytic_gain.hi
+        lo, hi = interval(row.gain)
+        covered += lo <= gain <= hi
+        lo, hi = interval(row.analytic_gain)
+        analytic_covered += lo <= gain <= hi
     assert covered >= 34 and analytic_covered >= 34, (covered, analytic_covered)
 
 
@@ -182,7 +209,7 @@ def test_prompt_bootstrap_is_wider_than_a_step_bootstrap_under_per_prompt_effect
     records = synthetic(np.random.default_rng(6), prompts=40, gain=0.10, gain_spread=0.25, with_baselines=False)
     row = row_of(build_report(records))
     step_lo, step_hi = step_bootstrap_gain_ci(records)
-    assert (row.gain.hi - row.gain.lo) > 1.5 * (step_hi - step_lo), (row.gain, step_lo, step_hi)
+    assert width(row.gain) > 1.5 * (step_hi - step_lo), (row.gain, step_lo, step_hi)
 
 
 def test_bootstrap_is_seeded_and_leaves_the_global_rng_alone():
@@ -199,15 +226,18 @@ def test_bootstrap_is_seeded_and_leaves_the_global_rng_alone():
 def test_speed_columns_and_baselines():
     row = row_of(build_report(synthetic(np.random.default_rng(8), prompts=10), ReportConfig(n_boot=100)), "synth")
     records = synthetic(np.random.default_rng(8), prompts=10)
-    rate = lambda config: (
-        sum(r.new_tokens for r in records if r.config == config)  # noqa: E731
-        / sum(r.wall_time for r in records if r.config == config)
-    )
+
+    def rate(config):
+        return sum(r.new_tokens for r in records if r.config == config) / sum(
+            r.wall_time for r in records if r.config == config
+        )
+
     assert row.tokens_per_s_block == pytest.approx(rate("block"))
     assert row.speedup_block_vs_target == pytest.approx(rate("block") / rate("target-only"))
     assert row.speedup_token_vs_hf == pytest.approx(rate("token") / rate("hf-assisted"))
-    assert row.speedup_block_vs_token.value == pytest.approx(rate("block") / rate("token"))
-    assert row.speedup_block_vs_token.lo <= row.speedup_block_vs_token.value <= row.speedup_block_vs_token.hi
+    assert value(row.speedup_block_vs_token) == pytest.approx(rate("block") / rate("token"))
+    lo, hi = interval(row.speedup_block_vs_token)
+    assert lo <= value(row.speedup_block_vs_token) <= hi
 
 
 def test_table_has_every_dataset_row_and_column():
@@ -265,7 +295,7 @@ def test_summary_json_keys():
         "token": row["tokens_per_s_token"],
         "block": row["tokens_per_s_block"],
     }
-    fastest = max(rates, key=rates.get)
+    fastest = max(rates, key=lambda name: rates[name])
     assert data["fastest"] == [
         dict(
             temperature=1.0,
@@ -291,7 +321,8 @@ def test_missing_configs_do_not_crash_and_show_dashes():
     assert summary(only_block)["fastest"][0]["config"] == "block"
     only_token = build_report([r for r in records if r.config == "token"], ReportConfig(n_boot=100))
     assert only_token.rows == () and [(r.config, r.max_draft) for r in only_token.baselines] == [("token", K)] * 2
-    format_table(only_block), summary(only_block)
+    format_table(only_block)  # neither raises
+    summary(only_block)
     baselines = [r for r in synthetic(np.random.default_rng(12), prompts=3) if r.config == "target-only"]
     assert build_report(baselines).rows == () and "target-only" in format_table(build_report(baselines))
     assert build_report([]).rows == ()
@@ -341,9 +372,10 @@ def test_no_interval_while_a_dataset_has_a_single_prompt():
     rng = np.random.default_rng(3)
     records = synthetic(rng, prompts=1, dataset="a") + synthetic(rng, prompts=1, dataset="b")
     row = row_of(build_report(records))
+    assert row.analytic_gain is not None and row.gain is not None
     assert row.analytic_gain.lo is None and row.gain.lo is None
     two_each = synthetic(rng, prompts=2, dataset="a") + synthetic(rng, prompts=2, dataset="b")
-    assert row_of(build_report(two_each)).analytic_gain.lo is not None
+    interval(row_of(build_report(two_each)).analytic_gain)  # asserts there is one
 
 
 # --- batch sizes and Speculative Verification --------------------------------------------------------------------
@@ -433,24 +465,25 @@ def test_batch_table_arithmetic_best_fixed_and_sv_over_it():
 
     def rate(config, k):
         found = of(config, k)
-        return sum(r.new_tokens for r in found) / sum(r.wall_time - r.prefill_time for r in found)
+        return sum(r.new_tokens for r in found) / sum(decode_time(r) for r in found)
 
     best = max([("token", 2), ("block", 2), ("block", 4)], key=lambda key: rate(*key))
     assert [key for key, r in rows.items() if r.best_fixed] == [best]
     sv = rows[("sv-block", 4)]
-    assert sv.batches == 6 and sv.tokens_per_s.value == pytest.approx(rate("sv-block", 4))
-    assert sv.speedup_vs_target.value == pytest.approx(rate("sv-block", 4) / rate("target-only", 0))
-    assert sv.speedup_vs_best_fixed.value == pytest.approx(rate("sv-block", 4) / rate(*best))
-    assert sv.speedup_vs_best_fixed.lo < sv.speedup_vs_best_fixed.value < sv.speedup_vs_best_fixed.hi
+    assert sv.batches == 6 and value(sv.tokens_per_s) == pytest.approx(rate("sv-block", 4))
+    assert value(sv.speedup_vs_target) == pytest.approx(rate("sv-block", 4) / rate("target-only", 0))
+    assert value(sv.speedup_vs_best_fixed) == pytest.approx(rate("sv-block", 4) / rate(*best))
+    lo, hi = interval(sv.speedup_vs_best_fixed)
+    assert lo < value(sv.speedup_vs_best_fixed) < hi
     accepted = sum(sum(r.accepted) for r in of("sv-block", 4))
     verified = sum(sum(r.verified) for r in of("sv-block", 4))
     new = sum(r.new_tokens for r in of("sv-block", 4))
-    assert sv.rejected.value == pytest.approx(1 - accepted / verified)
-    assert sv.verified_per_emitted.value == pytest.approx(verified / new)
+    assert value(sv.rejected) == pytest.approx(1 - accepted / verified)
+    assert value(sv.verified_per_emitted) == pytest.approx(verified / new)
     assert sv.drafted_per_emitted == pytest.approx(6 * 8 * 4 * 4 / new)  # 4 drafted per row, 8 steps of 4 rows
     assert sv.block_efficiency == pytest.approx(1 + accepted / (6 * 32))
     target = rows[("target-only", 0)]
-    assert target.rejected is None and target.verified_per_emitted.value == 0 and target.speedup_vs_target is None
+    assert target.rejected is None and value(target.verified_per_emitted) == 0 and target.speedup_vs_target is None
     assert all(r.speedup_vs_best_fixed is None for key, r in rows.items() if key[0] != "sv-block")
     table = format_table(report)
     assert "## batch sizes and Speculative Verification" in table and f"| {best[0]} * " in table
@@ -472,15 +505,15 @@ def test_batch_comparisons_use_the_batches_every_configuration_ran():
         {(r.config, r.max_draft) for r in fixed},
         key=lambda key: (
             sum(r.new_tokens for r in fixed if (r.config, r.max_draft) == key)
-            / sum(r.wall_time - r.prefill_time for r in fixed if (r.config, r.max_draft) == key)
+            / sum(decode_time(r) for r in fixed if (r.config, r.max_draft) == key)
         ),
     )
     sv = [r for r in records if r.config == "sv-block"]
     chosen = [r for r in fixed if (r.config, r.max_draft) == best]
-    expected = (sum(r.new_tokens for r in sv) / sum(r.wall_time - r.prefill_time for r in sv)) / (
-        sum(r.new_tokens for r in chosen) / sum(r.wall_time - r.prefill_time for r in chosen)
+    expected = (sum(r.new_tokens for r in sv) / sum(decode_time(r) for r in sv)) / (
+        sum(r.new_tokens for r in chosen) / sum(decode_time(r) for r in chosen)
     )
-    assert rows[("sv-block", 4)].speedup_vs_best_fixed.value == pytest.approx(expected)
+    assert value(rows[("sv-block", 4)].speedup_vs_best_fixed) == pytest.approx(expected)
 
 
 def test_batch_table_only_with_batched_sv_or_unpaired_records_and_no_interval_from_one_batch_per_dataset():
@@ -492,7 +525,7 @@ def test_batch_table_only_with_batched_sv_or_unpaired_records_and_no_interval_fr
     assert report.rows == ()  # no pairs for the token-vs-block table
     one_each = [r for r in batch_records(rng) if r.key[1].endswith("/0000")]
     rows = build_report(one_each).batch
-    assert rows and all(r.tokens_per_s.lo is None for r in rows)  # one batch per dataset: no interval
+    assert rows and all(r.tokens_per_s is not None and r.tokens_per_s.lo is None for r in rows)  # no interval
 
 
 def test_hf_assisted_in_the_batch_table_counts_prefill_on_both_sides():
@@ -506,36 +539,23 @@ def test_hf_assisted_in_the_batch_table_counts_prefill_on_both_sides():
             r = replace(r, prefill_time=0.5)
         records.append(replace(r, prefill_time=None) if r.config == "hf-assisted" else r)
     rows = {r.config: r for r in build_report(records, ReportConfig(n_boot=100)).batch}
-    assert rows["hf-assisted"].speedup_vs_target.value == pytest.approx((64 / 1.28) / (64 / 1.92))
-    assert rows["hf-assisted"].tokens_per_s.value == pytest.approx(64 / 1.28)
-    assert rows["target-only"].tokens_per_s.value == pytest.approx(64 / 1.42)
+    assert value(rows["hf-assisted"].speedup_vs_target) == pytest.approx((64 / 1.28) / (64 / 1.92))
+    assert value(rows["hf-assisted"].tokens_per_s) == pytest.approx(64 / 1.28)
+    assert value(rows["target-only"].tokens_per_s) == pytest.approx(64 / 1.42)
 
 
-def test_records_of_schemas_1_to_3_still_load_and_report_as_before(tmp_path):
+def test_records_of_another_schema_are_refused_naming_the_file_and_line(tmp_path, capsys):
     records = synthetic(np.random.default_rng(23), prompts=6)
     path = tmp_path / "old.jsonl"
-    new_fields = ("drafted", "rows", "prompt_ids", "finish_reasons", "status", "error")
-    former = {new: old for old, new in records_io.RENAMED.items()}  # the field names before schema 4
-
-    def as_written(record, schema: int, left_out=()) -> str:
-        data = {former.get(k, k): v for k, v in dataclasses.asdict(record).items() if k not in left_out}
-        return json.dumps({**data, "schema": schema}) + "\n"
-
-    with path.open("w") as out:
-        for record in records:  # as the schema-1 runner wrote them
-            out.write(as_written(record, 1, new_fields))
-    loaded = list(records_io.read(path))
-    assert [r.schema for r in loaded] == [1] * len(records) and all(r.drafted == r.rows == [] for r in loaded)
-    old, new = build_report(loaded, ReportConfig(n_boot=100)), build_report(records, ReportConfig(n_boot=100))
-    assert old.rows == new.rows and old.baselines == new.baselines and old.batch == ()
-    assert format_table(old) == format_table(new) and "batch" not in summary(old)
-    path.write_text(as_written(records[0], 2, ("status", "error")))
-    assert list(records_io.read(path))[0].ok  # schema 2: no status, so a completed run
-    path.write_text(as_written(records[0], 3))
-    assert dataclasses.replace(list(records_io.read(path))[0], schema=records_io.SCHEMA) == records[0]
-    path.write_text(json.dumps({**dataclasses.asdict(records[0]), "schema": 5}) + "\n")
-    with pytest.raises(ValueError, match="record schema 5"):
-        list(records_io.read(path))
+    for schema in (3, 5):
+        lines = [json.dumps({**dataclasses.asdict(r), "schema": s}) for r, s in zip(records[:2], (4, schema))]
+        path.write_text("\n".join(lines) + "\n")
+        with pytest.raises(
+            ValueError, match=f"{path}:2: record schema {schema}, but this blockspec reads schema 4 only"
+        ):
+            list(records_io.read(path))
+        assert main(["--records", str(path), "--no-plots"]) == 2
+        assert f"record schema {schema}" in capsys.readouterr().err
 
 
 def test_gzipped_records_read_as_the_plain_file_and_report_the_same(tmp_path, capsys):
@@ -577,10 +597,12 @@ def test_the_report_lists_failed_runs_and_leaves_out_the_speedups_of_a_prompt_wh
     )
     built = build_report(records, ReportConfig(n_boot=100))
     rest = [r for r in records if r.prompt_id != target[0].prompt_id]
-    rate = lambda config: (
-        sum(r.new_tokens for r in rest if r.config == config)  # noqa: E731
-        / sum(r.wall_time for r in rest if r.config == config)
-    )
+
+    def rate(config):
+        return sum(r.new_tokens for r in rest if r.config == config) / sum(
+            r.wall_time for r in rest if r.config == config
+        )
+
     assert row_of(built).speedup_block_vs_target == pytest.approx(rate("block") / rate("target-only"))
     assert row_of(built).prompts == 10  # the failed baseline takes nothing else away
     table = format_table(built)

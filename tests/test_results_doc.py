@@ -1,16 +1,17 @@
 """docs/results.md: every table there is the benchmark report's own output on the records kept in the repository.
 
 Each table of the page follows a line that names the command which regenerates it and the report section it is
-taken from:
+taken from (<records> is benchmarks/results/<run>/records.jsonl.gz):
 
-    Reproduce: `python -m blockspec.bench.report --records benchmarks/results/<run>/records.jsonl.gz`, section "<title>".
+    Reproduce: `python -m blockspec.bench.report --records <records>`, section "<title>".
     Reproduce: `python benchmarks/vllm_serve.py report --out benchmarks/results/<run>`, section "<title>".
 
 The tests run that command's code path (``blockspec.bench.report.main``, or the vLLM benchmark's ``main``, which
 reads <run>/records.jsonl.gz) on the kept records and require the page's table to equal the section's table line
 for line, so an edited figure, or records that no longer give the published figure, fail here. They also require
-the machine the records name (CPU flags, threads) to be stated with the table, and every file kept under
-benchmarks/results/ to be cited by the page. No model is loaded.
+the machine the records name (CPU flags, threads) to be stated with the table, a README.md in every directory
+under benchmarks/results/ (how its records were made), and every file kept there to be cited by the page or by its
+directory's README, which the page cites. No model is loaded.
 """
 
 from __future__ import annotations
@@ -78,15 +79,16 @@ def documented_tables(text: str) -> list[dict]:
 @functools.cache
 def report_output(args: str, command: str = "python -m blockspec.bench.report") -> str:
     """What ``<command> <args>`` prints, run from the repository's root."""
-    main = report.main
+    main, argv = report.main, shlex.split(args)
     if command == VLLM_BENCHMARK:
         spec = importlib.util.spec_from_file_location("vllm_serve", ROOT / "benchmarks" / "vllm_serve.py")
+        assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        main = lambda argv: module.main(["report", *argv])  # noqa: E731
+        main, argv = module.main, ["report", *argv]
     out = io.StringIO()
     with contextlib.chdir(ROOT), contextlib.redirect_stdout(out):
-        status = main(shlex.split(args))
+        status = main(argv)
     assert status == 0, f"the report exited {status} on {args}"
     return out.getvalue()
 
@@ -152,13 +154,26 @@ def test_an_edited_figure_is_caught():
     assert not differences(table, table)
 
 
-def test_every_file_kept_under_benchmarks_results_is_cited_by_the_page():
+def test_every_run_directory_says_how_its_records_were_made():
+    """Provenance (commands, times, code, machine) lives beside the records, in a README.md per directory."""
+    directories = sorted({p.parent for p in KEPT.rglob("*") if p.is_file()})
+    assert directories
+    for directory in directories:
+        assert (directory / "README.md").is_file(), f"{directory.relative_to(ROOT)} has no README.md"
+
+
+def test_every_file_kept_under_benchmarks_results_is_cited():
+    """By the page, or by the README.md of its directory, which the page cites (config.json: its directory)."""
     text = PAGE.read_text()
-    kept = sorted(p.relative_to(ROOT).as_posix() for p in KEPT.rglob("*") if p.is_file())
+    kept = sorted(p.relative_to(ROOT) for p in KEPT.rglob("*") if p.is_file())
     assert kept
     for path in kept:
-        cited = path in text or (path.endswith("config.json") and str(Path(path).parent.as_posix()) in text)
-        assert cited, f"{path} is kept but docs/results.md does not cite it: cite it or remove it"
+        readme = path.parent / "README.md"
+        cited = path.as_posix() in text or (
+            readme.as_posix() in text
+            and (path.name in ("README.md", "config.json") or path.name in (ROOT / readme).read_text())
+        )
+        assert cited, f"{path} is kept but neither docs/results.md nor {readme} cites it: cite it or remove it"
 
 
 def test_every_plot_the_page_shows_exists():

@@ -97,7 +97,7 @@ def process(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     Raises NonFiniteLogitsError if any logit is NaN or +-inf (a -inf row entry is fine where a finite one is
     left): argmax and softmax would otherwise turn such rows into confident garbage.
     """
-    _check_finite(logits, params)
+    check_finite(logits, params)
     shape = logits.shape
     logits = logits.reshape(-1, shape[-1])
     if params.greedy:
@@ -115,7 +115,7 @@ def process(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs.reshape(shape)
 
 
-def _check_finite(logits: torch.Tensor, params: SamplingParams) -> None:
+def check_finite(logits: torch.Tensor, params: SamplingParams) -> None:
     """One reduction over ``logits`` [..., V]: a row's maximum is NaN if any entry is (max propagates NaN), +inf
     if any entry is, and -inf only if every entry is; a finite maximum leaves -inf entries (masked tokens)
     harmless. Divided by the temperature, it also catches the row whose logits / temperature would overflow."""

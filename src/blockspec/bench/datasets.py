@@ -186,7 +186,7 @@ def _data_files(dataset: str, package: DataPackage, prefix: str, suffix: str = "
             dist.version,
             package.version,
         )
-    root = Path(dist.locate_file(""))
+    root = Path(str(dist.locate_file("")))
     files = _installed_files(dist, root, dist.version)
     paths = [root / f for f in files if f.startswith(prefix) and f.endswith(suffix)]
     paths = [p for p in paths if p.is_file()]
@@ -256,7 +256,7 @@ def iter_json_array(stream: TextIO, chunk_size: int = 1 << 20) -> Iterator[Any]:
     count = 0
     state = "open"  # open: expect "["; first: a value or "]"; value: a value; separator: "," or "]"
     while True:
-        pos = _WHITESPACE.match(buf, pos).end()
+        pos = _WHITESPACE.match(buf, pos).end()  # pyright: ignore[reportOptionalMemberAccess]  (matches "" at worst)
         if pos == len(buf):
             if read_more():
                 continue

@@ -1,31 +1,13 @@
 """Raw benchmark records: one JSON line per (prompt or batch, configuration) run, Spec-Bench style.
 
-The runner appends records; the report reads them back (and can be re-run on saved files at any time), from the
-plain ``.jsonl`` file or a gzip-compressed copy (``.jsonl.gz``: how kept runs are stored in the repository).
-A run is identified by ``key``; a resumed run skips records whose key is already in the file.
-
-A batched run (batch_size B > 1) decodes B consecutive prompts of one dataset in one ``generate`` call and
-makes one record: ``prompt_id`` is the batch's first prompt (``prompt_ids`` lists all B), ``new_tokens`` and
-``wall_time`` are the whole batch's, and the per-step lists are flattened over the rows active in each step
-(``rows[s]`` of them in step s), so ``accepted`` and ``verified`` hold one entry per row-step while
-``drafted`` and ``rows`` hold one entry per step. At B = 1 every list has one entry per step, as in schema 1.
-
-A run that raised makes a record too, with ``status`` FAILED and its ``error`` ("TypeError: message"), no
-measurement (``new_tokens`` 0, empty lists): a resume skips it unless asked to retry, and every reader leaves it
-out of its figures (``Record.ok``).
-
-Schema 2 added ``drafted``, ``rows``, ``prompt_ids`` and ``finish_reasons`` (and the SV configurations);
-schema 3 added ``status`` and ``error``, and the machine's state in ``meta`` (``cpu_flags``, ``threads``, and
-``others_cpu_s`` / ``others_cores``: the CPU time other processes used while the run was timed, see
-``blockspec.machine``); schema 4 renamed ``draft_len`` to ``max_draft`` and ``draft_lens`` to ``verified`` (the
-glossary of ``blockspec.verify.base``), and added ``draft_temperature`` (the draft's own sampling temperature T_d, or
-None when it samples at the target's: every run but the alignment sweep's) and ``overlap`` (per row-step, the mean
-over its verified positions of sum_v min(draft, target), None where nothing was verified). Older records still load,
-under the new names and with the new fields at their defaults; the runner refuses to add records to a file of an
-older schema.
-
-The settings a run directory was made with are stored beside its records (the runner's ``config.json``);
-``refuse_other_settings`` is the check that a resume does not pool another experiment's runs under the same keys.
+The runner appends records to ``<out>/records.jsonl``; the report reads them back, plain or gzip-compressed
+(``.jsonl.gz``: how kept runs are stored in the repository). A run is identified by ``key``; a resume skips keys
+already recorded. A batched run (batch size B > 1) makes one record for B prompts decoded together: ``prompt_ids``
+lists them, ``new_tokens`` and ``wall_time`` are the batch's, ``accepted`` and ``verified`` hold one entry per
+row-step (flattened over the ``rows[s]`` rows active in step s), ``drafted`` and ``rows`` one per step. A run that
+raised is recorded too, ``status`` FAILED with its ``error`` and no measurement; readers leave it out
+(``Record.ok``). Only records of schema ``SCHEMA`` are read. The settings of a run directory are stored beside its
+records (the runner's ``config.json``); ``refuse_other_settings`` keeps a resume from pooling other settings' runs.
 """
 
 from __future__ import annotations
@@ -41,8 +23,6 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SCHEMA = 4
-READABLE_SCHEMAS = (1, 2, 3, 4)  # older schemas lack the fields added later: they load with their defaults
-RENAMED = {"draft_len": "max_draft", "draft_lens": "verified"}  # schema 4's names for fields of schemas 1 to 3
 OK, FAILED = "ok", "failed"  # Record.status
 HF_CONFIGS = ("hf-assisted", "hf-lookup")  # transformers' generate: batch 1, no per-step lists, no prefill time
 SV_CONFIGS = ("sv-draft", "sv-token", "sv-block")  # Speculative Verification: draft-only / companion predictor
@@ -75,19 +55,20 @@ class Record:
     expected_token: list[float] = field(default_factory=list)  # E[tau | this step's draft], token rule
     expected_block: list[float] = field(default_factory=list)  # the same draft under the block rule
     finish_reason: str = "length"  # of the first row ("eos", "stop" or "length")
-    meta: dict = field(default_factory=dict)  # models, dtype, threads, machine, versions, date
+    # models, dtype, versions, date, and the machine (blockspec.machine): CPU flags, threads, other processes' CPU
+    # time while the run was timed (others_cpu_s, others_cores)
+    meta: dict = field(default_factory=dict)
     schema: int = SCHEMA
-    # schema 2
     drafted: list[int] = field(default_factory=list)  # tokens drafted per row, per step (SV may verify fewer)
     rows: list[int] = field(default_factory=list)  # rows active per step
     prompt_ids: list[str] = field(default_factory=list)  # every prompt of the batch, in row order
     finish_reasons: list[str] = field(default_factory=list)  # per row
-    # schema 3
     status: str = OK  # OK or FAILED (the run raised: no measurement)
     error: str | None = None  # of a failed run: "<exception type>: <message>"
-    # schema 4
     draft_temperature: float | None = None  # T_d; None: the draft samples at the target's temperature
-    overlap: list[float | None] = field(default_factory=list)  # per row-step (fixed-K configurations)
+    # per row-step of the fixed-K configurations: the mean over its verified positions of sum_v min(draft, target)
+    # (None where nothing was verified)
+    overlap: list[float | None] = field(default_factory=list)
 
     @property
     def key(self) -> tuple:
@@ -156,8 +137,8 @@ def _text(path: Path) -> str:
 def read(path: Path) -> Iterator[Record]:
     """Records of a JSONL file, plain (``.jsonl``) or gzip-compressed (``.jsonl.gz``). A truncated last line (an
     interrupted run) is skipped; any other line that is not a JSON object is skipped with a warning naming the
-    file and line (its run has no record: a resume redoes it); a JSON object that is not a record, or of an
-    unknown schema, raises ValueError, as does a damaged gzip file."""
+    file and line (its run has no record: a resume redoes it); a JSON object that is not a record, or a record of
+    another schema than ``SCHEMA``, raises ValueError, as does a damaged gzip file."""
     lines = _text(path).splitlines()
     last = max((n for n, line in enumerate(lines) if line.strip()), default=-1)
     for n, line in enumerate(lines):
@@ -175,15 +156,11 @@ def read(path: Path) -> Iterator[Record]:
         if not isinstance(data, dict):
             log.warning("%s: not a record but a JSON %s: skipped", where, type(data).__name__)
             continue
-        if data.get("kind") == "align":
+        if data.get("schema") != SCHEMA:
             raise ValueError(
-                f"{where}: a record of the alignment sweep of an older blockspec, which wrote its own "
-                "kind of record: these cannot be read any more; run `blockspec align` again"
+                f"{where}: record schema {data.get('schema')!r}, but this blockspec reads schema {SCHEMA} only "
+                "(records of another blockspec version: run the bench again with this one)"
             )
-        if data.get("schema") not in READABLE_SCHEMAS:
-            raise ValueError(f"{where}: record schema {data.get('schema')} is not one of {READABLE_SCHEMAS}")
-        if data["schema"] < 4:
-            data = {RENAMED.get(name, name): value for name, value in data.items()}
         try:
             yield Record(**data)
         except TypeError as error:  # missing or unknown fields

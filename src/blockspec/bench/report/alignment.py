@@ -148,7 +148,7 @@ def build_report(records: list[Record], config: ReportConfig = ReportConfig()) -
         here = [r for r in found if (r.temperature, r.max_draft) == (temperature, max_draft)]
         for label in (*datasets, ALL):
             group = [r for r in here if label in (ALL, r.dataset)]
-            for draft_temperature in sorted({r.draft_temperature for r in group}):
+            for draft_temperature in sorted({r.draft_temperature for r in group if r.draft_temperature is not None}):
                 cell = [r for r in group if r.draft_temperature == draft_temperature]
                 rows.append(_row(label, cell, temperature, max_draft, draft_temperature, config))
     return AlignReport(datasets, tuple(rows), len(found), config)
@@ -217,22 +217,23 @@ def plot(report: AlignReport, path: Path) -> Path:
     for ax, (temperature, max_draft) in zip(axes, panels):
         ax.axhline(0.0, color="grey", lw=0.8)
         for index, label in enumerate((*report.datasets, ALL)):
-            rows = [
-                r
+            points = [
+                (r, r.overlap, r.gain)
                 for r in report.rows_of(label)
                 if (r.temperature, r.max_draft) == (temperature, max_draft)
                 and r.gain is not None
                 and r.overlap is not None
             ]
-            if not rows:
+            if not points:
                 continue
             pooled = label == ALL
-            xs, ys = [r.overlap.value for r in rows], [100 * r.gain.value for r in rows]
+            rows = [r for r, _, _ in points]
+            xs, ys = [overlap.value for _, overlap, _ in points], [100 * gain.value for _, _, gain in points]
             ax.errorbar(
                 xs,
                 ys,
-                xerr=_errors(r.overlap for r in rows),
-                yerr=_errors((r.gain for r in rows), 100),
+                xerr=_errors(overlap for _, overlap, _ in points),
+                yerr=_errors((gain for _, _, gain in points), 100),
                 fmt="s-" if pooled else "o--",
                 color="black" if pooled else f"C{index}",
                 capsize=3,

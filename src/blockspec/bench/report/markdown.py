@@ -50,7 +50,9 @@ def interval(estimate: Estimate | None, spec: str = ".3f", suffix: str = "", sca
     if estimate is None:
         return DASH
     text = f"{scale * estimate.value:{spec}}{suffix}"
-    return text if estimate.lo is None else f"{text} [{scale * estimate.lo:{spec}}, {scale * estimate.hi:{spec}}]"
+    if estimate.lo is None or estimate.hi is None:
+        return text
+    return f"{text} [{scale * estimate.lo:{spec}}, {scale * estimate.hi:{spec}}]"
 
 
 def percent(estimate: Estimate | None) -> str:

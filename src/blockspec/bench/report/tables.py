@@ -116,7 +116,7 @@ class BatchRow:
     speedup_vs_hf: Estimate | None
     rejected: Estimate | None  # 1 - accepted / verified (None when nothing was verified)
     verified_per_emitted: Estimate | None
-    drafted_per_emitted: float | None  # None for records without the per-step drafted counts (schema 1)
+    drafted_per_emitted: float | None  # None for transformers' configurations (no per-step counts)
     block_efficiency: float | None  # 1 + accepted per row-step
 
 
@@ -138,7 +138,7 @@ class Report:
     config: ReportConfig
     batch: tuple[BatchRow, ...] = ()  # only when there are batched or SV records
     left_out: LeftOut = LeftOut()
-    machine: dict | None = None  # {"cpu_flags", "threads"} of every record (None in records older than schema 3)
+    machine: dict | None = None  # {"cpu_flags", "threads"} of every record (None where the records name no CPU flags)
 
     def rows_of(self, dataset: str) -> list[Row]:
         return [row for row in self.rows if row.dataset == dataset]
@@ -163,7 +163,7 @@ def _by_unit(records: Iterable[Record]) -> dict[tuple[str, str], Record]:
 
 def _timed(record: Record) -> bool:
     """Whether the record's wall clock can be trusted: no more than MAX_OTHERS_CORES used by other processes
-    while it ran (records without the measurement, older than schema 3, are taken as they are)."""
+    while it ran (records without the measurement are taken as they are)."""
     others = record.meta.get("others_cores")
     return others is None or others <= MAX_OTHERS_CORES
 
@@ -433,7 +433,7 @@ def _one_machine(records: list[Record]) -> dict | None:
         found = "; ".join(
             f"CPU flags {' '.join(flags) if flags else '(none)'} with {threads} threads"
             if flags is not None
-            else f"CPU flags unrecorded (schema < 3) with {threads} threads"
+            else f"CPU flags unrecorded with {threads} threads"
             for flags, threads in sorted(kinds, key=str)
         )
         raise ValueError(
@@ -522,13 +522,13 @@ def _batch_rows(records: list[Record], config: ReportConfig) -> list[BatchRow]:
         best = None
         if fixed_units:
             rates = {key: _decode_rate(cell[u] for u in fixed_units) for key, cell in fixed.items()}
-            best = max((key for key in rates if rates[key] is not None), key=rates.get, default=None)
+            known = {key: rate for key, rate in rates.items() if rate is not None}
+            best = max(known, key=lambda key: known[key], default=None)
         for (name, k), cell in sorted(here.items(), key=lambda item: (order[item[0][0]], item[0][1])):
             units = sorted(cell)
             columns = _columns(cell, units)
             timed = [u for u in units if _timed(cell[u])]
             steps = name not in records_io.HF_CONFIGS  # their records carry neither per-step lists nor a prefill time
-            drafted_known = all(cell[u].rows for u in units) or name == "target-only"
             rows.append(
                 BatchRow(
                     temperature=temperature,
@@ -564,9 +564,7 @@ def _batch_rows(records: list[Record], config: ReportConfig) -> list[BatchRow]:
                     verified_per_emitted=_estimate(
                         lambda s: s["verified"] / s["new"], columns, units, config, when=steps
                     ),
-                    drafted_per_emitted=(
-                        _ratio(columns["drafted"].sum(), columns["new"].sum()) if steps and drafted_known else None
-                    ),
+                    drafted_per_emitted=_ratio(columns["drafted"].sum(), columns["new"].sum()) if steps else None,
                     block_efficiency=(
                         1 + columns["accepted"].sum() / columns["row_steps"].sum()
                         if steps and columns["row_steps"].sum() > 0

@@ -13,7 +13,14 @@ import argparse
 import json
 from pathlib import Path
 
-from engine_speed import PROMPTS
+PROMPTS = [
+    "Write a Python function that checks whether a string is a palindrome, ignoring case and punctuation.",
+    "Explain the difference between a list and a tuple in Python, with a short example.",
+    "Write a SQL query that returns the ten customers with the highest total order value.",
+    "Implement binary search in JavaScript and explain its time complexity.",
+    "Write a bash script that counts the lines of every .py file in a directory tree.",
+    "What does the `yield` keyword do in Python? Give an example of a generator.",
+]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -28,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from blockspec import SamplingParams, machine
-    from blockspec.bench.runner import _hf_generate
+    from blockspec.bench.executor import hf_generate
     from blockspec.models.chat import encode_prompt
     from blockspec.models.hf import GROUPED_SDPA, load_model
 
@@ -39,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     def assisted(kernel: str, prompt: list[int], new: int) -> dict:
         for model in (target.model, draft.model):
             model.set_attn_implementation(kernel)
-        return _hf_generate(target, prompt, sampling, new, 0, assistant_model=draft.model)
+        return hf_generate(target, prompt, sampling, new, 0, assistant_model=draft.model)
 
     kernels = ("sdpa", GROUPED_SDPA)
     for kernel in kernels:  # warm-up

@@ -65,10 +65,8 @@ def main() -> None:
     draft = load_model(args.draft, dtype=args.dtype, progress=False)
     profile = LatencyProfile.load(args.latency) if args.latency else None
     log = _time_forwards({"target": target, "draft": draft})
-    decoders = {"target-only": SpeculativeDecoder(target, verifier="none")}
-    decoders |= {
-        f"block K={k}": SpeculativeDecoder(target, draft, verifier="block", max_draft=k) for k in args.verified
-    }
+    decoders = {"target-only": SpeculativeDecoder(target)}
+    decoders |= {f"block K={k}": SpeculativeDecoder(target, draft, rule="block", max_draft=k) for k in args.verified}
     if args.sv_profile and profile:
         policy = SVPolicy(
             Profile.load(args.sv_profile),
@@ -79,7 +77,7 @@ def main() -> None:
             carry_over=True,
         )  # history and offsets carry over from run to run
         decoders["SV draft"] = SpeculativeDecoder(
-            target, draft, verifier="block", max_draft=max(args.verified), policy=policy
+            target, draft, rule="block", max_draft=max(args.verified), policy=policy
         )
     prompts = [encode_prompt(target.tokenizer, p.text) for p in datasets.load(args.dataset, max(args.batch_sizes))]
     result = {

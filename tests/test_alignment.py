@@ -12,14 +12,14 @@ import pytest
 from test_bench import quiet_machine  # noqa: F401  (autouse: tiny runs are not judged by others' CPU time)
 from tiny import perturbed, save_tiny, tiny_model
 
-from blockspec import SamplingParams, SpeculativeDecoder
+from blockspec import SamplingParams, SpeculativeDecoder, cli
 from blockspec import defaults as blockspec_defaults
 from blockspec.bench import records as rec
 from blockspec.bench import report, runner
 from blockspec.bench.records import Record
 from blockspec.bench.report import ALL, ReportConfig, alignment
 from blockspec.bench.report.stats import Estimate
-from blockspec.cli import commands as cli
+from blockspec.cli.bench import bench_config
 
 FAST = ReportConfig(n_boot=300)
 
@@ -112,7 +112,7 @@ def test_the_config_refuses_what_a_draft_temperature_cannot_mean(change, message
 
 def test_draft_sampling_is_refused_at_target_temperature_zero():
     target = tiny_model(sharpness=5.0)
-    decoder = SpeculativeDecoder(target, perturbed(target, scale=0.3, seed=1), verifier="block", max_draft=2)
+    decoder = SpeculativeDecoder(target, perturbed(target, scale=0.3, seed=1), rule="block", max_draft=2)
     with pytest.raises(ValueError, match="draft_sampling needs a sampled target"):
         decoder.generate([[1, 2]], max_new_tokens=4, sampling=SamplingParams(0.0), draft_sampling=SamplingParams(1.0))
 
@@ -262,7 +262,7 @@ def test_no_interval_with_fewer_than_two_prompts_in_a_dataset():
 
 def align_config(argv: list[str]) -> runner.BenchConfig:
     """The BenchConfig `blockspec <argv>` runs."""
-    return cli.bench_config(cli.build_parser().parse_args(argv))
+    return bench_config(cli.build_parser().parse_args(argv))
 
 
 def test_align_defaults_are_the_align_presets_and_its_help_explains_the_measurement(capsys):

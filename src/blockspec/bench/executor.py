@@ -94,7 +94,7 @@ class Executor:
     def _record(self, item: Run, result: dict, load: dict | None = None) -> rec.Record:
         """A record of ``result`` (Record fields), with the CPU ``load`` of other processes in its meta."""
         meta = {**self.meta, **(load or {}), "date": datetime.now(UTC).isoformat(timespec="seconds")}
-        if item.config in rec.SV_CONFIGS:
+        if self.sv is not None and item.config in rec.SV_CONFIGS:
             meta.update(self.sv.meta(item))
         if item.config == "hf-lookup":
             meta["prompt_lookup"] = dict(LOOKUP)
@@ -131,6 +131,7 @@ class Executor:
             lookup = PromptLookup() if item.config != "auto" else None
             draft = draft if policy is not None else None  # lookup alone where the model's drafts cannot pay
             return SpeculativeDecoder(self.target, draft, policy=policy, lookup=lookup)  # neither: the target alone
+        assert self.sv is not None, f"{item.config} is not a configuration of this bench"
         policy, companion, rule = self.sv.policy(item)  # a fresh policy: no history across runs
         return SpeculativeDecoder(
             self.target, draft, rule=rule, max_draft=item.max_draft, policy=policy, companion=companion

@@ -300,7 +300,7 @@ def run(config: BenchConfig, *, progress: bool = True) -> Path:
     if config.dtype == "auto" or set(config.configs) & set(AUTO_DRAFT):
         arithmetic = choose_arithmetic(resolve_device(config.device))
         log.info("arithmetic: %s", arithmetic.reason)
-    dtype = arithmetic.dtype if config.dtype == "auto" else config.dtype
+    dtype = arithmetic.dtype if arithmetic is not None and config.dtype == "auto" else config.dtype
     target = load_model(
         config.target,
         dtype=dtype,

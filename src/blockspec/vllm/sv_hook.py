@@ -73,7 +73,7 @@ def plan_drafts(self, scheduler_output, *args, **kwargs):
         or self._draft_probs is None
     ):
         return drafts
-    # vLLM's buffer holds rows for its largest batch and K: this step's B requests' K drafts [B, K, V]
+    # the distributions the drafter drew from, [B, K, V]: drafts[b, i] was drawn from probs[b, i]
     probs = self._draft_probs[: len(drafts), : drafts.shape[1]]
     if policy is not None:
         lengths = sv_lengths(policy, drafts.long(), probs)

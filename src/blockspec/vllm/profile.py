@@ -8,8 +8,6 @@ requests decode w + 1 tokens each, and the drafting (``propose_draft_token_ids``
 K tokens for B requests. The profile's target table is seconds(B, w + 1); its draft table the seconds of one
 draft forward at B (the drafting's, divided by K): vLLM runs the draft's first forward whether or not it
 drafts, so a step's drafting costs about K of them.
-
-The functions taking a ``worker`` run in vLLM's worker (``llm.collective_rpc``).
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ import statistics
 import time
 from datetime import UTC, datetime
 
+# TIMES and WIDTH live in vLLM's worker, where the functions taking a ``worker`` run (``llm.collective_rpc``)
 TIMES = {"target": [], "draft": []}  # in the worker: (requests, tokens, seconds) of each forward timed
 WIDTH: dict[str, int | None] = {"verified": None}  # in the worker: the drafts each request has verified (None: all)
 

@@ -237,6 +237,7 @@ class Server:
             if config == "block-cut":
                 env["BLOCKSPEC_VLLM_MIN_DRAFT_PROB"] = str(min_draft_prob)
             if config == "block-sv":
+                assert sv is not None  # main refuses block-sv without --sv
                 env["BLOCKSPEC_VLLM_SV"] = os.pathsep.join(str(path.resolve()) for path in sv)
         if analytic:
             env["BLOCKSPEC_VLLM_ANALYTIC"] = "1"
@@ -258,7 +259,7 @@ class Server:
             raise TimeoutError(f"vllm serve did not come up in 900 s; see {self.log.name}")
         from openai import OpenAI
 
-        from blockspec.vllm.plugin import check_server
+        from blockspec.vllm.status import check_server
 
         check_server(self.url, self.rule)
 
@@ -275,7 +276,7 @@ class Server:
 
     def status(self) -> dict:
         """The worker's blockspec status, through vLLM's development endpoint (127.0.0.1 only)."""
-        from blockspec.vllm.plugin import check_server
+        from blockspec.vllm.status import check_server
 
         return check_server(self.url, self.rule)[0]
 

@@ -1,6 +1,6 @@
 """What Speculative Verification adds to a step inside vLLM: the plugin's two SV decisions before verification
-(``SVPolicy.draft_budget``, then ``plugin.sv_lengths`` over the drafts' distributions) and its online step after it
-(``plugin.learn_from_verification``, the exact gains of the verified drafts), on random draft and target
+(``SVPolicy.draft_budget``, then ``sv_hook.sv_lengths`` over the drafts' distributions) and its online step after it
+(``sv_hook.learn_from_verification``, the exact gains of the verified drafts), on random draft and target
 distributions over the bundled pair's vocabulary, K drafted tokens per request, all verified.
 
     .venv-vllm/bin/python benchmarks/vllm_sv_hook.py --sv CALIBRATION LATENCY --out results/vllm-sv-hook.json
@@ -45,12 +45,13 @@ def main(argv: list[str] | None = None) -> None:
     import provenance
 
     from blockspec import machine
-    from blockspec.vllm import plugin
+    from blockspec.vllm.sv_hook import learn_from_verification, sv_lengths, sv_policy, use_sv
+    from blockspec.vllm.switches import SWITCH
 
-    os.environ[plugin.SWITCH] = "block"
-    plugin.use_sv(args.sv)
+    os.environ[SWITCH] = "block"
+    use_sv(args.sv)
     runner = types.SimpleNamespace(speculative_config=types.SimpleNamespace(num_speculative_tokens=args.max_draft))
-    policy = plugin.sv_policy(runner)  # the policy the plugin's worker builds at its first step
+    policy = sv_policy(runner)  # the policy the plugin's worker builds at its first step
     generator = torch.Generator().manual_seed(0)
     rows = []
     for batch in args.batch_sizes:
@@ -62,9 +63,9 @@ def main(argv: list[str] | None = None) -> None:
         for call in range(3 + args.calls):
             start = time.perf_counter()
             policy.draft_budget(batch, 1)
-            plugin.sv_lengths(policy, drafts, probs)
+            sv_lengths(policy, drafts, probs)
             decided = time.perf_counter()
-            plugin.learn_from_verification(policy, drafts.flatten(), counts, sampled, probs.flatten(0, 1), target)
+            learn_from_verification(policy, drafts.flatten(), counts, sampled, probs.flatten(0, 1), target)
             if call >= 3:
                 times["sv_ms"].append(decided - start)
                 times["learn_ms"].append(time.perf_counter() - decided)

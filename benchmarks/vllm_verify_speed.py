@@ -1,5 +1,5 @@
 """One verification step inside vLLM 0.32: vLLM's token rule (``rejection_sample``) against blockspec's block rule
-(``plugin.block_rejection_sample``), on random inputs of the bundled pair's vocabulary, every request sampled.
+(``rejection.block_rejection_sample``), on random inputs of the bundled pair's vocabulary, every request sampled.
 
     .venv-vllm/bin/python benchmarks/vllm_verify_speed.py --out results/vllm-verify-speed.json
 
@@ -41,10 +41,11 @@ def main(argv: list[str] | None = None) -> None:
 
     from blockspec import machine
     from blockspec.vllm import plugin
+    from blockspec.vllm.rejection import block_rejection_sample
 
     plugin.register()
     CpuPlatform.register_triton_kernel_overrides()  # as vLLM's CPU worker does after loading its plugins
-    rules = {"token": plugin.block_rejection_sample.stock, "block": plugin.block_rejection_sample}
+    rules = {"token": block_rejection_sample.stock, "block": block_rejection_sample}
     generator = torch.Generator().manual_seed(0)
     rows = []
     for shape in args.shapes:

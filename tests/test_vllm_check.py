@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from blockspec.vllm.plugin import check_server
+from blockspec.vllm.status import check_server
 
 BLOCK = {"rule": "block", "expand": "fixed", "drafts": "request seeds", "steps": {"block": 3, "token": 0}}
 

@@ -8,11 +8,13 @@ Drafts a grammar refused (-1 from the first refused token on) are verified as th
 with prefix-dependent grammar masks, the first two emitted tokens must follow the grammar-masked target's exact
 joint law (chi-square, cells expected fewer than 5 times pooled), and vLLM's stock cut of the drafts must fail.
 
-SV's online step in the plugin (``learn_from_verification``) learns from a ragged step what it learns from its
+SV's online step in the plugin (``sv_hook.learn_from_verification``) learns from a ragged step what it learns from its
 sampled requests' drafts one by one.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import lawkit
 import pytest
@@ -23,9 +25,8 @@ from blockspec.policy import LatencyTable, SVPolicy
 from blockspec.policy.features import DRAFT_FEATURES, draft_features, prefix_logprob
 from blockspec.policy.latency import LatencyProfile
 from blockspec.policy.predictor import Predictor, Profile
-from blockspec.verify import Randomness, expected_accepted, position_gains, verify_block
+from blockspec.verify import SAMPLED_RULES, Randomness, expected_accepted, position_gains, verify_block
 from blockspec.verify.base import race
-from blockspec.vllm import plugin
 from blockspec.vllm.ragged import (
     PLACEHOLDER,
     block_verify_ragged,
@@ -35,9 +36,13 @@ from blockspec.vllm.ragged import (
     padded_block,
     target_probs_with_spare_row,
 )
+from blockspec.vllm.state import STATE
+from blockspec.vllm.sv_hook import learn_from_verification
 
 
-def ragged_batch(counts: list[int], vocab: int, generator: torch.Generator, max_spec_len: int, spare_row: bool = False):
+def ragged_batch(
+    counts: list[int], vocab: int, generator: torch.Generator, max_spec_len: int, spare_row: bool = False
+) -> tuple[dict[str, Any], torch.Tensor]:
     """Random distributions and draws for requests drafting ``counts`` tokens, in vLLM's layout, plus each
     request's own row after its last drafted token (the bonus token's distribution). With ``spare_row`` the
     target's rows are stored with one more row after them, of NaN: the rule may look at it only where it
@@ -112,15 +117,13 @@ def test_expected_accepted_is_each_request_s_own(counts):
         rows = slice(start, start + n)
         start += n
         target = torch.cat([batch["target_probs"][rows], torch.full((1, 5), 0.2, dtype=torch.float64)])[None]
-        for method in ("token", "block"):
+        for rule in SAMPLED_RULES:
             alone = (
-                expected_accepted(
-                    batch["draft_token_ids"][rows][None], batch["draft_probs"][rows][None], target, method
-                )
+                expected_accepted(batch["draft_token_ids"][rows][None], batch["draft_probs"][rows][None], target, rule)
                 if n
                 else torch.zeros(1, dtype=torch.float64)
             )
-            assert torch.allclose(scored[method][b], alone[0], rtol=1e-12, atol=1e-12), (method, b)
+            assert torch.allclose(scored[rule][b], alone[0], rtol=1e-12, atol=1e-12), (rule, b)
     assert (scored["block"] - scored["token"]).abs().max() > 1e-3
 
 
@@ -312,7 +315,7 @@ def sv_for_vllm(max_draft: int) -> SVPolicy:
         {"block": [0.9] * max_draft},
     )
     latency = LatencyProfile(LatencyTable((1,), (1, 2), ((1.0, 1.5),)), LatencyTable((1,), (1,), ((0.1,),)), None, {})
-    return SVPolicy(profile, latency, method="block", max_draft=max_draft, kind="draft", ragged=True, whole_drafts=True)
+    return SVPolicy(profile, latency, rule="block", max_draft=max_draft, kind="draft", ragged=True, whole_drafts=True)
 
 
 @pytest.mark.parametrize("counts", [[3, 0, 1, 2], [2, 2, 2], [4, 1], [0, 3], [1, 0]])
@@ -321,7 +324,7 @@ def test_sv_learns_from_a_ragged_step_what_it_learns_from_each_request_alone(cou
     gains predicted for them: the offset moves by SV's rate times the mean difference over every drafted position
     of the sampled requests, here computed request by request from each one's own rows. The second-to-last
     request is greedy (vLLM's greedy path) and is not learnt from; with nothing sampled drafted, nothing moves."""
-    monkeypatch.setitem(plugin.CUT, "offset", 0.0)
+    monkeypatch.setattr(STATE, "offset", 0.0)
     batch, _ = ragged_batch(counts, 6, torch.Generator().manual_seed(len(counts)), max(counts))
     sampled = torch.ones(len(counts), dtype=torch.bool)
     sampled[-2] = False
@@ -335,7 +338,7 @@ def test_sv_learns_from_a_ragged_step_what_it_learns_from_each_request_alone(cou
             gains = position_gains(tokens, draft, batch["target_probs"][rows][None], "block")
             predicted = policy.predict("draft", draft_features(draft, prefix_logprob(tokens, draft)))
             differences.append((gains - predicted)[0])
-    plugin.learn_from_verification(
+    learn_from_verification(
         policy,
         batch["draft_token_ids"],
         batch["num_draft_tokens"],
@@ -345,5 +348,5 @@ def test_sv_learns_from_a_ragged_step_what_it_learns_from_each_request_alone(cou
     )
     expected = policy.rate * float(torch.cat(differences).mean()) if differences else 0.0
     assert policy.offsets["draft"] == pytest.approx(expected, rel=1e-9, abs=1e-12)
-    assert plugin.CUT["offset"] == policy.offsets["draft"]
+    assert STATE.offset == policy.offsets["draft"]
     assert (policy.offsets["draft"] != 0.0) == bool(differences)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from blockspec.vllm import plugin
+from blockspec.vllm import switches
 
-READERS = {"SWITCH": plugin.requested_rule, "CUT_SWITCH": plugin.min_draft_prob, "SV_SWITCH": plugin.sv_profiles}
+READERS = {"SWITCH": switches.requested_rule, "CUT_SWITCH": switches.min_draft_prob, "SV_SWITCH": switches.sv_profiles}
 
 
 @pytest.mark.parametrize(
@@ -29,9 +29,9 @@ READERS = {"SWITCH": plugin.requested_rule, "CUT_SWITCH": plugin.min_draft_prob,
 )
 def test_what_each_switch_reads(monkeypatch, switch, value, read):
     if value is None:
-        monkeypatch.delenv(getattr(plugin, switch), raising=False)
+        monkeypatch.delenv(getattr(switches, switch), raising=False)
     else:
-        monkeypatch.setenv(getattr(plugin, switch), value)
+        monkeypatch.setenv(getattr(switches, switch), value)
     assert READERS[switch]() == read
 
 
@@ -50,7 +50,7 @@ def test_what_each_switch_reads(monkeypatch, switch, value, read):
     ],
 )
 def test_unusable_values_are_refused_by_name(monkeypatch, switch, value):
-    name = getattr(plugin, switch)
+    name = getattr(switches, switch)
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=name):
         READERS[switch]()

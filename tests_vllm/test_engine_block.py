@@ -15,7 +15,8 @@ import pytest
 import tinyvllm
 import torch
 
-from blockspec.vllm import plugin
+from blockspec.vllm.fixes import refuse_cut_grammar_drafts
+from blockspec.vllm.status import check
 
 SAMPLES, LENGTH = 6000, 3
 
@@ -41,18 +42,18 @@ def target_alone(tmp_path_factory):
 
 
 def test_every_worker_runs_the_block_rule(llm):
-    statuses = plugin.check(llm, "block")
+    statuses = check(llm, "block")
     assert statuses and all(s["expand"] in ("fixed", "triton") for s in statuses)
     with pytest.raises(RuntimeError, match="asked for the token rule"):
-        plugin.check(llm, "token")
+        check(llm, "token")
 
 
 def test_first_tokens_follow_the_target_at_temperature_1(llm, target):
-    before = plugin.check(llm, "block")[0]["steps"]["block"]
+    before = check(llm, "block")[0]["steps"]["block"]
     sequences = tinyvllm.first_tokens(llm, SAMPLES, LENGTH, temperature=1.0)
     result = tinyvllm.law_test(sequences, tinyvllm.exact_law(target, LENGTH))
     assert result.passed, result
-    steps = plugin.check(llm, "block")[0]["steps"]
+    steps = check(llm, "block")[0]["steps"]
     assert steps["block"] - before > steps["token"], steps  # the block rule verified (nearly) every step
 
 
@@ -84,11 +85,11 @@ def test_a_seeded_request_s_tokens_depend_on_its_seed_alone(llm):
     llm.collective_rpc(tinyvllm.draft_sampler, args=("global",))
     try:
         with pytest.raises(RuntimeError, match="asked for the block rule"):
-            plugin.check(llm, "block")  # the presence check sees the unseeded drafter
+            check(llm, "block")  # the presence check sees the unseeded drafter
         assert seeded_after_traffic(3) != [first] * 3
     finally:
         llm.collective_rpc(tinyvllm.draft_sampler, args=("request seeds",))
-    plugin.check(llm, "block")
+    check(llm, "block")
 
 
 @pytest.mark.parametrize("chunk_draws", ["apart", "consumed"])
@@ -101,14 +102,14 @@ def test_a_seeded_request_s_tokens_do_not_depend_on_prefill_chunks(llm, chunk_dr
     time: a cached prefix would not be prefilled again."""
     prompts = tinyvllm.long_prompts(300, 48, seed=len(chunk_draws))
     seeds = list(range(500, 800))
-    before = plugin.check(llm, "block")[0]["chunks"]["drawn apart"]
+    before = check(llm, "block")[0]["chunks"]["drawn apart"]
     llm.collective_rpc(tinyvllm.chunk_sampler, args=(chunk_draws,))
     try:
         together = tinyvllm.continuations(llm, prompts, 8, seeds, temperature=2.0)
     finally:
         llm.collective_rpc(tinyvllm.chunk_sampler, args=("apart",))
     if chunk_draws == "apart":  # some prompt was chunked (without a chunk, "consumed" could not fail)
-        assert plugin.check(llm, "block")[0]["chunks"]["drawn apart"] > before
+        assert check(llm, "block")[0]["chunks"]["drawn apart"] > before
     alone = [
         tinyvllm.continuations(llm, [prompt], 8, [seed], temperature=2.0)[0] for prompt, seed in zip(prompts, seeds)
     ]
@@ -123,9 +124,9 @@ def test_first_tokens_follow_the_target_with_unsure_drafts_cut(llm, target, cut)
     token's own probability (broken: it looks at x_i) must fail."""
     llm.collective_rpc(tinyvllm.draft_cut, args=(0.3, cut))
     try:
-        before = plugin.check(llm, "block")[0]["cut"]
+        before = check(llm, "block")[0]["cut"]
         sequences = tinyvllm.first_tokens(llm, SAMPLES, LENGTH, temperature=1.0)
-        after = plugin.check(llm, "block")[0]["cut"]
+        after = check(llm, "block")[0]["cut"]
     finally:
         llm.collective_rpc(tinyvllm.draft_cut, args=(None, "top probability"))
     if cut == "top probability":  # some drafts were cut, some verified
@@ -146,9 +147,9 @@ def test_first_tokens_follow_the_target_with_sv_choosing_the_drafts(llm, target,
     paths = tinyvllm.sv_profiles(tmp_path, drafting=10.0 if never else 0.0, prior=0.1 if never else 0.9)
     llm.collective_rpc(tinyvllm.sv, args=(paths, sv == "x_i's own probability"))
     try:
-        before = plugin.check(llm, "block")[0]["cut"]
+        before = check(llm, "block")[0]["cut"]
         sequences = tinyvllm.first_tokens(llm, SAMPLES, LENGTH, temperature=1.0)
-        after = plugin.check(llm, "block")[0]["cut"]
+        after = check(llm, "block")[0]["cut"]
     finally:
         llm.collective_rpc(tinyvllm.sv, args=(None,))
     skipped, drafted, verified = (after[key] - before[key] for key in ("skipped", "drafted", "verified"))
@@ -219,7 +220,7 @@ def grammar_samples(llm, monkeypatch):
     from vllm.v1.engine.input_processor import InputProcessor
 
     words = "|".join(tinyvllm.WORDS[i] for i in GRAMMAR_WORDS)
-    stock = getattr(plugin.refuse_cut_grammar_drafts, "stock", InputProcessor._validate_params)
+    stock = getattr(refuse_cut_grammar_drafts, "stock", InputProcessor._validate_params)
     monkeypatch.setattr(InputProcessor, "_validate_params", stock)
     grammar = StructuredOutputsParams(regex=f"({words}){{{LENGTH}}}")
     sequences = tinyvllm.first_tokens(llm, SAMPLES, LENGTH, temperature=1.0, structured_outputs=grammar)

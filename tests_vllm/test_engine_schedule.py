@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import tinyvllm
 
-from blockspec.vllm import plugin
+from blockspec.vllm.status import check
 
 SAMPLES, LENGTH = 6000, 3
 SCHEDULE = [(1, 3, 2), (4, 5, 1), (6, 16, 0)]  # (first batch size, last batch size, K)
@@ -25,7 +25,7 @@ def llm(tmp_path_factory):
 
 @pytest.mark.parametrize("cut", ["none", "drafted token's probability"])
 def test_first_tokens_follow_the_target_while_k_follows_the_batch_size(llm, cut):
-    plugin.check(llm, "block")
+    check(llm, "block")
     llm.collective_rpc(tinyvllm.count_scheduled_k, args=(True,))
     if cut != "none":
         llm.collective_rpc(tinyvllm.draft_cut, args=(0.3, cut))

@@ -19,6 +19,8 @@ from vllmkit import Batch, OneStep, configure, emitted
 
 from blockspec.verify import accepted_length_law
 from blockspec.vllm import plugin
+from blockspec.vllm.state import STATE
+from blockspec.vllm.switches import SWITCH
 
 VOCAB, WIDTH, SAMPLES = 4, 2, 30_000
 
@@ -68,12 +70,12 @@ def test_a_step_without_drafts_is_no_drafter_without_probabilities():
     """With vLLM's batch-size schedule of K (num_speculative_tokens_per_batch_size), a step may draft nothing at
     all: nothing to verify, so no warning and no step counted for either rule; each request gets its bonus token."""
     configure("block")
-    before = dict(plugin.STEPS)
+    before = dict(STATE.steps)
     batch = Batch(drafts=[[], []], draft_probs=None, logits=torch.randn(2, VOCAB), temperature=[1.0, 1.0])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         output = batch.run()
-    assert plugin.STEPS == before
+    assert STATE.steps == before
     assert [len(tokens) for tokens in emitted(output.sampled_token_ids)] == [1, 1]
 
 
@@ -172,12 +174,12 @@ def test_logprobs_are_the_target_s_for_the_emitted_tokens(tables):
 
 
 def test_the_plugin_refuses_other_vllm_versions(monkeypatch):
-    import vllm
+    import vllm.version
 
-    monkeypatch.setenv(plugin.SWITCH, "block")
-    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    monkeypatch.setenv(SWITCH, "block")
+    monkeypatch.setattr(vllm.version, "__version__", "0.33.0")
     with pytest.raises(RuntimeError, match="0.32.0"):
         plugin.register()
-    monkeypatch.setenv(plugin.SWITCH, "fast")
+    monkeypatch.setenv(SWITCH, "fast")
     with pytest.raises(ValueError, match="BLOCKSPEC_VLLM_RULE"):
         plugin.register()

@@ -225,24 +225,24 @@ def draft_sampler(worker, kind: str) -> None:
                      the same numbers again for its uniforms."""
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
-    from blockspec.vllm import plugin
+    from blockspec.vllm.fixes import draft_with_request_seeds
 
     samplers = {
-        "request seeds": plugin.draft_with_request_seeds,
-        "global": plugin.draft_with_request_seeds.stock,
+        "request seeds": draft_with_request_seeds,
+        "global": draft_with_request_seeds.stock,
         "replayed": replayed_draws,
     }
     SpecDecodeBaseProposer._sample_from_logits = samplers[kind]
 
 
 def replayed_draws(self, logits, sampling_metadata):
-    from blockspec.vllm import plugin
+    from blockspec.vllm.fixes import draft_with_request_seeds
 
     generators = {
         request: torch.Generator().set_state(generator.get_state())
         for request, generator in sampling_metadata.generators.items()
     }
-    return plugin.draft_with_request_seeds(self, logits, dataclasses.replace(sampling_metadata, generators=generators))
+    return draft_with_request_seeds(self, logits, dataclasses.replace(sampling_metadata, generators=generators))
 
 
 def chunk_sampler(worker, kind: str) -> None:
@@ -251,20 +251,20 @@ def chunk_sampler(worker, kind: str) -> None:
     request's own generator take those draws ("consumed", what a rewind that does nothing would leave)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from blockspec.vllm import plugin
+    from blockspec.vllm.fixes import sample_with_chunk_draws_apart
 
-    GPUModelRunner.sample_tokens = {"apart": plugin.sample_with_chunk_draws_apart, "consumed": draws_consumed}[kind]
+    GPUModelRunner.sample_tokens = {"apart": sample_with_chunk_draws_apart, "consumed": draws_consumed}[kind]
 
 
 def draws_consumed(self, grammar_output):
     """vLLM's sampling step with every seeded request's draws, a discarded chunk sample's too, left in its generator."""
-    from blockspec.vllm import plugin
+    from blockspec.vllm.fixes import ChunkDraws, sample_with_chunk_draws_apart
 
     generators = self.input_batch.generators
     own = dict(generators)
-    generators.update({request: plugin.ChunkDraws(generator) for request, generator in own.items()})
+    generators.update({request: ChunkDraws(generator) for request, generator in own.items()})
     try:
-        return plugin.sample_with_chunk_draws_apart.stock(self, grammar_output)
+        return sample_with_chunk_draws_apart.stock(self, grammar_output)
     finally:
         for request, generator in own.items():
             generator.set_state(generators[request].get_state())
@@ -277,24 +277,26 @@ def draft_cut(worker, min_prob: float | None, kind: str) -> None:
     looks at the drafted token's own probability ("drafted token's probability": not a stopping rule)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from blockspec.vllm import plugin
+    from blockspec.vllm.state import STATE
+    from blockspec.vllm.sv_hook import plan_drafts
 
-    plugin.CUT["min_prob"] = min_prob
+    STATE.min_prob = min_prob
     GPUModelRunner.propose_draft_token_ids = {
-        "top probability": plugin.plan_drafts,
+        "top probability": plan_drafts,
         "drafted token's probability": cut_by_drafted_token,
     }[kind]
 
 
 def cut_by_drafted_token(self, *args, **kwargs):
-    from blockspec.vllm import plugin
+    from blockspec.vllm.state import STATE
+    from blockspec.vllm.sv_hook import plan_drafts
 
-    drafts = plugin.plan_drafts.stock(self, *args, **kwargs)
+    drafts = plan_drafts.stock(self, *args, **kwargs)
     if not torch.is_tensor(drafts) or self._draft_probs is None:
         return drafts
     probs = self._draft_probs[: len(drafts), : drafts.shape[1]]
     drawn = probs.gather(-1, drafts.long()[..., None]).squeeze(-1)
-    lengths = (drawn >= plugin.CUT["min_prob"]).cumprod(-1).sum(-1).tolist()
+    lengths = (drawn >= STATE.min_prob).cumprod(-1).sum(-1).tolist()
     return [row[:length] for row, length in zip(drafts.tolist(), lengths)]
 
 
@@ -334,19 +336,19 @@ def sv(worker, paths: tuple[str, str] | None, looks_at_x_i: bool = False) -> Non
     draft's top probability (``looks_at_x_i``: not a stopping rule)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from blockspec.vllm import plugin
+    from blockspec.vllm.sv_hook import plan_drafts, use_sv
 
-    plugin.use_sv(paths)
-    GPUModelRunner.propose_draft_token_ids = sv_reading_x_i if looks_at_x_i else plugin.plan_drafts
+    use_sv(paths)
+    GPUModelRunner.propose_draft_token_ids = sv_reading_x_i if looks_at_x_i else plan_drafts
 
 
 def sv_reading_x_i(self, scheduler_output, *args, **kwargs):
     from blockspec.policy.features import DRAFT_FEATURES, draft_features, prefix_logprob
-    from blockspec.vllm import plugin
+    from blockspec.vllm.sv_hook import plan_drafts, sv_policy
 
-    policy = plugin.sv_policy(self)
+    policy = sv_policy(self)
     policy.draft_budget(self.input_batch.num_reqs, 1)
-    drafts = plugin.plan_drafts.stock(self, scheduler_output, *args, **kwargs)
+    drafts = plan_drafts.stock(self, scheduler_output, *args, **kwargs)
     if not torch.is_tensor(drafts) or self._draft_probs is None:
         return drafts
     drafts = drafts.long()
@@ -363,8 +365,6 @@ def verification_rule(worker, rule: str) -> None:
     or by vLLM's own token rule ("token")."""
     import vllm.v1.sample.rejection_sampler as sampler
 
-    from blockspec.vllm import plugin
+    from blockspec.vllm.rejection import block_rejection_sample
 
-    sampler.rejection_sample = {"block": plugin.block_rejection_sample, "token": plugin.block_rejection_sample.stock}[
-        rule
-    ]
+    sampler.rejection_sample = {"block": block_rejection_sample, "token": block_rejection_sample.stock}[rule]

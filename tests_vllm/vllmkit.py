@@ -41,15 +41,18 @@ CpuPlatform.register_triton_kernel_overrides()  # what vLLM's CPU worker does af
 
 def configure(rule: str) -> None:
     from blockspec.vllm import plugin
+    from blockspec.vllm.fixes import expand_in_place
+    from blockspec.vllm.rejection import block_rejection_sample
+    from blockspec.vllm.switches import SWITCH
 
-    os.environ[plugin.SWITCH] = "block"
+    os.environ[SWITCH] = "block"
     plugin.register()  # keeps the stock rule for the greedy and probability-less paths
-    os.environ.pop(plugin.SWITCH)
-    EXPAND[0] = STOCK_EXPAND if rule == "stock" else plugin.expand_in_place
+    os.environ.pop(SWITCH)
+    EXPAND[0] = STOCK_EXPAND if rule == "stock" else expand_in_place
     sampler.rejection_sample = {
         "stock": STOCK_RULE,
         "token": STOCK_RULE,
-        "block": plugin.block_rejection_sample,
+        "block": block_rejection_sample,
         **BROKEN,
     }[rule]
 
@@ -68,9 +71,9 @@ def draft_rows_one_late(*args, **kwargs):
 
 
 def block_rule():
-    from blockspec.vllm import plugin
+    from blockspec.vllm.rejection import block_rejection_sample
 
-    return plugin.block_rejection_sample
+    return block_rejection_sample
 
 
 BROKEN = {"temperature applied twice": temperature_twice, "draft rows one late": draft_rows_one_late}

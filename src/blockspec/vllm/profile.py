@@ -8,8 +8,6 @@ requests decode w + 1 tokens each, and the drafting (``propose_draft_token_ids``
 K tokens for B requests. The profile's target table is seconds(B, w + 1); its draft table the seconds of one
 draft forward at B (the drafting's, divided by K): vLLM runs the draft's first forward whether or not it
 drafts, so a step's drafting costs about K of them.
-
-The functions taking a ``worker`` run in vLLM's worker (``llm.collective_rpc``).
 """
 
 from __future__ import annotations
@@ -21,8 +19,9 @@ import statistics
 import time
 from datetime import UTC, datetime
 
+# TIMES and WIDTH live in vLLM's worker, where the functions taking a ``worker`` run (``llm.collective_rpc``)
 TIMES = {"target": [], "draft": []}  # in the worker: (requests, tokens, seconds) of each forward timed
-WIDTH = {"verified": None}  # in the worker: the drafts each request has verified (None: all)
+WIDTH: dict[str, int | None] = {"verified": None}  # in the worker: the drafts each request has verified (None: all)
 
 
 def timing(worker) -> None:
@@ -166,7 +165,7 @@ def profile(
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m blockspec.vllm.profile",
-        description=__doc__.split("\n\n")[1],
+        description=(__doc__ or "").split("\n\n")[1],
         epilog="Then serve with BLOCKSPEC_VLLM_RULE=block BLOCKSPEC_VLLM_SV=<calibration>:<latency> (the calibration "
         "profile from `blockspec sv calibrate`, made on blockspec's side of the same pair).",
     )
@@ -190,11 +189,12 @@ def main(argv=None) -> None:
 
     from vllm import LLM
 
-    from . import plugin
+    from .status import check
+    from .switches import CUT_SWITCH, SV_SWITCH, SWITCH
 
-    os.environ.setdefault(plugin.SWITCH, "block")
+    os.environ.setdefault(SWITCH, "block")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # sends the timing functions above to vLLM's worker
-    for switch in (plugin.CUT_SWITCH, plugin.SV_SWITCH):  # the cut here is the profile's own
+    for switch in (CUT_SWITCH, SV_SWITCH):  # the cut here is the profile's own
         os.environ.pop(switch, None)
     llm = LLM(
         model=args.target,
@@ -210,7 +210,7 @@ def main(argv=None) -> None:
             "rejection_sample_method": "standard",
         },
     )
-    plugin.check(llm)
+    check(llm)
     result = profile(
         llm,
         args.target,

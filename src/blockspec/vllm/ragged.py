@@ -1,40 +1,20 @@
-"""Block verification on vLLM's flattened ragged layout.
+"""Block verification on vLLM's flattened ragged layout; imports torch and ``blockspec.verify`` only, never vLLM.
 
-vLLM's rejection sampler hands its verification rule every request's drafted tokens one after another:
-    draft_token_ids      [T]       int: request b's n_b tokens at rows cu[b] - n_b .. cu[b] - 1
-    num_draft_tokens     [B]       n_b, possibly 0 (a request that drafted nothing)
-    cu_num_draft_tokens  [B]       cumulative n_b
-    draft_probs          [T, V]    the distribution each drafted token was sampled from
-    target_probs         [T, V]    the target's processed distribution at each drafted position; may be stored
-                                   with one spare row after them (``target_probs_with_spare_row``)
-    bonus_token_ids      [B, 1]    a token vLLM already sampled from the target after all n_b drafted tokens
-and its random draws for the requests that sample, from each request's own generator when it has one:
-    uniforms             [T]       float64, one per drafted token
-    exponentials         [B, V]    Exp(1), one vector per request (the recovered token wins a race)
-The output is vLLM's: [B, max_spec_len + 1] int32, the accepted tokens and then one more, -1 after.
-
-``block_verify_ragged`` runs Sun et al.'s block verification (``verify_block``) on those rows with those draws:
-the uniforms decide tau, the exponentials the token after a rejection, and after all n_b tokens are accepted
-the token is the bonus token, which vLLM drew from the same target distribution. So each request's output
-follows the target's law as under vLLM's token rule, and one random draw serves either rule.
-
-A drafted token of -1 is a draft a grammar refused (vLLM keeps its position so). It is verified as the sentinel
-of ALGORITHMS.md's thinning: a token of its own, outside the vocabulary, that the target never accepts. The
-thinned draft row would be ``draft * allowed``, but the target rows vLLM verifies against are already masked
-by the grammar, and block verification reads a draft row only through max(w * target - draft, 0) and at the
-drafted token, so the unthinned row gives the same result wherever the target is positive.
-
-When every request drafted the same number of tokens, the padded block is views of vLLM's tensors, not copies
-(of [B, K, V] floats, which cost more than the rule's arithmetic at large batches): the target's row after a
-request's drafted tokens is then the next request's first row (the spare row for the last request), which is
-read only where the bonus token replaces the token drawn from it.
+vLLM's rejection sampler hands its rule every request's drafted tokens one after another (B requests, T drafted
+tokens in all, V tokens in the vocabulary, request b drafted n_b >= 0 tokens, cu the cumulative n_b):
+    draft_token_ids [T] int, request b's at rows cu[b] - n_b .. cu[b] - 1; -1 for a draft a grammar refused
+    draft_probs [T, V], target_probs [T, V]: the draft's and the target's (processed) distribution there
+    bonus_token_ids [B, 1]: a token vLLM sampled from the target after all n_b drafted tokens
+    uniforms [T] float64, exponentials [B, V] Exp(1): the draws vLLM's token rule consumes
+and takes back [B, max_spec_len + 1] int32: the accepted tokens and one more, -1 after. Why this is exact, and the
+views that save copies: docs/guide/vllm.md.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..verify import Randomness, expected_accepted, verify_block
+from ..verify import SAMPLED_RULES, Randomness, expected_accepted, verify_block
 
 PLACEHOLDER = -1  # vLLM's PLACEHOLDER_TOKEN_ID: an empty output slot, or a drafted token to be rejected
 
@@ -61,7 +41,9 @@ def pad_ragged(flat: torch.Tensor, num_draft_tokens: torch.Tensor, width: int, f
         return flat.reshape(len(num_draft_tokens), width, *flat.shape[1:])
     real = torch.arange(width, device=flat.device) < num_draft_tokens[:, None]  # [B, width]
     padded = torch.full((len(num_draft_tokens), width, *flat.shape[1:]), fill, dtype=flat.dtype, device=flat.device)
-    padded[real] = flat  # row-major order over `real` is request by request: the flattened order
+    # row-major order over `real` is request by request, the flattened order:
+    # [a1, a2, c1] with counts [2, 0, 1], width 2 -> [[a1, a2], [fill, fill], [c1, fill]]
+    padded[real] = flat
     return padded
 
 
@@ -76,7 +58,7 @@ def block_verify_ragged(
     exponentials: torch.Tensor,  # [B, V] float
 ) -> torch.Tensor:
     """vLLM's output [B, max_spec_len + 1] int32 under block verification; every request given samples (the
-    caller keeps greedy requests on vLLM's greedy path). A drafted -1 is never accepted (the sentinel above)."""
+    caller keeps greedy requests on vLLM's greedy path). A drafted -1 is never accepted (``padded_block``)."""
     num_draft_tokens = num_draft_tokens.to(torch.long)
     if int(num_draft_tokens.sum()) != len(draft_token_ids) or bool((num_draft_tokens > max_spec_len).any()):
         raise ValueError(
@@ -90,11 +72,13 @@ def block_verify_ragged(
     out = verify_block(tokens, draft, target, num_verified=num_draft_tokens, randomness=randomness, validate=False)
     emitted = out.tokens  # [B, width + 1]: x_1..x_tau, then one more token, -1 after
     all_accepted = out.num_accepted == num_draft_tokens
+    # the token after all n_b drafts is vLLM's bonus token: n = [1, 2], request 1 accepted both of its drafts:
+    # its row [x1, x2, t] -> [x1, x2, bonus] (t was drawn from padding, row n_b of ``padded_block``'s target)
     emitted[all_accepted, num_draft_tokens[all_accepted]] = bonus_token_ids[all_accepted, 0].to(emitted.dtype)
     output = torch.full(
         (len(num_draft_tokens), max_spec_len + 1), PLACEHOLDER, dtype=torch.int32, device=emitted.device
     )
-    output[:, : emitted.shape[1]] = emitted.to(torch.int32)
+    output[:, : emitted.shape[1]] = emitted.to(torch.int32)  # width + 1 <= max_spec_len + 1 columns, -1 after
     return output
 
 
@@ -113,8 +97,10 @@ def padded_block(draft_token_ids, num_draft_tokens, draft_probs, target_probs, e
     width = max(int(num_draft_tokens.max()), 1) if batch else 1
     tokens = pad_ragged(draft_token_ids.to(torch.long), num_draft_tokens, width, 0)
     draft = pad_ragged(draft_probs, num_draft_tokens, width, 1.0 / vocab)
-    # row n_b, the target after all drafted tokens, is padding: the token drawn from it is replaced by the bonus
-    if len(target_probs) == batch * width and has_spare_row(target_probs):  # see the module's docstring
+    # row n_b, the target after all drafted tokens, is padding: the token drawn from it is replaced by the bonus.
+    # Every request drafted W tokens: a view, request b's rows b * W .. b * W + W, the last one shared with the
+    # next request (or the spare row): W = 2, rows [a1, a2, b1, b2, spare] -> [[a1, a2, b1], [b1, b2, spare]]
+    if len(target_probs) == batch * width and has_spare_row(target_probs):
         target = target_probs.as_strided(
             (batch, width + 1, vocab), (width * vocab, vocab, 1), target_probs.storage_offset()
         )
@@ -129,6 +115,5 @@ def expected_accepted_ragged(draft_token_ids, num_draft_tokens, draft_probs, tar
     num_draft_tokens = num_draft_tokens.to(torch.long)
     tokens, draft, target, _ = padded_block(draft_token_ids, num_draft_tokens, draft_probs, target_probs)
     return {
-        method: expected_accepted(tokens, draft, target, method, num_draft_tokens, validate=False)
-        for method in ("token", "block")
+        rule: expected_accepted(tokens, draft, target, rule, num_draft_tokens, validate=False) for rule in SAMPLED_RULES
     }

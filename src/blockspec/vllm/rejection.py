@@ -1,0 +1,128 @@
+"""The block rule on vLLM 0.32's rejection-sampling path (``BLOCKSPEC_VLLM_RULE=block``): vLLM's
+``rejection_sample`` with its sampled requests verified by ``ragged.block_verify_ragged``, from the same random
+draws; greedy requests, and steps without draft probabilities, stay on vLLM's own paths."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .ragged import block_verify_ragged, expected_accepted_ragged, target_probs_with_spare_row
+from .state import STATE
+from .sv_hook import learn_from_verification
+from .switches import analytic
+
+
+def block_rejection_sample(
+    draft_token_ids,
+    num_draft_tokens,
+    max_spec_len,
+    cu_num_draft_tokens,
+    draft_probs,
+    target_logits,
+    bonus_token_ids,
+    sampling_metadata,
+    synthetic_mode=False,
+    synthetic_conditional_rates=None,
+    use_fp64_gumbel=False,
+):
+    """vLLM 0.32's ``rejection_sample`` with block verification for the sampled requests.
+
+    Same arguments, same random draws from the same generators, same output; greedy requests go through
+    vLLM's greedy kernel as before, and the all-greedy batch returns before anything is drawn.
+    """
+    from vllm.v1.sample import rejection_sampler as sampler
+
+    if sampling_metadata.all_greedy or synthetic_mode or draft_probs is None:
+        if draft_probs is None and not sampling_metadata.all_greedy and any(num_draft_tokens):
+            STATE.steps["token"] += 1
+            warnings.warn(
+                "blockspec: this drafter gives no draft probabilities (ngram, suffix or a custom "
+                "proposer, or draft_sample_method is not 'probabilistic'); its drafts are verified by "
+                "vLLM's token rule, which is exact for a draft scored as one-hot",
+                stacklevel=2,
+            )
+        return block_rejection_sample.stock(
+            draft_token_ids,
+            num_draft_tokens,
+            max_spec_len,
+            cu_num_draft_tokens,
+            draft_probs,
+            target_logits,
+            bonus_token_ids,
+            sampling_metadata,
+            synthetic_mode,
+            synthetic_conditional_rates,
+            use_fp64_gumbel,
+        )
+    STATE.steps["block"] += 1
+    device = target_logits.device
+    output = torch.full(
+        (len(num_draft_tokens), max_spec_len + 1), sampler.PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=device
+    )
+    uniforms = sampler.generate_uniform_probs(
+        len(draft_token_ids), num_draft_tokens, sampling_metadata.generators, device
+    )
+    sampled = torch.ones(len(num_draft_tokens), dtype=torch.bool, device=device)
+    if not sampling_metadata.all_random:
+        sampled = sampling_metadata.temperature != sampler.GREEDY_TEMPERATURE
+        sampler._rejection_greedy_sample(
+            output,
+            cu_num_draft_tokens,
+            draft_token_ids,
+            target_logits.argmax(dim=-1),
+            bonus_token_ids,
+            ~sampled,
+            max_spec_len,
+            uniforms,
+            None,
+        )
+    target_probs = target_probs_with_spare_row(target_logits, draft_probs.dtype)
+    exponentials = recovery_exponentials(
+        num_draft_tokens,
+        target_probs.shape[-1],
+        sampling_metadata.generators,
+        torch.float64 if use_fp64_gumbel else torch.float32,
+        device,
+    )
+    counts = torch.tensor(num_draft_tokens, dtype=torch.long, device=device)
+    block = block_verify_ragged(
+        draft_token_ids,
+        counts,
+        max_spec_len,
+        draft_probs,
+        target_probs,
+        bonus_token_ids,
+        uniforms,
+        exponentials.to(draft_probs),
+    )
+    if analytic():
+        score_both_rules(draft_token_ids, counts, draft_probs, target_probs, sampled)
+    if STATE.sv_policy is not None:
+        learn_from_verification(STATE.sv_policy, draft_token_ids, counts, sampled, draft_probs, target_probs)
+    # sampled [yes, no]: row 0 from the block rule, row 1 from vLLM's greedy kernel
+    return torch.where(sampled[:, None], block, output)
+
+
+def score_both_rules(draft_token_ids, counts, draft_probs, target_probs, sampled) -> None:
+    """Add this step's expected accepted lengths under the token and the block rule, on the same drafts, for
+    every sampled request that drafted something, to ``STATE.expected`` (the paired analytic gain of the
+    benchmarks)."""
+    expected = expected_accepted_ragged(draft_token_ids, counts, draft_probs, target_probs)
+    rows = sampled & (counts > 0)
+    STATE.analytic_rows += int(rows.sum())
+    for rule, values in expected.items():
+        STATE.expected[rule] += float(values[rows].sum())
+
+
+def recovery_exponentials(
+    num_draft_tokens: list[int], vocab: int, generators: dict[int, torch.Generator], dtype: torch.dtype, device
+) -> torch.Tensor:
+    """[B, V] Exp(1), drawn as vLLM 0.32's ``sample_recovered_tokens`` draws them: the whole batch from the global
+    generator, then each seeded request that drafted something again from its own generator."""
+    exponentials = torch.empty((len(num_draft_tokens), vocab), dtype=dtype, device=device).exponential_()
+    for request, generator in generators.items():
+        if num_draft_tokens[request] > 0:
+            exponentials[request].exponential_(generator=generator)
+    return exponentials

@@ -1,0 +1,36 @@
+"""What the plugin runs with and has counted in this process: one ``PluginState``, ``STATE``, that the patched
+steps update and the worker's status (``status.worker_status``) reports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..verify import SAMPLED_RULES
+
+if TYPE_CHECKING:
+    from ..policy.latency import LatencyProfile
+    from ..policy.predictor import Profile
+    from ..policy.sv import SVPolicy
+
+
+@dataclass
+class PluginState:
+    """The stopping rule in place (a threshold or SV's profiles, at most one) and the plugin's counters."""
+
+    min_prob: float | None = None  # BLOCKSPEC_VLLM_MIN_DRAFT_PROB's threshold
+    sv_paths: list[str] | None = None  # BLOCKSPEC_VLLM_SV's (calibration, latency) profile paths
+    sv_profiles: tuple[Profile, LatencyProfile] | None = None  # read from sv_paths when SV is put in place
+    sv_policy: SVPolicy | None = None  # built from sv_profiles at the worker's first step
+    offset: float = 0.0  # what SV has learnt on its predictor's logits from the steps the block rule verified
+    skipped: int = 0  # steps SV did not draft
+    drafted: int = 0  # tokens drafted, and of them verified, while a stopping rule was in place
+    verified: int = 0
+    # verification steps with sampled requests, by the rule that verified them
+    steps: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SAMPLED_RULES, 0))
+    chunks_drawn_apart: int = 0  # samples of seeded requests' prefill chunks drawn from a copy of their generator
+    analytic_rows: int = 0  # sampled request-steps with drafts scored under both rules (BLOCKSPEC_VLLM_ANALYTIC)
+    expected: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SAMPLED_RULES, 0.0))  # sums of E[accepted]
+
+
+STATE = PluginState()

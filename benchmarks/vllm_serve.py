@@ -345,8 +345,8 @@ def run_blockspec(args) -> None:
         target, draft = load_model("qwen2.5-coder-1.5b", dtype=dtype), load_model("qwen2.5-coder-0.5b", dtype=dtype)
         base = {**common(args, "blockspec"), "torch": torch.__version__, "dtype": dtype}
         for config, k in configurations(args):
-            decoder = SpeculativeDecoder(
-                target, None if k == 0 else draft, verifier="none" if k == 0 else config, max_draft=k or 1
+            decoder = (
+                SpeculativeDecoder(target) if k == 0 else SpeculativeDecoder(target, draft, rule=config, max_draft=k)
             )
             decoder.generate([setup["prompts"][0]["ids"][:32]], max_new_tokens=8, sampling=sampling, seed=0)
             for batch in args.concurrency if k == 0 else [1]:

@@ -48,10 +48,7 @@ class Recording:
     def load(cls, path) -> Recording:
         # weights_only: tensors and containers only, so a planted recording cannot run code, even where
         # TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD makes full unpickling torch.load's default.
-        data = torch.load(path, weights_only=True)
-        if "num_draft" in data:  # a recording saved before the field's rename
-            data["num_verified"] = data.pop("num_draft")
-        return cls(**data)
+        return cls(**torch.load(path, weights_only=True))
 
 
 class Recorder(FixedLength):

@@ -350,7 +350,7 @@ def show(temperature: float, prediction: dict, top: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=(__doc__ or "").split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument("--costs", required=True, help="a forward_costs.py result file")
     parser.add_argument("--target-variant", default="qwen2.5-coder-1.5b:bfloat16:int8", help="a variant in --costs")

@@ -1,6 +1,6 @@
 """Micro-benchmark of the verifiers: median wall time per call, block/token ratio, cost of input validation.
 
-    python benchmarks/verify_speed.py                      # the full grid: B in {1, 8, 64}, K in {4, 8}, V in {32000, 151936}
+    python benchmarks/verify_speed.py                      # the full grid: B {1, 8, 64}, K {4, 8}, V {32000, 151936}
     python benchmarks/verify_speed.py --batch 1 --width 8 --vocab 151936
 
 Inputs are realistic float32 distributions (softmax of scaled Gaussian logits, draft correlated with target)
@@ -11,6 +11,7 @@ torch.Generator, as the engine does. Prints a table, saves JSON (--out), and the
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from blockspec.verify import VERIFIERS
+from blockspec.verify import RULES
 
 # Target forward times measured on an AVX-512 machine (Qwen2.5-Coder-1.5B bf16, KV cache 128):
 # (B, tokens per row) -> ms. Used only to express verification cost as a share of the matching forward.
@@ -77,14 +78,14 @@ def main(argv: list[str] | None = None) -> None:
                 gen = torch.Generator().manual_seed(1)
                 times = {
                     name: median_ms(
-                        lambda v=verify: v(*inputs, generator=gen, validate=False),
+                        functools.partial(rule.verify, *inputs, generator=gen, validate=False),
                         min_repeats=args.repeats,
                         budget_s=args.budget,
                     )
-                    for name, verify in VERIFIERS.items()
+                    for name, rule in RULES.items()
                 }
                 validated = median_ms(
-                    lambda: VERIFIERS["block"](*inputs, generator=gen, validate=True),
+                    functools.partial(RULES["block"].verify, *inputs, generator=gen, validate=True),
                     min_repeats=args.repeats,
                     budget_s=args.budget,
                 )
@@ -108,8 +109,8 @@ def main(argv: list[str] | None = None) -> None:
                 )
                 del inputs
     print(
-        "validate=False in the timed columns; 'validation ms' = block with validate=True minus without. "
-        "'% of fwd': block time over the Qwen2.5-Coder-1.5B bf16 forward of K+1 tokens (measured on an AVX-512 machine)."
+        "validate=False in the timed columns; 'validation ms' = block with validate=True minus without. '% of fwd': "
+        "block time over the Qwen2.5-Coder-1.5B bf16 forward of K+1 tokens (measured on an AVX-512 machine)."
     )
     record = {
         "benchmark": "verify_speed",

@@ -7,6 +7,23 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test that takes ``rule`` runs once per registered verification rule (``blockspec.verify.RULES``), one that
+    takes ``sampled_rule`` once per rule with closed forms, lossless at any temperature (``SAMPLED_RULES``). The
+    registry is read at collection, so a rule added to it joins the exact, statistical, property and validation
+    tests, their negative controls included, with no test edited. A test's own parametrize of the name wins."""
+    from blockspec.verify import rules
+
+    own = {
+        name.strip()
+        for mark in metafunc.definition.iter_markers("parametrize")
+        for name in (mark.args[0].split(",") if isinstance(mark.args[0], str) else mark.args[0])
+    }
+    for name, names in (("rule", rules.RULES), ("sampled_rule", rules.SAMPLED_RULES)):
+        if name in metafunc.fixturenames and name not in own:
+            metafunc.parametrize(name, list(names))
+
+
 @pytest.fixture(autouse=True, scope="session")
 def the_users_model_cache_gains_no_test_copies():
     """Tests must not fill the user's model cache with copies (float32 ones take GBs). They may reuse (or make) the

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-# step(draft_tokens [N, K], draft_probs [N, K, V], target_probs [N, K+1, V])
+# step(draft_tokens [N, K], draft_probs [N, K, V] or None (one-hot draft), target_probs [N, K+1, V])
 #   -> (tau_law [N, K+1], final [N, K+1, V]): P(tau = i | block) and the law of the token emitted after tau = i.
-StepLaw = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+StepLaw = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)

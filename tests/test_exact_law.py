@@ -14,33 +14,39 @@ import lawkit
 import pytest
 import torch
 
-from blockspec.verify import accepted_length_law, expected_accepted, final_distributions
+from blockspec.verify import SAMPLED_RULES, accepted_length_law, expected_accepted, final_distributions
 
 # Every V in {2, 3, 4} with K in {1, 2, 3}, and K = 4 for V = 2.
 CASES = [(v, k) for v in (2, 3, 4) for k in (1, 2, 3)] + [(2, 4)]
+CASE_IDS = [f"V{v}K{k}" for v, k in CASES]
 SEEDS = (0, 1)
 LOSSLESS = 1e-12
 
+pytest_plugins = ["pytester"]  # test_a_registered_rule_joins_the_law_check runs the law check in a session of its own
 
-def library_step(method: str) -> lawkit.StepLaw:
+
+REFERENCE_RULES = ("token", "block")  # the rules ``reference_step`` transcribes
+
+
+def library_step(rule: str) -> lawkit.StepLaw:
     def step(draft_tokens, draft_probs, target_probs):
         return (
-            accepted_length_law(draft_tokens, draft_probs, target_probs, method),
-            final_distributions(draft_tokens, draft_probs, target_probs, method),
+            accepted_length_law(draft_tokens, draft_probs, target_probs, rule),
+            final_distributions(draft_tokens, draft_probs, target_probs, rule),
         )
 
     return step
 
 
 def reference_step(
-    method: str, *, stop_at_first_failure=False, unscaled_residual=False, cap_at_end=False
+    rule: str, *, stop_at_first_failure=False, unscaled_residual=False, cap_at_end=False
 ) -> lawkit.StepLaw:
     """docs/algorithms.md transcribed one block and one scalar at a time, with switches for the three known mistakes."""
 
     def one_block(x: list[int], draft: torch.Tensor, target: torch.Tensor):
         width, vocab = len(x), target.shape[-1]
         ratios = [float(target[i][x[i]] / draft[i][x[i]]) for i in range(width)]
-        if method == "token":
+        if rule == "token":
             accept = [min(1.0, r) for r in ratios]
             survival = [1.0] + list(itertools.accumulate(accept, lambda a, b: a * b))
             tau_law = [survival[i] - (survival[i + 1] if i < width else 0.0) for i in range(width + 1)]
@@ -90,25 +96,24 @@ def law_error(tables: lawkit.Tables, width: int, step: lawkit.StepLaw) -> float:
     return lawkit.max_abs_error(lawkit.speculative_law(tables, width, step), lawkit.target_law(tables, width + 1))
 
 
-@pytest.mark.parametrize("method", ["token", "block"])
-@pytest.mark.parametrize(("vocab", "width"), CASES)
+@pytest.mark.parametrize(("vocab", "width"), CASES, ids=CASE_IDS)
 @pytest.mark.parametrize(("seed", "zeros"), [(0, True), (1, True), (2, False)])
-def test_verifier_reproduces_the_target_joint_law(method, vocab, width, seed, zeros):
+def test_rule_reproduces_the_target_joint_law(sampled_rule, vocab, width, seed, zeros):
     tables = lawkit.random_tables(vocab, width, seed=100 * vocab + 10 * width + seed, zeros=zeros)
-    error = law_error(tables, width, library_step(method))
-    assert error < LOSSLESS, f"{method} V={vocab} K={width}: joint-law error {error:.2e}"
+    error = law_error(tables, width, library_step(sampled_rule))
+    assert error < LOSSLESS, f"{sampled_rule} V={vocab} K={width}: joint-law error {error:.2e}"
 
 
-@pytest.mark.parametrize("method", ["token", "block"])
+@pytest.mark.parametrize("rule", REFERENCE_RULES)
 @pytest.mark.parametrize(("vocab", "width"), [(3, 3), (4, 2), (2, 4)])
-def test_library_closed_forms_match_the_reference(method, vocab, width):
+def test_library_closed_forms_match_the_reference(rule, vocab, width):
     tables = lawkit.random_tables(vocab, width, seed=7)
     blocks = lawkit.all_blocks(vocab, width)
     draft_probs, target_probs = tables.block_inputs(blocks)
     possible = draft_probs.gather(-1, blocks[..., None]).squeeze(-1).prod(-1) > 0
     blocks, draft_probs, target_probs = blocks[possible], draft_probs[possible], target_probs[possible]
-    tau_law, final = library_step(method)(blocks, draft_probs, target_probs)
-    ref_tau_law, ref_final = reference_step(method)(blocks, draft_probs, target_probs)
+    tau_law, final = library_step(rule)(blocks, draft_probs, target_probs)
+    ref_tau_law, ref_final = reference_step(rule)(blocks, draft_probs, target_probs)
     assert lawkit.max_abs_error(tau_law, ref_tau_law) < LOSSLESS
     reached = ref_tau_law > 0  # the emitted token's law only matters where tau can land
     assert lawkit.max_abs_error(final[reached], ref_final[reached]) < LOSSLESS
@@ -117,8 +122,42 @@ def test_library_closed_forms_match_the_reference(method, vocab, width):
 def test_reference_is_lossless_too():
     """The reference without mistakes passes the harness, so the failures below are the mistakes' own."""
     tables = lawkit.random_tables(3, 3, seed=11)
-    for method in ("token", "block"):
-        assert law_error(tables, 3, reference_step(method)) < LOSSLESS
+    for rule in REFERENCE_RULES:
+        assert law_error(tables, 3, reference_step(rule)) < LOSSLESS
+
+
+def test_rule_with_its_residual_ignored_is_not_lossless(sampled_rule):
+    """The negative control every registered rule gets: its own law of tau, but the token after a rejection drawn
+    from the target instead of the rule's residual. The harness must see the difference."""
+
+    def step(draft_tokens, draft_probs, target_probs):
+        return accepted_length_law(draft_tokens, draft_probs, target_probs, sampled_rule), target_probs
+
+    errors = [law_error(lawkit.random_tables(3, 2, seed=seed), 2, step) for seed in range(4)]
+    assert max(errors) > 1e-4, f"{sampled_rule} with the target in place of its residual: law errors {errors}"
+
+
+def test_a_registered_rule_joins_the_law_check(pytester, monkeypatch):
+    """The harness reads the registry: a rule registered in ``RULES`` is collected by the law check with no test
+    edited, and fails it when it is not lossless, while the real rules pass. The rule registered here is block
+    verification with the token rule's residual (the unscaled-residual mistake), lossy on every V4K3 table below."""
+    from test_statistical import verify_block_unscaled_residual
+
+    from blockspec.verify import rules
+    from blockspec.verify.block import block_gains, block_survival
+    from blockspec.verify.token import token_final_log_weight
+
+    broken = rules.Rule(
+        "unscaled_residual", verify_block_unscaled_residual, True, block_survival, token_final_log_weight, block_gains
+    )
+    monkeypatch.setitem(rules.RULES, broken.name, broken)
+    monkeypatch.setattr(rules, "SAMPLED_RULES", (*rules.SAMPLED_RULES, broken.name))
+    law_check = "test_rule_reproduces_the_target_joint_law and V4K3"
+    result = pytester.runpytest_inprocess(__file__, "-p", "no:cacheprovider", "-q", "-k", law_check)
+    per_rule = 3  # the seeds of the law check
+    result.assert_outcomes(passed=per_rule * (len(rules.SAMPLED_RULES) - 1), failed=per_rule)
+    failed = [line for line in result.outlines if line.startswith("FAILED")]
+    assert len(failed) == per_rule and all(f"[{broken.name}-" in line for line in failed), failed
 
 
 MISTAKES = ["stop_at_first_failure", "unscaled_residual", "cap_at_end"]
@@ -162,8 +201,8 @@ def draft_weighted_means(tables: lawkit.Tables, width: int, draft_probs_override
         target_probs[weight > 0],
         weight[weight > 0],
     )
-    per_block = {m: expected_accepted(blocks, draft_probs, target_probs, m) for m in ("token", "block")}
-    return {m: float((weight * e).sum()) for m, e in per_block.items()}, per_block
+    per_block = {rule: expected_accepted(blocks, draft_probs, target_probs, rule) for rule in SAMPLED_RULES}
+    return {rule: float((weight * e).sum()) for rule, e in per_block.items()}, per_block
 
 
 def test_toy_example_expected_accepted():
@@ -196,16 +235,15 @@ def test_block_can_be_worse_than_token_for_a_given_draft():
     assert 0.05 < worse < 0.95
 
 
-def test_expected_accepted_is_the_mean_of_the_accepted_length_law():
+def test_expected_accepted_is_the_mean_of_the_accepted_length_law(sampled_rule):
     tables = lawkit.random_tables(4, 3, seed=9)
     blocks = lawkit.all_blocks(4, 3)[:40]
     draft_probs, target_probs = tables.block_inputs(blocks)
     keep = draft_probs.gather(-1, blocks[..., None]).squeeze(-1).prod(-1) > 0
     args = (blocks[keep], draft_probs[keep], target_probs[keep])
-    for method in ("token", "block"):
-        law = accepted_length_law(*args, method)
-        mean = (law * torch.arange(4, dtype=torch.float64)).sum(-1)
-        assert lawkit.max_abs_error(mean, expected_accepted(*args, method)) < LOSSLESS
+    law = accepted_length_law(*args, sampled_rule)
+    mean = (law * torch.arange(4, dtype=torch.float64)).sum(-1)
+    assert lawkit.max_abs_error(mean, expected_accepted(*args, sampled_rule)) < LOSSLESS
 
 
 @pytest.mark.parametrize("which", ["one-hot target", "one-hot draft"])
@@ -230,24 +268,22 @@ def test_token_and_block_coincide_with_a_one_hot_target_or_draft(which):
     assert lawkit.max_abs_error(token[1][reached], block[1][reached]) < LOSSLESS
 
 
-def test_one_hot_draft_path_is_lossless():
-    """draft_probs=None (greedy or n-gram drafter) through the harness, for both rules."""
+def test_one_hot_draft_path_is_lossless(sampled_rule):
+    """draft_probs=None (greedy or n-gram drafter) through the harness."""
     tables = lawkit.random_tables(3, 3, seed=8)
     one_hot = [torch.nn.functional.one_hot(d.argmax(-1), 3).double() for d in tables.draft]
     tables = lawkit.Tables(3, tables.target, one_hot)
-    for method in ("token", "block"):
 
-        def step(x, d, t, method=method):
-            return library_step(method)(x, None, t)
+    def step(x, d, t):
+        return library_step(sampled_rule)(x, None, t)
 
-        assert law_error(tables, 3, step) < LOSSLESS
+    assert law_error(tables, 3, step) < LOSSLESS
 
 
 # --- ragged rows ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", ["token", "block"])
-def test_ragged_rows_have_the_law_of_each_row_alone(method):
+def test_ragged_rows_have_the_law_of_each_row_alone(sampled_rule):
     """A row with num_verified = n inside a K-wide batch has the law of that row verified alone with K = n."""
     vocab, width = 3, 4
     tables = lawkit.random_tables(vocab, width, seed=13)
@@ -262,12 +298,12 @@ def test_ragged_rows_have_the_law_of_each_row_alone(method):
         blocks[b, n:] = -1
         draft_probs[b, n:] = 0.0
         target_probs[b, n + 1 :] = 7.0
-    law = accepted_length_law(blocks, draft_probs, target_probs, method, num_verified)
-    final = final_distributions(blocks, draft_probs, target_probs, method, num_verified)
+    law = accepted_length_law(blocks, draft_probs, target_probs, sampled_rule, num_verified)
+    final = final_distributions(blocks, draft_probs, target_probs, sampled_rule, num_verified)
     for b, n in enumerate(num_verified.tolist()):
         alone = (blocks[b : b + 1, :n], draft_probs[b : b + 1, :n], target_probs[b : b + 1, : n + 1])
-        alone_law = accepted_length_law(*alone, method)
-        alone_final = final_distributions(*alone, method)
+        alone_law = accepted_length_law(*alone, sampled_rule)
+        alone_final = final_distributions(*alone, sampled_rule)
         assert lawkit.max_abs_error(law[b, : n + 1], alone_law[0]) < LOSSLESS
         assert float(law[b, n + 1 :].abs().sum()) == 0.0  # tau never exceeds the row's own draft
         assert lawkit.max_abs_error(final[b, : n + 1], alone_final[0]) < LOSSLESS

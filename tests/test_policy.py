@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from blockspec.policy import LatencyTable, ragged_stopping_lengths, stopping_lengths
-from blockspec.verify import accepted_length_law, final_distributions
+from blockspec.verify import SAMPLED_RULES, accepted_length_law, final_distributions
 
 VOCAB, DRAFT_LEN = 3, 3
 GENTLE = LatencyTable(batch_sizes=(1,), tokens=(1, 4), seconds=((1.0, 1.3),))
@@ -77,49 +77,49 @@ def argmax_policy(overlap, accept):
     return (emitted / cost).argmax(1)
 
 
-def step_with(policy, method: str, tables: lawkit.Tables, companion: lawkit.Tables) -> lawkit.StepLaw:
+def step_with(policy, rule: str, tables: lawkit.Tables, companion: lawkit.Tables) -> lawkit.StepLaw:
     def step(blocks, draft_probs, target_probs):
         lengths = policy(*features(tables, companion, blocks))
         return (
-            accepted_length_law(blocks, draft_probs, target_probs, method, lengths),
-            final_distributions(blocks, draft_probs, target_probs, method, lengths),
+            accepted_length_law(blocks, draft_probs, target_probs, rule, lengths),
+            final_distributions(blocks, draft_probs, target_probs, rule, lengths),
         )
 
     return step
 
 
-def law_errors(policy, method):
+def law_errors(policy, rule):
     errors, lengths_seen = [], set()
     for seed in range(6):
         tables = lawkit.random_tables(VOCAB, DRAFT_LEN, seed=40 + seed)
         companion = lawkit.random_tables(VOCAB, DRAFT_LEN, seed=80 + seed, peaked=0.5)
         blocks = lawkit.all_blocks(VOCAB, DRAFT_LEN)
         lengths_seen |= set(policy(*features(tables, companion, blocks)).tolist())
-        law = lawkit.speculative_law(tables, DRAFT_LEN, step_with(policy, method, tables, companion))
+        law = lawkit.speculative_law(tables, DRAFT_LEN, step_with(policy, rule, tables, companion))
         errors.append(lawkit.max_abs_error(law, lawkit.target_law(tables, DRAFT_LEN + 1)))
     return errors, lengths_seen
 
 
-@pytest.mark.parametrize("method", ["token", "block"])
+@pytest.mark.parametrize("rule", SAMPLED_RULES)
 @pytest.mark.parametrize(
     ("policy", "lengths_used"),
     [(stopping_policy, {0, 1}), (gentle_stopping_policy, {0, 1, 2, 3}), (ragged_stopping_policy, {0, 1, 2, 3})],
     ids=["non-concave latency", "smooth latency", "ragged"],
 )
-def test_the_stopping_rule_is_lossless(policy, lengths_used, method):
-    errors, lengths = law_errors(policy, method)
+def test_the_stopping_rule_is_lossless(policy, lengths_used, rule):
+    errors, lengths = law_errors(policy, rule)
     assert max(errors) < 1e-12, errors
     assert lengths == lengths_used  # the policy really varies the verified length with the features
 
 
-@pytest.mark.parametrize("method", ["token", "block"])
+@pytest.mark.parametrize("rule", SAMPLED_RULES)
 @pytest.mark.parametrize(
     "policy",
     [lookahead_policy, ragged_lookahead_policy, argmax_policy],
     ids=["look-ahead", "ragged look-ahead", "global-argmax"],
 )
-def test_policies_that_look_at_the_token_they_decide_on_are_biased(policy, method):
-    errors, _ = law_errors(policy, method)
+def test_policies_that_look_at_the_token_they_decide_on_are_biased(policy, rule):
+    errors, _ = law_errors(policy, rule)
     assert max(errors) > 1e-4, errors
 
 

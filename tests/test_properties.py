@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from blockspec.verify import (
-    VERIFIERS,
+    RULES,
+    SAMPLED_RULES,
     Randomness,
     acceptance_survival,
     block_acceptance,
@@ -30,7 +31,6 @@ from blockspec.verify import (
     verify_token,
 )
 
-SAMPLING = {"token": verify_token, "block": verify_block}  # the two rules that consume randomness
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
@@ -77,6 +77,11 @@ def check_format(out, draft_tokens, vocab, num_verified=None):
     assert bool((tokens[after] == -1).all()), "positions after tau must be -1"
 
 
+def assert_exact(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal up to float64 rounding (1e-12 absolute): what the closed forms promise."""
+    torch.testing.assert_close(actual, expected, atol=1e-12, rtol=0)
+
+
 def same(a, b) -> bool:
     return torch.equal(a.tokens, b.tokens) and torch.equal(a.num_accepted, b.num_accepted)
 
@@ -85,8 +90,7 @@ def same(a, b) -> bool:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("method", SAMPLING)
-def test_golden_draft_equals_target_accepts_everything(method, dtype):
+def test_golden_draft_equals_target_accepts_everything(sampled_rule, dtype):
     # ratio_i = 1 everywhere: token accepts with probability 1; block has w_i = 1, so h_K = w_K = 1 (tau = K
     # whatever u is), and Z_i = 0 with a zero denominator for i < K (the guard). The bonus row is one-hot.
     batch, width, vocab = 16, 3, 5
@@ -96,14 +100,13 @@ def test_golden_draft_equals_target_accepts_everything(method, dtype):
     draft = target[:, :width].clone()
     draft_tokens = draft.argmax(-1)  # any token with draft probability > 0 would do
     for seed in range(5):
-        out = SAMPLING[method](draft_tokens, draft, target, generator=torch.Generator().manual_seed(seed))
+        out = RULES[sampled_rule].verify(draft_tokens, draft, target, generator=torch.Generator().manual_seed(seed))
         assert bool((out.num_accepted == width).all()), out.num_accepted
         assert torch.equal(out.tokens[:, :width], draft_tokens)
         assert torch.equal(out.tokens[:, width], bonus)
 
 
-@pytest.mark.parametrize("method", SAMPLING)
-def test_golden_target_gives_zero_to_first_draft_token(method):
+def test_golden_target_gives_zero_to_first_draft_token(sampled_rule):
     # target(x_1) = 0: token rejects x_1 surely; block has w_1 = 0, hence w_i = 0, Z_i = 0 and h_i = 0 for all
     # i >= 1: tau = 0. The correction comes from max(target_0 - draft_0, 0) = (0, 0, 1/2): always token 2.
     batch, width = 32, 3
@@ -112,7 +115,7 @@ def test_golden_target_gives_zero_to_first_draft_token(method):
     draft[:, 0] = torch.tensor([0.5, 0.5, 0.0], dtype=torch.float64)
     draft_tokens[:, 0] = 0
     for seed in range(5):
-        out = SAMPLING[method](draft_tokens, draft, target, generator=torch.Generator().manual_seed(seed))
+        out = RULES[sampled_rule].verify(draft_tokens, draft, target, generator=torch.Generator().manual_seed(seed))
         assert bool((out.num_accepted == 0).all())
         assert bool((out.tokens[:, 0] == 2).all()) and bool((out.tokens[:, 1:] == -1).all())
 
@@ -140,30 +143,26 @@ def _hand_case():
 def test_golden_hand_computed_closed_forms():
     draft_tokens, draft, target = _hand_case()
     num_verified = torch.full((3,), 2)
-    close = dict(atol=1e-12, rtol=0)
-    f64 = dict(dtype=torch.float64)
-    torch.testing.assert_close(
+    assert_exact(
         token_acceptance(draft_tokens, draft, target, num_verified),
-        torch.tensor([[0.5, 1.0], [0.5, 1.0], [0.5, 0.0]], **f64),
-        **close,
+        torch.tensor([[0.5, 1.0], [0.5, 1.0], [0.5, 0.0]], dtype=torch.float64),
     )
     h, log_w = block_acceptance(draft_tokens, draft, target, num_verified)
-    torch.testing.assert_close(h, torch.tensor([[1 / 6, 1.0], [1 / 6, 1.0], [1 / 6, 0.0]], **f64), **close)
-    torch.testing.assert_close(log_w.exp(), torch.tensor([[1, 0.5, 1], [1, 0.5, 1], [1, 0.5, 0]], **f64), **close)
+    assert_exact(h, torch.tensor([[1 / 6, 1.0], [1 / 6, 1.0], [1 / 6, 0.0]], dtype=torch.float64))
+    assert_exact(log_w.exp(), torch.tensor([[1, 0.5, 1], [1, 0.5, 1], [1, 0.5, 0]], dtype=torch.float64))
     # P(tau >= i | block): token prod a_k; block 1 - prod_{j >= i} (1 - h_j).
-    torch.testing.assert_close(
+    assert_exact(
         acceptance_survival(draft_tokens, draft, target, "token"),
-        torch.tensor([[1, 0.5, 0.5], [1, 0.5, 0.5], [1, 0.5, 0]], **f64),
-        **close,
+        torch.tensor([[1, 0.5, 0.5], [1, 0.5, 0.5], [1, 0.5, 0]], dtype=torch.float64),
     )
     block_survival = acceptance_survival(draft_tokens, draft, target, "block")
-    torch.testing.assert_close(block_survival, torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1 / 6, 0]], **f64), **close)
+    assert_exact(block_survival, torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1 / 6, 0]], dtype=torch.float64))
     # docs/algorithms.md: marginally P(tau >= 1 | x_1) = w_1: .2 * 1 + .2 * 1 + .6 * 1/6 = 1/2.
     assert abs(float((draft[0, 1] * block_survival[:, 1]).sum()) - 0.5) < 1e-12
     finals = final_distributions(draft_tokens, draft, target, "block")
-    torch.testing.assert_close(finals[2, :2], torch.tensor([[0, 1, 0], [1, 0, 0]], **f64), **close)
+    assert_exact(finals[2, :2], torch.tensor([[0, 1, 0], [1, 0, 0]], dtype=torch.float64))
     finals = final_distributions(draft_tokens, draft, target, "token")
-    torch.testing.assert_close(finals[2, :2], torch.tensor([[0, 1, 0], [2 / 3, 1 / 3, 0]], **f64), **close)
+    assert_exact(finals[2, :2], torch.tensor([[0, 1, 0], [2 / 3, 1 / 3, 0]], dtype=torch.float64))
 
 
 def test_golden_hand_computed_outcomes():
@@ -198,14 +197,13 @@ def test_golden_hand_computed_outcomes():
 @pytest.mark.parametrize("one_hot_draft", [False, True], ids=["draft_probs", "draft_probs_None"])
 @pytest.mark.parametrize("ragged", [False, True], ids=["full", "ragged"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("method", VERIFIERS)
-def test_output_format(method, dtype, ragged, one_hot_draft):
+def test_output_format(rule, dtype, ragged, one_hot_draft):
     batch, width, vocab = 64, 5, 11
     for seed in range(3):
         draft_tokens, draft, target = random_inputs(batch, width, vocab, seed, dtype=DTYPES[dtype])
         num_verified = torch.randint(0, width + 1, (batch,), generator=torch.Generator().manual_seed(seed))
         num_verified = num_verified if ragged else None
-        out = VERIFIERS[method](
+        out = RULES[rule].verify(
             draft_tokens,
             None if one_hot_draft else draft,
             target,
@@ -213,20 +211,19 @@ def test_output_format(method, dtype, ragged, one_hot_draft):
             generator=torch.Generator().manual_seed(seed),
         )
         check_format(out, draft_tokens, vocab, num_verified)
-    assert int(out.num_accepted.max()) > 0 or method == "greedy"  # the prefix check was exercised
+    assert int(out.num_accepted.max()) > 0 or not RULES[rule].sampled  # the prefix check was exercised
 
 
 @pytest.mark.parametrize("one_hot_draft", [False, True], ids=["draft_probs", "draft_probs_None"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("method", VERIFIERS)
-def test_zero_probability_tokens_never_emitted(method, dtype, one_hot_draft):
+def test_zero_probability_tokens_never_emitted(rule, dtype, one_hot_draft):
     # Half of the target's entries are 0 and the draft has none, so many drafted tokens have target
     # probability 0: they must never be accepted, nor drawn as corrections or bonuses.
     batch, width, vocab = 200, 4, 6
     emitted = 0
     for seed in range(30):
         draft_tokens, draft, target = random_inputs(batch, width, vocab, seed, dtype=DTYPES[dtype], target_zeros=0.5)
-        out = VERIFIERS[method](
+        out = RULES[rule].verify(
             draft_tokens, None if one_hot_draft else draft, target, generator=torch.Generator().manual_seed(seed)
         )
         shown = out.tokens >= 0  # [B, K+1]: positions 0..tau
@@ -240,24 +237,22 @@ def test_zero_probability_tokens_never_emitted(method, dtype, one_hot_draft):
 # --- purity -----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", VERIFIERS)
-def test_same_seed_same_output(method):
+def test_same_seed_same_output(rule):
     batch, width, vocab = 256, 4, 7
     draft_tokens, draft, target = random_inputs(batch, width, vocab, seed=3)
     global_state = torch.random.get_rng_state()
-    first = VERIFIERS[method](draft_tokens, draft, target, generator=torch.Generator().manual_seed(7))
-    second = VERIFIERS[method](draft_tokens, draft, target, generator=torch.Generator().manual_seed(7))
-    other = VERIFIERS[method](draft_tokens, draft, target, generator=torch.Generator().manual_seed(8))
+    first = RULES[rule].verify(draft_tokens, draft, target, generator=torch.Generator().manual_seed(7))
+    second = RULES[rule].verify(draft_tokens, draft, target, generator=torch.Generator().manual_seed(7))
+    other = RULES[rule].verify(draft_tokens, draft, target, generator=torch.Generator().manual_seed(8))
     assert same(first, second)
     assert torch.equal(torch.random.get_rng_state(), global_state), "the global RNG must not be touched"
-    if method != "greedy":  # the generator is really used: another seed changes some of 256 rows
+    if RULES[rule].sampled:  # the generator is really used: another seed changes some of 256 rows
         assert not same(first, other)
     else:
         assert same(first, other)
 
 
-@pytest.mark.parametrize("method", VERIFIERS)
-def test_explicit_randomness_is_a_pure_function(method):
+def test_explicit_randomness_is_a_pure_function(rule):
     batch, width, vocab = 64, 4, 7
     draft_tokens, draft, target = random_inputs(batch, width, vocab, seed=4)
     randomness = draw(batch, width, vocab, seed=5)
@@ -265,7 +260,7 @@ def test_explicit_randomness_is_a_pure_function(method):
     generator = torch.Generator().manual_seed(123)
     generator_state, global_state = generator.get_state(), torch.random.get_rng_state()
     outputs = [
-        VERIFIERS[method](draft_tokens, draft, target, randomness=randomness, generator=g)
+        RULES[rule].verify(draft_tokens, draft, target, randomness=randomness, generator=g)
         for g in (None, generator, torch.Generator().manual_seed(456))
     ]
     assert same(outputs[0], outputs[1]) and same(outputs[0], outputs[2])
@@ -279,10 +274,9 @@ def test_explicit_randomness_is_a_pure_function(method):
 
 
 @pytest.mark.parametrize("one_hot_draft", [False, True], ids=["draft_probs", "draft_probs_None"])
-@pytest.mark.parametrize("method", VERIFIERS)
-def test_batch_rows_independent_of_neighbours(method, one_hot_draft):
+def test_batch_rows_independent_of_neighbours(rule, one_hot_draft):
     batch, width, vocab = 24, 4, 6
-    verifier = VERIFIERS[method]
+    verifier = RULES[rule].verify
     for seed in range(3):
         draft_tokens, draft, target = random_inputs(batch, width, vocab, seed=10 + seed)
         draft = None if one_hot_draft else draft
@@ -302,13 +296,12 @@ def test_batch_rows_independent_of_neighbours(method, one_hot_draft):
 
 
 @pytest.mark.parametrize("one_hot_draft", [False, True], ids=["draft_probs", "draft_probs_None"])
-@pytest.mark.parametrize("method", VERIFIERS)
-def test_ragged_row_equals_the_row_alone_with_its_own_k(method, one_hot_draft):
+def test_ragged_row_equals_the_row_alone_with_its_own_k(rule, one_hot_draft):
     # Row b drafted n_b tokens inside a K-wide batch whose padding is garbage: token id -1, unnormalised
     # draft and target rows (with zeros) and uniforms of 0 (which would accept anything they touched). It must
     # give exactly the output of the row verified alone with K = n_b and the first n_b uniforms.
     batch, width, vocab = 10, 4, 5
-    verifier = VERIFIERS[method]
+    verifier = RULES[rule].verify
     gen = torch.Generator().manual_seed(0)
     for seed in range(4):
         draft_tokens, draft, target = random_inputs(batch, width, vocab, seed=30 + seed)
@@ -358,16 +351,13 @@ def test_k1_token_and_block_identical(one_hot_draft):
     for seed in range(3):
         draft_tokens, draft, target = random_inputs(batch, 1, vocab, seed=50 + seed, target_zeros=0.3)
         draft = None if one_hot_draft else draft
-        close = dict(atol=1e-12, rtol=0)
-        torch.testing.assert_close(
+        assert_exact(
             acceptance_survival(draft_tokens, draft, target, "token"),
             acceptance_survival(draft_tokens, draft, target, "block"),
-            **close,
         )
-        torch.testing.assert_close(
+        assert_exact(
             final_distributions(draft_tokens, draft, target, "token"),
             final_distributions(draft_tokens, draft, target, "block"),
-            **close,
         )
         randomness = draw(batch, 1, vocab, seed=60 + seed)
         token = verify_token(draft_tokens, draft, target, randomness=randomness)
@@ -410,24 +400,22 @@ def test_one_hot_draft_token_and_block_same_law():
     # two rules couple the uniforms to tau differently (e.g. V = 2, target (1/2, 1/2) at every position,
     # u = (.9, .1): token rejects x_1, block takes tau = 2 since h_2 = w_2 = 1/4 > .1), so outputs are not compared.
     batch, width, vocab = 512, 4, 5
-    close = dict(atol=1e-12, rtol=0)
     for seed in range(3):
         draft_tokens, draft, target = random_inputs(batch, width, vocab, seed=90 + seed, target_zeros=0.3)
         token_survival = acceptance_survival(draft_tokens, None, target, "token")
-        torch.testing.assert_close(acceptance_survival(draft_tokens, None, target, "block"), token_survival, **close)
+        assert_exact(acceptance_survival(draft_tokens, None, target, "block"), token_survival)
         reachable = _reachable(token_survival)
-        torch.testing.assert_close(
+        assert_exact(
             final_distributions(draft_tokens, None, target, "token")[reachable],
             final_distributions(draft_tokens, None, target, "block")[reachable],
-            **close,
         )
         # draft_probs=None is the same as passing the one-hot rows explicitly.
         one_hot = torch.nn.functional.one_hot(draft_tokens, vocab).to(torch.float64)
         randomness = draw(batch, width, vocab, seed=100 + seed)
-        for verifier in VERIFIERS.values():
+        for rule in RULES.values():
             assert same(
-                verifier(draft_tokens, None, target, randomness=randomness),
-                verifier(draft_tokens, one_hot, target, randomness=randomness),
+                rule.verify(draft_tokens, None, target, randomness=randomness),
+                rule.verify(draft_tokens, one_hot, target, randomness=randomness),
             )
 
 
@@ -495,23 +483,23 @@ def test_large_vocab_float32():
     draft_tokens, draft, target = _realistic(batch, width, vocab, seed=0)
     assert float(target.amax(-1).min()) > 0.3  # peaked, as a real model's rows are
     for seed in range(3):
-        for method, verifier in VERIFIERS.items():
-            out = verifier(draft_tokens, draft, target, generator=torch.Generator().manual_seed(seed))
+        for rule in RULES.values():
+            out = rule.verify(draft_tokens, draft, target, generator=torch.Generator().manual_seed(seed))
             check_format(out, draft_tokens, vocab)
     # The exact closed forms in float32 against float64 arithmetic on the SAME (upcast) probabilities
     # (validate=False: float32 rows sum to 1 only within ~4e-5, beyond float64's tolerance). Tolerance 1e-5 on
     # probabilities: each Z_i reduces V = 151,936 float32 terms; pairwise summation over ~17 levels with eps 6e-8
     # bounds the relative error near 1e-6, and ratio/log/exp add a few eps (measured: ~1e-8).
-    for method in SAMPLING:
-        survival = acceptance_survival(draft_tokens, draft, target, method)
-        reference = acceptance_survival(draft_tokens, draft.double(), target.double(), method, validate=False)
+    for rule in SAMPLED_RULES:
+        survival = acceptance_survival(draft_tokens, draft, target, rule)
+        reference = acceptance_survival(draft_tokens, draft.double(), target.double(), rule, validate=False)
         assert survival.dtype == torch.float32 and bool(survival.isfinite().all())
         error = float((survival.double() - reference).abs().max())
-        assert error < 1e-5, f"{method}: float32 survival off by {error:.2g}"
-        finals = final_distributions(draft_tokens, draft, target, method)
-        reference = final_distributions(draft_tokens, draft.double(), target.double(), method, validate=False)
+        assert error < 1e-5, f"{rule}: float32 survival off by {error:.2g}"
+        finals = final_distributions(draft_tokens, draft, target, rule)
+        reference = final_distributions(draft_tokens, draft.double(), target.double(), rule, validate=False)
         error = float((finals.double() - reference).abs().sum(-1).max())  # total variation x 2
-        assert error < 1e-5, f"{method}: float32 final distributions off by {error:.2g} (L1)"
+        assert error < 1e-5, f"{rule}: float32 final distributions off by {error:.2g} (L1)"
 
 
 @pytest.mark.parametrize(
@@ -547,40 +535,39 @@ def test_near_zero_probabilities(dtype, tiny):
     assert bool((draft[:, :2, 0] > 0).all()), "tiny must be representable (subnormal at worst)"
     batch = len(rows_d)
     draft_tokens = torch.zeros(batch, width, dtype=torch.long)
-    for method in SAMPLING:
-        survival = acceptance_survival(draft_tokens, draft, target, method)
+    for rule in ("token", "block"):  # the checks below are these two rules' own
+        survival = acceptance_survival(draft_tokens, draft, target, rule)
         assert bool(survival.isfinite().all()) and bool(((survival >= 0) & (survival <= 1)).all()), survival
         assert bool((survival[:, 1:] <= survival[:, :-1]).all()), "P(tau >= i) must not increase with i"
-        finals = final_distributions(draft_tokens, draft, target, method)
+        finals = final_distributions(draft_tokens, draft, target, rule)
         assert bool(finals.isfinite().all()) and bool(((finals.sum(-1) - 1).abs() < 1e-5).all())
         # Rows 0-2 have a draft-tiny first token: ratio_1 >= 1, accepted surely by both rules (a_1 = w_1 = 1).
         assert survival[:3, 1].tolist() == [1.0] * 3, survival
         # Rows 3-5, target-tiny: token accepts x_1 with a_1 = 4 tiny. Block's P(tau >= 1 | block) may be 1 (row 3:
         # x_2 is draft-tiny, the JOINT ratio of (x_1, x_2) is 1), but marginally it is w_1 = 4 tiny.
-        if method == "token":
+        if rule == "token":
             assert bool((survival[3:6, 1] < 1e-20).all()), survival
         else:
             _, log_w = block_acceptance(draft_tokens, draft, target, torch.full((batch,), width))
             assert bool((log_w[3:6, 1].exp() < 1e-20).all()) and bool(log_w.isnan().logical_not().all())
         for seed in range(3):
-            out = SAMPLING[method](draft_tokens, draft, target, generator=torch.Generator().manual_seed(seed))
+            out = RULES[rule].verify(draft_tokens, draft, target, generator=torch.Generator().manual_seed(seed))
             check_format(out, draft_tokens, vocab)
 
 
 @pytest.mark.parametrize("vocab", [7, 151_936])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("method", SAMPLING)
-def test_uniform_rows_draft_equals_target_accepts_everything(method, dtype, vocab):
+def test_uniform_rows_draft_equals_target_accepts_everything(sampled_rule, dtype, vocab):
     # All entries equal and draft = target: ratio exactly 1, w_i = 1, Z_i = 0 and a zero denominator (the guard).
     batch, width = 3, 4
     dtype = DTYPES[dtype]
     target = torch.full((batch, width + 1, vocab), 1.0 / vocab, dtype=dtype)
     draft = target[:, :width].clone()
     draft_tokens = torch.randint(0, vocab, (batch, width), generator=torch.Generator().manual_seed(0))
-    survival = acceptance_survival(draft_tokens, draft, target, method)
+    survival = acceptance_survival(draft_tokens, draft, target, sampled_rule)
     assert bool((survival == 1).all()), survival
     for seed in range(3):
-        out = SAMPLING[method](draft_tokens, draft, target, generator=torch.Generator().manual_seed(seed))
+        out = RULES[sampled_rule].verify(draft_tokens, draft, target, generator=torch.Generator().manual_seed(seed))
         check_format(out, draft_tokens, vocab)
         assert bool((out.num_accepted == width).all())
 
@@ -606,8 +593,8 @@ def test_exact_ties_in_ratios():
     target_equal = torch.tensor([[half, half, half, double]], dtype=f64)
     h, _ = block_acceptance(draft_tokens, equal, target_equal, torch.tensor([3]))
     assert h.tolist() == [[1.0, 1.0, 1.0]], "Z_i + 1 - w_i = 0: the guard must give h_i = 1, not NaN"
-    for method in SAMPLING:
-        assert acceptance_survival(draft_tokens, equal, target_equal, method).tolist() == [[1.0] * 4]
+    for rule in SAMPLED_RULES:
+        assert acceptance_survival(draft_tokens, equal, target_equal, rule).tolist() == [[1.0] * 4]
 
 
 def test_block_h_stays_in_unit_interval_regression_rounding_of_z_plus_one():
@@ -621,17 +608,16 @@ def test_block_h_stays_in_unit_interval_regression_rounding_of_z_plus_one():
         assert bool(((h >= 0) & (h <= 1)).all()), f"{dtype}: h - 1 up to {float(h.max() - 1):.2g}"
         capped = log_w[:, 1:width] == 0  # w_i = 1 exactly at i < K (Z_i > 0 for these random rows)
         assert bool(capped.any()) and bool((h[:, : width - 1][capped] == 1).all())
-        for method in SAMPLING:
-            survival = acceptance_survival(draft_tokens, draft, target, method)
-            assert bool(((survival >= 0) & (survival <= 1)).all()), (method, dtype, float(survival.max()))
+        for rule in SAMPLED_RULES:
+            survival = acceptance_survival(draft_tokens, draft, target, rule)
+            assert bool(((survival >= 0) & (survival <= 1)).all()), (rule, dtype, float(survival.max()))
 
 
 # --- K = 0 -------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("one_hot_draft", [False, True], ids=["draft_probs", "draft_probs_None"])
-@pytest.mark.parametrize("method", VERIFIERS)
-def test_k0_is_a_plain_target_step(method, one_hot_draft):
+def test_k0_is_a_plain_target_step(rule, one_hot_draft):
     batch, vocab = 20_000, 4
     gen = torch.Generator().manual_seed(0)
     row = torch.tensor([0.1, 0.0, 0.6, 0.3], dtype=torch.float64)
@@ -639,15 +625,15 @@ def test_k0_is_a_plain_target_step(method, one_hot_draft):
     draft = None if one_hot_draft else torch.empty(batch, 0, vocab, dtype=torch.float64)
     draft_tokens = torch.empty(batch, 0, dtype=torch.long)
     randomness = draw(batch, 0, vocab, seed=1)
-    out = VERIFIERS[method](draft_tokens, draft, target, randomness=randomness)
+    out = RULES[rule].verify(draft_tokens, draft, target, randomness=randomness)
     check_format(out, draft_tokens, vocab)
     assert bool((out.num_accepted == 0).all())
-    if method == "greedy":
+    if not RULES[rule].sampled:
         assert bool((out.tokens[:, 0] == 2).all())
         return
     # The explicit exponential race on target_probs[0], and with a generator the target's law (chi-square).
     assert torch.equal(out.tokens[:, 0], (target[:, 0] / randomness.exponentials).argmax(-1))
-    out = VERIFIERS[method](draft_tokens, draft, target, generator=gen)
+    out = RULES[rule].verify(draft_tokens, draft, target, generator=gen)
     counts = torch.bincount(out.tokens[:, 0], minlength=vocab).double()
     result = lawkit.chi_square(counts, row)
     assert result.passed, result

@@ -25,21 +25,19 @@ import pytest
 import torch
 
 from blockspec.verify import (
+    RULES,
     Randomness,
     VerifyOutput,
     accepted_length_law,
     block_acceptance,
     final_distributions,
     token_acceptance,
-    verify_block,
-    verify_token,
 )
 
 ALPHA = 1e-4  # false-alarm probability of every chi-square test here
 MIN_EXPECTED = 5.0  # Cochran's rule for the chi-square approximation, checked on every possible outcome
 MIN_POWER = 0.99  # required power of the test against each broken verifier (negative controls)
 
-VERIFIERS = {"token": verify_token, "block": verify_block}
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 # Random context-dependent tables: (V, K, lawkit.random_tables seed, N). peaked=0.5 keeps the smallest
@@ -173,7 +171,24 @@ def target_correction_law(draft_tokens, draft_probs, target_probs):
     return accepted_length_law(draft_tokens, draft_probs, target_probs, "token"), target_probs
 
 
-BROKEN = {  # name -> (method it breaks, verifier, closed form of its step)
+def residual_ignored(rule: str):
+    """BROKEN, for any rule with closed forms: tau drawn from the rule's own law given the block, but the token after
+    a rejection drawn from the target instead of the rule's residual. Returns (verifier, closed form of its step)."""
+
+    def law(draft_tokens, draft_probs, target_probs):
+        return accepted_length_law(draft_tokens, draft_probs, target_probs, rule), target_probs
+
+    def verify(draft_tokens, draft_probs, target_probs, *, generator=None):
+        randomness = _draw(target_probs, 1, generator)  # one uniform per row
+        tau_law, final = law(draft_tokens, draft_probs, target_probs)
+        # Inverse CDF: P(tau >= i) = P(u >= P(tau < i)); the clamp guards a CDF that rounds below 1 at K.
+        tau = (tau_law.cumsum(-1) <= randomness.uniforms).sum(-1).clamp(max=draft_tokens.shape[1])
+        return _emit(draft_tokens, tau, final[torch.arange(len(tau)), tau], randomness.exponentials)
+
+    return verify, law
+
+
+BROKEN = {  # name -> (rule it breaks, verifier, closed form of its step)
     "block_unscaled_residual": ("block", verify_block_unscaled_residual, unscaled_residual_law),
     "block_first_failure": ("block", verify_block_first_failure, first_failure_law),
     "token_target_correction": ("token", verify_token_target_correction, target_correction_law),
@@ -193,11 +208,11 @@ def _check_validity(law: torch.Tensor, samples: int) -> float:
     return smallest
 
 
-def _powers(tables: lawkit.Tables, width: int, method: str, law: torch.Tensor, samples: int) -> str:
-    """The test's power at this N against each broken verifier of ``method`` on these tables (informative)."""
+def _powers(tables: lawkit.Tables, width: int, rule: str, law: torch.Tensor, samples: int) -> str:
+    """The test's power at this N against each broken verifier of ``rule`` on these tables (informative)."""
     parts = []
-    for name, (broken_method, _, step) in BROKEN.items():
-        if broken_method == method:
+    for name, (broken_rule, _, step) in BROKEN.items():
+        if broken_rule == rule:
             wrong = lawkit.speculative_law(tables, width, step)
             parts.append(f"{name} {lawkit.detection_power(law, wrong, samples, ALPHA):.3g}")
     return "power vs " + ", ".join(parts)
@@ -238,23 +253,22 @@ def _run(tables, verifier, samples: int, seed: int, dtype=torch.float64):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("method", VERIFIERS)
 @pytest.mark.parametrize("case", TABLES)
-def test_random_tables_match_target_law(case, method, dtype):
+def test_random_tables_match_target_law(case, sampled_rule, dtype):
     tables = random_case(case)
     width, samples = TABLES[case][1], TABLES[case][3]
-    law, counts = _run(tables, VERIFIERS[method], samples, seed=1, dtype=DTYPES[dtype])
+    law, counts = _run(tables, RULES[sampled_rule].verify, samples, seed=1, dtype=DTYPES[dtype])
     result = lawkit.chi_square(counts, law, ALPHA)
-    message = _describe(f"{case} {method} {dtype}", result, samples, _powers(tables, width, method, law, samples))
+    powers = _powers(tables, width, sampled_rule, law, samples)
+    message = _describe(f"{case} {sampled_rule} {dtype}", result, samples, powers)
     assert result.passed, message
 
 
-@pytest.mark.parametrize("method", VERIFIERS)
 @pytest.mark.parametrize("case", ADVERSARIAL)
-def test_adversarial_drafts_match_target_law(case, method):
+def test_adversarial_drafts_match_target_law(case, sampled_rule):
     tables = adversarial_case(case)
     width, samples = len(tables.target) - 1, TABLES["V3K3"][3]
-    verifier = VERIFIERS[method]
+    verifier = RULES[sampled_rule].verify
     if case == "one_hot_draft":
         verifier = _none_draft(verifier)
     law, counts = _run(tables, verifier, samples, seed=2)
@@ -262,7 +276,7 @@ def test_adversarial_drafts_match_target_law(case, method):
     # Some of these drafts cannot expose some mistakes at all: the powers printed say which. Draft = target never
     # rejects; with V = 3 a reversed target makes max(target - draft, 0) and max(w target - draft, 0) the same
     # one-hot row (the middle entry cancels, one end is negative), so the unscaled residual is exact there.
-    message = _describe(f"{case} {method}", result, samples, _powers(tables, width, method, law, samples))
+    message = _describe(f"{case} {sampled_rule}", result, samples, _powers(tables, width, sampled_rule, law, samples))
     assert result.passed, message
 
 
@@ -271,9 +285,18 @@ def test_adversarial_drafts_match_target_law(case, method):
 
 @pytest.mark.parametrize("name", BROKEN)
 def test_broken_verifier_fails_the_same_test(name):
+    _, verifier, step = BROKEN[name]
+    _negative_control(name, verifier, step)
+
+
+def test_rule_with_its_residual_ignored_fails_the_same_test(sampled_rule):
+    """The negative control every registered rule gets (``residual_ignored``)."""
+    _negative_control(f"{sampled_rule}_residual_ignored", *residual_ignored(sampled_rule))
+
+
+def _negative_control(name: str, verifier, step: lawkit.StepLaw) -> None:
     tables = random_case("V3K3")
     width, samples = TABLES["V3K3"][1], TABLES["V3K3"][3]  # the same N as the passing V3K3 tests
-    _, verifier, step = BROKEN[name]
     law = lawkit.target_law(tables, width + 1)
     wrong_law = lawkit.speculative_law(tables, width, step)
     power = lawkit.detection_power(law, wrong_law, samples, ALPHA)
@@ -311,20 +334,21 @@ def test_toy_example_mean_accepted():
     assert 1 / 9 > 4 * tolerance  # the two rules are far apart at this N (gap 0.111 vs tolerance 0.011)
     expected = {"token": 10 / 9, "block": 11 / 9}
     means = {}
-    for seed, (method, verifier) in enumerate(VERIFIERS.items()):
+    for seed, rule in enumerate(("token", "block")):
+        verifier = RULES[rule].verify
         generator = torch.Generator().manual_seed(10 + seed)
         draft_tokens = torch.multinomial(draft, samples * width, replacement=True, generator=generator)
         draft_tokens = draft_tokens.reshape(samples, width)
         out = verifier(
             draft_tokens, draft.expand(samples, width, 2), target.expand(samples, width + 1, 2), generator=generator
         )
-        means[method] = float(out.num_accepted.double().mean())
+        means[rule] = float(out.num_accepted.double().mean())
         print(
-            f"toy {method}: mean accepted {means[method]:.4f}, exact {expected[method]:.4f}, "
+            f"toy {rule}: mean accepted {means[rule]:.4f}, exact {expected[rule]:.4f}, "
             f"tolerance {tolerance:.4f} (N {samples})"
         )
-        assert abs(means[method] - expected[method]) <= tolerance, (
-            f"toy {method}: Monte-Carlo mean accepted {means[method]:.4f}, exact {expected[method]:.4f}, "
+        assert abs(means[rule] - expected[rule]) <= tolerance, (
+            f"toy {rule}: Monte-Carlo mean accepted {means[rule]:.4f}, exact {expected[rule]:.4f}, "
             f"tolerance {tolerance:.4f} (5 standard errors at N {samples})"
         )
     # Distinguishable: each estimate is much closer to its own rule's value than to the other's.

@@ -3,10 +3,11 @@
 features   exact (float64, every drafted block of V=3, K=3 context-dependent toy tables): the gains' expectation
            is E[tau] when verifying the first L tokens, also conditionally on a drafted prefix; column i of every
            feature function ignores x_i and everything after it (what makes a policy built on them a stopping rule)
-exact law  the REAL SVPolicy driven through the engine's own drafting loop (blockspec.drafting.draft_block: draft_budget,
-           draft_next, keep_drafting position by position; then lengths after the companion), its verified length
-           per block fed to lawkit.speculative_law: lossless to 1e-12; look-ahead variants (A_i decides x_i), a
-           global-argmax variant and a drafting loop that asks keep_drafting after sampling x_i must fail
+exact law  the REAL SVPolicy driven through the engine's own drafting loop (blockspec.drafting.draft_block:
+           draft_budget, draft_next, keep_drafting position by position; then lengths after the companion), its
+           verified length per block fed to lawkit.speculative_law: lossless to 1e-12; look-ahead variants (A_i
+           decides x_i), a global-argmax variant and a drafting loop that asks keep_drafting after sampling x_i must
+           fail
 predictor  Predictor.fit recovers logistic weights within 5 standard errors; the monotone weight stays >= 0;
            Profile round trip, refusal of other models / sampling, broken files and missing predictors
 engine     SVPolicy inside SpeculativeDecoder on tiny models with a target-prefix companion: greedy output equals
@@ -45,14 +46,13 @@ from blockspec.policy.features import (
 )
 from blockspec.policy.latency import LatencyProfile
 from blockspec.policy.predictor import MONOTONE, Predictor, Profile, feature_names
-from blockspec.verify import accepted_length_law, expected_accepted, final_distributions
+from blockspec.verify import SAMPLED_RULES, accepted_length_law, expected_accepted, final_distributions
 from blockspec.verify import position_gains as gains
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 VOCAB, DRAFT_LEN = 3, 3
-METHODS = ("token", "block")
 SEEDS = range(6)  # toy tables: lawkit.random_tables(V, K, 40 + seed) with companion random_tables(.., 80 + seed)
 
 
@@ -81,37 +81,37 @@ def companion_along(companion: lawkit.Tables, blocks: torch.Tensor) -> torch.Ten
 # --- 1. features ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_expected_gains_are_the_expected_accepted_length(method):
+@pytest.mark.parametrize("rule", SAMPLED_RULES)
+def test_expected_gains_are_the_expected_accepted_length(rule):
     """sum_blocks P(block) sum_{i<=L} g_i = E[tau] verifying the first L tokens, for every L (exact, float64)."""
     for seed in SEEDS:
         tables, _ = toy(seed)
         blocks, weight, draft_probs, target_probs = proposable(tables)
-        gain = gains(blocks, draft_probs, target_probs, method)  # [N, K]
+        gain = gains(blocks, draft_probs, target_probs, rule)  # [N, K]
         assert gain.dtype == torch.float64
         for length in range(1, DRAFT_LEN + 1):
             num_verified = torch.full((len(blocks),), length)
-            law = accepted_length_law(blocks, draft_probs, target_probs, method, num_verified)  # [N, K+1]
+            law = accepted_length_law(blocks, draft_probs, target_probs, rule, num_verified)  # [N, K+1]
             exact = float((weight * (law * torch.arange(DRAFT_LEN + 1)).sum(-1)).sum())
-            closed = float((weight * expected_accepted(blocks, draft_probs, target_probs, method, num_verified)).sum())
+            closed = float((weight * expected_accepted(blocks, draft_probs, target_probs, rule, num_verified)).sum())
             predicted = float((weight * gain[:, :length].sum(-1)).sum())
             assert abs(predicted - exact) < 1e-12, (seed, length, predicted, exact)
             assert abs(closed - exact) < 1e-12
         # Block by block the sums are NOT E[tau | block] (g_i integrates over x_i): only expectations agree.
-        per_block = expected_accepted(blocks, draft_probs, target_probs, method)
+        per_block = expected_accepted(blocks, draft_probs, target_probs, rule)
         assert float((gain.sum(-1) - per_block).abs().max()) > 1e-3
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_expected_gains_given_a_drafted_prefix(method):
+@pytest.mark.parametrize("rule", SAMPLED_RULES)
+def test_expected_gains_given_a_drafted_prefix(rule):
     """Grouping blocks by x_<=m: E[sum_{m<i<=L} g_i | x_<=m] = E[max(tau - m, 0) | x_<=m] (g_i for i > m is
     E[P(tau >= i | x_<=i) | x_<i], and x_<i contains x_<=m). Checked for every prefix, m = 1..K-1, L = m+1..K."""
     for seed in SEEDS:
         tables, _ = toy(seed)
         blocks, weight, draft_probs, target_probs = proposable(tables)
-        gain = gains(blocks, draft_probs, target_probs, method)
+        gain = gains(blocks, draft_probs, target_probs, rule)
         for length in range(2, DRAFT_LEN + 1):
-            law = accepted_length_law(blocks, draft_probs, target_probs, method, torch.full((len(blocks),), length))
+            law = accepted_length_law(blocks, draft_probs, target_probs, rule, torch.full((len(blocks),), length))
             for m in range(1, length):
                 beyond = (law * (torch.arange(DRAFT_LEN + 1) - m).clamp(min=0)).sum(-1)  # E[max(tau - m, 0) | block]
                 for prefix in {tuple(b) for b in blocks[:, :m].tolist()}:
@@ -121,18 +121,18 @@ def test_expected_gains_given_a_drafted_prefix(method):
                     assert abs(predicted - exact) < 1e-12, (seed, length, prefix, predicted, exact)
 
 
-def _all_columns(tokens, draft_probs, other, method):
+def _all_columns(tokens, draft_probs, other, rule):
     """Every feature function of sv/features.py on one drafted block set, as {name: [N, K, ...]}."""
     part = draft_features(draft_probs, prefix_logprob(tokens, draft_probs))
     return {
-        "gains": gains(tokens, draft_probs, other, method),
+        "gains": gains(tokens, draft_probs, other, rule),
         "draft_features": part,
-        "companion_features": companion_features(tokens, draft_probs, other, method, part),
+        "companion_features": companion_features(tokens, draft_probs, other, rule, part),
     }
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_column_i_never_sees_x_i_or_later(method):
+@pytest.mark.parametrize("rule", SAMPLED_RULES)
+def test_column_i_never_sees_x_i_or_later(rule):
     """Stopping-rule property: column i is unchanged when x_i..x_K and the distributions after position i change
     (x_<i and the distributions at positions <= i kept). The companion table plays ``other``."""
     generator = torch.Generator().manual_seed(0)
@@ -140,7 +140,7 @@ def test_column_i_never_sees_x_i_or_later(method):
         tables, companion = toy(seed)
         blocks, _, draft_probs, _ = proposable(tables)
         other = companion_along(companion, blocks)
-        reference = _all_columns(blocks, draft_probs, other, method)
+        reference = _all_columns(blocks, draft_probs, other, rule)
         for i in range(1, DRAFT_LEN + 1):  # 1-based position; column index i - 1
             for _ in range(3):
                 tokens = blocks.clone()
@@ -149,7 +149,7 @@ def test_column_i_never_sees_x_i_or_later(method):
                 later = changed_draft[:, i:].shape
                 changed_draft[:, i:] = torch.rand(later, generator=generator, dtype=torch.float64).softmax(-1)
                 changed_other[:, i:] = torch.rand(later, generator=generator, dtype=torch.float64).softmax(-1)
-                moved = _all_columns(tokens, changed_draft, changed_other, method)
+                moved = _all_columns(tokens, changed_draft, changed_other, rule)
                 for name, columns in reference.items():
                     assert torch.equal(moved[name][:, i - 1], columns[:, i - 1]), (seed, i, name)
         # Not vacuous: column 2 does depend on x_1 (through A_1 and the prefix probability).
@@ -174,11 +174,11 @@ TOY_LATENCY = LatencyProfile(
 
 def hand_profile(draft_weights=DRAFT_WEIGHTS, companion_weights=COMPANION_WEIGHTS, prior=PRIOR, **names) -> Profile:
     predictors = {
-        method: {
+        rule: {
             "draft": Predictor(DRAFT_FEATURES, tuple(draft_weights)),
             "companion": Predictor(COMPANION_FEATURES, tuple(companion_weights)),
         }
-        for method in METHODS
+        for rule in SAMPLED_RULES
     }
     fields = {
         "target": "tiny-target",
@@ -188,7 +188,10 @@ def hand_profile(draft_weights=DRAFT_WEIGHTS, companion_weights=COMPANION_WEIGHT
         **names,
     }
     return Profile(
-        **fields, predictors=predictors, prior={m: list(prior) for m in METHODS}, metrics={"note": "hand-set weights"}
+        **fields,
+        predictors=predictors,
+        prior={m: list(prior) for m in SAMPLED_RULES},
+        metrics={"note": "hand-set weights"},
     )
 
 
@@ -206,7 +209,7 @@ def test_the_drafts_catch_up_forward_is_priced_at_the_tokens_it_reads(kind):
     """The step's first draft forward reads what the draft has not seen: a long catch-up can make speculating
     not pay where a one-token one does, and the sunk cost of position i counts it once."""
     latency = dataclasses.replace(flat_latency((1.0, 1.0), 0.0), draft=LatencyTable((1,), (1, 4), ((1e-9, 3.0),)))
-    policy = SVPolicy(hand_profile(), latency, method="block", max_draft=3, kind=kind)
+    policy = SVPolicy(hand_profile(), latency, rule="block", max_draft=3, kind=kind)
     assert policy.draft_budget(1, 1) == 3
     assert policy.step_seconds(1, 1)(2) == pytest.approx(1.0, abs=1e-6)
     assert policy.draft_budget(1, 4) == 0
@@ -225,7 +228,7 @@ def test_a_draft_forward_already_run_is_paid_whatever_the_width():
         companion=None,
         meta={},
     )
-    policy = SVPolicy(hand_profile(), latency, method="block", max_draft=3, kind="draft")
+    policy = SVPolicy(hand_profile(), latency, rule="block", max_draft=3, kind="draft")
 
     def features(position):  # DRAFT_FEATURES: predicted gains sigmoid(1 - 0.5 log i): 0.731, then 0.658
         return torch.tensor([[1.0, math.log(position), 0.0, 0.0, 0.0]])
@@ -249,8 +252,8 @@ def test_whole_drafts_price_one_draft_forward_without_drafting_and_the_whole_bud
         meta={},
     )
     flat = hand_profile(prior=[0.5, 0.5])
-    per_forward = SVPolicy(flat, latency, method="block", max_draft=2, kind="draft")
-    whole = SVPolicy(flat, latency, method="block", max_draft=2, kind="draft", whole_drafts=True)
+    per_forward = SVPolicy(flat, latency, rule="block", max_draft=2, kind="draft")
+    whole = SVPolicy(flat, latency, rule="block", max_draft=2, kind="draft", whole_drafts=True)
     assert [per_forward.step_seconds(1, 1)(w) for w in (0, 1, 2)] == pytest.approx([1.0, 1.6, 2.2])
     assert [whole.step_seconds(1, 1)(w) for w in (0, 1, 2)] == pytest.approx([1.5, 2.1, 2.2])
     assert per_forward.draft_budget(1, 1) == 0
@@ -271,7 +274,7 @@ def test_draft_next_guesses_position_i_from_the_prefix_drafted_and_position_i_mi
     first = torch.tensor([[1.0, 0.0, 0.0, 0.0, 0.0]])  # gain sigmoid(1) = 0.731
     # position 2 pays if its gain exceeds 0.494: (1.731 + g) / 1.8 > 1.731 / 1.4
     for log_q1, drafts in [(0.0, True), (math.log(0.05), False)]:  # guesses sigmoid(0.653 + 0.4 log_q1): 0.658, 0.367
-        policy = SVPolicy(hand_profile(), latency, method="block", max_draft=3, kind="draft")
+        policy = SVPolicy(hand_profile(), latency, rule="block", max_draft=3, kind="draft")
         assert policy.draft_budget(1, 1) == 3
         assert policy.keep_drafting_given(first)
         assert policy.draft_next(2, torch.tensor([log_q1], dtype=torch.float64)) == drafts
@@ -290,11 +293,11 @@ def test_the_companion_is_priced_at_what_it_reads_and_scores_every_token_sampled
     assert latency.scoring(1, 2, 2) == pytest.approx(0.3)  # 2 unseen tokens and x_1
     assert latency.drafting(1, 2, 2, companion=True) == pytest.approx(0.3)
     assert latency.scoring(1, 0, 2) == 0.0
-    policy = SVPolicy(hand_profile(), latency, method="block", max_draft=3, kind="companion")
+    policy = SVPolicy(hand_profile(), latency, rule="block", max_draft=3, kind="companion")
     assert policy.step_seconds(1, 2)(0) == pytest.approx(1.0)  # nothing drafted: nothing to score
     deciding_on_3 = policy.step_seconds(1, 2, drafted=3, sampled=2)
     assert [deciding_on_3(width) for width in (0, 2, 3)] == pytest.approx([1.3, 1.3, 1.4])
-    draft_only = SVPolicy(hand_profile(), latency, method="block", max_draft=3, kind="draft")
+    draft_only = SVPolicy(hand_profile(), latency, rule="block", max_draft=3, kind="draft")
     assert draft_only.step_seconds(1, 2, drafted=3, sampled=2)(3) == pytest.approx(1.0)
 
 
@@ -302,9 +305,9 @@ def test_the_companion_is_priced_at_what_it_reads_and_scores_every_token_sampled
 def test_no_draft_forward_is_paid_when_the_latency_table_says_speculation_cannot_pay(kind):
     """Before drafting: a step whose best expected goodput is target-only drafts nothing (budget 0), rather than
     paying for a draft forward that keep_drafting then declines; where drafting pays, up to max_draft."""
-    dear = SVPolicy(hand_profile(), flat_latency((1.0, 3.0), 1.0), method="block", max_draft=3, kind=kind)
+    dear = SVPolicy(hand_profile(), flat_latency((1.0, 3.0), 1.0), rule="block", max_draft=3, kind=kind)
     assert [dear.draft_budget(1, 1) for _ in range(3)] == [0, 0, 0]
-    cheap = SVPolicy(hand_profile(), flat_latency((1.0, 1.0), 1e-9), method="block", max_draft=3, kind=kind)
+    cheap = SVPolicy(hand_profile(), flat_latency((1.0, 1.0), 1e-9), rule="block", max_draft=3, kind=kind)
     assert cheap.draft_budget(1, 1) == 3
 
 
@@ -313,12 +316,12 @@ class LookAhead(SVPolicy):
     survival prod_{j<=i} A_j, or the companion's w_i for the block rule, instead of its expectation over x_i)."""
 
     def lengths(self, draft_tokens, draft_probs, companion_probs, drafted):
-        def looking_ahead(tokens, probs, companion, method, part):
-            features = companion_features(tokens, probs, companion, method, part)
+        def looking_ahead(tokens, probs, companion, rule, part):
+            features = companion_features(tokens, probs, companion, rule, part)
             ratio = companion.gather(-1, tokens[..., None]).squeeze(-1) / probs.gather(-1, tokens[..., None]).squeeze(
                 -1
             )
-            if method == "token":
+            if rule == "token":
                 realised = ratio.clamp(max=1.0).cumprod(1)  # THE BREAK: includes A_i
             else:
                 w, columns = torch.ones_like(ratio[:, 0]), []
@@ -349,8 +352,8 @@ class ShiftedPlugin(SVPolicy):
     the last drafted position keeps its own column."""
 
     def lengths(self, draft_tokens, draft_probs, companion_probs, drafted):
-        def shifted(tokens, probs, companion, method, part):
-            features = companion_features(tokens, probs, companion, method, part)
+        def shifted(tokens, probs, companion, rule, part):
+            features = companion_features(tokens, probs, companion, rule, part)
             column = COMPANION_FEATURES.index("logit_plugin_gain")
             features[:, :-1, column] = features[:, 1:, column].clone()  # THE BREAK
             return features
@@ -398,7 +401,7 @@ def drive(make_policy, tables: lawkit.Tables, companion: lawkit.Tables, blocks: 
             policy,
             torch.tensor([min(budget, DRAFT_LEN)]),
             lambda drafted, _: tables.draft_at(drafted),  # [1, V]: the law at position i
-            lambda i, _: block[None, i - 1],
+            lambda i, _, block=block: block[None, i - 1],
             VOCAB,
         )
         drafted = tokens.shape[1]
@@ -415,7 +418,7 @@ def drive(make_policy, tables: lawkit.Tables, companion: lawkit.Tables, blocks: 
 
 
 def policy_law_errors(
-    policy_class, method: str, kind: str = "companion", latency=TOY_LATENCY, offset: float = 0.0, drafting=draft_block
+    policy_class, rule: str, kind: str = "companion", latency=TOY_LATENCY, offset: float = 0.0, drafting=draft_block
 ):
     """Max joint-law error per toy table, the lengths used, and the number of blocks whose drafting stopped early.
     ``offset``: the policy starts from learnt logit offsets (+offset for the draft predictor, -offset for the
@@ -424,7 +427,7 @@ def policy_law_errors(
     errors, lengths_seen, early_stops = [], set(), 0
 
     def make():
-        policy = policy_class(profile, latency, method=method, max_draft=DRAFT_LEN, kind=kind)
+        policy = policy_class(profile, latency, rule=rule, max_draft=DRAFT_LEN, kind=kind)
         policy.offsets = {name: offset if name == "draft" else -offset for name in policy.offsets}
         policy.history = policy.expected()
         return policy
@@ -432,14 +435,14 @@ def policy_law_errors(
     for seed in SEEDS:
         tables, companion = toy(seed)
 
-        def step(blocks, draft_probs, target_probs):
+        def step(blocks, draft_probs, target_probs, tables=tables, companion=companion):
             nonlocal early_stops
             lengths, budgets, drafted = drive(make, tables, companion, blocks, drafting)
             lengths_seen.update(lengths.tolist())
             early_stops += sum(d < b for b, d in zip(budgets, drafted))
             return (
-                accepted_length_law(blocks, draft_probs, target_probs, method, lengths),
-                final_distributions(blocks, draft_probs, target_probs, method, lengths),
+                accepted_length_law(blocks, draft_probs, target_probs, rule, lengths),
+                final_distributions(blocks, draft_probs, target_probs, rule, lengths),
             )
 
         law = lawkit.speculative_law(tables, DRAFT_LEN, step)
@@ -447,12 +450,12 @@ def policy_law_errors(
     return errors, lengths_seen, early_stops
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("rule", SAMPLED_RULES)
 @pytest.mark.parametrize("kind", ["companion", "draft"])
-def test_sv_policy_is_lossless(kind, method):
-    errors, lengths, early_stops = policy_law_errors(SVPolicy, method, kind)
+def test_sv_policy_is_lossless(kind, rule):
+    errors, lengths, early_stops = policy_law_errors(SVPolicy, rule, kind)
     print(
-        f"SVPolicy {kind} {method}: max joint-law error {max(errors):.2g}, lengths {sorted(lengths)}, "
+        f"SVPolicy {kind} {rule}: max joint-law error {max(errors):.2g}, lengths {sorted(lengths)}, "
         f"{early_stops} blocks stopped drafting early"
     )
     assert max(errors) < 1e-12, errors
@@ -461,15 +464,15 @@ def test_sv_policy_is_lossless(kind, method):
     assert early_stops > 0  # and keep_drafting really stops some blocks before the budget
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("rule", SAMPLED_RULES)
 @pytest.mark.parametrize("kind", ["companion", "draft"])
 @pytest.mark.parametrize("whole_drafts", [False, True], ids=["", "whole drafts"])
-def test_sv_policy_for_a_flattened_batch_is_lossless(kind, method, whole_drafts):
+def test_sv_policy_for_a_flattened_batch_is_lossless(kind, rule, whole_drafts):
     """As vLLM runs it: each row paying for its own tokens, and (whole drafts) the budget drafted in one call."""
     make = functools.partial(SVPolicy, ragged=True, whole_drafts=whole_drafts)
-    errors, lengths, early_stops = policy_law_errors(make, method, kind)
+    errors, lengths, early_stops = policy_law_errors(make, rule, kind)
     print(
-        f"SVPolicy ragged {kind} {method} whole drafts {whole_drafts}: max joint-law error {max(errors):.2g}, "
+        f"SVPolicy ragged {kind} {rule} whole drafts {whole_drafts}: max joint-law error {max(errors):.2g}, "
         f"lengths {sorted(lengths)}"
     )
     assert max(errors) < 1e-12, errors
@@ -477,37 +480,37 @@ def test_sv_policy_for_a_flattened_batch_is_lossless(kind, method, whole_drafts)
     assert (early_stops == 0) == whole_drafts
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_sv_policy_is_lossless_from_any_learnt_state(method):
+@pytest.mark.parametrize("rule", SAMPLED_RULES)
+def test_sv_policy_is_lossless_from_any_learnt_state(rule):
     """What ``learn`` changes between steps (offsets, history) is policy state: lossless from any state, too."""
-    errors, lengths, _ = policy_law_errors(SVPolicy, method, offset=1.0)
+    errors, lengths, _ = policy_law_errors(SVPolicy, rule, offset=1.0)
     print(
-        f"SVPolicy companion {method}, learnt offsets: max joint-law error {max(errors):.2g}, lengths {sorted(lengths)}"
+        f"SVPolicy companion {rule}, learnt offsets: max joint-law error {max(errors):.2g}, lengths {sorted(lengths)}"
     )
     assert max(errors) < 1e-12, errors
     assert len(lengths) >= 3, lengths
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("rule", SAMPLED_RULES)
 @pytest.mark.parametrize(
     "policy_class", [LookAhead, ShiftedPlugin, GlobalArgmax], ids=["look-ahead", "shifted-plugin", "global-argmax"]
 )
-def test_sv_policies_that_let_x_i_decide_on_itself_are_biased(policy_class, method):
-    errors, _, _ = policy_law_errors(policy_class, method)
-    print(f"{policy_class.__name__} {method}: max joint-law error {max(errors):.2g}")
+def test_sv_policies_that_let_x_i_decide_on_itself_are_biased(policy_class, rule):
+    errors, _, _ = policy_law_errors(policy_class, rule)
+    print(f"{policy_class.__name__} {rule}: max joint-law error {max(errors):.2g}")
     assert max(errors) > 1e-4, errors
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("rule", SAMPLED_RULES)
 @pytest.mark.parametrize("kind", ["companion", "draft"])
-def test_a_drafting_loop_that_lets_x_i_decide_whether_it_is_drafted_is_biased(kind, method):
-    errors, _, early_stops = policy_law_errors(SVPolicy, method, kind, drafting=sampled_before_asking)
-    print(f"drafting loop asking after x_i, {kind} {method}: max joint-law error {max(errors):.2g}")
+def test_a_drafting_loop_that_lets_x_i_decide_whether_it_is_drafted_is_biased(kind, rule):
+    errors, _, early_stops = policy_law_errors(SVPolicy, rule, kind, drafting=sampled_before_asking)
+    print(f"drafting loop asking after x_i, {kind} {rule}: max joint-law error {max(errors):.2g}")
     assert early_stops > 0 and max(errors) > 1e-4, errors
 
 
 def test_toy_goodput_is_not_concave_so_argmax_and_stopping_rule_differ():
-    policy = SVPolicy(hand_profile(), TOY_LATENCY, method="block", max_draft=DRAFT_LEN, kind="companion")
+    policy = SVPolicy(hand_profile(), TOY_LATENCY, rule="block", max_draft=DRAFT_LEN, kind="companion")
     seconds = policy.step_seconds(1, 1)
     gain = torch.tensor([[0.3, 0.9, 0.9]], dtype=torch.float64)
     assert stopping_lengths(gain, torch.tensor([3]), seconds).tolist() == [0]  # x_1 alone does not pay
@@ -516,7 +519,7 @@ def test_toy_goodput_is_not_concave_so_argmax_and_stopping_rule_differ():
 
 @pytest.mark.parametrize("kind", ["draft", "companion"])
 def test_learn_takes_one_cross_entropy_step_on_the_verified_positions_only(kind):
-    policy = SVPolicy(hand_profile(), TOY_LATENCY, method="block", max_draft=3, kind=kind)
+    policy = SVPolicy(hand_profile(), TOY_LATENCY, rule="block", max_draft=3, kind=kind)
     policy.draft_budget(2, 1)
     width = len(COMPANION_FEATURES if kind == "companion" else DRAFT_FEATURES)
     features = torch.randn(2, 3, width, generator=torch.Generator().manual_seed(0)).float()
@@ -665,7 +668,7 @@ def test_profile_predictor_for_a_missing_rule_or_kind():
     with pytest.raises(ValueError, match="for the 'greedy' rule"):
         profile.predictor("greedy", "draft")
     with pytest.raises(ValueError, match="for the 'token' rule"):  # SVPolicy asks for it up front
-        SVPolicy(profile, TOY_LATENCY, method="token", max_draft=3, kind="companion")
+        SVPolicy(profile, TOY_LATENCY, rule="token", max_draft=3, kind="companion")
 
 
 # --- 4. the engine with SVPolicy --------------------------------------------------------------------------------
@@ -724,13 +727,13 @@ def reference(trio):
     return lambda prompt, max_new_tokens: sequences[tuple(prompt)][:max_new_tokens]
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_greedy_output_with_sv_equals_plain_greedy_decoding(trio, reference, method):
+@pytest.mark.parametrize("rule", SAMPLED_RULES)
+def test_greedy_output_with_sv_equals_plain_greedy_decoding(trio, reference, rule):
     target, draft, companion = trio
     steps, declined = [], 0
     for prompts in (PROMPTS[:1], PROMPTS):
-        policy = Recorded(hand_profile(), ENGINE_LATENCY, method=method, max_draft=4, kind="companion")
-        decoder = SpeculativeDecoder(target, draft, verifier=method, max_draft=4, policy=policy, companion=companion)
+        policy = Recorded(hand_profile(), ENGINE_LATENCY, rule=rule, max_draft=4, kind="companion")
+        decoder = SpeculativeDecoder(target, draft, verifier=rule, max_draft=4, policy=policy, companion=companion)
         result = decoder.generate(prompts, max_new_tokens=24, sampling=GREEDY)
         for b, prompt in enumerate(prompts):
             assert result.sequences[b] == reference(prompt, 24), (len(prompts), b)
@@ -739,7 +742,7 @@ def test_greedy_output_with_sv_equals_plain_greedy_decoding(trio, reference, met
     verified = {k for s in steps for k in s.verified}
     drafted = {s.drafted for s in steps}
     print(
-        f"greedy {method}: verified lengths {sorted(verified)}, drafted {sorted(drafted)}, "
+        f"greedy {rule}: verified lengths {sorted(verified)}, drafted {sorted(drafted)}, "
         f"keep_drafting declined {declined} times in {len(steps)} steps"
     )
     assert len(verified) >= 3 and 0 in verified, verified  # lengths vary with the companion's agreement
@@ -755,7 +758,7 @@ def test_steps_that_draft_nothing_verify_nothing(trio, reference):
     drafted nothing must not ask it: with one token left, or when keep_drafting declines position 1."""
     target, draft, companion = trio
     for profile in (hand_profile(), hand_profile(draft_weights=(-20.0, 0.0, 0.0, 0.0, 0.0))):  # 2nd: never drafts
-        policy = Recorded(profile, ENGINE_LATENCY, method="block", max_draft=4, kind="companion")
+        policy = Recorded(profile, ENGINE_LATENCY, rule="block", max_draft=4, kind="companion")
         decoder = SpeculativeDecoder(target, draft, verifier="block", max_draft=4, policy=policy, companion=companion)
         for max_new_tokens in (1, 6):
             result = decoder.generate(PROMPTS, max_new_tokens=max_new_tokens, sampling=GREEDY)
@@ -791,17 +794,17 @@ CHI_LATENCY = {
 }
 
 
-@pytest.mark.parametrize(("method", "latency"), [("token", "stops-drafting"), ("block", "wide")])
-def test_law_of_the_first_tokens_with_sv_is_the_targets(method, latency):
+@pytest.mark.parametrize(("rule", "latency"), [("token", "stops-drafting"), ("block", "wide")])
+def test_law_of_the_first_tokens_with_sv_is_the_targets(rule, latency):
     """Joint chi-square of the first 3 tokens (6**3 outcomes, 6000 rows in one batch, alpha 1e-4) against the
     target's exact law, as test_engine.py does for fixed-length drafting."""
     vocab, length, samples = 6, 3, 6000
     target = tiny_model(vocab=vocab, sharpness=5.0)
     draft = perturbed(target, scale=0.6, seed=1)
     law = exact_law_of_first_tokens(target, [1, 2, 3], length)
-    policy = Recorded(hand_profile(), CHI_LATENCY[latency], method=method, max_draft=2, kind="companion")
+    policy = Recorded(hand_profile(), CHI_LATENCY[latency], rule=rule, max_draft=2, kind="companion")
     decoder = SpeculativeDecoder(
-        target, draft, verifier=method, max_draft=2, policy=policy, companion=target_prefix(HFModel(target), 1)
+        target, draft, verifier=rule, max_draft=2, policy=policy, companion=target_prefix(HFModel(target), 1)
     )
     result = decoder.generate([[1, 2, 3]] * samples, max_new_tokens=length, seed=0, stop_on_eos=False)
     observed = lawkit.joint_counts(result.sequences, vocab)
@@ -809,10 +812,10 @@ def test_law_of_the_first_tokens_with_sv_is_the_targets(method, latency):
     verified = {k for s in result.stats for k in s.verified}
     drafted = [s.drafted for s in result.stats]
     print(
-        f"engine chi-square {method} {latency}: {test}; verified {sorted(verified)}, drafted per step {drafted}, "
+        f"engine chi-square {rule} {latency}: {test}; verified {sorted(verified)}, drafted per step {drafted}, "
         f"BE {result.block_efficiency:.3f}"
     )
-    assert test.passed, f"{method}: {test}"
+    assert test.passed, f"{rule}: {test}"
     if latency == "stops-drafting":
         assert verified == {0, 1} and policy.declined > 0 and drafted[-1] == 0, (verified, drafted)
     else:

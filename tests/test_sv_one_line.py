@@ -64,9 +64,9 @@ def test_policy_sv_is_the_policy_from_the_cache_with_the_decoders_rule_and_lengt
     one_line = SpeculativeDecoder(target, draft, policy="sv", max_draft=4)
     result = one_line.generate(PROMPTS, max_new_tokens=12, sampling=SAMPLING, seed=3)
     assert isinstance(one_line.policy, SVPolicy)
-    assert (one_line.policy.method, one_line.policy.max_draft, one_line.policy.kind) == ("block", 4, "draft")
+    assert (one_line.policy.rule, one_line.policy.max_draft, one_line.policy.kind) == ("block", 4, "draft")
 
-    explicit = SVPolicy(profile, latency, method="block", max_draft=4, kind="draft")
+    explicit = SVPolicy(profile, latency, rule="block", max_draft=4, kind="draft")
     spelled_out = SpeculativeDecoder(target, draft, policy=explicit)
     expected = spelled_out.generate(PROMPTS, max_new_tokens=12, sampling=SAMPLING, seed=3)
     assert result.sequences == expected.sequences
@@ -75,13 +75,13 @@ def test_policy_sv_is_the_policy_from_the_cache_with_the_decoders_rule_and_lengt
 
     token = SpeculativeDecoder(target, draft, policy="sv", verifier="token", max_draft=3)
     token.generate(PROMPTS, max_new_tokens=4, sampling=SAMPLING, seed=3)
-    assert (token.policy.method, token.policy.max_draft) == ("token", 3)
+    assert (token.policy.rule, token.policy.max_draft) == ("token", 3)
 
 
 def test_each_generate_call_starts_from_the_profile_unless_the_policy_carries_over(pair):
     target, draft = pair
     profile, latency, _, _ = save_profiles(target, draft)
-    fresh = SVPolicy(profile, latency, method="block", max_draft=4)
+    fresh = SVPolicy(profile, latency, rule="block", max_draft=4)
     decoder = SpeculativeDecoder(target, draft, policy=fresh)
     first = decoder.generate(PROMPTS, max_new_tokens=16, sampling=SAMPLING, seed=5)
     learnt = dict(fresh.offsets)
@@ -89,7 +89,7 @@ def test_each_generate_call_starts_from_the_profile_unless_the_policy_carries_ov
     second = decoder.generate(PROMPTS, max_new_tokens=16, sampling=SAMPLING, seed=5)
     assert second.sequences == first.sequences and fresh.offsets == learnt  # the same call, the same outcome
 
-    kept = SVPolicy(profile, latency, method="block", max_draft=4, carry_over=True)
+    kept = SVPolicy(profile, latency, rule="block", max_draft=4, carry_over=True)
     decoder = SpeculativeDecoder(target, draft, policy=kept)
     decoder.generate(PROMPTS, max_new_tokens=16, sampling=SAMPLING, seed=5)
     assert kept.offsets == learnt
@@ -104,7 +104,7 @@ def test_from_cache_refuses_a_profile_of_other_models(pair):
     with pytest.raises(FileNotFoundError, match="sv calibrate"):
         SVPolicy.from_cache(renamed, draft, sampling=SAMPLING)
     policy = SVPolicy.from_cache(renamed, draft, sampling=SAMPLING, names=("tiny-target", "tiny-draft"))
-    assert policy.kind == "draft" and policy.method == "block"
+    assert policy.kind == "draft" and policy.rule == "block"
     with pytest.raises(ValueError, match="calibrated with target 'tiny-target', not 'another-target'"):
         SVPolicy.from_cache(
             renamed,

@@ -22,7 +22,8 @@ import pytest
 import torch
 import treekit
 
-from blockspec.verify.tree import RULES, SCHEMES, expected_accepted_tree, node_depths, tree_law
+from blockspec.verify import SAMPLED_RULES
+from blockspec.verify.tree import SCHEMES, expected_accepted_tree, node_depths, tree_law
 
 LOSSLESS = 1e-12
 LOSSY = 1e-4  # a mistake must move some probability of the joint law by more than this (10^8 x LOSSLESS)
@@ -84,7 +85,7 @@ def law_error(tables: lawkit.Tables, trees: treekit.Trees, step: treekit.TreeSte
 def test_tree_rules_reproduce_the_target_joint_law(case, scheme, kind):
     vocab, shape = case
     tables, trees = tables_for(vocab, len(shape), kind), trees_for(vocab, shape, scheme, kind)
-    for rule in RULES:
+    for rule in SAMPLED_RULES:
         error = law_error(tables, trees, library_step(rule, scheme), len(shape))
         assert error < LOSSLESS, f"{rule} {scheme} {case_id(case)} {kind}: joint-law error {error:.2e}"
 
@@ -235,7 +236,7 @@ def test_library_matches_the_literal_traversal(case, scheme):
     vocab, shape = case
     trees = trees_for(vocab, shape, scheme, "zeros")
     depth = node_depths(trees.parents, trees.num_nodes).double()
-    for rule in RULES:
+    for rule in SAMPLED_RULES:
         ref_law, ref_final = reference_step(rule, scheme)(trees)
         law = tree_law(*trees.inputs, rule=rule, scheme=scheme, num_nodes=trees.num_nodes)
         assert lawkit.max_abs_error(law.node_law, ref_law) < LOSSLESS
@@ -253,7 +254,7 @@ MISTAKE_CASES = [(4, (2, 2)), (4, (1, 2)), (4, (2, 1, 1)), (3, (1, 1)), (4, (1, 
 def test_plausible_tree_mistakes_are_not_lossless(mistake):
     """Each mistake breaks the joint law on some enumerated case, while the same transcription without it is exact
     on every one of them (so the failure is the mistake's own)."""
-    rules = RULES if mistake == "no_sibling_residual" else ("block",)  # the others are the traversal's own
+    rules = SAMPLED_RULES if mistake == "no_sibling_residual" else ("block",)  # the others are the traversal's own
     errors = {}
     for vocab, shape in MISTAKE_CASES:
         for scheme in SCHEMES:
@@ -281,7 +282,7 @@ def test_mistakes_coincide_with_the_rule_where_they_cannot_act(mistake, case):
     vocab, shape = case
     tables = tables_for(vocab, len(shape), "zeros")
     for scheme in SCHEMES:
-        for rule in RULES if mistake == "no_sibling_residual" else ("block",):
+        for rule in SAMPLED_RULES if mistake == "no_sibling_residual" else ("block",):
             step = reference_step(rule, scheme, mistake)
             assert law_error(tables, trees_for(vocab, shape, scheme, "zeros"), step, len(shape)) < LOSSLESS
 
@@ -293,7 +294,7 @@ def test_capped_parent_update_is_lossy_on_a_two_token_chain():
     assert law_error(tables, trees, reference_step("block", "iid", "capped_parent_update"), 2) > LOSSY
 
 
-@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("rule", SAMPLED_RULES)
 def test_the_other_schemes_update_is_not_lossless(rule):
     """Distinct siblings verified as i.i.d. ones (Q_a not renormalised after a rejection): valid inputs, wrong law.
     It can be exact on a table (when the residual after the first rejection is one-hot, see below)."""
@@ -328,9 +329,9 @@ def test_dropping_a_drawn_child_for_its_own_value_is_not_lossless(scheme):
     and stays exact."""
     for vocab, shape in [(4, (2,)), (4, (2, 2)), (4, (1, 2, 1))]:
         tables = tables_for(vocab, len(shape), "zeros")
-        pruned = treekit.all_trees(tables, shape, scheme, prune=lambda q: q < 1 / vocab)
-        stopped = treekit.all_trees(tables, shape, scheme, stop=lambda q: q < 1 / vocab)
-        for rule in RULES:
+        pruned = treekit.all_trees(tables, shape, scheme, prune=lambda q, vocab=vocab: q < 1 / vocab)
+        stopped = treekit.all_trees(tables, shape, scheme, stop=lambda q, vocab=vocab: q < 1 / vocab)
+        for rule in SAMPLED_RULES:
             error = law_error(tables, pruned, library_step(rule, scheme), len(shape))
             print(f"pruned {rule} {scheme} {case_id((vocab, shape))}: {error:.1e}")
             assert error > LOSSY
@@ -350,7 +351,7 @@ def test_sequence_level_is_never_worse_on_average_over_trees(case, kind):
         trees = trees_for(vocab, shape, scheme, kind)
         per_tree = {
             rule: expected_accepted_tree(*trees.inputs, rule=rule, scheme=scheme, num_nodes=trees.num_nodes)
-            for rule in RULES
+            for rule in SAMPLED_RULES
         }
         means = {rule: float((trees.prob * e).sum()) for rule, e in per_tree.items()}
         lower = float(trees.prob[per_tree["block"] < per_tree["token"] - 1e-12].sum())

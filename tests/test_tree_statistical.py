@@ -36,7 +36,7 @@ SHAPES = [(), (2,), (1, 1), (3, 1), (2, 2), (1, 2)]
 PER_SHAPE = 4_000
 SAMPLES = PER_SHAPE * len(SHAPES)
 LENGTH = DEPTH + 1
-VERIFIERS = {"token": verify_tree_token, "block": verify_tree_block}
+TREE_VERIFIERS = {"token": verify_tree_token, "block": verify_tree_block}
 
 
 @functools.cache
@@ -59,9 +59,8 @@ def mixture_law(rule: str, drawn: str, verified: str) -> torch.Tensor:
         law = tree_law(*trees.inputs, rule=rule, scheme=verified, num_nodes=trees.num_nodes)
         return law.node_law, law.final
 
-    return sum(
-        treekit.emission_law(tables(), treekit.all_trees(tables(), shape, drawn), step, LENGTH) for shape in SHAPES
-    ) / len(SHAPES)
+    laws = [treekit.emission_law(tables(), treekit.all_trees(tables(), shape, drawn), step, LENGTH) for shape in SHAPES]
+    return torch.stack(laws).mean(0)
 
 
 def pooled_test(counts: torch.Tensor, law: torch.Tensor, groups: torch.Tensor) -> lawkit.ChiSquare:
@@ -102,7 +101,7 @@ def test_ragged_tree_batches_match_the_target_law(scheme, rule, dtype):
     law = lawkit.target_law(tables(), LENGTH)
     assert lawkit.max_abs_error(mixture_law(rule, scheme, scheme), law) < 1e-12  # the exact law it should follow
     groups = lawkit.sparse_cell_groups(law, SAMPLES)
-    result = pooled_test(sample(VERIFIERS[rule], scheme, scheme, dtype), law, groups)
+    result = pooled_test(sample(TREE_VERIFIERS[rule], scheme, scheme, dtype), law, groups)
     assert result.passed, describe(f"{rule} {scheme} {dtype}", result)
     describe(f"{rule} {scheme} {dtype}", result)
 
@@ -138,7 +137,7 @@ def test_broken_variant_fails_the_same_test(name, monkeypatch):
     error = lawkit.max_abs_error(law, wrong_law)
     assert power >= MIN_POWER, f"{name}: power {power:.3g} < {MIN_POWER} at N {SAMPLES} (law error {error:.2g})"
 
-    counts = sample(VERIFIERS[rule], drawn, verified)
+    counts = sample(TREE_VERIFIERS[rule], drawn, verified)
     result = pooled_test(counts, law, groups)
     message = describe(f"NEGATIVE CONTROL {name}", result, f"power {power:.6f}, max joint-law error {error:.3g}")
     assert not result.passed, "the broken verifier PASSED the test that should catch it: " + message

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from blockspec.verify import VERIFIERS, Randomness, expected_accepted
+from blockspec.verify import RULES, Randomness, expected_accepted
 
 B, K, V = 2, 3, 5
 
@@ -103,12 +103,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name", sorted(VERIFIERS))
 @pytest.mark.parametrize("what", CASES)
-def test_bad_input_is_refused_with_a_clear_message(name, what):
+def test_bad_input_is_refused_with_a_clear_message(rule, what):
     args, kwargs, message = broken(what)
     with pytest.raises(ValueError, match=re.escape(message)):
-        VERIFIERS[name](*args, **kwargs)
+        RULES[rule].verify(*args, **kwargs)
 
 
 @pytest.mark.parametrize("what", ["NaN", "not normalised", "token out of vocabulary", "impossible draft token"])
@@ -118,32 +117,36 @@ def test_expected_accepted_validates_too(what):
         expected_accepted(*args, "block", **kwargs)
 
 
-def test_unknown_method_is_refused():
-    with pytest.raises(ValueError, match="method must be one of"):
+def test_unknown_rule_is_refused():
+    with pytest.raises(ValueError, match="rule must be one of block, token, greedy, got 'tree'"):
+        expected_accepted(*good_inputs(), "tree")
+
+
+def test_a_rule_without_closed_forms_is_refused():
+    with pytest.raises(ValueError, match="the 'greedy' rule has no closed form"):
         expected_accepted(*good_inputs(), "greedy")
 
 
 def test_float32_softmax_rows_pass_and_float64_tolerance_is_tighter():
     x, d, t = good_inputs(torch.float32)
-    VERIFIERS["block"](x, d, t)  # float32 rounding of a softmax is well inside the float32 tolerance
+    RULES["block"].verify(x, d, t)  # float32 rounding of a softmax is well inside the float32 tolerance
     x, d, t = good_inputs(torch.float64)
     with pytest.raises(ValueError, match="does not sum to 1"):
-        VERIFIERS["block"](x, d, t * (1 + 1e-6))  # fine in float32, not in float64
+        RULES["block"].verify(x, d, t * (1 + 1e-6))  # fine in float32, not in float64
 
 
-@pytest.mark.parametrize("name", sorted(VERIFIERS))
-def test_padding_beyond_num_draft_is_ignored(name):
+def test_padding_beyond_num_verified_is_ignored(rule):
     x, d, t = good_inputs()
     x[0, 1:] = -1  # row 0 drafted one token: junk after it must not be validated
     d[0, 1:] = float("nan")
     t[0, 2:] = 5.0
-    out = VERIFIERS[name](x, d, t, num_verified=torch.tensor([1, K]), generator=torch.Generator().manual_seed(0))
+    out = RULES[rule].verify(x, d, t, num_verified=torch.tensor([1, K]), generator=torch.Generator().manual_seed(0))
     assert int(out.num_accepted[0]) <= 1
 
 
 def test_validation_can_be_switched_off():
     args, _, _ = broken("not normalised")
-    VERIFIERS["token"](*args, validate=False)  # no check, no error: the caller vouches for the inputs
+    RULES["token"].verify(*args, validate=False)  # no check, no error: the caller vouches for the inputs
 
 
 def test_verify_imports_no_transformers():

@@ -19,9 +19,7 @@ import torch
 from ..policy import FixedLength
 from ..policy.features import companion_features, draft_features
 from ..policy.predictor import MONOTONE, Predictor, Profile, evaluate, feature_names
-from ..verify import draft_distributions, position_gains
-
-METHODS = ("token", "block")
+from ..verify import SAMPLED_RULES, draft_distributions, position_gains
 
 
 @dataclass
@@ -32,16 +30,16 @@ class Recording:
     num_verified: torch.Tensor  # [N]
     accepted: torch.Tensor  # [N] tau under the token rule with all drafted tokens verified
     draft: torch.Tensor  # [N, K, len(DRAFT_FEATURES)]
-    companion: dict[str, torch.Tensor]  # method -> [N, K, len(COMPANION_FEATURES)]
-    labels: dict[str, torch.Tensor]  # method -> [N, K] exact gains
+    companion: dict[str, torch.Tensor]  # rule -> [N, K, len(COMPANION_FEATURES)]
+    labels: dict[str, torch.Tensor]  # rule -> [N, K] exact gains
 
     def positions(self, rows: torch.Tensor) -> torch.Tensor:
         """Mask [n, K] of the real (drafted) positions of ``rows``."""
         k = self.draft.shape[1]
         return torch.arange(k)[None, :] < self.num_verified[rows, None]
 
-    def features(self, kind: str, method: str) -> torch.Tensor:
-        return self.draft if kind == "draft" else self.companion[method]
+    def features(self, kind: str, rule: str) -> torch.Tensor:
+        return self.draft if kind == "draft" else self.companion[rule]
 
     def save(self, path) -> None:
         torch.save(self.__dict__, path)
@@ -50,10 +48,7 @@ class Recording:
     def load(cls, path) -> Recording:
         # weights_only: tensors and containers only, so a planted recording cannot run code, even where
         # TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD makes full unpickling torch.load's default.
-        data = torch.load(path, weights_only=True)
-        if "num_draft" in data:  # a recording saved before the field's rename
-            data["num_verified"] = data.pop("num_draft")
-        return cls(**data)
+        return cls(**torch.load(path, weights_only=True))
 
 
 class Recorder(FixedLength):
@@ -80,7 +75,7 @@ class Recorder(FixedLength):
         draft = torch.stack(self._draft[: draft_tokens.shape[1]], 1)
         self._pending = {
             "draft": draft,
-            "companion": {m: companion_features(draft_tokens, probs, companion_probs, m, draft) for m in METHODS},
+            "companion": {m: companion_features(draft_tokens, probs, companion_probs, m, draft) for m in SAMPLED_RULES},
         }
         return drafted
 
@@ -88,7 +83,9 @@ class Recorder(FixedLength):
         if draft_tokens.shape[1] < self.max_draft:
             return  # a row's last step: fewer drafted positions than the recording's width
         probs = draft_distributions(draft_tokens, draft_probs, target_probs.shape[-1])
-        labels = {m: position_gains(draft_tokens, probs.double(), target_probs.double(), m).float() for m in METHODS}
+        labels = {
+            m: position_gains(draft_tokens, probs.double(), target_probs.double(), m).float() for m in SAMPLED_RULES
+        }
         for b in range(len(draft_tokens)):
             self.rows.append(
                 {
@@ -108,8 +105,8 @@ class Recorder(FixedLength):
             num_verified=torch.tensor([r["num_verified"] for r in rows]),
             accepted=torch.tensor([r["accepted"] for r in rows]),
             draft=torch.stack([r["draft"] for r in rows]),
-            companion={m: torch.stack([r["companion"][m] for r in rows]) for m in METHODS},
-            labels={m: torch.stack([r["labels"][m] for r in rows]) for m in METHODS},
+            companion={m: torch.stack([r["companion"][m] for r in rows]) for m in SAMPLED_RULES},
+            labels={m: torch.stack([r["labels"][m] for r in rows]) for m in SAMPLED_RULES},
         )
 
 
@@ -152,26 +149,26 @@ def fit_profile(
     held_out: float = 0.25,
     seed: int = 0,
 ) -> tuple[Profile, dict]:
-    """Fit every (method, kind) predictor on the training prompts; returns the profile (refitted on all prompts)
-    and the held-out evaluation {method: {kind: metrics}} plus calibration curves."""
+    """Fit every (rule, kind) predictor on the training prompts; returns the profile (refitted on all prompts)
+    and the held-out evaluation {rule: {kind: metrics}} plus calibration curves."""
     train, test = split_prompts(recording, held_out, seed)
     report, predictors = {}, {}
-    for method in METHODS:
-        report[method], predictors[method] = {}, {}
+    for rule in SAMPLED_RULES:
+        report[rule], predictors[rule] = {}, {}
         for kind in ("draft", "companion"):
-            x, y = _flat(recording, kind, method, train)
+            x, y = _flat(recording, kind, rule, train)
             fitted = Predictor.fit(feature_names(kind), x, y, monotone=MONOTONE[kind])
             if len(test):
-                xt, yt = _flat(recording, kind, method, test)
-                report[method][kind] = {**evaluate(fitted, xt, yt), "curve": calibration_curve(fitted(xt), yt)}
-            x, y = _flat(recording, kind, method, torch.arange(len(recording.prompt)))
-            predictors[method][kind] = Predictor.fit(feature_names(kind), x, y, monotone=MONOTONE[kind])
-    prior = {m: _mean_by_position(recording, m) for m in METHODS}
+                xt, yt = _flat(recording, kind, rule, test)
+                report[rule][kind] = {**evaluate(fitted, xt, yt), "curve": calibration_curve(fitted(xt), yt)}
+            x, y = _flat(recording, kind, rule, torch.arange(len(recording.prompt)))
+            predictors[rule][kind] = Predictor.fit(feature_names(kind), x, y, monotone=MONOTONE[kind])
+    prior = {m: _mean_by_position(recording, m) for m in SAMPLED_RULES}
     metrics = {
         "positions": int(recording.positions(torch.arange(len(recording.prompt))).sum()),
         "prompts": len(set(recording.prompt.tolist())),
         "held_out": {
-            m: {k: {n: v for n, v in r.items() if n != "curve"} for k, r in report[m].items()} for m in METHODS
+            m: {k: {n: v for n, v in r.items() if n != "curve"} for k, r in report[m].items()} for m in SAMPLED_RULES
         },
     }
     profile = Profile(
@@ -197,11 +194,11 @@ def calibration_curve(predicted: torch.Tensor, labels: torch.Tensor, bins: int =
     return curve
 
 
-def _flat(recording: Recording, kind: str, method: str, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _flat(recording: Recording, kind: str, rule: str, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     mask = recording.positions(rows)
-    return recording.features(kind, method)[rows][mask], recording.labels[method][rows][mask]
+    return recording.features(kind, rule)[rows][mask], recording.labels[rule][rows][mask]
 
 
-def _mean_by_position(recording: Recording, method: str) -> list[float]:
-    labels, mask = recording.labels[method], recording.positions(torch.arange(len(recording.prompt)))
+def _mean_by_position(recording: Recording, rule: str) -> list[float]:
+    labels, mask = recording.labels[rule], recording.positions(torch.arange(len(recording.prompt)))
     return (labels * mask).sum(0).div(mask.sum(0).clamp(min=1)).tolist()

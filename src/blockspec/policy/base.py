@@ -2,10 +2,11 @@
 
 A length policy decides, each step, how many tokens each row drafts and how many of them the target verifies.
 Verifying the first L drafted tokens is lossless only if the decision to include x_i is a *stopping rule*: it
-may use x_<i, the distributions at position i, other rows and latency figures, never x_i itself (docs/algorithms.md,
-"Choosing how many tokens to verify"). ``LengthPolicy`` states, hook by hook, what the engine has when it asks; ``stopping_lengths``
-is the search every adaptive length here uses: it extends L one position at a time and stops at the first whose
-marginal gain does not pay (a global argmax over L would be look-ahead: later predictions use x_i).
+may use x_<i, the distributions at position i, other rows and latency figures, never x_i itself
+(docs/algorithms.md, "Choosing how many tokens to verify"). ``LengthPolicy`` states, hook by hook, what the engine
+has when it asks; ``stopping_lengths`` is the search every adaptive length here uses: it extends L one position at
+a time and stops at the first whose marginal gain does not pay (a global argmax over L would be look-ahead: later
+predictions use x_i).
 """
 
 from __future__ import annotations
@@ -127,10 +128,10 @@ def stopping_lengths(
     drafting already done) must likewise depend on i alone, not on how far drafting went.
     """
     limit = drafted.tolist()
-    gains = gains.double().cpu().tolist()
+    rows: list[list[float]] = gains.double().cpu().tolist()
     emitted, width = float(len(limit)), 0
-    for i in range(len(gains[0]) if gains else 0):
-        gained, sunk = sum(row[i] for row, n in zip(gains, limit) if n > i), paid(i + 1)
+    for i in range(len(rows[0]) if rows else 0):
+        gained, sunk = sum(row[i] for row, n in zip(rows, limit) if n > i), paid(i + 1)
         if not any(n > i for n in limit) or (emitted + gained) / (sunk + step_seconds(i + 1)) <= emitted / (
             sunk + step_seconds(i)
         ):

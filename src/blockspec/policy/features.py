@@ -52,12 +52,12 @@ def companion_features(
     draft_tokens: torch.Tensor,
     draft_probs: torch.Tensor,
     companion_probs: torch.Tensor,
-    method: str,
+    rule: str,
     draft_part: torch.Tensor,
 ) -> torch.Tensor:
     """``draft_part`` (the draft-only features [B, K, .]) plus the companion's plug-in gain and overlap S_i."""
     companion_probs = companion_probs[:, : draft_tokens.shape[1]]
-    plugin = position_gains(draft_tokens, draft_probs, companion_probs, method).float().clamp(_TINY, 1 - _TINY)
+    plugin = position_gains(draft_tokens, draft_probs, companion_probs, rule).float().clamp(_TINY, 1 - _TINY)
     return torch.cat(
         [
             draft_part,

@@ -65,6 +65,8 @@ class LatencyProfile:
     def scoring(self, batch: int, positions: int, catch_up: int) -> float:
         """Seconds of the companion's forward that scores ``positions`` drafted tokens per row: it reads the
         ``catch_up`` tokens it has not seen and every drafted token but the last."""
+        if self.companion is None:
+            raise ValueError("the latency profile has no companion costs: measure it with the companion")
         return self.companion(batch, catch_up + positions - 1) if positions else 0.0
 
     def check(self, target_name: str, draft_name: str, companion_name: str | None, dtype, device) -> None:

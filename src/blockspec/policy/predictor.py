@@ -78,23 +78,23 @@ def brier(predicted: torch.Tensor, labels: torch.Tensor) -> float:
 
 @dataclass(frozen=True)
 class Profile:
-    """Calibrated predictors for one (target, draft, companion, sampling): ``predictors[method][kind]`` with
-    method "token" or "block" and kind "draft" (draft-only features) or "companion"."""
+    """Calibrated predictors for one (target, draft, companion, sampling): ``predictors[rule][kind]`` with
+    rule one of ``SAMPLED_RULES`` and kind "draft" (draft-only features) or "companion"."""
 
     target: str
     draft: str
     companion: str | None
     sampling: dict
     predictors: dict[str, dict[str, Predictor]]
-    prior: dict[str, list[float]]  # mean exact gain per position, per method: the policy's starting history
+    prior: dict[str, list[float]]  # mean exact gain per position, per rule: the policy's starting history
     metrics: dict = field(default_factory=dict)
     schema: int = PROFILE_SCHEMA
 
-    def predictor(self, method: str, kind: str) -> Predictor:
+    def predictor(self, rule: str, kind: str) -> Predictor:
         try:
-            return self.predictors[method][kind]
+            return self.predictors[rule][kind]
         except KeyError:
-            raise ValueError(f"this SV profile has no {kind!r} predictor for the {method!r} rule") from None
+            raise ValueError(f"this SV profile has no {kind!r} predictor for the {rule!r} rule") from None
 
     def check(self, *, target: str, draft: str, companion: str | None, sampling: dict) -> None:
         """Refuse to serve models or sampling settings other than those calibrated (a silent mismatch would
@@ -117,8 +117,8 @@ class Profile:
             raise ValueError(f"{path}: SV profile schema {data.get('schema')!r}, this blockspec reads {PROFILE_SCHEMA}")
         try:
             data["predictors"] = {
-                method: {kind: Predictor(tuple(p["features"]), tuple(p["weights"])) for kind, p in kinds.items()}
-                for method, kinds in data["predictors"].items()
+                rule: {kind: Predictor(tuple(p["features"]), tuple(p["weights"])) for kind, p in kinds.items()}
+                for rule, kinds in data["predictors"].items()
             }
             return cls(**data)
         except (KeyError, TypeError) as error:

@@ -87,7 +87,7 @@ class SVPolicy:
         profile,
         latency,
         *,
-        method: str,
+        rule: str,
         max_draft: int,
         kind: str = SV_PREDICTOR,
         memory: float = 0.9,
@@ -100,11 +100,11 @@ class SVPolicy:
             raise ValueError(f"kind must be 'draft' or 'companion', got {kind!r}")
         if kind == "companion" and latency.companion is None:
             raise ValueError("the latency profile has no companion costs: measure it with the companion")
-        self.method, self.max_draft, self.kind, self.memory, self.rate = method, max_draft, kind, memory, rate
+        self.rule, self.max_draft, self.kind, self.memory, self.rate = rule, max_draft, kind, memory, rate
         self.carry_over, self.ragged, self.whole_drafts = carry_over, ragged, whole_drafts
-        self.predictors = {"draft": profile.predictor(method, "draft"), kind: profile.predictor(method, kind)}
+        self.predictors = {"draft": profile.predictor(rule, "draft"), kind: profile.predictor(rule, kind)}
         self.latency = latency
-        prior = list(profile.prior[method])[:max_draft]
+        prior = list(profile.prior[rule])[:max_draft]
         self.prior = torch.tensor(prior + [prior[-1]] * (max_draft - len(prior)), dtype=torch.float64)
         self._predicted: dict[str, torch.Tensor] = {}  # this step's gains [B, K] per predictor, for ``learn``
         self._draft_features: list[torch.Tensor] = []
@@ -118,7 +118,7 @@ class SVPolicy:
         draft,
         *,
         sampling: SamplingParams,
-        method: str = "block",
+        rule: str = "block",
         max_draft: int = MAX_DRAFT,
         kind: str = SV_PREDICTOR,
         companion: str | None = COMPANION,
@@ -136,7 +136,7 @@ class SVPolicy:
         target_name, draft_name = names or (model_name(target), model_name(draft))
         calibration, _ = load_calibration(target_name, draft_name, companion, sampling, profile)
         timing, _ = load_latency(target_name, draft_name, companion, dtype_name(target.dtype), target.device, latency)
-        return cls(calibration, timing, method=method, max_draft=max_draft, kind=kind, **options)
+        return cls(calibration, timing, rule=rule, max_draft=max_draft, kind=kind, **options)
 
     def reset(self) -> None:
         if not self.carry_over:
@@ -214,7 +214,7 @@ class SVPolicy:
         features = torch.stack(self._draft_features[: draft_tokens.shape[1]], 1).to(draft_tokens.device)
         if self.kind == "companion":
             probs = draft_distributions(draft_tokens, draft_probs, companion_probs.shape[-1])
-            features = companion_features(draft_tokens, probs, companion_probs, self.method, features)
+            features = companion_features(draft_tokens, probs, companion_probs, self.rule, features)
         return self.lengths_given(features, drafted)
 
     def lengths_given(self, features: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
@@ -229,14 +229,17 @@ class SVPolicy:
         # sunk seconds are those of i positions, never of how far drafting went (which depends on x_i), unless the
         # engine drafts whole budgets, whose length does not depend on the tokens.
         batch, catch_up, budget = self._batch, self._catch_up, features.shape[1]
-        paid = lambda i: self.latency.drafting(
-            batch,
-            budget if self.whole_drafts else i,
-            catch_up,  # noqa: E731
-            self.needs_companion,
-        )
+
+        def paid(position: int) -> float:
+            return self.latency.drafting(
+                batch, budget if self.whole_drafts else position, catch_up, self.needs_companion
+            )
+
         if self.ragged:
-            per_row = lambda tokens: self.latency.target(batch, 1 + tokens / batch)  # noqa: E731
+
+            def per_row(tokens: int) -> float:
+                return self.latency.target(batch, 1 + tokens / batch)
+
             lengths = ragged_stopping_lengths(gains, drafted, per_row, paid=paid)
         else:
             lengths = stopping_lengths(gains, drafted, lambda width: self.latency.target(batch, 1 + width), paid=paid)
@@ -254,7 +257,7 @@ class SVPolicy:
         if not bool((verified > 0).any()):
             return
         probs = draft_distributions(draft_tokens, draft_probs, target_probs.shape[-1])
-        self.learn(position_gains(draft_tokens, probs, target_probs, self.method), verified)
+        self.learn(position_gains(draft_tokens, probs, target_probs, self.rule), verified)
 
     def learn(
         self, labels: torch.Tensor, verified: torch.Tensor, predicted: dict[str, torch.Tensor] | None = None

@@ -5,20 +5,20 @@
     verify_greedy  temperature 0: longest prefix matching the target's argmax
 
 All three take (draft_tokens [B, K], draft_probs [B, K, V] | None, target_probs [B, K+1, V]) and return a
-VerifyOutput. See base.py for the glossary and exact.py for closed forms given a drafted block (the law of
-tau, the gain of each drafted position) that length policies and the exact tests build on.
+VerifyOutput. ``RULES`` names them (``get_rule``; ``SAMPLED_RULES``: those valid at temperature > 0), each with
+its closed forms given a drafted block (rules.py). See base.py for the glossary and exact.py for those closed
+forms (the law of tau, the gain of each drafted position) that length policies and the exact tests build on.
 
 tree.py verifies a drafted tree (several candidates per position, one target forward over all of them):
 verify_tree_token (recursive rejection sampling), verify_tree_block (Traversal Verification, block verification
 extended to trees) and verify_tree_greedy; tree_law and expected_accepted_tree are their closed forms.
 """
 
-from .base import Randomness, VerifyOutput, positive_part_mass, row_chunks
+from .base import Randomness, VerifyOutput, agreement, positive_part_mass, row_chunks
 from .block import block_acceptance, block_weights, verify_block
 from .exact import (
     acceptance_survival,
     accepted_length_law,
-    agreement,
     draft_distributions,
     expected_accepted,
     final_distributions,
@@ -37,14 +37,11 @@ from .tree import (
     verify_tree_token,
 )
 
-VERIFIERS = {"token": verify_token, "block": verify_block, "greedy": verify_greedy}
-
 __all__ = [
     "RULES",
     "SAMPLED_RULES",
     "Rule",
     "get_rule",
-    "VERIFIERS",
     "Randomness",
     "TreeLaw",
     "TreeVerifyOutput",

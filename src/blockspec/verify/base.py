@@ -22,35 +22,9 @@ that consumes explicit uniforms and exponentials; the exact tests integrate over
 
 from __future__ import annotations
 
-import functools
-import warnings
 from dataclasses import dataclass
 
 import torch
-
-
-def renamed(**new_names: str):
-    """Decorator: keyword arguments under their old names (``old="new"``) still work for one release, with a
-    DeprecationWarning naming the new one; giving both names is an error."""
-
-    def wrap(function):
-        @functools.wraps(function)
-        def call(*args, **kwargs):
-            for old, new in new_names.items():
-                if old in kwargs:
-                    if new in kwargs:
-                        raise TypeError(f"{function.__qualname__}() got both {old}= and {new}=; {old} is the old name")
-                    warnings.warn(
-                        f"{function.__qualname__}({old}=...) is deprecated: use {new}=",
-                        DeprecationWarning,
-                        stacklevel=2,
-                    )
-                    kwargs[new] = kwargs.pop(old)
-            return function(*args, **kwargs)
-
-        return call
-
-    return wrap
 
 
 @dataclass(frozen=True)
@@ -140,6 +114,21 @@ def positive_part_mass(scale: torch.Tensor, target: torch.Tensor, draft: torch.T
         residual = torch.mul(target[rows], scale[rows, :, None])
         mass[rows] = residual.sub_(draft[rows]).clamp_(min=0.0).sum(-1)
     return mass
+
+
+def agreement(draft_probs: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """sum_v min(draft_probs[..., v], other[..., v]) per position, [B, K] from two [B, K, V]: the probability that
+    the token rule accepts position i's draft once the ones before it were, when ``other`` is the target."""
+    ones = torch.ones(draft_probs.shape[:2], dtype=draft_probs.dtype, device=draft_probs.device)
+    return 1.0 - positive_part_mass(ones, other, draft_probs)
+
+
+def drafted_log_ratio(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """log other_i(x_i) - log draft_i(x_i), [B, K] from draft_tokens [B, K] and two [B, K, V]; -inf where other
+    is 0. Guard: the drafted token's draft probability is clamped to the smallest normal number, never 0."""
+    index = draft_tokens[..., None]
+    draft_at = draft_probs.gather(-1, index).squeeze(-1).clamp(min=torch.finfo(draft_probs.dtype).tiny)
+    return other.gather(-1, index).squeeze(-1).log() - draft_at.log()
 
 
 def sample_final(

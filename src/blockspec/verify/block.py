@@ -7,12 +7,12 @@ import torch
 from .base import (
     Randomness,
     VerifyOutput,
+    drafted_log_ratio,
     draw_uniforms,
     emit,
     positive_part_mass,
     prepare,
     probs_of_drafted,
-    renamed,
     sample_final,
     verified_mask,
 )
@@ -29,7 +29,6 @@ def block_weights(log_ratio: torch.Tensor) -> torch.Tensor:
     return log_w
 
 
-@renamed(num_draft="num_verified")
 def block_acceptance(
     draft_tokens: torch.Tensor,  # [B, K] int64
     draft_probs: torch.Tensor | None,  # [B, K, V] or None (one-hot draft)
@@ -71,7 +70,24 @@ def block_acceptance(
     return h, log_w
 
 
-@renamed(num_draft="num_verified")
+def block_survival(draft_tokens, draft_probs, target_probs, num_verified) -> torch.Tensor:
+    """P(tau >= i | drafted block) = 1 - prod_{j >= i} (1 - h_j) for i = 1..K (tau is the LAST hit), [B, K]."""
+    h, _ = block_acceptance(draft_tokens, draft_probs, target_probs, num_verified)
+    none_from = (1.0 - h).flip(-1).cumprod(-1).flip(-1)  # prod_{j >= i} (1 - h_j): over the reversed positions
+    return 1.0 - none_from
+
+
+def block_final_log_weight(draft_tokens, draft_probs, target_probs, num_verified) -> torch.Tensor:
+    """log w_i for i = 0..K, [B, K+1]: after tau = i the residual is max(w_i * target - draft, 0)."""
+    return block_acceptance(draft_tokens, draft_probs, target_probs, num_verified)[1]
+
+
+def block_gains(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """g_i = sum_v min(draft_i(v), w_{i-1} other_i(v)), [B, K] (``exact.position_gains``; Sun et al.)."""
+    w = block_weights(drafted_log_ratio(draft_tokens, draft_probs, other))[:, :-1].exp()  # w_0 .. w_{K-1}
+    return w - positive_part_mass(w, other, draft_probs)
+
+
 def verify_block(
     draft_tokens: torch.Tensor,  # [B, K] int64
     draft_probs: torch.Tensor | None,  # [B, K, V] float32/64, or None for a one-hot draft

@@ -1,26 +1,24 @@
 """Closed forms given a drafted block: acceptance survival, the law of tau, the emitted token's distribution.
 
-They integrate exactly over the random part of a verifier, so two rules can be compared on the SAME drafts
-with no sampling noise, and losslessness can be checked by enumeration (tests/test_exact_law.py).
+They integrate exactly over the random part of a rule's verifier, so two rules can be compared on the SAME drafts
+with no sampling noise, and losslessness can be checked by enumeration (tests/test_exact_law.py). Each function
+takes the rule's name and reads its closed forms from the registry (``rules``); a rule without them (greedy) is
+refused.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .base import final_distribution, positive_part_mass, prepare, renamed
-from .block import block_acceptance, block_weights
-from .token import token_acceptance
-
-METHODS = ("token", "block")
+from .base import final_distribution, prepare
+from .rules import get_rule
 
 
-@renamed(num_draft="num_verified")
 def acceptance_survival(
     draft_tokens: torch.Tensor,  # [B, K] int64
     draft_probs: torch.Tensor | None,  # [B, K, V] or None (one-hot draft)
     target_probs: torch.Tensor,  # [B, K+1, V]
-    method: str,
+    rule: str,
     num_verified: torch.Tensor | None = None,  # [B] int64
     *,
     validate: bool = True,
@@ -29,69 +27,59 @@ def acceptance_survival(
 
     token: prod_{k <= i} min(1, ratio_k).   block: 1 - prod_{j >= i} (1 - h_j) (tau is the LAST hit).
     """
-    _check_method(method)
+    survival = get_rule(rule).survival
+    if survival is None:
+        raise _no_closed_form(rule, "survival")
     num_verified = prepare(draft_tokens, draft_probs, target_probs, num_verified, None, validate)
-    if method == "token":
-        accept = token_acceptance(draft_tokens, draft_probs, target_probs, num_verified)
-        survival = accept.cumprod(-1)
-    else:
-        h, _ = block_acceptance(draft_tokens, draft_probs, target_probs, num_verified)
-        # prod_{j >= i} (1 - h_j): a cumulative product over the reversed positions.
-        none_from = (1.0 - h).flip(-1).cumprod(-1).flip(-1)
-        survival = 1.0 - none_from
-    return torch.nn.functional.pad(survival, (1, 0), value=1.0)
+    later = survival(draft_tokens, draft_probs, target_probs, num_verified)
+    return torch.nn.functional.pad(later, (1, 0), value=1.0)
 
 
-@renamed(num_draft="num_verified")
 def expected_accepted(
     draft_tokens: torch.Tensor,  # [B, K] int64
     draft_probs: torch.Tensor | None,  # [B, K, V] or None (one-hot draft)
     target_probs: torch.Tensor,  # [B, K+1, V]
-    method: str,
+    rule: str,
     num_verified: torch.Tensor | None = None,  # [B] int64
     *,
     validate: bool = True,
 ) -> torch.Tensor:
-    """E[num_accepted | drafted block] under ``method`` ("token" or "block"), as [B] float."""
-    survival = acceptance_survival(draft_tokens, draft_probs, target_probs, method, num_verified, validate=validate)
+    """E[num_accepted | drafted block] under ``rule``, as [B] float."""
+    survival = acceptance_survival(draft_tokens, draft_probs, target_probs, rule, num_verified, validate=validate)
     return survival[:, 1:].sum(-1)
 
 
-@renamed(num_draft="num_verified")
 def accepted_length_law(
     draft_tokens: torch.Tensor,
     draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
-    method: str,
+    rule: str,
     num_verified: torch.Tensor | None = None,
     *,
     validate: bool = True,
 ) -> torch.Tensor:
     """P(tau = i | drafted block) for i = 0..K, as [B, K+1]; each row sums to 1."""
-    survival = acceptance_survival(draft_tokens, draft_probs, target_probs, method, num_verified, validate=validate)
+    survival = acceptance_survival(draft_tokens, draft_probs, target_probs, rule, num_verified, validate=validate)
     return survival - torch.nn.functional.pad(survival[:, 1:], (0, 1), value=0.0)
 
 
-@renamed(num_draft="num_verified")
 def final_distributions(
     draft_tokens: torch.Tensor,
     draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
-    method: str,
+    rule: str,
     num_verified: torch.Tensor | None = None,
     *,
     validate: bool = True,
 ) -> torch.Tensor:
     """[B, K+1, V]: row i is the normalised law of the token emitted after tau = i (meaningful for i <= n)."""
-    _check_method(method)
+    final_log_weight = get_rule(rule).final_log_weight
+    if final_log_weight is None:
+        raise _no_closed_form(rule, "final distributions")
     num_verified = prepare(draft_tokens, draft_probs, target_probs, num_verified, None, validate)
-    batch, width = draft_tokens.shape
-    if method == "block":
-        _, log_w = block_acceptance(draft_tokens, draft_probs, target_probs, num_verified)
-    else:
-        log_w = torch.zeros(batch, width + 1, dtype=target_probs.dtype, device=target_probs.device)
+    log_w = final_log_weight(draft_tokens, draft_probs, target_probs, num_verified)  # [B, K+1]
     rows = []
-    for i in range(width + 1):
+    for i in range(draft_tokens.shape[1] + 1):
         tau = torch.minimum(torch.full_like(num_verified, i), num_verified)
         dist = final_distribution(draft_tokens, draft_probs, target_probs, num_verified, tau, log_w[:, i].exp())
         rows.append(dist / dist.sum(-1, keepdim=True))
@@ -106,18 +94,11 @@ def draft_distributions(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | 
     return torch.nn.functional.one_hot(draft_tokens, vocab).float()
 
 
-def agreement(draft_probs: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-    """sum_v min(draft_probs[..., v], other[..., v]) per position, [B, K] from two [B, K, V]: the probability that
-    the token rule accepts position i's draft once the ones before it were, when ``other`` is the target."""
-    ones = torch.ones(draft_probs.shape[:2], dtype=draft_probs.dtype, device=draft_probs.device)
-    return 1.0 - positive_part_mass(ones, other, draft_probs)
-
-
 def position_gains(
     draft_tokens: torch.Tensor,  # [B, K] int64
     draft_probs: torch.Tensor,  # [B, K, V] (``draft_distributions`` for a one-hot draft)
     other: torch.Tensor,  # [B, >=K, V]: the target's distributions (exact gains) or a stand-in's (a guess)
-    method: str,
+    rule: str,
 ) -> torch.Tensor:
     """g_i [B, K]: what verifying x_i adds to E[tau] once x_<i are drafted, so that E[tau] = sum of the first n.
 
@@ -127,18 +108,11 @@ def position_gains(
     Column i depends on x_<i and the distributions at position i, never on x_i: a length policy that decides
     on position i from it is a stopping rule, so verification stays lossless whatever ``other`` is.
     """
-    _check_method(method)
-    other = other[:, : draft_tokens.shape[1]]
-    index = draft_tokens[..., None]
-    draft_at = draft_probs.gather(-1, index).squeeze(-1).clamp(min=torch.finfo(draft_probs.dtype).tiny)
-    log_ratio = other.gather(-1, index).squeeze(-1).log() - draft_at.log()  # [B, K]; -inf where other is 0
-    if method == "token":
-        shifted = torch.nn.functional.pad(log_ratio.clamp(max=0.0), (1, 0))[:, :-1]  # column i: log min(1, ratio_{i-1})
-        return shifted.cumsum(-1).exp() * agreement(draft_probs, other)  # prod_{j<i} min(1, ratio_j) * overlap_i
-    w = block_weights(log_ratio)[:, :-1].exp()  # w_0 .. w_{K-1}
-    return w - positive_part_mass(w, other, draft_probs)  # sum_v min(draft_i, w_{i-1} other_i)
+    gains = get_rule(rule).gains
+    if gains is None:
+        raise _no_closed_form(rule, "position gains")
+    return gains(draft_tokens, draft_probs, other[:, : draft_tokens.shape[1]])
 
 
-def _check_method(method: str) -> None:
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+def _no_closed_form(rule: str, form: str) -> ValueError:
+    return ValueError(f"the {rule!r} rule has no closed form for its {form}")

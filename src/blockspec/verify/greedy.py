@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .base import Randomness, VerifyOutput, emit, prepare, renamed, verified_mask
+from .base import Randomness, VerifyOutput, emit, prepare, verified_mask
 
 
-@renamed(num_draft="num_verified")
 def verify_greedy(
     draft_tokens: torch.Tensor,  # [B, K] int64
     draft_probs: torch.Tensor | None,  # [B, K, V] or None: not needed by this rule

@@ -7,17 +7,17 @@ import torch
 from .base import (
     Randomness,
     VerifyOutput,
+    agreement,
+    drafted_log_ratio,
     draw_uniforms,
     emit,
     prepare,
     probs_of_drafted,
-    renamed,
     sample_final,
     verified_mask,
 )
 
 
-@renamed(num_draft="num_verified")
 def token_acceptance(
     draft_tokens: torch.Tensor,  # [B, K] int64
     draft_probs: torch.Tensor | None,  # [B, K, V] or None (one-hot draft)
@@ -30,7 +30,24 @@ def token_acceptance(
     return torch.where(verified_mask(num_verified, draft_tokens.shape[1]), accept, 0.0)
 
 
-@renamed(num_draft="num_verified")
+def token_survival(draft_tokens, draft_probs, target_probs, num_verified) -> torch.Tensor:
+    """P(tau >= i | drafted block) = prod_{k <= i} min(1, ratio_k) for i = 1..K, [B, K] (arguments as above)."""
+    return token_acceptance(draft_tokens, draft_probs, target_probs, num_verified).cumprod(-1)
+
+
+def token_final_log_weight(draft_tokens, draft_probs, target_probs, num_verified) -> torch.Tensor:
+    """log w_i = 0 for i = 0..K, [B, K+1]: after a rejection the token rule samples max(target - draft, 0)."""
+    batch, width = draft_tokens.shape
+    return torch.zeros(batch, width + 1, dtype=target_probs.dtype, device=target_probs.device)
+
+
+def token_gains(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """g_i = prod_{j<i} min(1, ratio_j) * sum_v min(draft_i(v), other_i(v)), [B, K] (``exact.position_gains``)."""
+    log_ratio = drafted_log_ratio(draft_tokens, draft_probs, other)
+    shifted = torch.nn.functional.pad(log_ratio.clamp(max=0.0), (1, 0))[:, :-1]  # column i: log min(1, ratio_{i-1})
+    return shifted.cumsum(-1).exp() * agreement(draft_probs, other)
+
+
 def verify_token(
     draft_tokens: torch.Tensor,  # [B, K] int64
     draft_probs: torch.Tensor | None,  # [B, K, V] float32/64, or None for a one-hot draft

@@ -12,7 +12,7 @@ Glossary (B, V as in base.py):
              the siblings drawn before it); distinct siblings fit both, so the verifier must be told
     tau      depth of the accepted node; a step emits its path, then one more token: tau + 1 tokens
 
-Two sampled rules, both lossless for either scheme (the emitted tokens follow the target's law):
+The sampled rules (``SAMPLED_RULES``), each lossless for either scheme (the emitted tokens follow the target's law):
     "token"  recursive rejection sampling, node by node (Miao et al., SpecInfer, arXiv 2305.09781; without
              replacement: Jeon et al. 2024, Recursive Speculative Decoding); on a chain it is ``verify_token``
     "block"  Traversal Verification (Weng et al., arXiv 2505.12398): leaves first, each judged with its whole
@@ -38,8 +38,8 @@ from .base import (
     draw_uniforms,
     race,
 )
+from .rules import SAMPLED_RULES
 
-RULES = ("token", "block")
 SCHEMES = ("iid", "distinct")
 
 
@@ -130,7 +130,7 @@ def tree_acceptance(
                traversal reaches a.   final = P_a after all of a's children were rejected (the token emitted
                after stopping at a; the target's own distribution for a leaf).
     """
-    _check_choice("rule", rule, RULES)
+    _check_choice("rule", rule, SAMPLED_RULES)
     _check_choice("scheme", scheme, SCHEMES)
     batch, nodes = draft_tokens.shape
     rows = torch.arange(batch, device=draft_tokens.device)

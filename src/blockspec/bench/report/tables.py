@@ -374,9 +374,11 @@ def _baseline_rows(label: str, cells: dict, alone: set[tuple]) -> list[BaselineR
 
 
 def _histograms(records: list[Record]) -> list[AcceptedHistogram]:
+    from ...verify import SAMPLED_RULES  # here, not at the top: a report reads records without torch
+
     pooled: dict[tuple, list[int]] = defaultdict(list)
     for record in records:
-        if record.config in ("token", "block") and record.accepted:
+        if record.config in SAMPLED_RULES and record.accepted:
             pooled[(record.config, record.temperature, record.max_draft)].extend(record.accepted)
     return [
         AcceptedHistogram(

@@ -733,7 +733,7 @@ def test_greedy_output_with_sv_equals_plain_greedy_decoding(trio, reference, rul
     steps, declined = [], 0
     for prompts in (PROMPTS[:1], PROMPTS):
         policy = Recorded(hand_profile(), ENGINE_LATENCY, rule=rule, max_draft=4, kind="companion")
-        decoder = SpeculativeDecoder(target, draft, verifier=rule, max_draft=4, policy=policy, companion=companion)
+        decoder = SpeculativeDecoder(target, draft, rule=rule, max_draft=4, policy=policy, companion=companion)
         result = decoder.generate(prompts, max_new_tokens=24, sampling=GREEDY)
         for b, prompt in enumerate(prompts):
             assert result.sequences[b] == reference(prompt, 24), (len(prompts), b)
@@ -759,7 +759,7 @@ def test_steps_that_draft_nothing_verify_nothing(trio, reference):
     target, draft, companion = trio
     for profile in (hand_profile(), hand_profile(draft_weights=(-20.0, 0.0, 0.0, 0.0, 0.0))):  # 2nd: never drafts
         policy = Recorded(profile, ENGINE_LATENCY, rule="block", max_draft=4, kind="companion")
-        decoder = SpeculativeDecoder(target, draft, verifier="block", max_draft=4, policy=policy, companion=companion)
+        decoder = SpeculativeDecoder(target, draft, rule="block", max_draft=4, policy=policy, companion=companion)
         for max_new_tokens in (1, 6):
             result = decoder.generate(PROMPTS, max_new_tokens=max_new_tokens, sampling=GREEDY)
             assert result.sequences == [reference(p, max_new_tokens) for p in PROMPTS]
@@ -804,7 +804,7 @@ def test_law_of_the_first_tokens_with_sv_is_the_targets(rule, latency):
     law = exact_law_of_first_tokens(target, [1, 2, 3], length)
     policy = Recorded(hand_profile(), CHI_LATENCY[latency], rule=rule, max_draft=2, kind="companion")
     decoder = SpeculativeDecoder(
-        target, draft, verifier=rule, max_draft=2, policy=policy, companion=target_prefix(HFModel(target), 1)
+        target, draft, rule=rule, max_draft=2, policy=policy, companion=target_prefix(HFModel(target), 1)
     )
     result = decoder.generate([[1, 2, 3]] * samples, max_new_tokens=length, seed=0, stop_on_eos=False)
     observed = lawkit.joint_counts(result.sequences, vocab)

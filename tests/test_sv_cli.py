@@ -16,6 +16,7 @@ from blockspec.bench import replay
 from blockspec.models import hf
 from blockspec.policy import LatencyTable
 from blockspec.policy.latency import LatencyProfile
+from blockspec.verify import SAMPLED_RULES
 
 
 def run(*args: str, cache=None) -> subprocess.CompletedProcess:
@@ -85,9 +86,9 @@ def test_profile_and_calibrate_save_where_generate_looks(calibrated):
     saved = sorted(p.name for p in (root / "sv").iterdir())
     assert [n.split("-")[0] for n in saved] == ["calibration", "calibration", "latency"]  # .json, .png; latency
     report = json.loads(calibrate.stdout.strip().splitlines()[-1])
-    for method in ("token", "block"):
+    for rule in SAMPLED_RULES:
         for kind in ("draft", "companion"):
-            metrics = report["held_out"][method][kind]
+            metrics = report["held_out"][rule][kind]
             assert metrics["entropy_of_labels"] <= metrics["log_loss"]  # the labels' own entropy is the floor
     assert "held-out log-loss" in calibrate.stdout
 

@@ -73,7 +73,7 @@ def test_policy_sv_is_the_policy_from_the_cache_with_the_decoders_rule_and_lengt
     assert [s.verified for s in result.stats] == [s.verified for s in expected.stats]
     assert 0 < sum(k for s in result.stats for k in s.verified) < sum(4 * len(s.rows) for s in result.stats)
 
-    token = SpeculativeDecoder(target, draft, policy="sv", verifier="token", max_draft=3)
+    token = SpeculativeDecoder(target, draft, policy="sv", rule="token", max_draft=3)
     token.generate(PROMPTS, max_new_tokens=4, sampling=SAMPLING, seed=3)
     assert (token.policy.rule, token.policy.max_draft) == ("token", 3)
 
@@ -119,6 +119,6 @@ def test_sv_at_temperature_zero_is_greedy_decoding(pair):
     greedy = SamplingParams(temperature=0.0)
     save_profiles(target, draft, sampling=greedy)
     result = SpeculativeDecoder(target, draft, policy="sv").generate(PROMPTS, max_new_tokens=10, sampling=greedy)
-    plain = SpeculativeDecoder(target, verifier="none").generate(PROMPTS, max_new_tokens=10, sampling=greedy)
+    plain = SpeculativeDecoder(target).generate(PROMPTS, max_new_tokens=10, sampling=greedy)
     assert result.sequences == plain.sequences
     assert torch.tensor([k for s in result.stats for k in s.verified]).sum() > 0

@@ -41,7 +41,7 @@ def replay(
     latency,
     *,
     batch: int,
-    method: str,
+    rule: str,
     fixed: tuple[int, ...] = (1, 2, 4, 8),
     steps: int = 200,
     seed: int = 0,
@@ -49,7 +49,7 @@ def replay(
     """Outcomes of target-only, fixed K in ``fixed``, SV (draft-only and companion predictors) and the oracle."""
     rows = torch.randint(len(recording.prompt), (steps, batch), generator=torch.Generator().manual_seed(seed))
     max_draft = recording.draft.shape[1]
-    labels, tau = recording.labels[method].double(), recording.accepted
+    labels, tau = recording.labels[rule].double(), recording.accepted
     target = latency.target
 
     def outcome(lengths_per_step, drafted_per_step, companion: bool, realised: bool = False) -> Outcome:
@@ -72,8 +72,8 @@ def replay(
     for kind in ("draft", "companion"):
         if kind == "companion" and latency.companion is None:
             continue
-        policy = SVPolicy(profile, latency, method=method, max_draft=max_draft, kind=kind)
-        lengths, drafted = zip(*(_sv_step(policy, recording, chosen, kind, method) for chosen in rows))
+        policy = SVPolicy(profile, latency, rule=rule, max_draft=max_draft, kind=kind)
+        lengths, drafted = zip(*(_sv_step(policy, recording, chosen, kind, rule) for chosen in rows))
         results[f"SV {kind}"] = outcome(lengths, drafted, kind == "companion")
     verified = [recording.num_verified[chosen] for chosen in rows]  # every drafted token, as recorded
     lengths, drafted = zip(*oracle([tau[chosen] for chosen in rows], verified, latency, batch))
@@ -81,7 +81,7 @@ def replay(
     return results
 
 
-def _sv_step(policy: SVPolicy, recording: Recording, chosen: torch.Tensor, kind: str, method: str):
+def _sv_step(policy: SVPolicy, recording: Recording, chosen: torch.Tensor, kind: str, rule: str):
     """One step of the real SVPolicy on recorded rows: (lengths [B], draft forwards run)."""
     budget = policy.draft_budget(len(chosen), CATCH_UP)
     drafted = forwards = 0
@@ -93,9 +93,9 @@ def _sv_step(policy: SVPolicy, recording: Recording, chosen: torch.Tensor, kind:
         drafted += 1
     if drafted == 0:
         return torch.zeros(len(chosen), dtype=torch.long), forwards
-    features = recording.features(kind, method)[chosen, :drafted]
+    features = recording.features(kind, rule)[chosen, :drafted]
     lengths = policy.lengths_given(features, recording.num_verified[chosen].clamp(max=drafted))
-    policy.learn(recording.labels[method][chosen, :drafted], lengths)  # as observe() after the target's forward
+    policy.learn(recording.labels[rule][chosen, :drafted], lengths)  # as observe() after the target's forward
     return lengths, forwards
 
 

@@ -124,7 +124,7 @@ def build_policy(config, target, sampling):
     companion_name = config.companion if config.sv_predictor == "companion" else None
     # SV's predictors hold one closed form per sampled rule; greedy (or no --rule) takes the policy's default rule,
     # which gives the same accepted tokens at temperature 0
-    rule = {"method": config.rule} if config.rule in SAMPLED_RULES else {}
+    rule = {"rule": config.rule} if config.rule in SAMPLED_RULES else {}
     policy = SVPolicy.from_cache(
         target,
         None,

@@ -48,7 +48,7 @@ def run(args) -> int:
     rows = []
     for rule in args.rules or SAMPLED_RULES:
         for batch in args.batch_sizes:
-            outcomes = replay(recording, profile, latency, batch=batch, method=rule, steps=args.steps)
+            outcomes = replay(recording, profile, latency, batch=batch, rule=rule, steps=args.steps)
             base = outcomes["target-only"].goodput
             for name, o in outcomes.items():
                 rows.append(

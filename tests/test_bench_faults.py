@@ -210,7 +210,7 @@ def test_a_run_directory_without_stored_settings_is_reported_but_not_resumed(rec
     config = copy_of(recorded, tmp_path)
     (config.out / runner.CONFIG).unlink()
     no_model_loads(monkeypatch)
-    with pytest.raises(ValueError, match="created by an older blockspec: use a new --out"):
+    with pytest.raises(ValueError, match="their settings are unknown, so they cannot be resumed: use a new --out"):
         runner.run(config, progress=False)
     assert report.main(["--records", str(config.out / runner.RECORDS), "--no-plots"]) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["records"] == 1

@@ -17,7 +17,7 @@ import pytest
 import blockspec
 
 LAYERS = (  # lowest first
-    ("blockspec.defaults", "blockspec.machine", "blockspec.verify"),  # no imports from the package
+    ("blockspec.defaults", "blockspec.files", "blockspec.machine", "blockspec.verify"),  # no imports from the package
     ("blockspec.sampling",),  # logits -> probabilities
     ("blockspec.models",),  # adapters, presets, quantization, companions, prompt encoding
     ("blockspec.policy",),  # length policies and what SV runs on

@@ -39,7 +39,7 @@ from . import machine
 from .defaults import SV_BATCH_SIZES
 from .files import write_atomic
 from .models.base import model_name
-from .models.presets import cache_root
+from .models.cache import cache_root
 from .policy import AdaptiveLength, LatencyTable
 from .policy.latency import DRAFT_TOKENS, LatencyProfile, dtype_name
 from .policy.profiles import latency_path, sv_dir

@@ -34,6 +34,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..defaults import DTYPES, QUANTS
 from .base import left_pad
+from .convert import load_preset
+from .presets import PRESETS
 from .quant import quantize
 
 log = logging.getLogger(__name__)
@@ -445,15 +447,13 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from . import presets
-
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     torch_dtype, target_device = getattr(torch, dtype), resolve_device(device)
     if quant is not None and (quant not in QUANTS or target_device.type != "cpu"):
         raise ValueError(f"quant must be one of {QUANTS}, on the CPU only; got {quant!r} on {target_device}")
-    if name_or_path in presets.PRESETS:
-        model, tokenizer = presets.load(name_or_path, dtype=dtype, progress=progress)
+    if name_or_path in PRESETS:
+        model, tokenizer = load_preset(name_or_path, dtype=dtype, progress=progress)
     elif name_or_path.endswith(".gguf"):
         if not os.path.isfile(name_or_path):
             raise FileNotFoundError(f"no GGUF file at {name_or_path}")
@@ -465,7 +465,7 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, local_files_only=local)
         tokenizer = _optional_tokenizer(name_or_path, local_files_only=local)
     else:
-        raise ValueError(_unknown_model_message(name_or_path, presets.PRESETS))
+        raise ValueError(_unknown_model_message(name_or_path, PRESETS))
     model = model.to(target_device) if quant is None else quantize(model, quant)
     return HFModel(model, tokenizer, name=name_or_path if quant is None else f"{name_or_path} ({quant})")
 

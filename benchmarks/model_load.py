@@ -43,12 +43,13 @@ def _wait_quiet(max_wait: float, threshold: float = 0.3) -> float:
 
 
 def _load_phase(name: str, dtype: str) -> dict:
-    """In a subprocess: time blockspec.models.presets.load, report whether it used the cached copy."""
-    from blockspec.models import presets
+    """In a subprocess: time blockspec.models.convert.load_preset, report whether it used the cached copy."""
+    from blockspec.models.cache import status
+    from blockspec.models.convert import load_preset
 
-    cached = presets.status(name).converted
+    cached = status(name).converted
     t0 = time.perf_counter()
-    model, tokenizer = presets.load(name, dtype=dtype, progress=False)
+    model, tokenizer = load_preset(name, dtype=dtype, progress=False)
     seconds = time.perf_counter() - t0
     gen = model.generation_config
     return {
@@ -57,7 +58,7 @@ def _load_phase(name: str, dtype: str) -> dict:
         "seconds": round(seconds, 2),
         "kind": "cached" if dtype in cached else "first",
         "config_vocab_size": model.config.vocab_size,
-        "embedding_rows": model.get_input_embeddings().weight.shape[0],
+        "embedding_rows": model.get_input_embeddings().weight.shape[0],  # pyright: ignore[reportIndexIssue]  # typed Module
         "tie_word_embeddings": bool(model.config.tie_word_embeddings),
         "tokenizer_len": len(tokenizer),
         "eos_token_id": gen.eos_token_id,
@@ -73,9 +74,9 @@ def _forward_phase(name: str, dtype: str, kv: int, lens: list[int], reps: int) -
     import torch
     from transformers import DynamicCache
 
-    from blockspec.models import presets
+    from blockspec.models.convert import load_preset
 
-    model, _ = presets.load(name, dtype=dtype, progress=False)
+    model, _ = load_preset(name, dtype=dtype, progress=False)
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     prompt = torch.randint(0, 1000, (1, kv), generator=gen)  # token ids far below any padded tail of the vocab
@@ -103,10 +104,10 @@ def _forward_phase(name: str, dtype: str, kv: int, lens: list[int], reps: int) -
 
 def _tokenizer_phase(a: str, b: str) -> dict:
     """In a subprocess: are the two presets' tokenizers the same (vocabulary, added and special tokens)?"""
-    from blockspec.models import presets
+    from blockspec.models.convert import load_preset_tokenizer
 
-    tok_a = presets.load_tokenizer(a, progress=False)
-    tok_b = presets.load_tokenizer(b, progress=False)
+    tok_a = load_preset_tokenizer(a, progress=False)
+    tok_b = load_preset_tokenizer(b, progress=False)
     return {
         "presets": [a, b],
         "same_vocab": tok_a.get_vocab() == tok_b.get_vocab(),
@@ -151,14 +152,15 @@ def main() -> None:
         print(json.dumps(fn(**spec)))
         return
 
-    from blockspec.models import presets
+    from blockspec.models.cache import converted_dir
+    from blockspec.models.convert import materialize
 
     if args.fresh:
         for name in args.presets:
             for dtype in args.dtypes:
-                shutil.rmtree(presets.converted_dir(name, dtype), ignore_errors=True)
+                shutil.rmtree(converted_dir(name, dtype), ignore_errors=True)
     for name in args.presets:
-        presets.materialize(name, progress=False)  # concatenation is not part of a load time
+        materialize(name, progress=False)  # concatenation is not part of a load time
 
     import torch
 

@@ -29,7 +29,7 @@ import torch
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=(__doc__ or "").split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--dtype", default="bfloat16")
@@ -43,7 +43,8 @@ def main() -> None:
     parser.add_argument("--out", default="results/slot_cache.json")
     args = parser.parse_args()
 
-    from blockspec.models.hf import GROUPED_SDPA, load_model
+    from blockspec.models.attention import GROUPED_SDPA
+    from blockspec.models.hf import load_model
 
     model = load_model(args.model, dtype=args.dtype, progress=False)
     print(f"{args.model} {args.dtype}, {torch.get_num_threads()} threads; median seconds")

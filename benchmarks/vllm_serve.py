@@ -98,10 +98,11 @@ def main(argv: list[str] | None = None) -> int | None:
 
 def write_prompts(args) -> None:
     from blockspec.bench.datasets import load
+    from blockspec.models.cache import converted_dir
     from blockspec.models.chat import encode_prompt
-    from blockspec.models.presets import converted_dir, load_tokenizer
+    from blockspec.models.convert import load_preset_tokenizer
 
-    tokenizer = load_tokenizer("qwen2.5-coder-1.5b")
+    tokenizer = load_preset_tokenizer("qwen2.5-coder-1.5b")
     prompts = [
         {"id": p.id, "ids": encode_prompt(tokenizer, p.text)} for name in DATASETS for p in load(name, args.prompts)
     ]

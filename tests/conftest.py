@@ -29,10 +29,10 @@ def the_users_model_cache_gains_no_test_copies():
     """Tests must not fill the user's model cache with copies (float32 ones take GBs). They may reuse (or make) the
     bfloat16 copies the main job makes anyway; anything else, the machine's arithmetic probe and the models'
     latency probes included, goes to a temporary cache."""
-    from blockspec.models import presets
+    from blockspec.models.cache import cache_root
 
     def copies() -> set[Path]:
-        root = presets.cache_root()
+        root = cache_root()
         return (
             {p for p in root.glob("*/hf-*") if p.name != "hf-bfloat16"}
             | set(root.glob("machine/*"))

@@ -4,6 +4,7 @@ cost-driven draft length; each drafter and policy keeps the target's exact law."
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 import lawkit
 import pytest
@@ -21,7 +22,7 @@ from blockspec.policy.latency import LatencyProfile
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def profile(target_ms: list[float], draft_ms: float) -> LatencyProfile:
+def profile(target_ms: Sequence[float], draft_ms: float) -> LatencyProfile:
     """A latency profile at batch 1: target seconds for 1..len(target_ms) tokens, a flat draft forward."""
     target = LatencyTable((1,), tuple(range(1, len(target_ms) + 1)), (tuple(t / 1e3 for t in target_ms),))
     draft = LatencyTable((1,), (1, 2, 4), ((draft_ms / 1e3,) * 3,))

@@ -245,7 +245,7 @@ def test_bench_passes_allow_download_and_retry_failed_to_its_config(monkeypatch)
 
 
 def test_models_verify_hashes_the_cache_and_fails_on_a_mismatch(monkeypatch, capsys):
-    from blockspec.models import presets
+    from blockspec.models import cache, presets
 
     checked = []
 
@@ -253,7 +253,7 @@ def test_models_verify_hashes_the_cache_and_fails_on_a_mismatch(monkeypatch, cap
         checked.append(name)
         return [f"/cache/{name}/hf-bfloat16/model.safetensors: sha256 differs"] if name == "smollm2-135m" else []
 
-    monkeypatch.setattr(presets, "verify", fake_verify)
+    monkeypatch.setattr(cache, "verify", fake_verify)
     assert cli.main(["models"]) == 0 and checked == []  # a plain listing hashes nothing
     capsys.readouterr()
     assert cli.main(["models", "--verify"]) == 2
@@ -264,9 +264,9 @@ def test_models_verify_hashes_the_cache_and_fails_on_a_mismatch(monkeypatch, cap
     assert cli.main(["models", "--verify", "--json"]) == 2
     listed = {m["name"]: m["mismatches"] for m in json.loads(capsys.readouterr().out)}
     assert listed["smollm2-135m"] and not listed["qwen2.5-coder-1.5b"]
-    monkeypatch.setattr(presets, "verify", lambda name, **kwargs: [])
-    rows = [dataclasses.replace(s, gguf_verified=False, converted=()) for s in presets.status_all()]
-    monkeypatch.setattr(presets, "status_all", lambda: rows)
+    monkeypatch.setattr(cache, "verify", lambda name, **kwargs: [])
+    rows = [dataclasses.replace(s, gguf_verified=False, converted=()) for s in cache.status_all()]
+    monkeypatch.setattr(cache, "status_all", lambda: rows)
     assert cli.main(["models", "--verify"]) == 0 and "verified: nothing is cached yet" in capsys.readouterr().err
     rows[0] = dataclasses.replace(rows[0], converted=("bfloat16",))
     assert cli.main(["models", "--verify"]) == 0

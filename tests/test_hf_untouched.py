@@ -13,8 +13,9 @@ import torch
 from tiny import tiny_model
 from transformers import AttentionInterface
 
+from blockspec.models.attention import GROUPED_SDPA
 from blockspec.models.companion import target_prefix
-from blockspec.models.hf import GROUPED_SDPA, HFModel
+from blockspec.models.hf import HFModel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -17,7 +17,7 @@ import pytest
 import blockspec
 
 LAYERS = (  # lowest first
-    ("blockspec.defaults", "blockspec.machine", "blockspec.verify"),  # no imports from the package
+    ("blockspec.defaults", "blockspec.files", "blockspec.machine", "blockspec.verify"),  # no imports from the package
     ("blockspec.sampling",),  # logits -> probabilities
     ("blockspec.models",),  # adapters, presets, quantization, companions, prompt encoding
     ("blockspec.policy",),  # length policies and what SV runs on
@@ -83,8 +83,10 @@ def violations(root: Path) -> list[str]:
     found = []
     for path in sorted(root.rglob("*.py")):
         name = module_name(path, root)
+        if name == FACADE:  # its lazy re-exports come from every layer
+            continue
         own = layer_of(name)
-        if name != FACADE and own is None:
+        if own is None:
             found.append(f"{name}: in no layer; add it to LAYERS")
             continue
         for line, target in imports(path, root):
@@ -95,7 +97,7 @@ def violations(root: Path) -> list[str]:
                 and target.split(".")[0] not in VERIFY_MAY_IMPORT
             ):
                 found.append(f"{where}: verify imports {target}")
-            if not target.startswith("blockspec") or target == FACADE or name == FACADE:
+            if not target.startswith("blockspec") or target == FACADE:
                 continue
             level = layer_of(target)
             if level is None or level > own:

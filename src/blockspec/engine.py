@@ -18,7 +18,8 @@ from . import checks
 from .batch import Batch
 from .defaults import MAX_DRAFT, RULE
 from .drafting import DraftProposer, LookupState, PromptLookup, Proposal
-from .models.base import as_model, check_shared_vocabulary, target_vocabulary
+from .models.adapt import as_model
+from .models.base import check_shared_vocabulary, target_vocabulary
 from .outputs import GenerationResult, StepStats
 from .policy import FixedLength, LengthPolicy, SVPolicy
 from .sampling import SamplingParams, check_unsupported

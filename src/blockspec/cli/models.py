@@ -16,11 +16,11 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..models import presets
+    from ..models import cache
 
-    rows = presets.status_all()
+    rows = cache.status_all()
     # one message per file that differs, naming it and the fix
-    problems = {s.name: presets.verify(s.name, progress=sys.stderr.isatty()) for s in rows} if args.verify else {}
+    problems = {s.name: cache.verify(s.name, progress=sys.stderr.isatty()) for s in rows} if args.verify else {}
     if args.json:
         print(
             json.dumps(

@@ -1,5 +1,6 @@
-"""Model adapters (`base.LanguageModel`), transformers models (`hf`), the bundled presets (`presets`), int8
-draft quantization (`quant`), SV companions (`companion`) and prompt encoding (`chat`).
+"""Model adapters (`base.LanguageModel`, `adapt.as_model`), transformers models (`hf`, with its `slots` cache and
+`attention` kernel), the bundled presets (`presets`), the model cache (`cache`, `integrity`) and what fills it
+(`convert`), int8 draft quantization (`quant`), SV companions (`companion`) and prompt encoding (`chat`).
 
-transformers is imported lazily, inside functions.
+transformers is imported by `hf`, `slots` and `attention`, and lazily inside functions of `convert`.
 """

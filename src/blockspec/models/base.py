@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -19,7 +19,7 @@ class LanguageModel(Protocol):
     vocab_size: int  # size of the logits' last dimension
     eos_token_ids: tuple[int, ...]
     max_length: int | None  # the model's context length, if it has one
-    tokenizer: object | None
+    tokenizer: Any  # a transformers tokenizer, or None
     device: torch.device
 
     @property
@@ -32,35 +32,13 @@ class LanguageModel(Protocol):
         """Append ``tokens`` [B, S] to each row (slots where ``valid`` [B, S] is False are skipped: they take no
         position and are never attended to) and return their logits [B, S, vocab_size]. The logits of skipped
         slots are never used but must be finite: the engine checks every logit it is handed for NaN and inf."""
+        ...
 
     def rollback(self, lengths: torch.Tensor) -> None:
         """Cut each row back to its first ``lengths[b]`` tokens (never more than it has)."""
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` [B'] (indices into the current batch), in that order."""
-
-
-@runtime_checkable
-class TreeLanguageModel(LanguageModel, Protocol):
-    """A LanguageModel that also scores a tree of drafted tokens in one forward, for tree speculation (several
-    drafts sharing prefixes). The engine drafts chains today and asks for none of this.
-
-    ``forward(tokens, valid, positions, ancestors)``: ``positions`` [B, S] int64 gives each slot's position in its
-    row (siblings share one), ``ancestors`` [B, S, S] bool lets slot j attend to slot k of this forward only where
-    ``ancestors[b, j, k]`` (the cached context is always visible); both None is ``LanguageModel.forward``.
-    ``commit(keep)``: after a tree forward, keep in the cache only the slots where ``keep`` [B, S] is True (the
-    accepted path, in slot order) and forget the others, where ``rollback`` can only cut by length.
-    """
-
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        valid: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        ancestors: torch.Tensor | None = None,
-    ) -> torch.Tensor: ...
-
-    def commit(self, keep: torch.Tensor) -> None: ...
 
 
 def left_pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,15 +52,6 @@ def left_pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
             tokens[b, width - len(row) :] = torch.tensor(row)
             valid[b, width - len(row) :] = True
     return tokens, valid
-
-
-def as_model(model) -> LanguageModel:
-    """An adapter as is; a transformers PreTrainedModel wrapped in HFModel (imported only then)."""
-    if isinstance(model, LanguageModel):
-        return model
-    from .hf import HFModel
-
-    return HFModel(model)
 
 
 def target_vocabulary(target: LanguageModel) -> int:
@@ -106,9 +75,9 @@ def check_shared_vocabulary(target: LanguageModel, model: LanguageModel, vocab: 
         )
     if model.vocab_size < vocab:
         raise ValueError(
-            f"the {role} model ({model_name(model)}) has {model.vocab_size} logits but the target's vocabulary has {vocab} "
-            f"tokens: ids {model.vocab_size}..{vocab - 1} could never be emitted; use a {role} with the target's "
-            "vocabulary"
+            f"the {role} model ({model_name(model)}) has {model.vocab_size} logits but the target's vocabulary has "
+            f"{vocab} tokens: ids {model.vocab_size}..{vocab - 1} could never be emitted; use a {role} with the "
+            "target's vocabulary"
         )
 
 

@@ -33,7 +33,7 @@ def target_prefix(target, layers: int) -> HFModel:
     source = target.model
     body = getattr(source, "model", None)
     shared = ("embed_tokens", "layers", "norm", "rotary_emb")
-    if not (all(hasattr(body, name) for name in shared) and hasattr(source, "lm_head")):
+    if body is None or not (all(hasattr(body, name) for name in shared) and hasattr(source, "lm_head")):
         raise ValueError(
             f"{type(source).__name__}: a target-prefix companion needs a decoder-only model with model.embed_tokens,"
             " model.layers, model.norm, model.rotary_emb and lm_head (Qwen2, Llama, ...)"

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..files import write_atomic
 from .base import LatencyTable
 
 SCHEMA = 1
@@ -88,7 +89,7 @@ class LatencyProfile:
         # One line per list of numbers (an axis, a table row) rather than one per number. A JSON string never
         # holds a raw newline, so only lists spread over lines by indent= match.
         text = re.sub(r"\[[^\[\]\"]*\n[^\[\]\"]*\]", lambda m: json.dumps(json.loads(m.group())), text)
-        Path(path).write_text(text + "\n")
+        write_atomic(path, text + "\n")
 
     @classmethod
     def load(cls, path) -> LatencyProfile:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..files import write_atomic
 from .features import COMPANION_FEATURES, DRAFT_FEATURES
 
 PROFILE_SCHEMA = 1
@@ -108,7 +109,7 @@ class Profile:
                 )
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")
+        write_atomic(path, json.dumps(asdict(self), indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..models.presets import cache_root
+from ..models.cache import cache_root
 
 
 def sv_dir() -> Path:

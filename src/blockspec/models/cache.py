@@ -1,0 +1,208 @@
+"""The model cache: where what is made from a preset's packages lives, the markers that vouch for it, its checks.
+
+    `$BLOCKSPEC_CACHE`, else `~/.cache/blockspec`; one folder per preset holding
+      <name>.gguf                the concatenated file, written once and hash-checked
+      <name>.gguf.verified.json  marker: size, sha256 and mtime of the verified file
+      hf-<dtype>/                the dequantised model saved with `save_pretrained` (safetensors), tokenizer and
+                                 generation config. Its marker records each file's size, sha256 and fingerprint
+                                 (`integrity`): every load checks the fingerprints, `verify` the full hashes.
+    and beside each folder `<preset>.lock`, held by the one process writing into it (`convert`).
+
+Standard library only: `blockspec models` reads the cache without torch or transformers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ..files import write_atomic
+from . import integrity
+from .presets import PRESETS, Preset, PresetError, get_preset, missing_packages
+
+CACHE_ENV = "BLOCKSPEC_CACHE"
+DEFAULT_CACHE = "~/.cache/blockspec"
+CONVERTED_MARKER = "blockspec-preset.json"  # written last in hf-<dtype>/: its presence means the copy is complete
+_DTYPES = {
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float32": "float32",
+    "fp32": "float32",
+    "float16": "float16",
+    "fp16": "float16",
+}
+
+
+# ------------------------------------------------------------------------------------------------- layout
+
+
+def cache_root() -> Path:
+    """`$BLOCKSPEC_CACHE` if set and non-empty, else `~/.cache/blockspec`."""
+    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
+
+
+def preset_dir(preset: str | Preset, cache: str | os.PathLike | None = None) -> Path:
+    """The preset's folder inside the cache root `cache` (default: `cache_root()`)."""
+    root = Path(cache).expanduser() if cache is not None else cache_root()
+    return root / get_preset(preset).name
+
+
+def lock_path(folder: Path) -> Path:
+    """The lock a writer into a preset's ``folder`` holds: beside the folder, so a listing of it shows no lock."""
+    return folder.with_name(f"{folder.name}.lock")
+
+
+def gguf_path(preset: Preset, cache: str | os.PathLike | None = None) -> Path:
+    return preset_dir(preset, cache) / preset.gguf_name
+
+
+def converted_dir(preset: str | Preset, dtype: Any, cache: str | os.PathLike | None = None) -> Path:
+    return preset_dir(preset, cache) / f"hf-{dtype_name(dtype)}"
+
+
+def dtype_name(dtype: Any) -> str:
+    """The name of a converted copy's dtype: ``torch.float32``, ``"fp32"`` and ``"float32"`` are ``"float32"``."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise PresetError(f"unsupported dtype {dtype!r}; use one of bfloat16, float32, float16")
+    return _DTYPES[name]
+
+
+# ------------------------------------------------------------------------------------------- the GGUF file
+
+
+def _gguf_marker(gguf: Path) -> Path:
+    return gguf.with_name(gguf.name + ".verified.json")
+
+
+def gguf_verified(preset: Preset, gguf: Path) -> bool:
+    """The cached file is the verified one: same size and mtime as when its hash was checked."""
+    try:
+        marker = json.loads(_gguf_marker(gguf).read_text())
+        st = gguf.stat()
+    except (OSError, ValueError):
+        return False
+    return (
+        marker.get("sha256") == preset.sha256
+        and marker.get("size") == st.st_size == preset.size
+        and marker.get("mtime_ns") == st.st_mtime_ns
+    )
+
+
+def mark_gguf_verified(preset: Preset, gguf: Path) -> None:
+    st = gguf.stat()
+    marker = {"preset": preset.name, "size": st.st_size, "sha256": preset.sha256, "mtime_ns": st.st_mtime_ns}
+    write_atomic(_gguf_marker(gguf), json.dumps(marker, indent=1))
+
+
+# ---------------------------------------------------------------------------------------- converted copies
+
+
+def _copy_files(folder: Path) -> list[Path]:
+    return sorted(f for f in folder.iterdir() if f.is_file() and f.name != CONVERTED_MARKER)
+
+
+def mark_converted(folder: Path, preset: Preset, dtype: str) -> None:
+    """Mark ``folder`` complete, recording size, fingerprint and sha256 of each of its files (the full hash reads
+    the whole copy once, at conversion, where dequantising took a minute anyway)."""
+    files = {f.name: integrity.record(f) for f in _copy_files(folder)}
+    marker = {"preset": preset.name, "sha256": preset.sha256, "dtype": dtype, "files": files}
+    write_atomic(folder / CONVERTED_MARKER, json.dumps(marker, indent=1))
+
+
+def converted_record(preset: Preset, out: Path) -> dict | None:
+    """The copy's marker if the copy is complete and current: made from this preset's GGUF (a copy of another GGUF
+    is stale) and recording its files' hashes (a copy written by an older blockspec has none and is rebuilt:
+    nothing known-good remains to check it against)."""
+    try:
+        marker = json.loads((out / CONVERTED_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return marker if marker.get("sha256") == preset.sha256 and isinstance(marker.get("files"), dict) else None
+
+
+def changed_files(out: Path, recorded: dict, *, full: bool, progress: bool = False) -> list[str]:
+    """One line per file of the copy ``out`` that differs from its record: extra, missing, or different content
+    (by size and fingerprint, or with ``full`` by sha256)."""
+    problems = [f"{f}: not written by blockspec" for f in _copy_files(out) if f.name not in recorded]
+    for name, record in recorded.items():
+        problem = integrity.differs(out / name, record, full=full, progress=progress)
+        if problem is not None:
+            problems.append(problem)
+    return problems
+
+
+# ------------------------------------------------------------------------------------------ state and checks
+
+
+@dataclasses.dataclass(frozen=True)
+class PresetStatus:
+    name: str
+    role: str
+    installed: bool
+    missing: tuple[str, ...]  # requirements not satisfied ("name==version")
+    gguf_verified: bool  # the concatenated GGUF is in the cache and its hash marker matches
+    converted: tuple[str, ...]  # dtypes with a complete fast-loading copy
+    cache_dir: Path
+
+    @property
+    def cache_state(self) -> str:
+        """ "converted" (fast load), "gguf" (concatenated, slow first load left), or "empty"."""
+        return "converted" if self.converted else "gguf" if self.gguf_verified else "empty"
+
+
+def status(preset: str | Preset, *, cache: str | os.PathLike | None = None) -> PresetStatus:
+    preset = get_preset(preset)
+    folder = preset_dir(preset, cache)
+    converted = (
+        tuple(
+            sorted(  # hf-<dtype> only: an interrupted save leaves hf-<dtype>.partial, never counted
+                d.name[3:]
+                for d in folder.glob("hf-*")
+                if d.name[3:] in _DTYPES.values() and converted_record(preset, d)
+            )
+        )
+        if folder.is_dir()
+        else ()
+    )
+    missing = missing_packages(preset)
+    return PresetStatus(
+        name=preset.name,
+        role=preset.role,
+        installed=not missing,
+        missing=missing,
+        gguf_verified=gguf_verified(preset, gguf_path(preset, cache)),
+        converted=converted,
+        cache_dir=folder,
+    )
+
+
+def status_all() -> list[PresetStatus]:
+    return [status(name) for name in PRESETS]
+
+
+def verify(preset: str | Preset, *, cache: str | os.PathLike | None = None, progress: bool = True) -> list[str]:
+    """Full check of the preset's cache, reading every byte: the GGUF against the pinned sha256 and each converted
+    copy's files against the sha256 recorded when the copy was written. Returns one message per problem, naming
+    the file and the fix; empty when everything cached is intact (or nothing is cached). Deletes nothing."""
+    preset = get_preset(preset)
+    problems = []
+    gguf = gguf_path(preset, cache)
+    if gguf.is_file() and integrity.sha256_file(gguf, f"verifying {gguf.name}", progress) != preset.sha256:
+        problems.append(
+            f"{gguf}: sha256 differs from the pinned {preset.sha256}; delete it and the next load "
+            "rebuilds it from the installed packages"
+        )
+    for dtype in status(preset, cache=cache).converted:
+        out = converted_dir(preset, dtype, cache)
+        record = converted_record(preset, out)
+        if record is None:  # deleted or rewritten since `status` saw it complete
+            continue
+        problems += [
+            f"{line}; delete {out} and the next load rebuilds it"
+            for line in changed_files(out, record["files"], full=True, progress=progress)
+        ]
+    return problems

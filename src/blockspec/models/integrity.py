@@ -1,0 +1,90 @@
+"""Checks of a file's content: its sha256 (every byte read), and a fingerprint cheap enough for every load.
+
+    fingerprint  sha256 over a file's size, its safetensors header and 64 sampled blocks of 1 MiB.
+
+Standard library only (tqdm, from the `hf` extra, draws progress bars where it is installed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+from pathlib import Path
+
+READ_BLOCK = 8 << 20  # 8 MiB per read while copying and hashing
+_FINGERPRINT_BLOCKS = 64
+_FINGERPRINT_BLOCK = 1 << 20  # 64 blocks of 1 MiB: a load reads 64 MiB per file to check it, whatever its size
+_FINGERPRINT_SEED = 0  # fixed: the same offsets at every load of a given file size
+_MAX_HEADER = 100 << 20  # safetensors' own limit on its JSON header; bounds the read of a corrupt length field
+
+
+def progress_bar(total: int, desc: str, enabled: bool):
+    """A tqdm bar when asked for and tqdm is there (it is in the `hf` extra); None otherwise. Cosmetic only."""
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    # disable=None: no bar when stderr is not a terminal (CI logs stay clean).
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=None)
+
+
+def sha256_file(path: Path, label: str, progress: bool) -> str:
+    digest = hashlib.sha256()
+    bar = progress_bar(path.stat().st_size, label, progress)
+    with open(path, "rb") as src:
+        while block := src.read(READ_BLOCK):
+            digest.update(block)
+            if bar is not None:
+                bar.update(len(block))
+    if bar is not None:
+        bar.close()
+    return digest.hexdigest()
+
+
+def fingerprint(path: str | os.PathLike) -> str:
+    """A cheap content check of a file, made for safetensors files: sha256 over the file's size, its bytes up to
+    the end of the safetensors header (tensor names, dtypes, shapes, offsets) and 64 blocks of 1 MiB at offsets
+    drawn with a fixed seed. Reads at most about 64 MiB whatever the size, so every load can afford it; a file no
+    larger than that (config, tokenizer) is read whole. A planted, truncated or re-saved file fails it; a single
+    corrupted byte outside the sampled blocks only fails the full sha256."""
+    path = Path(path)
+    size = path.stat().st_size
+    digest = hashlib.sha256(f"{size}\n".encode())
+    with open(path, "rb") as f:
+        length = f.read(8)  # safetensors: u64 little-endian length of the JSON header that follows
+        header_end = min(size, 8 + int.from_bytes(length, "little"), _MAX_HEADER) if len(length) == 8 else size
+        f.seek(0)
+        digest.update(f.read(header_end))
+        for offset in sampled_offsets(header_end, size):
+            f.seek(offset)
+            digest.update(f.read(_FINGERPRINT_BLOCK))
+    return digest.hexdigest()
+
+
+def sampled_offsets(start: int, size: int) -> list[int]:
+    """Offsets of the fingerprint's blocks in the bytes [start, size) after the header: all of them when they fit
+    in the sample, else 64 blocks drawn with the fixed seed (in file order, for sequential reads)."""
+    if size - start <= _FINGERPRINT_BLOCKS * _FINGERPRINT_BLOCK:
+        return list(range(start, size, _FINGERPRINT_BLOCK))
+    rng = random.Random(_FINGERPRINT_SEED)
+    return sorted(rng.randrange(start, size - _FINGERPRINT_BLOCK + 1) for _ in range(_FINGERPRINT_BLOCKS))
+
+
+def record(path: Path) -> dict:
+    """What a later check compares ``path`` with: its size, fingerprint and sha256 (the last reads every byte)."""
+    return {"size": path.stat().st_size, "fingerprint": fingerprint(path), "sha256": sha256_file(path, "", False)}
+
+
+def differs(path: Path, recorded: dict, *, full: bool, progress: bool = False) -> str | None:
+    """Why ``path`` is not the file of ``record``: missing, or another content (by size and fingerprint, or with
+    ``full`` by sha256); None when it is."""
+    if not path.is_file():
+        return f"{path}: missing"
+    if full and sha256_file(path, f"verifying {path.name}", progress) != recorded["sha256"]:
+        return f"{path}: sha256 differs from the one recorded when it was written"
+    if not full and (path.stat().st_size != recorded["size"] or fingerprint(path) != recorded["fingerprint"]):
+        return f"{path}: content differs from the one written (size or fingerprint)"
+    return None

@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..models import cache
+    from ..models import cache, presets
 
     rows = cache.status_all()
     # one message per file that differs, naming it and the fix
@@ -43,8 +43,8 @@ def run(args) -> int:
         return _verified(problems, rows)
     print(f"{'preset':<22} {'role':<7} {'installed':<10} {'cache':<10} cache directory")
     for s in rows:
-        cache = s.cache_state + (f" ({', '.join(s.converted)})" if s.converted else "")
-        print(f"{s.name:<22} {s.role:<7} {'yes' if s.installed else 'no':<10} {cache:<10} {s.cache_dir}")
+        state = s.cache_state + (f" ({', '.join(s.converted)})" if s.converted else "")
+        print(f"{s.name:<22} {s.role:<7} {'yes' if s.installed else 'no':<10} {state:<10} {s.cache_dir}")
     if not all(s.installed for s in rows):
         print(f"install the missing ones with: {presets.INSTALL_HINT}")
     for problem in (p for found in problems.values() for p in found):

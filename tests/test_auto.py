@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 
 import lawkit
 import pytest
@@ -13,11 +14,11 @@ from test_engine import off_by_one, reference_greedy
 from tiny import exact_law_of_first_tokens, perturbed, save_tiny, tiny_model
 
 from blockspec import SamplingParams, SpeculativeDecoder, auto
-from blockspec import engine as engine_module
 from blockspec.models.hf import HFModel, load_model
 from blockspec.models.quant import quantize
 from blockspec.policy import AdaptiveLength, LatencyTable
 from blockspec.policy.latency import LatencyProfile
+from blockspec.verify import RULES, SAMPLED_RULES
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -61,18 +62,18 @@ def test_quantization_is_refused_where_it_cannot_run(tmp_path):
     assert loaded.dtype == torch.float32 and loaded.name.endswith("(int8)")
 
 
-@pytest.mark.parametrize("verifier", ["token", "block"])
-def test_law_of_the_first_tokens_is_the_targets_with_an_int8_draft(verifier, monkeypatch):
+@pytest.mark.parametrize("rule", SAMPLED_RULES)
+def test_law_of_the_first_tokens_is_the_targets_with_an_int8_draft(rule, monkeypatch):
     """The quantized draft proposes from its own distribution, which verification sees: the target's law stays
     exact (chi-square over 6**3 outcomes); the misaligned engine must fail the same test."""
     vocab, length, samples = 6, 3, 6000
     target = tiny_model(vocab=vocab, sharpness=5.0)
     draft = quantize(perturbed(target, scale=0.6, seed=1), "int8")
     law = exact_law_of_first_tokens(target, [1, 2, 3], length)
-    decoder = SpeculativeDecoder(target, draft, verifier=verifier, max_draft=2)
+    decoder = SpeculativeDecoder(target, draft, rule=rule, max_draft=2)
     test = lawkit.chi_square(lawkit.first_tokens_counts(decoder, [1, 2, 3], vocab, length, samples), law)
     assert test.passed, test
-    monkeypatch.setitem(engine_module.VERIFIERS, verifier, off_by_one(engine_module.VERIFIERS[verifier]))
+    monkeypatch.setitem(RULES, rule, replace(RULES[rule], verify=off_by_one(RULES[rule].verify)))
     broken = lawkit.chi_square(lawkit.first_tokens_counts(decoder, [1, 2, 3], vocab, length, samples), law)
     assert not broken.passed, broken
 
@@ -80,7 +81,7 @@ def test_law_of_the_first_tokens_is_the_targets_with_an_int8_draft(verifier, mon
 def test_greedy_output_with_an_int8_draft_equals_plain_greedy_decoding():
     target = tiny_model(sharpness=5.0)
     draft = quantize(perturbed(target, scale=0.3, seed=1), "int8")
-    decoder = SpeculativeDecoder(target, draft, verifier="block", max_draft=3)
+    decoder = SpeculativeDecoder(target, draft, rule="block", max_draft=3)
     prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13]]
     result = decoder.generate(prompts, max_new_tokens=16, sampling=GREEDY)
     assert result.sequences == [reference_greedy(target, p, 16) for p in prompts]
@@ -121,8 +122,8 @@ def test_adaptive_length_follows_the_acceptance_it_observes():
     assert unchanged.acceptance == 0.8
 
 
-@pytest.mark.parametrize("verifier", ["token", "block"])
-def test_law_of_the_first_tokens_is_the_targets_under_adaptive_length(verifier, monkeypatch):
+@pytest.mark.parametrize("rule", SAMPLED_RULES)
+def test_law_of_the_first_tokens_is_the_targets_under_adaptive_length(rule, monkeypatch):
     """AdaptiveLength changes K between steps from what earlier steps accepted: still the target's law."""
     vocab, length, samples = 6, 3, 6000
     target = tiny_model(vocab=vocab, sharpness=5.0)
@@ -131,11 +132,11 @@ def test_law_of_the_first_tokens_is_the_targets_under_adaptive_length(verifier, 
     costs = [100, 125, 150, 175, 200, 225, 250, 275, 300]
     policy = AdaptiveLength(profile(costs, draft_ms=10), max_draft=4, prior=0.8, memory=0.5)
     assert 0 < policy.best_length(1) < 4  # a length between the extremes, which the steps then move
-    decoder = SpeculativeDecoder(target, draft, verifier=verifier, policy=policy)
+    decoder = SpeculativeDecoder(target, draft, rule=rule, policy=policy)
     counts = lawkit.first_tokens_counts(decoder, [1, 2, 3], vocab, length, samples)
     assert lawkit.chi_square(counts, law).passed
     assert policy.acceptance != 0.8  # it learnt from the steps
-    monkeypatch.setitem(engine_module.VERIFIERS, verifier, off_by_one(engine_module.VERIFIERS[verifier]))
+    monkeypatch.setitem(RULES, rule, replace(RULES[rule], verify=off_by_one(RULES[rule].verify)))
     broken = lawkit.chi_square(lawkit.first_tokens_counts(decoder, [1, 2, 3], vocab, length, samples), law)
     assert not broken.passed, broken
 

@@ -71,7 +71,7 @@ def main() -> None:
         policy = SVPolicy(
             Profile.load(args.sv_profile),
             profile,
-            method="block",
+            rule="block",
             max_draft=max(args.verified),
             kind="draft",
             carry_over=True,

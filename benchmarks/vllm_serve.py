@@ -1,3 +1,5 @@
+# vLLM lives in its own environment (scripts/setup_vllm.sh), not in the one pyright checks:
+# pyright: reportMissingImports=false
 """vLLM's own server (`vllm serve`) against blockspec's engine, on the bundled pair, the same prompts and seeds.
 
 Four steps, each appending to or reading --out DIR (default results/vllm-serve):

@@ -1,3 +1,5 @@
+# vLLM lives in its own environment (scripts/setup_vllm.sh), not in the one pyright checks:
+# pyright: reportMissingImports=false
 """One verification step inside vLLM 0.32: vLLM's token rule (``rejection_sample``) against blockspec's block rule
 (``rejection.block_rejection_sample``), on random inputs of the bundled pair's vocabulary, every request sampled.
 

@@ -222,13 +222,14 @@ def test_batched_report_table_json_and_plot(sv_records, tmp_path):
         ]
         assert row.batches == len(units)
         rate = sum(r.new_tokens for r in units) / sum(r.wall_time - r.prefill_time for r in units)
-        assert row.tokens_per_s.value == pytest.approx(rate)
+        assert row.tokens_per_s is not None and row.tokens_per_s.value == pytest.approx(rate)
         assert row.tokens_per_s.lo is not None  # >= 2 batches in the one dataset: an interval
         verified = sum(sum(r.verified) for r in units)
-        assert row.verified_per_emitted.value == pytest.approx(verified / sum(r.new_tokens for r in units))
+        per_emitted = verified / sum(r.new_tokens for r in units)
+        assert row.verified_per_emitted is not None and row.verified_per_emitted.value == pytest.approx(per_emitted)
         if row.config != "target-only":
             accepted = sum(sum(r.accepted) for r in units)
-            assert row.rejected.value == pytest.approx(1 - accepted / verified)
+            assert row.rejected is not None and row.rejected.value == pytest.approx(1 - accepted / verified)
             assert row.speedup_vs_target is not None
         assert (row.speedup_vs_best_fixed is not None) == row.config.startswith("sv")
     assert sum(row.best_fixed for row in report.batch) == 2  # one per batch size

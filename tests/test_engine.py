@@ -26,7 +26,7 @@ def pair():
     return target, perturbed(target, scale=0.3, seed=1)
 
 
-def reference_greedy(target, prompt, max_new_tokens, eos=EOS):
+def reference_greedy(target, prompt, max_new_tokens, eos: int | None = EOS):
     out = target.generate(
         torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0
     )
@@ -255,7 +255,7 @@ def test_stop_strings_end_a_row_right_after_the_text(pair):
     tokenizer = tiny_tokenizer()
     decoder = SpeculativeDecoder(HFModel(target, tokenizer), HFModel(draft, tokenizer), max_draft=4)
     free = decoder.generate(PROMPTS, max_new_tokens=30, sampling=GREEDY, stop_on_eos=False)
-    stop = tokenizer.decode(free.sequences[0][5:7])  # text that row 0 produces mid-way, inside some step
+    stop = str(tokenizer.decode(free.sequences[0][5:7]))  # text that row 0 produces mid-way, inside some step
     result = decoder.generate(PROMPTS, max_new_tokens=30, sampling=GREEDY, stop_on_eos=False, stop_strings=[stop])
     for seq, got, reason in zip(free.sequences, result.sequences, result.finish_reasons):
         ends = [n for n in range(1, len(seq) + 1) if stop in tokenizer.decode(seq[:n])]

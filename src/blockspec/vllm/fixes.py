@@ -1,3 +1,5 @@
+# vLLM lives in its own environment (scripts/setup_vllm.sh), not in the one pyright checks:
+# pyright: reportMissingImports=false
 """What the plugin fixes in vLLM 0.32 under either rule: vLLM CPU's expand kernel, seeded requests' drafts drawn
 from the global generator, vLLM CPU's death on a seeded request prefilled in chunks, and (refused, not fixed)
 structured outputs with sampled drafts. Each defect, how it shows and why: docs/guide/vllm.md."""

@@ -1,3 +1,5 @@
+# vLLM lives in its own environment (scripts/setup_vllm.sh), not in the one pyright checks:
+# pyright: reportMissingImports=false
 """blockspec's vLLM plugin: ``register``, vLLM's entry point (group ``vllm.general_plugins``), which vLLM calls in
 each of its processes before the worker registers its CPU kernels. With ``BLOCKSPEC_VLLM_RULE`` unset it does
 nothing; with ``block`` or ``token`` it puts in place the fixes (``fixes``), the drafting hook (``sv_hook``) and

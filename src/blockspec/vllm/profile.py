@@ -1,3 +1,5 @@
+# vLLM lives in its own environment (scripts/setup_vllm.sh), not in the one pyright checks:
+# pyright: reportMissingImports=false
 """``python -m blockspec.vllm.profile``: the latency profile SV prices vLLM's steps with, measured in vLLM.
 
 Run it in vLLM's environment, with the models, dtype and thread settings vLLM will serve with. It starts vLLM's

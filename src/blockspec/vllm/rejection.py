@@ -1,3 +1,5 @@
+# vLLM lives in its own environment (scripts/setup_vllm.sh), not in the one pyright checks:
+# pyright: reportMissingImports=false
 """The block rule on vLLM 0.32's rejection-sampling path (``BLOCKSPEC_VLLM_RULE=block``): vLLM's
 ``rejection_sample`` with its sampled requests verified by ``ragged.block_verify_ragged``, from the same random
 draws; greedy requests, and steps without draft probabilities, stay on vLLM's own paths."""

@@ -1,3 +1,5 @@
+# vLLM lives in its own environment (scripts/setup_vllm.sh), not in the one pyright checks:
+# pyright: reportMissingImports=false
 """What each vLLM worker runs and has counted (``worker_status``, a method the plugin adds to vLLM's workers), and
 the checks built on it: vLLM only logs a plugin that fails to import, so ``check(llm)`` and ``check_server(url)``
 ask every worker which rule it runs and raise unless it is the one asked for."""

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-# Make tests/lawkit.py importable as `lawkit` from every test module.
+# The shared kits are the package `kits` (tests/kits) for every test module, in whatever folder.
 sys.path.insert(0, str(Path(__file__).parent))
 
 

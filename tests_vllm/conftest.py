@@ -4,4 +4,4 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]  # vllmkit here, the exact-law toolkit of the main suite
+sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]  # vllmkit here, the main suite's kits (tests/kits)

@@ -1,5 +1,5 @@
 """The exact-law harness on vLLM 0.32's own sampling path: ``RejectionSampler.forward`` called as the V1 model
-runner calls it, on random context-dependent tables (tests/lawkit.py), for vLLM CPU's stock token rule, the token
+runner calls it, on random context-dependent tables (tests/kits/lawkit.py), for vLLM CPU's stock token rule, the token
 rule with blockspec's expand kernel, and blockspec's block rule.
 
 Lossless means the K + 1 tokens of one step, completed from the target where fewer were emitted, follow the
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import warnings
 
-import lawkit
 import pytest
 import torch
+from kits import lawkit
 from vllmkit import Batch, OneStep, configure, emitted
 
 from blockspec.verify import accepted_length_law

@@ -1,7 +1,7 @@
 """Closed forms given a drafted block: acceptance survival, the law of tau, the emitted token's distribution.
 
 They integrate exactly over the random part of a rule's verifier, so two rules can be compared on the SAME drafts
-with no sampling noise, and losslessness can be checked by enumeration (tests/test_exact_law.py). Each function
+with no sampling noise, and losslessness can be checked by enumeration (tests/verify/test_exact_law.py). Each function
 takes the rule's name and reads its closed forms from the registry (``rules``); a rule without them (greedy) is
 refused.
 """

@@ -1,0 +1,245 @@
+"""`blockspec bench` end to end on tiny saved models: plan, records, resume, time budget, report and plots."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+from kits.svkit import CHEAP_VERIFICATION, LINEAR_VERIFICATION, profile
+from kits.tiny import save_tiny
+
+from blockspec import auto
+from blockspec.bench import executor, runner
+from blockspec.bench import records as rec
+
+pytestmark = pytest.mark.usefixtures("probes_in_a_temporary_cache", "quiet_machine")
+# What the arithmetic probe measures here, in ms per pass: int8 well ahead, so `auto` drafts with an int8 draft
+PROBE = {"bfloat16": {"1": 30.0, "4": 60.0}, "float32": {"1": 20.0, "4": 30.0}, "int8": {"1": 5.0, "4": 6.0}}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def an_int8_machine():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(auto, "cpu_probe", lambda refresh=False: PROBE)
+        yield
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    return runner.BenchConfig(
+        target=save_tiny(root / "target"),
+        draft=save_tiny(root / "draft", noise=0.3),
+        dtype="float32",
+        datasets=("lm1b",),
+        prompts_per_dataset=2,
+        max_drafts=(2, 3),
+        temperatures=(1.0,),
+        max_new_tokens=6,
+        chat=False,
+        out=root / "out",
+    )
+
+
+def test_plan_interleaves_configurations_prompt_by_prompt_with_one_seed_per_prompt():
+    config = runner.BenchConfig(max_drafts=(2, 4), temperatures=(1.0, 0.0), seed=7)
+    runs = runner.plan(config, {"a": [("a/0", [1]), ("a/1", [2])], "b": [("b/0", [3])]})
+    first = [(r.prompt_id, r.config, r.max_draft) for r in runs[:7]]
+    assert first == [
+        ("a/0", "target-only", 0),
+        ("a/0", "token", 2),
+        ("a/0", "token", 4),
+        ("a/0", "block", 2),
+        ("a/0", "block", 4),
+        ("a/0", "hf-assisted", 0),
+        ("a/0", "auto", 4),
+    ]
+    assert len(runs) == 7 * 3 * 2 and len({r.key for r in runs}) == len(runs)
+    assert {r.seed for r in runs if r.prompt_id == "a/1"} == {8}
+
+
+def test_runner_writes_one_record_per_prompt_and_configuration_and_resumes(tiny_config):
+    records_file = runner.run(tiny_config, progress=False)
+    records = list(rec.read(records_file))
+    assert len(records) == 2 * (1 + 2 + 2 + 1 + 1)
+    for record in records:
+        assert record.new_tokens == 6 or record.finish_reason == "eos"
+        assert record.wall_time > 0 and record.meta["dtype"] == "float32" and record.meta["threads"] >= 1
+        if record.config in ("token", "block"):  # per-step bookkeeping, the same draft under both rules
+            assert (
+                len(record.accepted) == len(record.verified) == len(record.expected_token) == len(record.expected_block)
+            )
+            assert all(0 <= a <= k for a, k in zip(record.accepted, record.verified))
+    runner.run(tiny_config, progress=False)  # resumed: everything is recorded already
+    assert len(list(rec.read(records_file))) == len(records)
+
+
+def test_a_spent_time_budget_stops_scheduling_and_a_rerun_completes(tiny_config, tmp_path):
+    boxed = replace(tiny_config, out=tmp_path, time_budget=0.0)
+    assert len(list(rec.read(runner.run(boxed, progress=False)))) == 1  # the first run, then the budget is spent
+    complete = runner.run(replace(boxed, time_budget=None), progress=False)
+    assert len(list(rec.read(complete))) == 14
+
+
+@pytest.mark.slow  # a subprocess or thousands of rows: the full suite runs it
+def test_bench_command_prints_the_report_and_writes_plots(tiny_config, tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "blockspec.cli",
+            "bench",
+            "--target",
+            tiny_config.target,
+            "--draft",
+            tiny_config.draft,
+            "--dtype",
+            "float32",
+            "--datasets",
+            "lm1b",
+            "--prompts",
+            "1",
+            "--max-draft",
+            "2",
+            "--max-new-tokens",
+            "5",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["records"] == 5 and "summary" in summary
+    # stderr is no terminal here: one line per finished run instead of a progress bar
+    runs = re.findall(r"bench run (\d+)/5: lm1b/\S+ (\S+) K=\d+ T=1 B=1: \d+ tokens in [\d.]+ s", out.stderr)
+    assert [int(n) for n, _ in runs] == [1, 2, 3, 4, 5] and "bench runs:" not in out.stderr
+    assert "1 + mean accepted" in out.stdout
+    for name in ("records.jsonl", "report.md", "block_efficiency_vs_k.png", "speedup_vs_k.png", "accepted_hist.png"):
+        assert (tmp_path / name).stat().st_size > 0
+
+
+def test_the_run_stops_once_the_gain_is_known_to_the_requested_precision(tiny_config, tmp_path):
+    six = replace(tiny_config, prompts_per_dataset=runner.MIN_PROMPTS + 1, max_drafts=(2,), configs=("token", "block"))
+    loose = runner.run(replace(six, out=tmp_path / "loose", precision=10.0), progress=False)
+    # Known once MIN_PROMPTS prompts (rounds) are in, however loose the precision: 2 records per round.
+    assert len(list(rec.read(loose))) == 2 * runner.MIN_PROMPTS
+    strict = runner.run(replace(six, out=tmp_path / "strict", precision=1e-9), progress=False)
+    assert len(list(rec.read(strict))) == 2 * (runner.MIN_PROMPTS + 1)
+
+
+def test_a_run_resumed_at_another_temperature_gets_its_own_minimum_of_prompts(tiny_config, tmp_path):
+    """The sampled half, already precise, must not stop the greedy half after its first round; and the greedy
+    half, block alone (both rules coincide there), stops once it has its own minimum."""
+    six = replace(
+        tiny_config,
+        prompts_per_dataset=runner.MIN_PROMPTS + 1,
+        max_drafts=(2,),
+        configs=("token", "block"),
+        precision=10.0,
+        out=tmp_path,
+    )
+    runner.run(six, progress=False)
+    records = list(rec.read(runner.run(replace(six, temperatures=(0.0,), configs=("block",)), progress=False)))
+    assert sum(r.temperature == 0.0 for r in records) == runner.MIN_PROMPTS
+
+
+# --- hf-lookup: transformers' prompt lookup decoding ------------------------------------------------------------
+
+
+def test_hf_lookup_is_planned_at_batch_size_one_only():
+    config = runner.BenchConfig(prompts_per_dataset=2, batch_sizes=(1, 2), configs=("target-only", "hf-lookup"))
+    runs = runner.plan(config, {"a": [("a/0", [1]), ("a/1", [2])]})
+    assert [(r.prompt_id, r.max_draft) for r in runs if r.config == "hf-lookup"] == [("a/0", 0), ("a/1", 0)]
+    assert all(r.batch_size == 1 for r in runs if r.config == "hf-lookup")
+
+
+def test_hf_lookup_greedy_output_is_the_target_alone_and_it_drafts_from_the_context(tiny_config, monkeypatch):
+    from blockspec.engine import SpeculativeDecoder
+    from blockspec.models.hf import load_model
+    from blockspec.sampling import SamplingParams
+
+    target = load_model(tiny_config.target, dtype="float32")
+    prompt, greedy = list(range(1, 9)) * 3 + [1, 2], SamplingParams(temperature=0)  # repeats: something to look up
+    outputs, forwards = [], []
+    generate = target.model.generate
+
+    def generate_and_keep(*args, **kwargs):  # run_lookup returns counts; the test needs the tokens
+        outputs.append(generate(*args, **kwargs))
+        return outputs[-1]
+
+    monkeypatch.setattr(target.model, "generate", generate_and_keep)
+    hook = target.model.register_forward_pre_hook(lambda module, args: forwards.append(module))
+    result = executor.run_lookup(target, prompt, greedy, 24, seed=0)
+    hook.remove()
+    alone = SpeculativeDecoder(target).generate([prompt], max_new_tokens=24, sampling=greedy)
+    assert outputs[0][0, len(prompt) :].tolist() == alone.sequences[0]
+    assert result["new_tokens"] == len(alone.sequences[0]) and result["finish_reason"] == alone.finish_reasons[0]
+    assert len(forwards) < result["new_tokens"]  # drafts were accepted: fewer target forwards than tokens
+
+
+def test_hf_lookup_records_state_its_settings(tiny_config, tmp_path):
+    config = replace(tiny_config, out=tmp_path, configs=("target-only", "hf-lookup"), temperatures=(1.0, 0.0))
+    records = [r for r in rec.read(runner.run(config, progress=False)) if r.config == "hf-lookup"]
+    assert len(records) == 2 * 2 and all(r.ok for r in records)  # 2 prompts at 2 temperatures
+    for record in records:
+        assert record.meta["prompt_lookup"] == {"prompt_lookup_num_tokens": 10, "max_matching_ngram_size": 2}
+        assert (record.max_draft, record.batch_size, record.prefill_time, record.accepted) == (0, 1, None, [])
+        assert record.wall_time > 0 and (record.new_tokens == 6 or record.finish_reason == "eos")
+
+
+# --- blockspec's defaults and the int8 draft --------------------------------------------------------------------
+
+DEFAULTS = ("target-only", "block", "block-int8", "auto", "lookup", "lookup+model", "hf-assisted", "hf-lookup")
+
+
+@pytest.mark.slow  # a subprocess or thousands of rows: the full suite runs it
+def test_the_int8_draft_and_blockspecs_defaults_run_beside_transformers(tiny_config, tmp_path, monkeypatch):
+    """block-int8 drafts with the int8 draft at each K; auto and lookup+model with the draft the machine's probe
+    chose (int8 here) and their own lengths (at most max K, from step latency measured as cheap); lookup with no
+    draft model. The batch table lists every configuration with its speedup over transformers' counterpart."""
+    from blockspec.bench.report import build_report
+
+    monkeypatch.setattr(auto, "latency_probe", lambda target, draft, batch: profile(CHEAP_VERIFICATION, draft_ms=2))
+
+    config = replace(tiny_config, out=tmp_path, configs=DEFAULTS, temperatures=(1.0, 0.0))
+    records = list(rec.read(runner.run(config, progress=False)))
+    assert len(records) == 2 * 2 * (1 + 2 + 2 + 1 + 1 + 1 + 1 + 1) and all(r.ok for r in records)
+    quant = {(r.config, r.meta.get("draft_quant", "-")) for r in records}
+    assert quant == {
+        ("target-only", "-"),
+        ("lookup", "-"),
+        ("hf-lookup", "-"),
+        ("block", None),
+        ("hf-assisted", None),
+        ("block-int8", "int8"),
+        ("auto", "int8"),
+        ("lookup+model", "int8"),
+    }
+    assert {r.max_draft for r in records if r.config in ("auto", "lookup+model")} == {3}
+    assert {r.max_draft for r in records if r.config == "lookup"} == {0}
+    assert any(k > 0 for r in records if r.config == "lookup" for k in r.verified)  # it looked up
+    assert any(k > 0 for r in records if r.config == "auto" for k in r.verified)  # it speculated
+    assert all(r.meta["dtype"] == "float32" for r in records)
+    rows = {(row.config, row.temperature, row.max_draft): row for row in build_report(records).batch}
+    assert {name for name, _, _ in rows} == set(DEFAULTS)
+    for name in ("block-int8", "auto", "lookup", "lookup+model"):
+        assert rows[(name, 1.0, 3 if name != "lookup" else 0)].speedup_vs_hf is not None, name
+    assert rows[("target-only", 1.0, 0)].speedup_vs_hf is None
+
+
+def test_where_speculation_cannot_pay_auto_decodes_alone_and_lookup_model_looks_up_alone(
+    tiny_config, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(auto, "latency_probe", lambda target, draft, batch: profile(LINEAR_VERIFICATION, draft_ms=2))
+    config = replace(tiny_config, out=tmp_path, configs=("auto", "lookup+model"), temperatures=(0.0,))
+    records = list(rec.read(runner.run(config, progress=False)))
+    assert len(records) == 4 and all(r.ok for r in records)
+    assert all(k == 0 for r in records if r.config == "auto" for k in r.verified)
+    assert any(k > 0 for r in records if r.config == "lookup+model" for k in r.verified)

@@ -1,0 +1,324 @@
+"""`blockspec bench` when things go wrong: a run that raises, a resume with other settings or into an older run
+directory, a damaged records file, other processes competing for the cores; and the machine facts behind it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import time
+from dataclasses import asdict, replace
+
+import pytest
+from kits.tiny import save_tiny
+
+from blockspec import machine
+from blockspec.bench import records as rec
+from blockspec.bench import report, runner
+
+pytestmark = pytest.mark.usefixtures("quiet_machine")  # tests/bench/conftest.py
+
+PROC_BUSY_SECONDS = machine.busy_seconds  # before quiet_machine replaces it
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """Two prompts through target-only and block at K = 2, four tokens each: the cheapest bench that has a
+    baseline and a speedup over it."""
+    root = tmp_path_factory.mktemp("faults")
+    return runner.BenchConfig(
+        target=save_tiny(root / "target"),
+        draft=save_tiny(root / "draft", noise=0.3),
+        dtype="float32",
+        datasets=("lm1b",),
+        prompts_per_dataset=2,
+        max_drafts=(2,),
+        configs=("target-only", "block"),
+        max_new_tokens=4,
+        out=root / "out",
+    )
+
+
+def fail_first_target_only(monkeypatch, error: BaseException) -> None:
+    """target-only raises ``error`` on the first prompt (its warm-up and every other run go through)."""
+    generate = runner.Executor._generate
+
+    def flaky(self, item, max_new_tokens):
+        if item.config == "target-only" and item.dataset != "warm-up" and item.round == 0:
+            raise error
+        return generate(self, item, max_new_tokens)
+
+    monkeypatch.setattr(runner.Executor, "_generate", flaky)
+
+
+def no_model_loads(monkeypatch) -> None:
+    def load_model(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("blockspec.models.hf.load_model", load_model)
+
+
+# --- a failing run --------------------------------------------------------------------------------------------
+
+
+def test_a_failing_run_is_recorded_and_the_bench_goes_on(small, tmp_path, monkeypatch):
+    fail_first_target_only(monkeypatch, RuntimeError("out of memory"))
+    records = list(rec.read(runner.run(replace(small, out=tmp_path), progress=False)))
+    assert len(records) == 2 * 2
+    (failed,) = [r for r in records if not r.ok]
+    assert (failed.config, failed.seed) == ("target-only", small.seed)  # the first prompt's
+    assert failed.status == rec.FAILED and failed.error == "RuntimeError: out of memory" and failed.new_tokens == 0
+    assert all(r.new_tokens > 0 for r in records if r.ok)
+
+
+def test_a_resume_does_not_retry_failed_runs_unless_asked(small, tmp_path, monkeypatch):
+    with monkeypatch.context() as patch:
+        fail_first_target_only(patch, RuntimeError("out of memory"))
+        records_file = runner.run(replace(small, out=tmp_path), progress=False)
+    before = records_file.read_text()
+    runner.run(replace(small, out=tmp_path), progress=False)
+    assert records_file.read_text() == before  # the failed run is not retried
+    runner.run(replace(small, out=tmp_path, retry_failed=True), progress=False)
+    records = list(rec.read(records_file))
+    assert len(records) == 2 * 2 + 1 and sum(not r.ok for r in records) == 1
+    built = report.build_report(records)
+    assert built.left_out.failed == () and built.baselines[0].prompts == 2  # the retry replaced the failure
+
+
+def test_ctrl_c_still_stops_the_bench(small, tmp_path, monkeypatch):
+    fail_first_target_only(monkeypatch, KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        runner.run(replace(small, out=tmp_path), progress=False)
+    assert not (tmp_path / runner.RECORDS).exists()  # target-only of the first prompt is the first run
+
+
+def test_failed_runs_do_not_count_towards_the_precision_stop(tmp_path):
+    path = tmp_path / runner.RECORDS
+
+    def write(failed_prompt: int | None) -> None:
+        path.unlink(missing_ok=True)
+        for p in range(runner.MIN_PROMPTS):
+            for config in ("token", "block"):
+                failed = p == failed_prompt and config == "block"
+                rec.append(
+                    path,
+                    rec.Record(
+                        dataset="d",
+                        prompt_id=f"d/{p}",
+                        config=config,
+                        max_draft=2,
+                        temperature=1.0,
+                        batch_size=1,
+                        seed=p,
+                        new_tokens=0 if failed else 6,
+                        wall_time=0.0 if failed else 1.0,
+                        prefill_time=None,
+                        accepted=[] if failed else [1, 2],
+                        verified=[] if failed else [2, 2],
+                        expected_token=[] if failed else [1.0, 1.5 + p / 10],
+                        expected_block=[] if failed else [1.2, 1.6 + p / 10],
+                        status=rec.FAILED if failed else rec.OK,
+                        error="ValueError: x" if failed else None,
+                    ),
+                )
+
+    write(failed_prompt=None)
+    assert runner.gain_is_known(path, precision=10.0)
+    write(failed_prompt=0)  # only MIN_PROMPTS - 1 prompts have a block run
+    assert not runner.gain_is_known(path, precision=10.0)
+
+
+# --- resuming: the stored settings ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def recorded(small, tmp_path_factory):
+    """A run directory of ``small``, complete; tests copy it before changing it."""
+    out = tmp_path_factory.mktemp("recorded")
+    runner.run(replace(small, out=out, configs=("target-only",), prompts_per_dataset=1), progress=False)
+    return replace(small, out=out, configs=("target-only",), prompts_per_dataset=1)
+
+
+def copy_of(config: runner.BenchConfig, out) -> runner.BenchConfig:
+    out.mkdir(exist_ok=True)
+    for name in (runner.RECORDS, runner.CONFIG):
+        (out / name).write_bytes((config.out / name).read_bytes())
+    return replace(config, out=out)
+
+
+def test_the_run_directory_stores_its_settings_and_machine(recorded):
+    stored = json.loads((recorded.out / runner.CONFIG).read_text())
+    assert stored == runner.settings(recorded)
+    assert stored["target"] == recorded.target and stored["seed"] == recorded.seed and stored["chat"] is True
+    assert stored["cpu_flags"] == machine.cpu_flags() and stored["threads"] == machine.threads()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"draft": "another-draft"},
+        {"seed": 5},
+        {"dtype": "bfloat16"},
+        {"max_new_tokens": 9},
+        {"chat": False},
+        {"target": "t", "device": "meta"},
+    ],
+)
+def test_a_resume_with_other_settings_is_refused_naming_them_before_any_model_loads(
+    recorded, tmp_path, monkeypatch, change
+):
+    config = copy_of(recorded, tmp_path)
+    no_model_loads(monkeypatch)
+    with pytest.raises(ValueError, match="holds runs with other settings") as refused:
+        runner.run(replace(config, **change), progress=False)
+    for name, value in change.items():
+        assert f"{name}: {asdict(recorded)[name]!r} there, {value!r} here" in str(refused.value)
+
+
+def test_a_resume_on_another_machine_kind_or_thread_count_is_refused(recorded, tmp_path, monkeypatch):
+    config = copy_of(recorded, tmp_path)
+    no_model_loads(monkeypatch)
+    monkeypatch.setattr(machine, "cpu_flags", lambda: ["avx512_made_up"])
+    with pytest.raises(ValueError, match=r"cpu_flags: \[.*\] there, \['avx512_made_up'\] here"):
+        runner.run(config, progress=False)
+    monkeypatch.setattr(machine, "cpu_flags", lambda: json.loads((config.out / runner.CONFIG).read_text())["cpu_flags"])
+    monkeypatch.setattr(machine, "threads", lambda: 1000)
+    with pytest.raises(ValueError, match="threads: .* there, 1000 here"):
+        runner.run(config, progress=False)
+
+
+def test_a_resume_may_grow_the_plan_and_change_what_only_steers_it(recorded, tmp_path):
+    config = copy_of(recorded, tmp_path)
+    before = list(rec.read(config.out / runner.RECORDS))
+    grown = replace(
+        config,
+        prompts_per_dataset=2,
+        configs=("target-only", "block"),
+        max_drafts=(2, 3),
+        temperatures=(1.0, 0.0),
+        time_budget=600.0,
+        precision=0.5,
+        retry_failed=True,
+        allow_download=True,
+    )
+    records = list(rec.read(runner.run(grown, progress=False)))
+    assert records[: len(before)] == before  # the recorded run is kept, not redone
+    assert len(records) == 2 * 2 * (1 + 2)  # 2 prompts, 2 temperatures: target-only, block at K = 2 and 3
+
+
+def test_a_run_directory_without_stored_settings_is_reported_but_not_resumed(recorded, tmp_path, monkeypatch, capsys):
+    config = copy_of(recorded, tmp_path)
+    (config.out / runner.CONFIG).unlink()
+    no_model_loads(monkeypatch)
+    with pytest.raises(ValueError, match="their settings are unknown, so they cannot be resumed: use a new --out"):
+        runner.run(config, progress=False)
+    assert report.main(["--records", str(config.out / runner.RECORDS), "--no-plots"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["records"] == 1
+
+
+def test_records_of_another_schema_are_neither_resumed_nor_reported(recorded, tmp_path, monkeypatch, capsys):
+    config = copy_of(recorded, tmp_path)
+    path = config.out / runner.RECORDS
+    path.write_text(
+        "".join(json.dumps({**json.loads(line), "schema": 3}) + "\n" for line in path.read_text().splitlines())
+    )
+    no_model_loads(monkeypatch)
+    with pytest.raises(ValueError, match="record schema 3, but this blockspec reads schema 4 only"):
+        runner.run(config, progress=False)
+    assert report.main(["--records", str(path), "--no-plots"]) == 2
+    assert "record schema 3" in capsys.readouterr().err
+
+
+def test_out_pointing_at_a_file_fails_before_any_model_loads(small, tmp_path, monkeypatch):
+    no_model_loads(monkeypatch)
+    path = tmp_path / "results.txt"
+    path.write_text("not a directory")
+    with pytest.raises(ValueError, match=f"{path} is a file"):
+        runner.run(replace(small, out=path), progress=False)
+
+
+def test_load_model_is_asked_to_download_only_when_allowed(small, tmp_path, monkeypatch):
+    asked = []
+
+    def load_model(name, **kwargs):
+        asked.append(kwargs["allow_download"])
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr("blockspec.models.hf.load_model", load_model)
+    for allow in (False, True):
+        with pytest.raises(RuntimeError, match="stop here"):
+            runner.run(replace(small, out=tmp_path / str(allow), allow_download=allow), progress=False)
+    assert asked == [False, True]
+
+
+# --- a damaged records file -----------------------------------------------------------------------------------
+
+
+def test_a_corrupt_line_in_the_middle_of_the_records_is_reported_with_its_line_number(recorded, tmp_path, caplog):
+    config = copy_of(recorded, tmp_path)
+    path = config.out / runner.RECORDS
+    good = path.read_text()
+    path.write_text(good + '{"dataset": "lm1b", "prompt_id": \n' + good)
+    with caplog.at_level(logging.WARNING, logger="blockspec.bench.records"):
+        assert len(list(rec.read(path))) == 2
+    assert f"{path}:2: not a JSON line" in caplog.text
+
+
+@pytest.mark.parametrize("line", ["[1, 2]", '"x"', "3", "null"])
+def test_a_json_line_that_is_not_an_object_crashes_neither_resume_nor_report(recorded, tmp_path, caplog, line, capsys):
+    config = copy_of(recorded, tmp_path)
+    path = config.out / runner.RECORDS
+    path.write_text(line + "\n" + path.read_text())
+    with caplog.at_level(logging.WARNING, logger="blockspec.bench.records"):
+        assert len(list(rec.read(runner.run(config, progress=False)))) == 1  # resumed: nothing left to run
+    assert f"{path}:1: not a record" in caplog.text
+    assert report.main(["--records", str(path), "--no-plots"]) == 0
+    capsys.readouterr()
+
+
+def test_a_truncated_last_line_is_tolerated_and_dropped_before_the_next_record(recorded, tmp_path, caplog):
+    config = copy_of(recorded, tmp_path)
+    path = config.out / runner.RECORDS
+    whole = path.read_text()
+    path.write_text(whole + whole[:40])  # a run killed while writing its record
+    with caplog.at_level(logging.WARNING, logger="blockspec.bench.records"):
+        assert len(list(rec.read(path))) == 1
+    assert caplog.text == ""
+    rec.append(path, next(rec.read(path)))
+    assert path.read_text() == whole * 2  # the partial line is gone: no unreadable line in the middle
+
+
+# --- the machine: contention, kind, threads -------------------------------------------------------------------
+
+
+def test_every_run_records_the_machine_and_the_cpu_time_of_other_processes(small, tmp_path, monkeypatch):
+    monkeypatch.setattr(machine, "own_seconds", lambda: 0.0)
+    monkeypatch.setattr(machine, "busy_seconds", lambda: 3.0 * time.monotonic())  # others keep 3 cores busy
+    records = list(rec.read(runner.run(replace(small, out=tmp_path), progress=False)))
+    for record in records:
+        assert record.meta["others_cores"] == pytest.approx(3.0, rel=0.01)
+        assert record.meta["others_cpu_s"] >= 3.0 * record.wall_time  # measured around the timed generate call
+        assert record.meta["cpu_flags"] == machine.cpu_flags() and record.meta["threads"] == machine.threads()
+    built = report.build_report(records)
+    assert len(built.left_out.contended) == len(records)
+    assert all(b.tokens_per_s is None for b in built.baselines)
+
+
+def test_the_cpu_time_of_another_process_is_measured(monkeypatch):
+    monkeypatch.setattr(machine, "busy_seconds", PROC_BUSY_SECONDS)
+    start = machine.cpu_clock()
+    # a child burns 0.3 CPU-seconds (CPU time, not wall time: it holds however busy the machine is)
+    subprocess.run([sys.executable, "-c", "import time\nwhile time.process_time() < 0.3: pass"], check=True)
+    load = machine.others_load(start, machine.cpu_clock())
+    assert load["others_cpu_s"] >= 0.25 and load["others_cores"] > 0
+
+
+def test_cpu_flags_are_the_avx2_avx512_and_amx_words_of_cpuinfo(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        "processor\t: 0\nflags\t\t: fpu avx avx2 avx512f avx512_vnni amx_bf16 amx_tile xavx2x\n"
+        "processor\t: 1\nflags\t\t: fpu avx avx2 avx512f avx512_vnni amx_bf16 amx_tile xavx2x\n"
+    )
+    assert machine.cpu_flags(cpuinfo) == ["amx_bf16", "amx_tile", "avx2", "avx512_vnni", "avx512f"]
+    assert machine.cpu_flags(tmp_path / "missing") == []

@@ -1,0 +1,298 @@
+"""The command line: parsing and help, and `generate` end to end on tiny models saved to disk."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from kits.tiny import save_tiny, tiny_model
+
+from blockspec import cli
+from blockspec.cli import progress as progress_cli
+from blockspec.models import hf
+
+pytestmark = pytest.mark.usefixtures("probes_in_a_temporary_cache")
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return save_tiny(root / "target"), save_tiny(root / "draft", noise=0.3)
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "blockspec.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow  # a subprocess or thousands of rows: the full suite runs it
+def test_help_is_instant_and_shows_examples():
+    """--help must not import torch (heavy imports are deferred to the subcommands)."""
+    for argv in (["--help"], ["generate", "--help"]):
+        code = f"import sys; from blockspec import cli\ntry: cli.main({argv})\nexcept SystemExit: pass\n"
+        code += "print('torch' in sys.modules)"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        assert "blockspec generate" in out and out.strip().endswith("False")
+    assert "--max-draft" in run("generate", "--help").stdout
+    module = subprocess.run([sys.executable, "-m", "blockspec", "env", "--json"], capture_output=True, text=True)
+    assert module.returncode == 0 and json.loads(module.stdout)["torch_threads"] >= 1  # python -m blockspec works
+
+
+def test_generate_defaults_come_from_one_place():
+    args = cli.build_parser().parse_args(["generate", "hi"])
+    assert (args.target, args.draft, args.rule, args.max_draft) == (
+        "qwen2.5-coder-1.5b",
+        "qwen2.5-coder-0.5b",
+        "block",
+        None,
+    )
+    assert (args.temperature, args.top_k, args.top_p, args.dtype, args.chat) == (1.0, 0, 1.0, "auto", True)
+    assert (args.policy, args.draft_quant, args.target_quant) == ("auto", "auto", "none")
+
+
+@pytest.mark.slow  # a subprocess or thousands of rows: the full suite runs it
+def test_generate_end_to_end_on_tiny_models(tiny_pair):
+    target, draft = tiny_pair
+    common = ["--target", target, "--draft", draft, "--dtype", "float32", "--max-new-tokens", "12", "--seed", "1"]
+    spec = run("generate", *common, "--temperature", "0", "abc de")
+    plain = run("generate", *common, "--temperature", "0", "--draft", "none", "abc de")
+    assert spec.returncode == plain.returncode == 0, spec.stderr + plain.stderr
+    assert spec.stdout == plain.stdout and spec.stdout.strip()  # same greedy text, streamed
+    assert "acceptance length (1 + accepted/steps)" in spec.stderr and "tokens/s" in spec.stderr
+    two = run("generate", *common, "ab", "cd efg")
+    assert two.returncode == 0 and "--- prompt 0" in two.stdout and "--- prompt 1" in two.stdout
+
+
+@pytest.mark.slow  # a subprocess or thousands of rows: the full suite runs it
+@pytest.mark.parametrize("drafter", ["lookup", "lookup+model"])
+def test_generate_with_prompt_lookup_gives_the_greedy_text_of_the_target(tiny_pair, drafter):
+    target, draft = tiny_pair
+    common = [
+        "--target",
+        target,
+        "--draft",
+        draft,
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "16",
+        "--temperature",
+        "0",
+        "--no-chat",
+        "abc abc abc abc",
+    ]
+    spec = run("generate", "--drafter", drafter, *common)
+    plain = run("generate", *common[:-1], "--draft", "none", common[-1])  # the last --draft wins
+    assert spec.returncode == plain.returncode == 0, spec.stderr + plain.stderr
+    assert spec.stdout == plain.stdout and spec.stdout.strip()
+    # lookup alone takes its lengths from its own settings; lookup+model's model rows follow the default policy
+    assert ("[block, fixed K=" if drafter == "lookup" else "[block, auto K=") in spec.stderr
+    refused = run("generate", "--drafter", drafter, "--policy", "sv", *common)
+    assert refused.returncode == 2 and "--drafter" in refused.stderr
+
+
+@pytest.mark.slow  # a subprocess or thousands of rows: the full suite runs it
+def test_generate_reports_bad_input_without_a_traceback(tiny_pair):
+    target, draft = tiny_pair
+    bad = run("generate", "--target", target, "--draft", draft, "--top-p", "0", "hello")
+    assert bad.returncode == 2 and "top_p must lie in (0, 1]" in bad.stderr and "Traceback" not in bad.stderr
+    missing = run("generate", "--target", "no/such/model.gguf", "--draft", "none", "hello")
+    assert missing.returncode == 2 and "no GGUF file" in missing.stderr
+
+
+@pytest.mark.slow  # a subprocess or thousands of rows: the full suite runs it
+def test_models_and_env_print_machine_readable_reports():
+    models = json.loads(run("models", "--json").stdout)
+    assert {m["name"] for m in models} >= {"qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "smollm2-135m"}
+    assert all(m["cache_state"] in {"converted", "gguf", "empty"} for m in models)
+    env = json.loads(run("env", "--json").stdout)
+    assert env["torch"].startswith("2.13") and env["torch_threads"] >= 1
+
+
+@pytest.mark.slow  # a subprocess or thousands of rows: the full suite runs it
+def test_generate_says_what_it_is_doing_before_the_first_token(tiny_pair):
+    """A long prompt printed nothing for minutes before its first token, which looked like a hang: generate now
+    names each model it loads and the prompt it prefills, on stderr, leaving stdout to the text alone."""
+    target, draft = tiny_pair
+    out = run(
+        "generate",
+        "--target",
+        target,
+        "--draft",
+        draft,
+        "--dtype",
+        "float32",
+        "--draft-quant",
+        "none",
+        "--max-new-tokens",
+        "4",
+        "--temperature",
+        "0",
+        "abc de",
+    )
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.startswith(("loading ", "prefilling "))]  # and
+    # transformers' own weight-loading bars
+    assert lines[:2] == [f"loading target {target} (float32, cpu)", f"loading draft {draft} (float32, cpu)"]
+    assert len(lines) == 3 and re.fullmatch(r"prefilling \d+ prompt tokens", lines[2]), lines
+    assert "tokens/s" in out.stderr.splitlines()[-1]
+    assert "loading" not in out.stdout and "prefilling" not in out.stdout
+
+
+def test_generate_shows_prefill_progress_of_each_model_for_long_prompts(tiny_pair, monkeypatch, capsys):
+    target, draft = tiny_pair
+    monkeypatch.setattr(progress_cli, "LONG_PROMPT", 4)  # the tiny models' context is far below the real threshold
+    monkeypatch.setattr(hf, "PREFILL_TOKENS", 3)  # several prefill forwards, so several reports
+    assert (
+        cli.main(
+            [
+                "generate",
+                "--target",
+                target,
+                "--draft",
+                draft,
+                "--dtype",
+                "float32",
+                "--policy",
+                "fixed",
+                "--max-new-tokens",
+                "2",
+                "--temperature",
+                "0",
+                "--no-chat",
+                "abcdefghij",
+            ]
+        )
+        == 0
+    )
+    err = capsys.readouterr().err
+    for role in ("target", "draft"):
+        reports = re.findall(rf"prefilling {role}: (\d+)/(\d+) tokens", err)
+        assert len(reports) >= 2 and reports[-1][0] == reports[-1][1], err  # advances, then reaches the end
+
+
+class Stream(io.StringIO):
+    def __init__(self, terminal: bool):
+        super().__init__()
+        self.terminal = terminal
+
+    def isatty(self) -> bool:
+        return self.terminal
+
+
+def test_prefill_progress_is_shown_on_a_terminal_or_for_long_prompts_only():
+    quiet = Stream(terminal=False)
+    progress = progress_cli.PrefillProgress("target", quiet)
+    for done in (0, 64, 128):
+        progress(done, 128)
+    assert quiet.getvalue() == ""  # a short prompt in a pipe: tests and scripts stay clean
+
+    log = Stream(terminal=False)
+    progress = progress_cli.PrefillProgress("target", log)
+    for done in [*range(0, 5010, 64), 5010]:
+        progress(done, 5010)
+    lines = log.getvalue().splitlines()
+    assert 2 <= len(lines) <= 11 and lines[-1] == "prefilling target: 5010/5010 tokens (100%)"  # one per tenth
+
+    terminal = Stream(terminal=True)
+    progress = progress_cli.PrefillProgress("draft", terminal)
+    for done in (0, 64, 128):
+        progress(done, 128)
+    text = terminal.getvalue()
+    assert text.count("\r") == 3 and text.endswith("\n") and "prefilling draft: 128/128 tokens" in text
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """Replaces load_model: records each call's keywords, returns a stand-in for every model but the one named
+    'stop', which ends the command."""
+    calls = []
+
+    def fake_load_model(name, **kwargs):
+        calls.append((name, kwargs))
+        if name == "stop":
+            raise ValueError("stopped before decoding")
+        return object()
+
+    monkeypatch.setattr(hf, "load_model", fake_load_model)
+    return calls
+
+
+@pytest.mark.parametrize("flag, expected", [([], False), (["--allow-download"], True)])
+def test_generate_downloads_hub_models_only_when_allowed(flag, expected, loads):
+    assert cli.main(["generate", *flag, "--target", "some/model", "--draft", "stop", "hi"]) == 2
+    assert [(name, kwargs["allow_download"]) for name, kwargs in loads] == [
+        ("some/model", expected),
+        ("stop", expected),
+    ]
+
+
+def test_bench_passes_allow_download_and_retry_failed_to_its_config(monkeypatch):
+    from blockspec.bench import runner
+
+    configs = []
+
+    def fake_run(config, **kwargs):
+        configs.append(config)
+        raise ValueError("stopped before decoding")
+
+    monkeypatch.setattr(runner, "run", fake_run)
+    assert cli.main(["bench", "--allow-download", "--retry-failed", "--no-chat"]) == 2
+    assert cli.main(["bench"]) == 2
+    flagged, plain = configs
+    assert flagged.allow_download is True and flagged.retry_failed is True and flagged.chat is False
+    # without the flags the preset's values hold (never download, keep failure records)
+    preset = runner.PRESETS["quick"]
+    assert (plain.allow_download, plain.retry_failed) == (preset.allow_download, preset.retry_failed) == (False, False)
+
+
+def test_models_verify_hashes_the_cache_and_fails_on_a_mismatch(monkeypatch, capsys):
+    from blockspec.models import cache, presets
+
+    checked = []
+
+    def fake_verify(name, **kwargs):
+        checked.append(name)
+        return [f"/cache/{name}/hf-bfloat16/model.safetensors: sha256 differs"] if name == "smollm2-135m" else []
+
+    monkeypatch.setattr(cache, "verify", fake_verify)
+    assert cli.main(["models"]) == 0 and checked == []  # a plain listing hashes nothing
+    capsys.readouterr()
+    assert cli.main(["models", "--verify"]) == 2
+    out, err = capsys.readouterr()
+    assert checked == list(presets.PRESETS)
+    assert "mismatch: /cache/smollm2-135m/hf-bfloat16/model.safetensors: sha256 differs" in out
+    assert err.count("\n") == 1 and err.startswith("blockspec: error: 1 cached file(s) differ")
+    assert cli.main(["models", "--verify", "--json"]) == 2
+    listed = {m["name"]: m["mismatches"] for m in json.loads(capsys.readouterr().out)}
+    assert listed["smollm2-135m"] and not listed["qwen2.5-coder-1.5b"]
+    monkeypatch.setattr(cache, "verify", lambda name, **kwargs: [])
+    rows = [dataclasses.replace(s, gguf_verified=False, converted=()) for s in cache.status_all()]
+    monkeypatch.setattr(cache, "status_all", lambda: rows)
+    assert cli.main(["models", "--verify"]) == 0 and "verified: nothing is cached yet" in capsys.readouterr().err
+    rows[0] = dataclasses.replace(rows[0], converted=("bfloat16",))
+    assert cli.main(["models", "--verify"]) == 0
+    assert f"verified: the cached files of {rows[0].name} match" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flag", "expected"), [([], False), (["--allow-download"], True)])
+def test_align_and_hub_companions_download_only_when_allowed(flag, expected, monkeypatch, tmp_path):
+    """align loaded its models, and every SV command its hub-id companion, without passing allow_download."""
+    from blockspec.models import companion
+
+    loads = []
+
+    def fake_load(name, **kwargs):
+        loads.append((name, kwargs["allow_download"]))
+        raise ValueError("stopped before loading")
+
+    monkeypatch.setattr(hf, "load_model", fake_load)  # the runner imports it when it runs
+    assert cli.main(["align", *flag, "--out", str(tmp_path), "--target", "some/model"]) == 2
+    monkeypatch.setattr(companion, "load_model", fake_load)
+    with pytest.raises(ValueError, match="stopped before loading"):
+        companion.load_companion("some/companion", tiny_model(), allow_download=expected)
+    assert loads == [("some/model", expected), ("some/companion", expected)]

@@ -1,0 +1,373 @@
+"""Prompt lookup drafting: golden tests of the matcher and of the adaptive length, greedy equivalence and the exact
+law at temperature 1 (with negative controls) for lookup alone and lookup mixed with a draft model, per-prompt
+state in batches whose rows finish early, and clear errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from kits import lawkit
+from kits.enginekit import reference_greedy
+from kits.svkit import profile
+from kits.tiny import exact_law_of_first_tokens, perturbed, tiny_model
+
+from blockspec import PromptLookup, SamplingParams, SpeculativeDecoder
+from blockspec.bench.executor import ExpectedScores
+from blockspec.drafting import LookupState
+from blockspec.drafting import proposer as proposer_module
+from blockspec.models.hf import HFModel
+from blockspec.policy import AdaptiveLength, FixedLength, SVPolicy
+from blockspec.verify import RULES, SAMPLED_RULES
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # thousands of tiny rows: faster on one thread
+
+GREEDY = SamplingParams(temperature=0.0)
+# Prompts that repeat themselves (lookup fires at once), a short one and ones that do not (it fires later, if at all)
+PROMPTS = [
+    [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2],
+    [8, 9],
+    [10, 11, 12, 10, 11, 12, 10],
+    [14],
+    [20, 21, 22, 23, 24, 25, 26, 27],
+]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_model(sharpness=5.0)
+    return target, perturbed(target, scale=0.3, seed=1)
+
+
+# --- the matcher -----------------------------------------------------------------------------------------------
+
+
+def reference_match(context: list[int], max_ngram: int, min_ngram: int, length: int) -> list[int]:
+    """The rule, written plainly: longest n first, then the occurrence ending latest before the last token."""
+    for n in range(max_ngram, min_ngram - 1, -1):
+        for start in range(len(context) - n - 1, -1, -1):  # the occurrence ends at start + n - 1 <= len - 2
+            if n <= len(context) - 1 and context[start : start + n] == context[len(context) - n :]:
+                return context[start + n : start + n + length]
+    return []
+
+
+def test_the_most_recent_occurrence_wins():
+    assert PromptLookup(max_ngram=1).match([1, 7, 1, 8, 1], 5) == [8, 1]
+    assert PromptLookup().match([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 10) == [7, 5, 1, 2, 3]
+
+
+def test_the_longest_ngram_wins_over_a_more_recent_shorter_one():
+    context = [2, 3, 4, 9, 3, 5, 2, 3]  # [2, 3] occurs at 0; [3] alone more recently at 4
+    assert PromptLookup(max_ngram=2).match(context, 3) == [4, 9, 3]
+    assert PromptLookup(max_ngram=1).match(context, 3) == [5, 2, 3]
+
+
+def test_no_match_gives_an_empty_proposal():
+    assert PromptLookup().match([1, 2, 3], 4) == []
+    assert PromptLookup(min_ngram=2).match([5, 1, 6, 1], 4) == []  # only the 1-gram [1] occurs before
+    assert PromptLookup().match([7], 4) == []
+
+
+def test_the_proposal_is_cut_at_the_context_end_and_at_the_allowed_length():
+    lookup = PromptLookup()
+    assert lookup.match([1, 2, 1], 5) == [2, 1]  # what follows the occurrence runs to the context's end
+    assert lookup.match([1, 2, 3, 4, 1], 2) == [2, 3]
+    assert lookup.match([1, 2, 3, 4, 1], 0) == []
+
+
+def test_the_suffix_does_not_match_itself():
+    assert PromptLookup().match([4, 5], 3) == []
+    assert PromptLookup().match([4, 4], 3) == [4]  # the first 4 is an earlier occurrence of the last one
+    assert PromptLookup().match([6, 6, 6], 3) == [6]  # [6, 6] at 0 ends before the last token: one token follows
+
+
+def test_a_byte_match_straddling_two_tokens_is_not_an_occurrence():
+    # little-endian bytes: 0x01000000 = 00 00 00 01 and 2 = 02 00 00 00 contain 0x201's bytes 01 02 00 00
+    assert PromptLookup().match([0x01000000, 2, 9, 0x201], 3) == []
+    assert PromptLookup().match([0x201, 5, 0x01000000, 2, 9, 0x201], 3) == [5, 0x01000000, 2]
+
+
+def test_the_matcher_agrees_with_a_plain_reference_on_random_contexts():
+    rng = random.Random(0)
+    for trial in range(400):
+        vocab = rng.choice([2, 3, 5, 40])
+        context = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
+        max_ngram = rng.randint(1, 4)
+        min_ngram, length = rng.randint(1, max_ngram), rng.randint(0, 6)
+        lookup = PromptLookup(max_ngram=max_ngram, min_ngram=min_ngram, max_draft=10)
+        assert lookup.match(context, length) == reference_match(context, max_ngram, min_ngram, length), trial
+    long = [rng.randrange(150_000) for _ in range(4000)]  # a 4k context with one planted repeat
+    long[1000:1003] = long[-3:]
+    assert PromptLookup().match(long, 10) == long[1003:1013]
+
+
+# --- the adaptive length ---------------------------------------------------------------------------------------
+
+
+def test_the_allowed_length_grows_after_full_acceptance_and_shrinks_to_the_first_rejection():
+    lookup = PromptLookup(max_draft=7, initial_len=4, grow=2)
+    assert lookup.next_length(4, 4, 4) == 6
+    assert lookup.next_length(6, 6, 6) == 7  # capped at max_draft
+    assert lookup.next_length(6, 2, 2) == 7  # a proposal cut short (context end, limit) and fully accepted grows too
+    assert lookup.next_length(6, 5, 2) == 3
+    assert lookup.next_length(6, 5, 0) == 1
+
+
+def test_the_state_is_per_prompt_and_only_proposals_move_it():
+    state = LookupState(PromptLookup(initial_len=3, max_draft=6), prompts=3)
+    contexts = [[1, 2, 3, 4, 5, 1], [9, 8], [7, 6, 5, 4, 7]]
+    assert state.propose([0, 1, 2], contexts, [10, 10, 1]) == [[2, 3, 4], [], [6]]  # min(allowed, limit)
+    state.observe([0, 1, 2], [3, 0, 1], [3, 0, 0])  # prompt 1 proposed nothing: it keeps its length
+    assert state.allowed == [5, 3, 1]
+    state.observe([2, 0], [1, 5], [1, 1])  # prompt 1 left the batch: rows 0, 1 are now prompts 2, 0
+    assert state.allowed == [2, 3, 3]
+    assert state.propose([2, 0], [contexts[2], contexts[0]], [10, 10]) == [[6, 5, 4], [2, 3]]
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (dict(max_ngram=0), "max_ngram must be an int >= 1"),
+        (dict(min_ngram=0), "min_ngram must be an int >= 1"),
+        (dict(max_draft=2.0), "max_draft must be an int >= 1"),
+        (dict(initial_len=True), "initial_len must be an int >= 1"),
+        (dict(grow=0), "grow must be an int >= 1"),
+        (dict(min_ngram=3, max_ngram=2), "min_ngram \\(3\\) must not exceed max_ngram \\(2\\)"),
+        (dict(initial_len=5, max_draft=4), "initial_len \\(5\\) must not exceed max_draft \\(4\\)"),
+    ],
+)
+def test_bad_settings_get_clear_errors(settings, message):
+    with pytest.raises(ValueError, match=message):
+        PromptLookup(**settings)
+
+
+# --- the engine ------------------------------------------------------------------------------------------------
+
+
+def lookup_steps(result) -> list[tuple[int, int]]:
+    """(drafted, accepted) of every row step whose draft was a lookup proposal."""
+    return [(k, a) for s in result.stats for used, k, a in zip(s.lookup, s.verified, s.accepted) if used]
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("mode", ["lookup", "lookup+model"])
+def test_greedy_output_equals_plain_greedy_decoding(pair, mode, rule):
+    target, draft = pair
+    decoder = SpeculativeDecoder(
+        target, draft if mode == "lookup+model" else None, rule=rule, max_draft=3, lookup=PromptLookup()
+    )
+    result = decoder.generate(PROMPTS, max_new_tokens=30, sampling=GREEDY)
+    assert result.sequences == [reference_greedy(target, p, 30) for p in PROMPTS]
+    used = lookup_steps(result)  # lookup fired, and its proposals were both accepted and rejected
+    assert any(a > 0 for _, a in used) and any(a < k for k, a in used)
+    if mode == "lookup+model":
+        assert any(any(s.lookup) and any(not u and k > 0 for u, k in zip(s.lookup, s.verified)) for s in result.stats)
+
+
+def smoothed(with_proposals, vocab: int):
+    """A plausible bug: lookup rows verified against a smoothed one-hot law, not the one they were drafted from."""
+
+    def broken(proposals, draft_tokens, draft_probs, num_verified):
+        tokens, probs, num_verified = with_proposals(proposals, draft_tokens, draft_probs, num_verified)
+        one_hot = torch.nn.functional.one_hot(tokens, vocab).float()  # [B, K, V]
+        rows = torch.tensor([len(p) > 0 for p in proposals])[:, None, None]
+        return tokens, torch.where(rows, 0.5 * one_hot + 0.5 / vocab, one_hot if probs is None else probs), num_verified
+
+    return broken
+
+
+def model_rows_kept(with_proposals, vocab: int):
+    """A plausible bug of a mixed step: the lookup rows keep what the model's tensor holds there (the outputs of
+    holes in the draft's forward, zeros past its width) instead of one-hot rows. (Passing draft_probs=None for a
+    mixed step, one-hot for the model's rows too, is no such control: verifying any drafted token as if it were
+    one-hot, accept x with probability target(x), else draw from the target without x, is lossless.)"""
+
+    def broken(proposals, draft_tokens, draft_probs, num_verified):
+        tokens, probs, num_verified = with_proposals(proposals, draft_tokens, draft_probs, num_verified)
+        if probs is not None:
+            kept = torch.nn.functional.pad(draft_probs, (0, 0, 0, probs.shape[1] - draft_probs.shape[1]))
+            rows = torch.tensor([len(p) > 0 for p in proposals])[:, None, None]
+            probs = torch.where(rows, kept, probs)
+        return tokens, probs, num_verified
+
+    return broken
+
+
+@pytest.mark.parametrize("rule", SAMPLED_RULES)
+@pytest.mark.parametrize("mode", ["lookup", "lookup+model", "lookup+adaptive"])
+def test_law_of_the_first_tokens_is_the_targets(mode, rule, monkeypatch):
+    """Chi-square of the joint law of the first 3 tokens (6**3 outcomes) against the exact target law, for two
+    prompts in one batch: one whose last 2-gram occurred before (lookup proposes [1, 1] at the first step, each
+    token with target probability about 1/2), one with no match at the first step (a model draft, or a plain
+    target step without a draft model); later steps look up in some rows and not in others. The same test on
+    engines that verify lookup rows against a smoothed law, or against the model's rows of a mixed step, fails.
+    "lookup+adaptive": the model rows' lengths come from AdaptiveLength, which learns from earlier steps."""
+    vocab, length, samples = 6, 3, 3000
+    target = tiny_model(vocab=vocab, sharpness=5.0)
+    draft = perturbed(target, scale=0.6, seed=1) if mode != "lookup" else None
+    prompts = [[1, 3, 1, 1, 3], [1, 2, 3]]
+    laws = [exact_law_of_first_tokens(target, p, length) for p in prompts]
+    policy = None
+    if mode == "lookup+adaptive":  # latency under which the prior's K is 1 and what the steps teach moves it
+        policy = AdaptiveLength(profile([100, 150, 200, 250, 300], draft_ms=10), max_draft=4, memory=0.5)
+    first_k = policy.best_length(2 * samples) if policy else 2
+    decoder = SpeculativeDecoder(target, draft, rule=rule, max_draft=2, policy=policy, lookup=PromptLookup())
+
+    def tests():
+        result = decoder.generate(
+            [p for p in prompts for _ in range(samples)], max_new_tokens=length, seed=0, stop_on_eos=False
+        )
+        out = []
+        for g, law in enumerate(laws):
+            rows = result.sequences[g * samples : (g + 1) * samples]
+            out.append(lawkit.chi_square(lawkit.joint_counts(rows, vocab), law))
+        return out, result
+
+    passed, result = tests()
+    assert all(test.passed for test in passed), f"{mode}, {rule}: {passed}"
+    first = result.stats[0]  # lookup in the first prompt's rows, not in the second's, in one step
+    assert first.lookup == [True] * samples + [False] * samples
+    assert set(first.verified[samples:]) == ({first_k} if draft is not None else {0})
+    if policy is not None:
+        assert 0 < first_k < 4 and policy.best_length(2 * samples) != first_k  # it learnt from the model rows
+    used = lookup_steps(result)
+    assert len(used) > samples and any(a == k for k, a in used) and any(a < k for k, a in used)
+
+    controls = [smoothed] + ([model_rows_kept] if draft is not None else [])
+    for control in controls:
+        monkeypatch.setattr(proposer_module, "with_proposals", control(proposer_module.with_proposals, vocab))
+        broken, _ = tests()
+        assert not all(test.passed for test in broken), f"negative control {control.__name__} passed: {broken}"
+        monkeypatch.undo()
+
+
+def replay(result, prompts, settings: PromptLookup, max_new_tokens: int, model_len: int | None):
+    """Replays, prompt by prompt, what the engine should have proposed at every step from the documented rules
+    (each prompt's own allowed length) and checks each row step's lookup flag and verified length against it."""
+    allowed = [settings.initial_len] * len(prompts)
+    generated = [0] * len(prompts)
+    for step in result.stats:
+        for b, i in enumerate(step.rows):
+            context = prompts[i] + result.sequences[i][: generated[i]]
+            limit = max_new_tokens - generated[i] - 1
+            proposal = settings.match(context, min(allowed[i], limit))
+            assert step.lookup[b] == bool(proposal), (i, context)
+            if proposal:
+                assert step.verified[b] == len(proposal)
+                allowed[i] = settings.next_length(allowed[i], len(proposal), step.accepted[b])
+            else:
+                assert step.verified[b] == (min(model_len, limit) if model_len else 0)
+            generated[i] += step.emitted[b]
+    assert generated == [len(s) for s in result.sequences]
+
+
+@pytest.mark.parametrize("mode", ["lookup", "lookup+model"])
+def test_each_prompt_keeps_its_own_adaptive_length_while_rows_finish(pair, mode):
+    """Rows of different lengths, with and without matches, some ending at an EOS mid-way (so batch rows and
+    prompts stop lining up), others at max_new_tokens; sampled, so proposals are accepted and rejected at random."""
+    target, draft = pair
+    plain = [reference_greedy(target, p, 40, eos=None) for p in PROMPTS]
+    eos = plain[1][9]
+    settings = PromptLookup(initial_len=2, max_draft=6)
+    decoder = SpeculativeDecoder(
+        target, draft if mode == "lookup+model" else None, rule="block", max_draft=3, lookup=settings
+    )
+    decoder.target.eos_token_ids = (eos,)
+    result = decoder.generate(PROMPTS * 2, max_new_tokens=40, seed=0)
+    assert "eos" in result.finish_reasons and "length" in result.finish_reasons
+    assert len(result.stats[-1].rows) < len(PROMPTS) * 2
+    assert len({k for k, _ in lookup_steps(result)}) >= 2  # the allowed lengths moved
+    replay(result, PROMPTS * 2, settings, 40, 3 if mode == "lookup+model" else None)
+    again = decoder.generate(PROMPTS * 2, max_new_tokens=40, seed=0)  # fresh lengths per call: the same steps
+    assert [s.verified for s in again.stats] == [s.verified for s in result.stats]
+
+
+def test_the_draft_catches_up_on_tokens_committed_by_lookup_steps(pair):
+    """The target's own weights as the draft: every model draft must be accepted in full, which holds only if the
+    draft's cache read the tokens that lookup steps committed while it skipped them."""
+    target, _ = pair
+    decoder = SpeculativeDecoder(target, HFModel(target), rule="block", max_draft=3, lookup=PromptLookup(initial_len=1))
+    result = decoder.generate(PROMPTS, max_new_tokens=30, sampling=GREEDY, stop_on_eos=False)
+    assert result.sequences == [reference_greedy(target, p, 30, eos=None) for p in PROMPTS]
+    looked_up, caught_up = set(), False
+    for step in result.stats:
+        for i, used, drafted, accepted in zip(step.rows, step.lookup, step.verified, step.accepted):
+            if used:
+                looked_up.add(i)
+            elif drafted:
+                assert accepted == drafted, f"prompt {i}: a model draft was rejected"
+                caught_up |= i in looked_up
+    assert caught_up  # some prompt drafted with the model after a lookup step
+
+
+def test_a_row_does_not_depend_on_its_neighbours_and_proposals_outrun_the_models_width(pair):
+    """Sampled lookup+model decoding: each row's tokens alone equal its tokens batched (float32); proposals up to
+    max_draft are verified with the uniforms drawn for the widest step; a lookup row's expected accepted length is
+    the same under both rules (one-hot draft), a sign it reached the verifier as an exact one-hot row."""
+    target, draft = pair
+    decoder = SpeculativeDecoder(target, draft, rule="block", max_draft=2, lookup=PromptLookup(max_draft=8))
+    assert decoder.max_draft == 8
+    seeds = [11, 12, 13, 14, 15]
+    scores = ExpectedScores()
+    together = decoder.generate(PROMPTS, max_new_tokens=30, seed=seeds, on_step=scores)
+    assert max(k for k, _ in lookup_steps(together)) > 2
+    for b, prompt in enumerate(PROMPTS):
+        assert decoder.generate([prompt], max_new_tokens=30, seed=[seeds[b]]).sequences[0] == together.sequences[b]
+    # Given a one-hot block, P(tau >= i) is prod_{j <= i} target(x_j) under both rules (for a sampled draft, block
+    # verification wins only on average over blocks); a smoothed row would break the equality.
+    lookup = [u for s in together.stats for u in s.lookup]
+    pairs = zip(lookup, scores.expected["token"], scores.expected["block"], strict=True)
+    expected = [(t, b) for u, t, b in pairs if u]
+    assert any(k > 1 for k, _ in lookup_steps(together))  # (one drafted token: the two rules coincide anyway)
+    assert expected and all(b == pytest.approx(t, rel=1e-4, abs=1e-7) for t, b in expected)
+    assert 0 < together.lookup_rate < 1
+
+
+class Observed(FixedLength):
+    """Records what each step's ``observe`` is handed."""
+
+    def __init__(self, max_draft: int):
+        super().__init__(max_draft)
+        self.seen: list[list[int]] = []
+
+    def observe(self, rows, draft_tokens, draft_probs, target_probs, verified, accepted) -> None:
+        self.seen.append(verified.tolist())
+
+
+def test_the_policy_observes_the_model_rows_only(pair):
+    """A length policy models its draft model: lookup rows reach its ``observe`` as verifying nothing."""
+    target, draft = pair
+    policy = Observed(2)
+    result = SpeculativeDecoder(target, draft, policy=policy, lookup=PromptLookup()).generate(
+        PROMPTS, max_new_tokens=20, seed=0
+    )
+    assert any(any(s.lookup) and not all(s.lookup) for s in result.stats)  # mixed steps happened
+    assert policy.seen == [[0 if used else k for used, k in zip(s.lookup, s.verified)] for s in result.stats]
+
+
+def test_without_lookup_nothing_is_recorded(pair):
+    result = SpeculativeDecoder(*pair, max_draft=2).generate(PROMPTS[:2], max_new_tokens=5, seed=0)
+    assert all(s.lookup is None for s in result.stats)
+    assert result.lookup_rate != result.lookup_rate  # nan
+
+
+def test_bad_decoder_arguments_get_clear_errors(pair):
+    target, draft = pair
+    sv = SVPolicy.__new__(SVPolicy)  # refused for its type: its settings do not matter
+    sv.kind, sv.max_draft = "draft", 4
+    with pytest.raises(ValueError, match="FixedLength and its subclasses .AdaptiveLength., not with SVPolicy"):
+        SpeculativeDecoder(target, draft, policy=sv, lookup=PromptLookup())
+    with pytest.raises(ValueError, match="FixedLength and its subclasses .AdaptiveLength., not with sv"):
+        SpeculativeDecoder(target, draft, policy="sv", lookup=PromptLookup())
+    with pytest.raises(TypeError, match="lacks some of the hooks of blockspec.policy.LengthPolicy"):
+        SpeculativeDecoder(target, draft, policy=object())
+    assert SpeculativeDecoder(target, draft, policy=FixedLength(3), lookup=PromptLookup()).max_draft == 10
+    with pytest.raises(ValueError, match="a length policy needs a draft model"):
+        SpeculativeDecoder(target, None, policy=FixedLength(3), lookup=PromptLookup())
+    with pytest.raises(TypeError, match="lookup must be a PromptLookup"):
+        SpeculativeDecoder(target, draft, lookup={"max_ngram": 3})
+    with pytest.raises(ValueError, match="max_draft must be an int >= 1"):
+        SpeculativeDecoder(target, draft, lookup=PromptLookup(max_draft=0))
+    with pytest.raises(ValueError, match="is not below the target's context"):
+        SpeculativeDecoder(target, None, lookup=PromptLookup(max_draft=256, initial_len=1))

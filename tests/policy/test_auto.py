@@ -1,0 +1,179 @@
+"""Machine-aware defaults: the int8 draft, the arithmetic probe and its choices, and AdaptiveLength, the
+cost-driven draft length; each drafter and policy keeps the target's exact law."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from kits import lawkit
+from kits.enginekit import off_by_one, reference_greedy
+from kits.svkit import CHEAP_VERIFICATION, LINEAR_VERIFICATION, profile
+from kits.tiny import exact_law_of_first_tokens, perturbed, save_tiny, tiny_model
+
+from blockspec import SamplingParams, SpeculativeDecoder, auto
+from blockspec.models.hf import HFModel, load_model
+from blockspec.models.quant import quantize
+from blockspec.policy import AdaptiveLength
+from blockspec.verify import RULES, SAMPLED_RULES
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def test_int8_draft_quantizes_every_linear_layer_and_stays_close_to_the_float_model():
+    model = tiny_model(sharpness=5.0)
+    reference = HFModel(perturbed(model, scale=0.0, seed=0))
+    quantized = HFModel(quantize(perturbed(model, scale=0.0, seed=0), "int8"))
+    linear = [m for m in quantized.model.modules() if type(m).__name__ == "Linear"]
+    assert len(linear) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the head: all int8
+    assert all(type(m).__module__.startswith("torch.ao.nn.quantized") for m in linear)
+    assert quantized.vocab_size == reference.vocab_size == model.config.vocab_size
+    prompt = [[1, 2, 3, 4, 5]]
+    for m in (reference, quantized):
+        m.prefill(prompt)
+    step = torch.tensor([[6, 7]])
+    valid = torch.ones_like(step, dtype=torch.bool)
+    a, b = reference.forward(step, valid).softmax(-1), quantized.forward(step, valid).softmax(-1)
+    distance = 0.5 * (a - b).abs().sum(-1).max()  # total variation: quantization moves the law, a little
+    assert 0 < distance < 0.1, distance
+
+
+def test_quantization_is_refused_where_it_cannot_run(tmp_path):
+    with pytest.raises(ValueError, match="quant must be one of"):
+        quantize(tiny_model(), "int4")
+    path = save_tiny(tmp_path / "m")
+    with pytest.raises(ValueError, match="quant must be one of"):
+        load_model(path, dtype="float32", quant="int3")
+    loaded = load_model(path, dtype="bfloat16", quant="int8")
+    assert loaded.dtype == torch.float32 and loaded.name.endswith("(int8)")
+
+
+@pytest.mark.slow  # a subprocess or thousands of rows: the full suite runs it
+@pytest.mark.parametrize("rule", SAMPLED_RULES)
+def test_law_of_the_first_tokens_is_the_targets_with_an_int8_draft(rule, monkeypatch):
+    """The quantized draft proposes from its own distribution, which verification sees: the target's law stays
+    exact (chi-square over 6**3 outcomes); the misaligned engine must fail the same test."""
+    vocab, length, samples = 6, 3, 6000
+    target = tiny_model(vocab=vocab, sharpness=5.0)
+    draft = quantize(perturbed(target, scale=0.6, seed=1), "int8")
+    law = exact_law_of_first_tokens(target, [1, 2, 3], length)
+    decoder = SpeculativeDecoder(target, draft, rule=rule, max_draft=2)
+    test = lawkit.chi_square(lawkit.first_tokens_counts(decoder, [1, 2, 3], vocab, length, samples), law)
+    assert test.passed, test
+    monkeypatch.setitem(RULES, rule, replace(RULES[rule], verify=off_by_one(RULES[rule].verify)))
+    broken = lawkit.chi_square(lawkit.first_tokens_counts(decoder, [1, 2, 3], vocab, length, samples), law)
+    assert not broken.passed, broken
+
+
+def test_greedy_output_with_an_int8_draft_equals_plain_greedy_decoding():
+    target = tiny_model(sharpness=5.0)
+    draft = quantize(perturbed(target, scale=0.3, seed=1), "int8")
+    decoder = SpeculativeDecoder(target, draft, rule="block", max_draft=3)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    result = decoder.generate(prompts, max_new_tokens=16, sampling=GREEDY)
+    assert result.sequences == [reference_greedy(target, p, 16) for p in prompts]
+    assert result.acceptance_rate > 0.3  # the int8 draft still agrees with the target
+
+
+@pytest.mark.parametrize("costs, expected", [(CHEAP_VERIFICATION, 8), (LINEAR_VERIFICATION, 0)])
+def test_adaptive_length_drafts_long_where_verification_is_cheap_and_not_at_all_where_it_is_not(costs, expected):
+    policy = AdaptiveLength(profile(costs, draft_ms=2), max_draft=8, prior=0.8)
+    assert policy.best_length(1) == expected == policy.draft_budget(1, 1)
+
+
+def observe(policy, agree: bool, width: int) -> None:
+    """One step in which the draft, certain of token 0, drafted ``width`` tokens; the target puts all its mass
+    on token 0 (``agree``) or on token 1."""
+    tokens = torch.zeros(1, width, dtype=torch.long)
+    draft = torch.nn.functional.one_hot(tokens, 4).float()  # [1, K, V]
+    target = torch.nn.functional.one_hot(torch.full((1, width + 1), 0 if agree else 1), 4).float()
+    policy.observe([0], tokens, draft, target, torch.tensor([width]), torch.tensor([width if agree else 0]))
+
+
+def test_adaptive_length_follows_the_acceptance_it_observes():
+    """Between the two extremes the best K depends on the acceptance: drafts never accepted bring it to 0,
+    drafts always accepted grow it; the acceptance learnt is the exact one of the positions verified."""
+    costs = [100, 130, 160, 190, 220, 250, 280, 310, 340]
+    shrinking = AdaptiveLength(profile(costs, draft_ms=20), max_draft=8, prior=0.8, memory=0.5)
+    start = shrinking.best_length(1)
+    assert 0 < start < 8
+    for _ in range(8):
+        observe(shrinking, agree=False, width=start)
+    assert shrinking.best_length(1) == 0 and shrinking.acceptance == pytest.approx(0.8 / 2**8)
+    growing = AdaptiveLength(profile(costs, draft_ms=20), max_draft=8, prior=0.8, memory=0.5)
+    for _ in range(8):
+        observe(growing, agree=True, width=growing.best_length(1))
+    assert growing.best_length(1) > start and growing.acceptance == pytest.approx(1 - 0.2 / 2**8)
+    unchanged = AdaptiveLength(profile(costs, draft_ms=20), max_draft=8, prior=0.8, memory=0.5)
+    observe(unchanged, agree=False, width=0)  # a step that verified nothing teaches nothing
+    assert unchanged.acceptance == 0.8
+
+
+@pytest.mark.slow  # a subprocess or thousands of rows: the full suite runs it
+@pytest.mark.parametrize("rule", SAMPLED_RULES)
+def test_law_of_the_first_tokens_is_the_targets_under_adaptive_length(rule, monkeypatch):
+    """AdaptiveLength changes K between steps from what earlier steps accepted: still the target's law."""
+    vocab, length, samples = 6, 3, 6000
+    target = tiny_model(vocab=vocab, sharpness=5.0)
+    draft = perturbed(target, scale=0.6, seed=1)
+    law = exact_law_of_first_tokens(target, [1, 2, 3], length)
+    costs = [100, 125, 150, 175, 200, 225, 250, 275, 300]
+    policy = AdaptiveLength(profile(costs, draft_ms=10), max_draft=4, prior=0.8, memory=0.5)
+    assert 0 < policy.best_length(1) < 4  # a length between the extremes, which the steps then move
+    decoder = SpeculativeDecoder(target, draft, rule=rule, policy=policy)
+    counts = lawkit.first_tokens_counts(decoder, [1, 2, 3], vocab, length, samples)
+    assert lawkit.chi_square(counts, law).passed
+    assert policy.acceptance != 0.8  # it learnt from the steps
+    monkeypatch.setitem(RULES, rule, replace(RULES[rule], verify=off_by_one(RULES[rule].verify)))
+    broken = lawkit.chi_square(lawkit.first_tokens_counts(decoder, [1, 2, 3], vocab, length, samples), law)
+    assert not broken.passed, broken
+
+
+@pytest.mark.parametrize(
+    "ms, dtype, quant",
+    [
+        ({"bfloat16": {"1": 10.0}, "float32": {"1": 20.0}, "int8": {"1": 5.0}}, "bfloat16", "int8"),
+        ({"bfloat16": {"1": 30.0}, "float32": {"1": 20.0}, "int8": {"1": 17.0}}, "float32", None),  # int8 within margin
+        ({"bfloat16": {"1": 30.0}, "float32": {"1": 20.0}}, "float32", None),  # a torch without int8 kernels
+    ],
+)
+def test_the_arithmetic_is_the_fastest_the_probe_measured(ms, dtype, quant, monkeypatch):
+    monkeypatch.setattr(auto, "cpu_probe", lambda refresh=False: ms)
+    chosen = auto.choose_arithmetic("cpu")
+    assert (chosen.dtype, chosen.draft_quant) == (dtype, quant) and dtype in chosen.reason
+
+
+@pytest.fixture
+def probe_load(monkeypatch):
+    """Sets the CPU time (in cores) other processes seem to use during a probe."""
+    load = {"others_cpu_s": 0.0, "others_cores": 0.0}
+    monkeypatch.setattr(auto.machine, "others_load", lambda start, end: load)
+    return load
+
+
+def test_the_cpu_probe_is_measured_once_per_machine_and_cached(tmp_path, monkeypatch, probe_load):
+    monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(auto, "_measure", lambda: calls.append(1) or {"bfloat16": {"1": 1.0}, "float32": {"1": 2.0}})
+    first, second = auto.cpu_probe(), auto.cpu_probe()
+    assert first == second and len(calls) == 1
+    [cached] = (tmp_path / "machine").glob("probe-*.json")
+    assert json.loads(cached.read_text())["key"]["threads"] == torch.get_num_threads()
+    auto.cpu_probe(refresh=True)
+    assert len(calls) == 2
+
+
+def test_a_probe_measured_while_the_machine_was_busy_is_not_kept(tmp_path, monkeypatch, probe_load):
+    monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(auto, "_measure", lambda: {"bfloat16": {"1": 1.0}, "float32": {"1": 2.0}})
+    probe_load["others_cores"] = 1.0
+    assert auto.cpu_probe()["bfloat16"] == {"1": 1.0}
+    assert not list(tmp_path.glob("machine/probe-*.json"))
+
+
+def test_the_real_probe_measures_every_arithmetic():
+    ms = auto._measure(repeats=1)
+    assert set(ms) == {"bfloat16", "float32", "int8"}
+    assert all(v[str(n)] > 0 for v in ms.values() for n in auto.PROBE_TOKENS)

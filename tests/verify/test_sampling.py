@@ -1,0 +1,109 @@
+"""Logits processing (temperature, top-k, top-p) against plain reference implementations, and the sampler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kits import lawkit
+
+from blockspec.sampling import SamplingParams, check_unsupported, process, sample
+
+
+def reference(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """One row at a time, with a full sort: the definition the fast version must reproduce."""
+    rows = []
+    for row in logits.double():
+        if params.greedy:
+            rows.append(torch.nn.functional.one_hot(row.argmax(), row.numel()).double())
+            continue
+        row = row / params.temperature
+        if params.top_k:
+            row = torch.where(
+                row >= row.sort(descending=True).values[min(params.top_k, row.numel()) - 1], row, -torch.inf
+            )
+        probs = row.softmax(-1)
+        if params.top_p < 1:
+            ordered = probs.sort(descending=True).values
+            reach = int((ordered.cumsum(0) < params.top_p).sum())  # index of the token that reaches top_p
+            probs = torch.where(probs >= ordered[min(reach, row.numel() - 1)], probs, 0.0)
+            probs = probs / probs.sum()
+        rows.append(probs)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(),
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.3, top_k=5),
+        SamplingParams(top_p=0.9),
+        SamplingParams(temperature=0.5, top_k=40, top_p=0.8),
+        SamplingParams(top_p=0.3),
+        SamplingParams(temperature=0.0),
+    ],
+)
+def test_processing_matches_the_reference(params):
+    gen = torch.Generator().manual_seed(0)
+    logits = 4 * torch.randn(6, 3, 1000, generator=gen)  # [B, K+1, V]: any leading shape is kept
+    fast = process(logits, params)
+    assert fast.shape == logits.shape and fast.dtype == torch.float32
+    torch.testing.assert_close(
+        fast.reshape(-1, 1000).double(), reference(logits.reshape(-1, 1000), params), atol=2e-6, rtol=1e-4
+    )
+    torch.testing.assert_close(fast.sum(-1), torch.ones(6, 3), atol=1e-5, rtol=0)
+
+
+def test_top_p_on_a_flat_full_vocabulary_and_in_bf16():
+    """The doubling search must reach the whole vocabulary when the nucleus is wide."""
+    logits = torch.zeros(2, 151936, dtype=torch.bfloat16)
+    logits[1, :100] = 15.0  # 100 tied tokens hold 99.95 % of the mass
+    probs = process(logits, SamplingParams(top_p=0.95))
+    assert int((probs[0] > 0).sum()) == 151936  # all tied: all kept, by the documented tie rule
+    assert int((probs[1] > 0).sum()) == 100 and torch.allclose(probs.sum(-1), torch.ones(2))
+
+
+def test_processing_leaves_the_callers_logits_alone():
+    logits = torch.randn(2, 50)
+    before = logits.clone()
+    process(logits, SamplingParams(temperature=0.5, top_k=3))
+    assert torch.equal(logits, before)
+
+
+def test_top_k_keeps_exactly_k_tokens_without_ties():
+    probs = process(torch.randn(4, 100, generator=torch.Generator().manual_seed(1)), SamplingParams(top_k=7))
+    assert ((probs > 0).sum(-1) == 7).all()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(temperature=-1.0),
+        dict(top_k=-1),
+        dict(top_k=2.5),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(temperature=float("nan")),
+    ],
+)
+def test_bad_sampling_parameters_are_refused(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)
+
+
+def test_unsupported_options_are_named():
+    with pytest.raises(ValueError, match="min_p is not supported"):
+        check_unsupported({"min_p": 0.1})
+    check_unsupported({})
+
+
+def test_sampler_follows_the_distribution_and_never_draws_zero_mass():
+    """Inversion sampling of 200k draws against the exact law (chi-square, alpha 1e-4); zeros never drawn,
+    including the last id, which the rounding of u * total could otherwise land on."""
+    probs = torch.tensor([[0.0, 0.1, 0.0, 0.25, 0.05, 0.6, 0.0]]).expand(200_000, -1)
+    uniforms = torch.rand(200_000, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    counts = torch.bincount(sample(probs, uniforms), minlength=7).double()
+    test = lawkit.chi_square(counts, probs[0].double())
+    assert test.passed, test
+    edge = sample(probs[:2], torch.tensor([0.0, 1.0 - 2**-53], dtype=torch.float64))
+    assert edge.tolist() == [1, 5]

@@ -9,7 +9,8 @@ agreement   K = 1 and a one-hot target: token == block decision by decision; a o
 greedy      the argmax chain, ties to the lowest token id
 numerics    V = 151,936 float32, near-zero and subnormal draft probabilities, exact ties, uniform rows, K = 0
 
-Laws are checked exactly elsewhere (tests/verify/test_exact_law.py) and by Monte-Carlo in tests/verify/test_statistical.py.
+Laws are checked exactly elsewhere (tests/verify/test_exact_law.py) and by Monte-Carlo in
+tests/verify/test_statistical.py.
 """
 
 from __future__ import annotations

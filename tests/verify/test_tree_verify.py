@@ -8,7 +8,8 @@ layout      a row's output does not depend on its batch neighbours, nor on the j
 format      the tokens are the accepted path's, then one more; accepted_nodes walk down from the root
 validation  refusals name the argument: distinct duplicates, parents drawn after a child, shapes, zero mass
 
-Laws are checked exactly in tests/verify/test_tree_exact.py, and by Monte-Carlo in tests/verify/test_tree_statistical.py.
+Laws are checked exactly in tests/verify/test_tree_exact.py, and by Monte-Carlo in
+tests/verify/test_tree_statistical.py.
 """
 
 from __future__ import annotations

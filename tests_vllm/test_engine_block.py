@@ -14,11 +14,10 @@ from __future__ import annotations
 import pytest
 import tinyvllm
 import torch
+from tinyvllm import LENGTH, SAMPLES
 
 from blockspec.vllm.fixes import refuse_cut_grammar_drafts
 from blockspec.vllm.status import check
-
-SAMPLES, LENGTH = 6000, 3
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import tinyvllm
-from test_engine_block import LENGTH, SAMPLES
+from tinyvllm import LENGTH, SAMPLES
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,14 @@ import collections
 import dataclasses
 from pathlib import Path
 
-import lawkit
 import torch
-from tiny import exact_law_of_first_tokens
+from kits import lawkit
+from kits.tiny import exact_law_of_first_tokens
 
 VOCAB = 16
 WORDS = ["<pad>", "<eos>"] + [f"w{i}" for i in range(VOCAB - 2)]
 PROMPT = [2, 5, 9]  # token ids: the prompt is given to vLLM as ids, so no tokenizer decides it
+SAMPLES, LENGTH = 6000, 3  # the engine law tests: rows, and tokens of each row whose joint law is tested
 
 
 def tokenizer():

@@ -277,7 +277,7 @@ def test_a_file_planted_in_a_converted_copy_is_refused(converted_copy):
 
 
 def test_a_converted_copy_without_recorded_hashes_is_rebuilt(converted_copy, monkeypatch):
-    """A copy marked by an older blockspec records no hashes: nothing known-good to check it against."""
+    """A copy whose marker records no hashes has nothing known-good to check it against."""
     preset, cache, out = converted_copy
     marker = out / "blockspec-preset.json"
     old = {k: v for k, v in json.loads(marker.read_text()).items() if k != "files"}

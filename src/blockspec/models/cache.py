@@ -115,8 +115,8 @@ def mark_converted(folder: Path, preset: Preset, dtype: str) -> None:
 
 def converted_record(preset: Preset, out: Path) -> dict | None:
     """The copy's marker if the copy is complete and current: made from this preset's GGUF (a copy of another GGUF
-    is stale) and recording its files' hashes (a copy written by an older blockspec has none and is rebuilt:
-    nothing known-good remains to check it against)."""
+    is stale) and recording its files' hashes (a copy whose marker has none is rebuilt: nothing known-good
+    remains to check it against)."""
     try:
         marker = json.loads((out / CONVERTED_MARKER).read_text())
     except (OSError, ValueError):

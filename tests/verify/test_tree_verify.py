@@ -20,13 +20,13 @@ from kits import lawkit, treekit
 
 from blockspec.verify import RULES, SAMPLED_RULES, Randomness, expected_accepted, verify_greedy
 from blockspec.verify.tree import (
-    SCHEMES,
     expected_accepted_tree,
     tree_law,
     verify_tree_block,
     verify_tree_greedy,
     verify_tree_token,
 )
+from blockspec.verify.tree_inputs import SCHEMES
 
 TREE_VERIFIERS = {"token": verify_tree_token, "block": verify_tree_block}
 DTYPES = {"float64": torch.float64, "float32": torch.float32}

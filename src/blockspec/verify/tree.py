@@ -2,7 +2,7 @@
 tensors and their checks are in tree_inputs.py; tau is the depth of the accepted node, and a step emits its path,
 then one more token (tau + 1 tokens).
 
-The sampled rules, each lossless for either scheme (the emitted tokens follow the target's law):
+The sampled rules (``TREE_RULES``), each lossless for either scheme (the emitted tokens follow the target's law):
     "token"  recursive rejection sampling, node by node (Miao et al., SpecInfer, arXiv 2305.09781; without
              replacement: Jeon et al. 2024, Recursive Speculative Decoding); on a chain it is ``verify_token``
     "block"  Traversal Verification (Weng et al., arXiv 2505.12398): leaves first, each judged with its whole
@@ -19,8 +19,11 @@ from dataclasses import dataclass
 import torch
 
 from .base import Randomness, VerifyOutput, draw_exponentials, draw_uniforms, race
-from .rules import SAMPLED_RULES
 from .tree_inputs import SCHEMES, check_choice, node_mask, prepare_tree, require_draft
+
+# The sampled rules with a tree form here. Every function taking a rule checks it against these: the branches below
+# tell "token" from "block" only, so any other name, a sampled rule registered for chains included, is refused.
+TREE_RULES = ("block", "token")
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,7 @@ def tree_acceptance(
                traversal reaches a.   final = P_a after all of a's children were rejected (the token emitted
                after stopping at a; the target's own distribution for a leaf).
     """
-    check_choice("rule", rule, SAMPLED_RULES)
+    check_choice("rule", rule, TREE_RULES)
     check_choice("scheme", scheme, SCHEMES)
     batch, nodes = draft_tokens.shape
     rows = torch.arange(batch, device=draft_tokens.device)
@@ -167,6 +170,7 @@ def accepted_node_law(parents: torch.Tensor, accept: torch.Tensor, num_nodes: to
            the first u < accept. With fail(c) = prod over c's subtree of (1 - accept): entry(c) = entry(a) *
            prod_{earlier siblings s} fail(s), and P(stop at a) = entry(a) * prod_{children c} fail(c) * accept_a.
     """
+    check_choice("rule", rule, TREE_RULES)
     batch, nodes = parents.shape
     live = node_mask(num_nodes, nodes)
     rows = torch.arange(batch, device=parents.device)

@@ -20,14 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
-from . import lawkit
+from blockspec.verify.tree_inputs import SCHEMES
 
-SCHEMES = ("iid", "distinct")
+from . import lawkit
 
 
 @dataclass(frozen=True)
 class Trees:
-    """A batch of T trees in the verifiers' representation (see blockspec/verify/tree.py), with their probability."""
+    """A batch of T trees as the tree verifiers take them (blockspec/verify/tree_inputs.py), with their probability."""
 
     draft_tokens: torch.Tensor  # [T, N] int64; -1 on padding
     parents: torch.Tensor  # [T, N] int64; -1 on padding

@@ -22,7 +22,8 @@ import torch
 from kits import lawkit, treekit
 
 from blockspec.verify import SAMPLED_RULES
-from blockspec.verify.tree import SCHEMES, expected_accepted_tree, node_depths, tree_law
+from blockspec.verify.tree import expected_accepted_tree, node_depths, tree_law
+from blockspec.verify.tree_inputs import SCHEMES
 
 LOSSLESS = 1e-12
 LOSSY = 1e-4  # a mistake must move some probability of the joint law by more than this (10^8 x LOSSLESS)

@@ -22,7 +22,8 @@ import torch
 from kits import lawkit, treekit
 
 from blockspec.verify import tree
-from blockspec.verify.tree import SCHEMES, tree_law, verify_tree_block, verify_tree_token
+from blockspec.verify.tree import tree_law, verify_tree_block, verify_tree_token
+from blockspec.verify.tree_inputs import SCHEMES
 
 ALPHA = 1e-4  # false-alarm probability of every chi-square test here
 MIN_POWER = 0.99  # required power against each negative control

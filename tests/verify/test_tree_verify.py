@@ -14,19 +14,23 @@ tests/verify/test_tree_statistical.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from kits import lawkit, treekit
 
-from blockspec.verify import RULES, SAMPLED_RULES, Randomness, expected_accepted, verify_greedy
+from blockspec.verify import RULES, SAMPLED_RULES, Randomness, expected_accepted, rules, verify_greedy
 from blockspec.verify.tree import (
-    SCHEMES,
+    accepted_node_law,
     expected_accepted_tree,
+    tree_acceptance,
     tree_law,
     verify_tree_block,
     verify_tree_greedy,
     verify_tree_token,
 )
+from blockspec.verify.tree_inputs import SCHEMES
 
 TREE_VERIFIERS = {"token": verify_tree_token, "block": verify_tree_block}
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -338,6 +342,24 @@ def test_other_arguments_are_checked_too():
         )
     with pytest.raises(ValueError, match=r"rule must be one of \('block', 'token'\)"):
         expected_accepted_tree(tokens, parents, draft, target, rule="tree", scheme="iid")
+
+
+def test_a_rule_the_tree_code_does_not_implement_is_refused(monkeypatch):
+    """The tree's closed forms take the rules they implement, token and block, and refuse any other name rather
+    than run it as one of them: greedy (its tree form is ``verify_tree_greedy``), a typo, and a sampled rule
+    registered for chains alone (here block verification under another name)."""
+    chain_only = dataclasses.replace(rules.RULES["block"], name="chain_only")
+    monkeypatch.setitem(rules.RULES, chain_only.name, chain_only)
+    monkeypatch.setattr(rules, "SAMPLED_RULES", (*rules.SAMPLED_RULES, chain_only.name))
+    tokens, parents, draft, target = one_tree()
+    num_nodes = torch.tensor([3])
+    accept, _ = tree_acceptance(tokens, parents, draft, target, num_nodes, "block", "iid")
+    for name in ("greedy", "blocks", chain_only.name):
+        refused = rf"rule must be one of \('block', 'token'\), got '{name}'"
+        with pytest.raises(ValueError, match=refused):
+            tree_law(tokens, parents, draft, target, rule=name, scheme="iid")
+        with pytest.raises(ValueError, match=refused):
+            accepted_node_law(parents, accept, num_nodes, name)
 
 
 def test_a_leafs_draft_row_is_not_read():

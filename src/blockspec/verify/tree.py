@@ -1,18 +1,8 @@
-"""Tree (multi-draft) verification: a step drafts a tree of tokens and one target forward scores every node.
+"""Tree (multi-draft) verification: a step drafts a tree of tokens and one target forward scores every node. The
+tensors and their checks are in tree_inputs.py; tau is the depth of the accepted node, and a step emits its path,
+then one more token (tau + 1 tokens).
 
-Glossary (B, V as in base.py):
-    N  drafted nodes per row (padding beyond a row's own ``num_nodes``); node 0 is the root, the current context
-    node a = 1..N is column a - 1 of the [B, N] tensors and row a of the [B, N+1, V] ones (row 0: the root)
-    draft_tokens [B, N]       x_a, drawn from its parent's draft distribution
-    parents      [B, N]       parent(a) in [0, a): a node is drawn after its parent; siblings in drawing order
-    draft_probs  [B, N+1, V]  Q_a = draft_probs[:, a], the distribution a's children were drawn from
-    target_probs [B, N+1, V]  P_a = target_probs[:, a], the target's distribution after node a (one forward)
-    num_nodes    [B]          row b holds nodes 1..num_nodes[b]
-    scheme   how siblings were drawn: "iid" (each from Q_a) or "distinct" (each from Q_a renormalised without
-             the siblings drawn before it); distinct siblings fit both, so the verifier must be told
-    tau      depth of the accepted node; a step emits its path, then one more token: tau + 1 tokens
-
-The sampled rules (``SAMPLED_RULES``), each lossless for either scheme (the emitted tokens follow the target's law):
+The sampled rules (``TREE_RULES``), each lossless for either scheme (the emitted tokens follow the target's law):
     "token"  recursive rejection sampling, node by node (Miao et al., SpecInfer, arXiv 2305.09781; without
              replacement: Jeon et al. 2024, Recursive Speculative Decoding); on a chain it is ``verify_token``
     "block"  Traversal Verification (Weng et al., arXiv 2505.12398): leaves first, each judged with its whole
@@ -28,19 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import (
-    Randomness,
-    VerifyOutput,
-    check_distributions,
-    check_randomness_values,
-    describe,
-    draw_exponentials,
-    draw_uniforms,
-    race,
-)
-from .rules import SAMPLED_RULES
+from .base import Randomness, VerifyOutput, draw_exponentials, draw_uniforms, race
+from .tree_inputs import SCHEMES, check_choice, node_mask, prepare_tree, require_draft
 
-SCHEMES = ("iid", "distinct")
+# The sampled rules with a tree form here. Every function taking a rule checks it against these: the branches below
+# tell "token" from "block" only, so any other name, a sampled rule registered for chains included, is refused.
+TREE_RULES = ("block", "token")
 
 
 @dataclass(frozen=True)
@@ -130,8 +113,8 @@ def tree_acceptance(
                traversal reaches a.   final = P_a after all of a's children were rejected (the token emitted
                after stopping at a; the target's own distribution for a leaf).
     """
-    _check_choice("rule", rule, SAMPLED_RULES)
-    _check_choice("scheme", scheme, SCHEMES)
+    check_choice("rule", rule, TREE_RULES)
+    check_choice("scheme", scheme, SCHEMES)
     batch, nodes = draft_tokens.shape
     rows = torch.arange(batch, device=draft_tokens.device)
     live = node_mask(num_nodes, nodes)  # [B, N]
@@ -167,11 +150,6 @@ def tree_acceptance(
 # --- the law given the tree, and the random part ------------------------------------------------------------
 
 
-def node_mask(num_nodes: torch.Tensor, nodes: int) -> torch.Tensor:
-    """[B, N] bool: node a (column a - 1) is real, i.e. a <= num_nodes[b]."""
-    return torch.arange(1, nodes + 1, device=num_nodes.device) <= num_nodes[:, None]
-
-
 def node_depths(parents: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:
     """[B, N+1] int64: the depth of every node (root 0; padding 0)."""
     batch, nodes = parents.shape
@@ -192,6 +170,7 @@ def accepted_node_law(parents: torch.Tensor, accept: torch.Tensor, num_nodes: to
            the first u < accept. With fail(c) = prod over c's subtree of (1 - accept): entry(c) = entry(a) *
            prod_{earlier siblings s} fail(s), and P(stop at a) = entry(a) * prod_{children c} fail(c) * accept_a.
     """
+    check_choice("rule", rule, TREE_RULES)
     batch, nodes = parents.shape
     live = node_mask(num_nodes, nodes)
     rows = torch.arange(batch, device=parents.device)
@@ -316,7 +295,7 @@ def verify_tree_block(
 def _verify_sampled(
     rule, draft_tokens, parents, draft_probs, target_probs, scheme, num_nodes, generator, randomness, validate
 ) -> TreeVerifyOutput:
-    _require_draft(draft_probs)
+    require_draft(draft_probs)
     num_nodes = prepare_tree(draft_tokens, parents, draft_probs, target_probs, num_nodes, scheme, randomness, validate)
     uniforms = draw_uniforms(randomness, generator, target_probs, draft_tokens.shape[1])  # [B, N]
     accept, final = tree_acceptance(draft_tokens, parents, draft_probs, target_probs, num_nodes, rule, scheme)
@@ -381,7 +360,7 @@ def tree_law(
 ) -> TreeLaw:
     """The exact law of ``verify_tree_token`` / ``verify_tree_block`` given the tree (integrated over the uniforms
     and the exponentials): which node is accepted, and the token emitted after it."""
-    _require_draft(draft_probs)
+    require_draft(draft_probs)
     num_nodes = prepare_tree(draft_tokens, parents, draft_probs, target_probs, num_nodes, scheme, None, validate)
     accept, final = tree_acceptance(draft_tokens, parents, draft_probs, target_probs, num_nodes, rule, scheme)
     return TreeLaw(accepted_node_law(parents, accept, num_nodes, rule), final)
@@ -404,117 +383,3 @@ def expected_accepted_tree(
         draft_tokens, parents, draft_probs, target_probs, rule=rule, scheme=scheme, num_nodes=num_nodes, validate=False
     )
     return (law.node_law * node_depths(parents, num_nodes)).sum(-1)
-
-
-# --- validation ---------------------------------------------------------------------------------------------
-
-
-def prepare_tree(draft_tokens, parents, draft_probs, target_probs, num_nodes, scheme, randomness, validate):
-    """Checks the inputs (when ``validate``) and returns ``num_nodes`` [B] int64, defaulting to N for every row."""
-    if validate:
-        if scheme is not None:
-            _check_choice("scheme", scheme, SCHEMES)
-        _check_tree_shapes(draft_tokens, parents, draft_probs, target_probs, num_nodes, randomness)
-    batch, nodes = draft_tokens.shape
-    if num_nodes is None:
-        num_nodes = torch.full((batch,), nodes, dtype=torch.long, device=draft_tokens.device)
-    if validate:
-        _check_tree_values(draft_tokens, parents, draft_probs, target_probs, num_nodes, scheme, randomness)
-    return num_nodes
-
-
-def _require_draft(draft_probs) -> None:
-    if draft_probs is None:
-        raise ValueError("draft_probs is required: the sampled rules need the distributions the tree was drawn from")
-
-
-def _check_choice(name: str, value, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-
-
-def _check_tree_shapes(draft_tokens, parents, draft_probs, target_probs, num_nodes, randomness) -> None:
-    if not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dim() != 2 or draft_tokens.dtype != torch.long:
-        raise ValueError(f"draft_tokens must be a [B, N] int64 tensor, got {describe(draft_tokens)}")
-    batch, nodes = draft_tokens.shape
-    if not isinstance(parents, torch.Tensor) or list(parents.shape) != [batch, nodes] or parents.dtype != torch.long:
-        raise ValueError(f"parents must be a [B, N] = [{batch}, {nodes}] int64 tensor, got {describe(parents)}")
-    if (
-        not isinstance(target_probs, torch.Tensor)
-        or target_probs.dim() != 3
-        or target_probs.shape[:2] != (batch, nodes + 1)
-    ):
-        raise ValueError(
-            f"target_probs must be a [B, N+1, V] = [{batch}, {nodes + 1}, V] tensor, got {describe(target_probs)}"
-        )
-    if target_probs.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"target_probs must be float32 or float64 probabilities, got {target_probs.dtype}")
-    vocab = target_probs.shape[2]
-    if vocab == 0:
-        raise ValueError("target_probs has an empty vocabulary (V = 0)")
-    if draft_probs is not None:
-        if not isinstance(draft_probs, torch.Tensor) or list(draft_probs.shape) != [batch, nodes + 1, vocab]:
-            raise ValueError(
-                f"draft_probs must be a [B, N+1, V] = [{batch}, {nodes + 1}, {vocab}] tensor, "
-                f"got {describe(draft_probs)}"
-            )
-        if draft_probs.dtype != target_probs.dtype:
-            raise ValueError(f"draft_probs is {draft_probs.dtype} but target_probs is {target_probs.dtype}")
-    if num_nodes is not None and (
-        not isinstance(num_nodes, torch.Tensor) or list(num_nodes.shape) != [batch] or num_nodes.dtype != torch.long
-    ):
-        raise ValueError(f"num_nodes must be a [B] = [{batch}] int64 tensor, got {describe(num_nodes)}")
-    if randomness is not None:
-        for name, value, shape in (
-            ("uniforms", randomness.uniforms, [batch, nodes]),
-            ("exponentials", randomness.exponentials, [batch, vocab]),
-        ):
-            if list(value.shape) != shape:
-                raise ValueError(f"randomness.{name} must have shape {shape}, got {list(value.shape)}")
-    devices = {t.device for t in (draft_tokens, parents, draft_probs, target_probs, num_nodes) if t is not None}
-    if len(devices) > 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-
-
-def _check_tree_values(draft_tokens, parents, draft_probs, target_probs, num_nodes, scheme, randomness) -> None:
-    batch, nodes = draft_tokens.shape
-    vocab = target_probs.shape[2]
-    if bool(((num_nodes < 0) | (num_nodes > nodes)).any()):
-        raise ValueError(f"num_nodes must lie in [0, N] = [0, {nodes}], got {num_nodes.tolist()}")
-    live = node_mask(num_nodes, nodes)  # [B, N]
-    index = torch.arange(1, nodes + 1, device=parents.device)  # node a = column a - 1
-    for name, values, low, high, rule in (
-        ("parents", parents, 0, index, "in [0, a) for node a: a parent is drawn before its children"),
-        ("draft_tokens", draft_tokens, 0, vocab, f"in the vocabulary [0, {vocab})"),
-    ):
-        bad = live & ((values < low) | (values >= high))
-        if bool(bad.any()):
-            b, i = bad.nonzero()[0].tolist()
-            raise ValueError(f"{name}[{b}, {i}] = {int(values[b, i])} (node {i + 1}) must lie {rule}")
-    parent_of = parents.where(live, 0)
-    check_distributions("target_probs", target_probs, torch.nn.functional.pad(live, (1, 0), value=True))
-    if draft_probs is not None:
-        has_children = torch.zeros(batch, nodes + 1, dtype=torch.bool, device=parents.device)
-        has_children.scatter_(1, parent_of, live)  # only the rows children were drawn from are used
-        check_distributions("draft_probs", draft_probs, has_children)
-        drawn_from = draft_probs.gather(1, parent_of[..., None].expand(-1, -1, vocab))  # [B, N, V]
-        draft_at = drawn_from.gather(-1, draft_tokens.clamp(0, vocab - 1)[..., None]).squeeze(-1)
-        impossible = live & (draft_at <= 0)
-        if bool(impossible.any()):
-            b, i = impossible.nonzero()[0].tolist()
-            raise ValueError(
-                f"draft_tokens[{b}, {i}] = {int(draft_tokens[b, i])} has zero probability under its parent's row "
-                f"draft_probs[{b}, {int(parent_of[b, i])}]: every node must be drawn from its parent's draft_probs"
-            )
-    if scheme == "distinct":
-        same = (parent_of[:, :, None] == parent_of[:, None, :]) & (draft_tokens[:, :, None] == draft_tokens[:, None, :])
-        earlier = torch.ones(nodes, nodes, dtype=torch.bool, device=parents.device).triu(1)  # [i, j]: i < j
-        duplicate = same & earlier & live[:, :, None] & live[:, None, :]
-        if bool(duplicate.any()):
-            b, i, j = duplicate.nonzero()[0].tolist()
-            raise ValueError(
-                f"scheme='distinct' but nodes {i + 1} and {j + 1} of row {b} are siblings with the same token "
-                f"{int(draft_tokens[b, i])}: draw distinct siblings, or pass scheme='iid' if they were drawn i.i.d."
-            )
-    if randomness is not None:
-        check_randomness_values(randomness)

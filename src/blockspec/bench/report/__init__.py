@@ -54,7 +54,8 @@ from .markdown import HEADER, format_table
 from .output import main, render
 from .plots import new_figure
 from .stats import ReportConfig
-from .tables import ALL, MAX_OTHERS_CORES, build_report, summary
+from .tables import build_report, summary
+from .units import ALL, MAX_OTHERS_CORES
 
 __all__ = [
     "ALL",

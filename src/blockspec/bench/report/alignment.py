@@ -31,7 +31,7 @@ from ..records import Record
 from .markdown import interval, markdown_table, num, percent
 from .plots import new_figure
 from .stats import Estimate, ReportConfig, bootstrap
-from .tables import ALL
+from .units import ALL
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,4 @@
-"""The prompt sets by name: their descriptions, the data package each needs, and seeded samples of them.
-
-Sampling: `load(name, n, seed)` shuffles the whole set with `random.Random(seed)` and takes the first n, so the
-same seed gives the same sample, and samples are nested: load(name, 5, s) == load(name, 10, s)[:5] (a run that
-grows n reuses the prompts, and so the records, of the smaller run).
-"""
+"""The prompt sets by name: their descriptions, the data package each needs, and seeded samples of them (`load`)."""
 
 from __future__ import annotations
 

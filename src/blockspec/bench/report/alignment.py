@@ -1,20 +1,9 @@
 """The alignment report: how the block-vs-token gain depends on draft quality, from the runs at a draft temperature
 of their own (``Record.draft_temperature``; the "align" preset of the runner, ``blockspec align``).
 
-Glossary (docs/algorithms.md conventions; B, K, V as in ``blockspec.verify``):
-    T, T_d      the target's and the draft's sampling temperature (T > 0; T_d = 0 is an argmax draft).
-    overlap     sum_v min(q_i(v), p_i(v)) at a verified position i: the acceptance probability of a single
-                drafted token under token verification, 1 iff the draft's law q_i equals the target's p_i.
-                A record holds one value per step (the mean over that step's verified positions); the report
-                averages over all verified positions (steps weighted by their verified length).
-    E_token, E_block   E[accepted | this step's draft] under each rule (exact closed forms, no noise).
-    analytic BE 1 + mean E over all steps of all prompts (pooled), per rule; both rules score the same drafts.
-    gain        paired analytic gain = (1 + mean E_block) / (1 + mean E_token) - 1 = BE block / BE token - 1.
-    unit        a prompt, (dataset, prompt_id). Intervals resample prompts, never steps (the steps of one prompt
-                share its context), stratified by dataset, with the seeded bootstrap of ``stats``.
-
-Only analytic values are used (no wall clock), so one block run per cell serves both rules; token runs at a draft
-temperature, if any, add their steps (scored under both rules too) to the analytic values.
+Per draft temperature T_d: the mean draft-target overlap (sum_v min(q_i(v), p_i(v)) over verified positions) and
+the paired analytic gain (1 + mean E_block) / (1 + mean E_token) - 1, with intervals over prompts. Only analytic
+values are used (no wall clock), so one block run per cell serves both rules. Glossary: docs/guide/bench.md.
 """
 
 from __future__ import annotations
@@ -31,7 +20,7 @@ from ..records import Record
 from .markdown import interval, markdown_table, num, percent
 from .plots import new_figure
 from .stats import Estimate, ReportConfig, bootstrap
-from .tables import ALL
+from .units import ALL
 
 log = logging.getLogger(__name__)
 

@@ -3,19 +3,11 @@ share (``num``, ``interval``, ``percent``, ``markdown_table``)."""
 
 from __future__ import annotations
 
+from .batch import BATCH_CONVENTION, BatchRow
+from .paired import BASELINES, CONVENTION, BaselineRow, Row
 from .stats import Estimate
-from .tables import (
-    ALL,
-    BASELINES,
-    BATCH_CONVENTION,
-    CONVENTION,
-    MAX_OTHERS_CORES,
-    BaselineRow,
-    BatchRow,
-    LeftOut,
-    Report,
-    Row,
-)
+from .tables import LeftOut, Report
+from .units import ALL, MAX_OTHERS_CORES
 
 DASH = "-"
 HEADER = (

@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 
 from .. import records as records_io
-from .tables import ALL, Report
+from .tables import Report
+from .units import ALL
 
 
 def _panels(report: Report) -> list[tuple[float, int]]:

@@ -210,8 +210,7 @@ class SVPolicy:
 
     def lengths(self, draft_tokens, draft_probs, companion_probs, drafted: torch.Tensor) -> torch.Tensor:
         """Decision 4, after drafting (and the companion's scoring of the block, with ``kind="companion"``): the
-        stopping rule over the ``kind`` predictor's
-        gains gives each row its verification length."""
+        stopping rule over the ``kind`` predictor's gains gives each row its verification length."""
         features = torch.stack(self._draft_features[: draft_tokens.shape[1]], 1).to(draft_tokens.device)
         if self.kind == "companion":
             probs = draft_distributions(draft_tokens, draft_probs, companion_probs.shape[-1])

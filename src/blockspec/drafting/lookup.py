@@ -8,8 +8,8 @@ Glossary:
     suffix      the context's last n tokens, n from ``max_ngram`` down to ``min_ngram``
     occurrence  an earlier place where the suffix's n tokens appear, ending before the context's last token
                 (so at least one token follows it, and the suffix does not match itself)
-    proposal    the at most ``length`` tokens after the occurrence of the longest n that occurs, the most recent
-                such occurrence; fewer at the context's end; empty if no n occurs
+    proposal    the at most ``length`` tokens after the most recent occurrence of the longest n that occurs
+                (fewer at the context's end; empty if no n occurs)
     allowed     a prompt's current proposal length, adapted from what the target accepted of its last proposal
     limit       the most tokens a row may draft this step (room before max_new_tokens and in the models'
                 contexts), as for a model draft

@@ -1,23 +1,13 @@
 """Machine-aware defaults: the arithmetic the models run in, and how far to speculate, from measurements made
-on the machine that decodes (once, then cached), never from a guess.
+on the machine that decodes (once, then cached), never from a guess: speculation that pays on one machine can be
+slower than the target alone on another (docs/results.md).
 
-Machines of one kind differ in what is fast: with native bfloat16 (AVX-512-BF16, AMX) a multi-token forward
-costs little more than a one-token one and bfloat16 beats float32; on an AVX2-only CPU neither holds, and
-speculation that pays on one machine is slower than the target alone on the other (docs/results.md).
+- ``choose_arithmetic(device)``: the target's dtype and whether to quantize the draft (a timed probe on the CPU).
+- ``latency_probe(target, draft, batch)``: the models' own step latency at this batch size, which
+  ``policy.AdaptiveLength`` turns into a draft length each step; ``adaptive_policy`` is that policy, or None.
+- ``measure_profile(target, draft, companion)``: the latency profile itself (what ``blockspec sv profile`` saves).
 
-1. ``choose_arithmetic(device)``: the target's dtype and whether to quantize the draft. On the CPU, a probe times
-   one token's pass through a stack of matrices larger than the CPU's caches (the 1.5B's MLP shapes, 330 MB in
-   float32: memory-bound, as a decoding step is) in bfloat16, float32 and int8 (``models.quant``); the faster of
-   bfloat16 and float32 is the dtype, and the draft is quantized where int8 is at least ``INT8_MARGIN`` faster
-   still. The probe takes a few seconds and is cached per machine kind, thread count and torch version, unless
-   other processes kept the CPU busy meanwhile (then it is measured again next time). On CUDA:
-   bfloat16 where supported, else float16; no quantization.
-2. ``latency_probe(target, draft, batch)``: the models' own step latency at this batch size (a short
-   ``measure_profile``, cached per models, dtype, device and thread count), which
-   ``policy.AdaptiveLength`` turns into a draft length each step; ``adaptive_policy`` is that policy, or None
-   where speculation cannot pay at all.
-3. ``measure_profile(target, draft, companion)``: the latency profile itself (what ``blockspec sv profile``
-   saves for SV): each model's forward timed over a grid of batch sizes and tokens per row.
+What each probe measures and how it is cached: docs/guide/cli.md ("Defaults follow the machine").
 """
 
 from __future__ import annotations
@@ -71,6 +61,10 @@ def native_bf16() -> bool:
 
 
 def choose_arithmetic(device: torch.device | str = "cpu", *, refresh: bool = False) -> Arithmetic:
+    """The target's dtype and whether to quantize the draft on ``device``. On the CPU, the faster of bfloat16 and
+    float32 in ``cpu_probe`` (measured again with ``refresh``), with an int8 draft where int8 is at least
+    ``INT8_MARGIN`` faster still; on CUDA bfloat16 where supported, else float16, never quantized; elsewhere
+    float32."""
     device = torch.device(device)
     if device.type == "cuda":
         dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"

@@ -1,15 +1,12 @@
 """The drafting loop: one position at a time, asking the length policy before each draft forward and before
-each token is sampled.
+each token is sampled, so that its decisions form a stopping rule (docs/algorithms.md).
 
 Glossary: B rows, V tokens; position i = the i-th drafted token x_i (1-based); ``limit`` [B] = the most tokens a
 row may draft this step (its room before ``max_new_tokens``, what still fits in each model's context, the
 policy's budget). A row whose limit is below i does not draft position i: the draft does not read anything for
 it (a hole in its forward), its token is padding and verification never looks at it (what it verifies <= limit).
 
-Why one function: the policy's decisions must form a stopping rule (the decision to draft x_i may use x_<i and the
-draft's distribution at position i, never x_i itself; docs/algorithms.md). The engine drafts through
-``draft_block`` with model forwards, and the exact-law tests of the SV policy enumerate every drafted block
-through the same function with table look-ups, so an ordering mistake in this loop fails those tests.
+The engine and the SV policy's exact-law tests both draft through ``draft_block`` (docs/testing.md).
 """
 
 from __future__ import annotations

@@ -4,26 +4,17 @@ No draft forward: a row whose context repeats itself (code, quoted text, retriev
 that followed the same n tokens last time, and the target verifies them like any draft.
 
 Glossary:
-    context      a row's prompt and the tokens generated so far (committed tokens only)
-    suffix       the context's last n tokens, n from ``max_ngram`` down to ``min_ngram``
-    occurrence   an earlier place where the suffix's n tokens appear, ending before the context's last token
-                 (so at least one token follows it, and the suffix does not match itself)
-    proposal     the tokens that follow the chosen occurrence: the longest n that occurs wins, and among its
-                 occurrences the most recent (transformers' prompt lookup takes the leftmost occurrence of a
-                 fixed 2-gram instead); at most ``length`` tokens, fewer at the context's end; empty if no n
-                 occurs
-    allowed      a prompt's current proposal length, adapted from what the target accepted of its last proposal
-    limit        the most tokens a row may draft this step (room before max_new_tokens and in the models'
-                 contexts), as for a model draft
+    context     a row's prompt and the tokens generated so far (committed tokens only)
+    suffix      the context's last n tokens, n from ``max_ngram`` down to ``min_ngram``
+    occurrence  an earlier place where the suffix's n tokens appear, ending before the context's last token
+                (so at least one token follows it, and the suffix does not match itself)
+    proposal    the at most ``length`` tokens after the most recent occurrence of the longest n that occurs
+                (fewer at the context's end; empty if no n occurs)
+    allowed     a prompt's current proposal length, adapted from what the target accepted of its last proposal
+    limit       the most tokens a row may draft this step (room before max_new_tokens and in the models'
+                contexts), as for a model draft
 
-Why it stays lossless (docs/algorithms.md): given everything before a step, a proposal is a fixed block, i.e. a draft
-that proposes it with probability 1; the verifier is handed exactly that one-hot law (``draft_probs=None``, or
-one-hot rows), so the step is ordinary speculative sampling with a one-hot draft, lossless for the token and
-block rules. The proposal and its length depend only on committed tokens and earlier steps' outcomes, never on
-this step's verification randomness (fresh each step), so the adaptation is a stopping rule in the sense of
-"Adaptive verification length must be a stopping rule": nothing about a drafted token decides whether it is
-verified. Likewise the engine's choice between lookup and the draft model is made per row from the context
-alone, before any token is drafted.
+Why it stays lossless: docs/algorithms.md ("Prompt lookup proposes").
 """
 
 from __future__ import annotations

@@ -3,13 +3,8 @@
 A companion is a small model that shares the target's tokenizer and scores each step's drafted block with one
 forward, so SV can predict how much of the block the target will accept and choose how much of it to verify.
 Like the draft, it keeps its own KV cache, rolled back to the committed tokens after every step: any
-``HFModel`` can be one.
-
-The built-in companion is a *target prefix*: the target's embedding, its first k decoder layers, its final
-norm and its output head, sharing the target's weights (no extra weight memory, only a k-layer KV cache).
-Per scored token it costs about k/L of the target's L decoder layers plus the full output head, which weighs
-like several layers when the vocabulary is large: for Qwen2.5-Coder-1.5B (28 layers of about 47M weights, a
-233M-weight head) ``prefix:6`` is about a third of the target's per-token matmuls.
+``HFModel`` can be one. The built-in one, ``target_prefix``, is the target's first k decoder layers under its
+own final norm and output head, sharing the target's weights; its cost: docs/guide/sv.md ("Choices").
 """
 
 from __future__ import annotations

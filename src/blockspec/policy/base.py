@@ -24,44 +24,37 @@ class LengthPolicy(Protocol):
     """How many tokens each row drafts and verifies; the engine calls these hooks, in this order, each step.
 
     Glossary (``blockspec.verify.base`` has the whole): B rows in this step, K = the positions drafted this step,
-    V the vocabulary; position i (1-based) is the i-th drafted token x_i. What each hook may look at is what keeps
-    verification lossless; the engine hands it nothing more:
-
-    - ``reset()``: at the start of each ``generate`` call. A policy that learns online forgets what it learnt,
-      unless it was built to carry its state over calls (then a call's output depends on the calls before it).
-    - ``draft_budget(batch, catch_up) -> int``: before drafting, the most positions any row drafts this step
-      (0: a plain target step). Known: the batch size, the tokens the draft's first forward must catch up on,
-      everything from earlier steps.
-    - ``draft_next(i, prefix) -> bool``: before the draft's forward for position i > 1. Known: x_<i, through
-      ``prefix`` [B] float64 = sum_{j<i} log draft(x_j).
-    - ``keep_drafting(i, probs, prefix) -> bool``: once the draft's distribution ``probs`` [B, V] at position i is
-      known and before x_i is sampled.
-    - ``lengths(draft_tokens, draft_probs, companion_probs, drafted) -> [B] int64``: after drafting (and the
-      companion's scoring, if ``needs_companion``), how many tokens each row verifies, at most ``drafted`` [B]
-      (the tokens each row drafted). Known:
-      the whole block [B, K], the draft's distributions [B, K, V] (None when greedy), the companion's [B, K+1, V]
-      or None. Lossless only if the decision to verify x_i reads columns < i of the tokens and columns <= i of
-      the distributions (``stopping_lengths``): never x_i itself.
-    - ``observe(rows, draft_tokens, draft_probs, target_probs, verified, accepted)``: after verification, for
-      later steps only. ``verified`` [B] counts the positions of each row that the draft model drafted and the
-      target verified (0 for a row whose draft was a prompt lookup proposal); ``accepted`` [B] = tau per row.
-
-    ``max_draft``: the most any step drafts (the engine sizes its random draws by it). ``needs_companion``: whether
-    ``lengths`` needs a companion model's distributions.
+    V the vocabulary; position i (1-based) is the i-th drafted token x_i. What each hook may look at, in its
+    docstring, is what keeps verification lossless; the engine hands it nothing more (why: docs/algorithms.md,
+    "Choosing how many tokens to verify").
     """
 
-    needs_companion: bool
+    needs_companion: bool  # whether ``lengths`` needs a companion model's distributions
 
     @property
-    def max_draft(self) -> int: ...
+    def max_draft(self) -> int:
+        """The most any step drafts (the engine sizes its random draws by it)."""
+        ...
 
-    def reset(self) -> None: ...
+    def reset(self) -> None:
+        """At the start of each ``generate`` call. A policy that learns online forgets what it learnt, unless it
+        was built to carry its state over calls (then a call's output depends on the calls before it)."""
+        ...
 
-    def draft_budget(self, batch: int, catch_up: int) -> int: ...
+    def draft_budget(self, batch: int, catch_up: int) -> int:
+        """Before drafting: the most positions any row drafts this step (0: a plain target step). Known: the batch
+        size, the tokens the draft's first forward must catch up on, everything from earlier steps."""
+        ...
 
-    def draft_next(self, position: int, prefix: torch.Tensor) -> bool: ...
+    def draft_next(self, position: int, prefix: torch.Tensor) -> bool:
+        """Before the draft's forward for position i = ``position`` > 1: whether to run it. Known: x_<i, through
+        ``prefix`` [B] float64 = sum_{j<i} log draft(x_j)."""
+        ...
 
-    def keep_drafting(self, position: int, probs: torch.Tensor, prefix: torch.Tensor) -> bool: ...
+    def keep_drafting(self, position: int, probs: torch.Tensor, prefix: torch.Tensor) -> bool:
+        """Once the draft's distribution ``probs`` [B, V] at position i = ``position`` is known and before x_i is
+        sampled: whether to sample it. Known: ``probs`` and x_<i, through ``prefix`` as in ``draft_next``."""
+        ...
 
     def lengths(
         self,
@@ -69,7 +62,15 @@ class LengthPolicy(Protocol):
         draft_probs: torch.Tensor | None,
         companion_probs: torch.Tensor | None,
         drafted: torch.Tensor,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        """After drafting (and the companion's scoring, if ``needs_companion``): how many tokens each row
+        verifies, [B] int64, at most ``drafted`` [B] (the tokens each row drafted).
+
+        Known: the whole block ``draft_tokens`` [B, K], the draft's distributions ``draft_probs`` [B, K, V] (None
+        when greedy), the companion's ``companion_probs`` [B, K+1, V] or None. Lossless only if the decision to
+        verify x_i reads columns < i of the tokens and columns <= i of the distributions (``stopping_lengths``):
+        never x_i itself."""
+        ...
 
     def observe(
         self,
@@ -79,7 +80,11 @@ class LengthPolicy(Protocol):
         target_probs: torch.Tensor,
         verified: torch.Tensor,
         accepted: torch.Tensor,
-    ) -> None: ...
+    ) -> None:
+        """After verification, for later steps only. ``verified`` [B] counts the positions of each row that the
+        draft model drafted and the target verified (0 for a row whose draft was a prompt lookup proposal);
+        ``accepted`` [B] = tau per row."""
+        ...
 
 
 @dataclass(frozen=True)

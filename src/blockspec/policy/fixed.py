@@ -39,18 +39,10 @@ class FixedLength:
 
 class AdaptiveLength(FixedLength):
     """Each step drafts the K (0 = a plain target step) that maximises expected tokens per second, from the
-    step latency measured on this machine and the acceptance seen so far: the default, so that decoding is never
-    planned slower than the target alone.
-
-    A step drafting K emits 1 + a + a^2 + ... + a^K tokens in expectation when each drafted token is accepted
-    with probability a once the ones before it were (the token rule; the block rule accepts at least as many),
-    and costs the draft's forwards (the first catching up on what the draft has not read) and the target's
-    forward over K + 1 tokens, from ``latency``. ``acceptance`` a starts at ``prior`` (0.8 is about what the
-    bundled 0.5B draft gets from the 1.5B target at temperature 1) and follows, with weight 1 - ``memory`` per
-    step, the exact acceptance probability sum_v min(draft, target) of the positions each step verified. K is
-    decided before the step drafts, from earlier steps only, so verification stays lossless whatever it is.
-    Where even the prior cannot pay for a draft (a machine on which a multi-token forward costs nearly as much
-    per token as a plain step), ``best_length`` is 0 from the first step and stays 0: the caller can say so.
+    step latency measured on this machine and the acceptance seen so far: the command line's default, so that
+    decoding is never planned slower than the target alone. K is decided before the step drafts, from earlier
+    steps only, so verification stays lossless whatever it is (docs/algorithms.md). How a step is priced:
+    ``best_length``; how the acceptance is learnt: ``observe``.
     """
 
     def __init__(
@@ -62,6 +54,9 @@ class AdaptiveLength(FixedLength):
         memory: float = 0.9,
         carry_over: bool = False,
     ):
+        """``latency``: the step latency (``latency.drafting``, ``latency.target``); ``prior``: the acceptance a
+        starts at (0.8 is about what the bundled 0.5B draft gets from the 1.5B target at temperature 1);
+        ``memory``: the weight the acceptance keeps at each step."""
         if not (is_int(max_draft) and max_draft >= 1) or not 0 < prior < 1 or not 0 <= memory < 1:
             raise ValueError(
                 f"need max_draft >= 1, 0 < prior < 1 and 0 <= memory < 1; got {max_draft}, {prior}, {memory}"
@@ -77,7 +72,14 @@ class AdaptiveLength(FixedLength):
             self.acceptance = self.prior
 
     def best_length(self, batch: int, catch_up: int = 1) -> int:
-        """The K in 0..max_draft with the most expected tokens per second at this batch size."""
+        """The K in 0..max_draft with the most expected tokens per second at this batch size.
+
+        A step drafting K emits 1 + a + a^2 + ... + a^K tokens in expectation when each drafted token is accepted
+        with probability a (``acceptance``) once the ones before it were (the token rule; the block rule accepts at
+        least as many), and costs the draft's forwards (the first catching up on the ``catch_up`` tokens the draft
+        has not read) and the target's forward over K + 1 tokens, from ``latency``. Where even the prior cannot
+        pay for a draft (a machine on which a multi-token forward costs nearly as much per token as a plain step),
+        it is 0 from the first step and stays 0: the caller can say so."""
         emitted = [sum(self.acceptance**i for i in range(k + 1)) for k in range(self.max_draft + 1)]
         goodput = [
             emitted[k]
@@ -90,6 +92,8 @@ class AdaptiveLength(FixedLength):
         return self.best_length(batch, catch_up)
 
     def observe(self, rows, draft_tokens, draft_probs, target_probs, verified, accepted) -> None:
+        """``acceptance`` follows, with weight 1 - ``memory`` per step, the exact acceptance probability
+        sum_v min(draft, target) of the positions each step verified."""
         width = int(verified.max()) if len(verified) else 0
         if width == 0:
             return

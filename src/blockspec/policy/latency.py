@@ -1,9 +1,8 @@
 """Latency profiles: step latency of the target, draft and companion, measured on the machine that decodes.
 
-Speculative Verification prices each verification width with a latency table over (batch size B, tokens
-scored per row n); those figures depend on the models, dtype, device, thread count and machine, so a profile
-records what it was measured on and ``check`` refuses to price steps for other models. On disk a profile is
-human-readable JSON:
+SV prices each verification width with a latency table over (batch size B, tokens scored per row n), figures that
+depend on the models, dtype, device, thread count and machine: a profile records what it was measured on, and
+``check`` refuses to price steps for other models. On disk it is human-readable JSON:
 
     {"schema": 1,
      "meta": {"date", "target", "draft", "companion", "dtype", "device", "torch_threads", "torch", "machine",

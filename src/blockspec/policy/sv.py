@@ -51,35 +51,10 @@ def load_latency(
 class SVPolicy:
     """Speculative Verification: a step's verification lengths from predicted gains and measured latency.
 
-    Each step, four decisions, each using only what is known when it is made:
-      1. before drafting (``draft_budget``): from the recent history of predicted gains per position and the
-         latency table, whether speculating pays at all at this batch size, with the draft's first forward priced
-         at the tokens it must catch up on (more after steps that did not draft);
-      2. before the draft forward for position i > 1 (``draft_next``): whether the batch's plan, with the gains
-         of position i predicted from its position, the drafted prefix's probability and position i - 1's draft
-         features in place of its own, would reach i; so a stop rarely pays for a forward whose distribution
-         then goes unused;
-      3. after the draft's distribution at position i is known and before x_i is sampled (``keep_drafting``):
-         whether the stopping rule over the draft-only gains of positions 1..i reaches i;
-      4. after the companion has scored the block (``lengths``): the stopping rule over the ``kind``
-         predictor's gains gives each row its verification length.
-    In 2 and 3 the draft forwards already run are paid whatever is decided, and so is the companion's scoring of
-    the tokens already sampled: only what is still to come (the next forward, scoring x_i, the target's wider
-    forward) weighs against position i's gain.
-    ``kind`` is "draft" (draft-only features, no companion: the default) or "companion" (draft + companion
-    features; needs ``companion=`` in the decoder). With ``ragged`` each row pays for its own verified tokens
-    (``ragged_stopping_lengths``: a flattened batch, as vLLM's) instead of the batch padded to its widest row.
-    With ``whole_drafts`` the engine drafts the whole budget in one call (decisions 2 and 3 always go on),
-    running the draft's first forward even when the budget is 0 (vLLM does, to keep the draft's cache): a step
-    costs at least one draft forward, and all the positions drafted are paid before any is verified.
-
-    After each step (``observe``) each predictor's logit offset takes one gradient step of the cross-entropy it
-    was fitted with, on the exact gains of the positions just verified (``learn``), at ``rate``: the calibration
-    follows the prompts at hand (a profile fitted on chat prompts underestimates code). The offsets are used from
-    the next step on, so no decision on a token depends on that token. ``reset`` (at each ``generate`` call)
-    returns the offsets and the gain history to the profile's, so a call's output does not depend on earlier
-    calls; with ``carry_over=True`` they are kept, and a call's verification lengths (its speed and, at a fixed
-    seed, its tokens; never its law) depend on the calls before it.
+    Each step makes four decisions, each using only what is known when it is made: ``draft_budget``,
+    ``draft_next``, ``keep_drafting`` and ``lengths``, whose docstrings say what each decides and from what; then
+    it learns online (``observe``). Settings: ``__init__``. Why it stays lossless: docs/algorithms.md
+    ("Speculative Verification"); how to profile, calibrate and run it: docs/guide/sv.md.
     """
 
     def __init__(
@@ -96,6 +71,14 @@ class SVPolicy:
         ragged: bool = False,
         whole_drafts: bool = False,
     ):
+        """``kind`` is "draft" (draft-only features, no companion: the default) or "companion" (draft + companion
+        features; needs ``companion=`` in the decoder). With ``ragged`` each row pays for its own verified tokens
+        (``ragged_stopping_lengths``: a flattened batch, as vLLM's) instead of the batch padded to its widest row.
+        With ``whole_drafts`` the engine drafts the whole budget in one call (``draft_next`` and ``keep_drafting``
+        always go on), running the draft's first forward even when the budget is 0 (vLLM does, to keep the draft's
+        cache): a step costs at least one draft forward, and all the positions drafted are paid before any is
+        verified. ``memory``: the weight the gain history keeps at each step; ``rate``: the online calibration's
+        step size (``observe``); ``carry_over``: see ``reset``."""
         if kind not in ("draft", "companion"):
             raise ValueError(f"kind must be 'draft' or 'companion', got {kind!r}")
         if kind == "companion" and latency.companion is None:
@@ -139,6 +122,9 @@ class SVPolicy:
         return cls(calibration, timing, rule=rule, max_draft=max_draft, kind=kind, **options)
 
     def reset(self) -> None:
+        """At each ``generate`` call: the offsets and the gain history return to the profile's, so a call's output
+        does not depend on earlier calls. With ``carry_over=True`` they are kept, and a call's verification
+        lengths (its speed and, at a fixed seed, its tokens; never its law) depend on the calls before it."""
         if not self.carry_over:
             self._start()
 
@@ -169,6 +155,9 @@ class SVPolicy:
         return seconds
 
     def draft_budget(self, batch: int, catch_up: int) -> int:
+        """Decision 1, before drafting: from the recent history of predicted gains per position and the latency
+        table, whether speculating pays at all at this batch size (``max_draft`` if so, else 0), with the draft's
+        first forward priced at the ``catch_up`` tokens it must read (more after steps that did not draft)."""
         self._batch, self._catch_up, self._draft_features, self._predicted = batch, catch_up, [], {}
         seconds = self.step_seconds(batch, catch_up)
         emitted = torch.cat([torch.ones(1, dtype=torch.float64), 1 + self.history.cumsum(0)])
@@ -180,6 +169,12 @@ class SVPolicy:
         return self.max_draft
 
     def draft_next(self, position: int, prefix: torch.Tensor) -> bool:
+        """Decision 2, before the draft forward for position i > 1: whether the batch's plan, with the gains of
+        position i predicted from its position, the drafted prefix's probability and position i - 1's draft
+        features in place of its own, would reach i; so a stop rarely pays for a forward whose distribution then
+        goes unused. The draft forwards already run are paid whatever is decided, and so is the companion's
+        scoring of the tokens already sampled: only what is still to come (the next forward, scoring x_i, the
+        target's wider forward) weighs against position i's gain."""
         if self.whole_drafts:
             return True
         known = torch.stack(self._draft_features, 1)  # [B, position - 1, F]
@@ -192,6 +187,9 @@ class SVPolicy:
         return self._plan_reaches(guess, drafted=position - 1)
 
     def keep_drafting(self, position: int, probs: torch.Tensor, prefix: torch.Tensor) -> bool:
+        """Decision 3, once the draft's distribution at position i is known and before x_i is sampled: whether the
+        stopping rule over the draft-only gains of positions 1..i reaches i. Only what is still to come weighs
+        against position i's gain, as in ``draft_next``."""
         return self.keep_drafting_given(draft_features(probs[:, None], prefix[:, None], first=position)[:, 0])
 
     def keep_drafting_given(self, features: torch.Tensor) -> bool:
@@ -211,6 +209,8 @@ class SVPolicy:
         return int(stopping_lengths(gains, limit, seconds).max()) == position
 
     def lengths(self, draft_tokens, draft_probs, companion_probs, drafted: torch.Tensor) -> torch.Tensor:
+        """Decision 4, after drafting (and the companion's scoring of the block, with ``kind="companion"``): the
+        stopping rule over the ``kind`` predictor's gains gives each row its verification length."""
         features = torch.stack(self._draft_features[: draft_tokens.shape[1]], 1).to(draft_tokens.device)
         if self.kind == "companion":
             probs = draft_distributions(draft_tokens, draft_probs, companion_probs.shape[-1])
@@ -254,6 +254,10 @@ class SVPolicy:
         return torch.sigmoid(self.predictors[kind].logits(features) + self.offsets[kind])
 
     def observe(self, rows, draft_tokens, draft_probs, target_probs, verified, accepted) -> None:
+        """After each step each predictor's logit offset takes one gradient step of the cross-entropy it was
+        fitted with, on the exact gains of the positions just verified (``learn``), at ``rate``: the calibration
+        follows the prompts at hand (a profile fitted on chat prompts underestimates code). The offsets are used
+        from the next step on, so no decision on a token depends on that token."""
         if not bool((verified > 0).any()):
             return
         probs = draft_distributions(draft_tokens, draft_probs, target_probs.shape[-1])

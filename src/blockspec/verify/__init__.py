@@ -5,13 +5,9 @@
     verify_greedy  temperature 0: longest prefix matching the target's argmax
 
 All three take (draft_tokens [B, K], draft_probs [B, K, V] | None, target_probs [B, K+1, V]) and return a
-VerifyOutput. ``RULES`` names them (``get_rule``; ``SAMPLED_RULES``: those valid at temperature > 0), each with
-its closed forms given a drafted block (rules.py). See base.py for the glossary and exact.py for those closed
-forms (the law of tau, the gain of each drafted position) that length policies and the exact tests build on.
-
-tree.py verifies a drafted tree (several candidates per position, one target forward over all of them):
-verify_tree_token (recursive rejection sampling), verify_tree_block (Traversal Verification, block verification
-extended to trees) and verify_tree_greedy; tree_law and expected_accepted_tree are their closed forms.
+VerifyOutput. ``RULES`` names them with their closed forms (rules.py; ``SAMPLED_RULES``: valid at temperature > 0).
+Glossary: base.py; the law of tau and the gains that length policies and the exact tests build on: exact.py.
+tree.py verifies drafted trees, with closed forms ``tree_law``, ``expected_accepted_tree`` (docs/algorithms.md).
 """
 
 from .base import Randomness, VerifyOutput, agreement, positive_part_mass, row_chunks

@@ -36,6 +36,10 @@ class Batch:
         """Each row's committed tokens, prompt included; the last one is pending (no model has read it yet)."""
         return [self.prompts[i] + self.generated[i] for i in self.rows]
 
+    def lengths(self) -> torch.Tensor:
+        """[B] int64: each row's committed tokens less the pending one, what the models' caches keep."""
+        return torch.tensor([len(self.prompts[i]) + len(self.generated[i]) - 1 for i in self.rows])
+
     def remaining(self, limit: int) -> torch.Tensor:
         """[B] int64: the tokens each row may still emit."""
         return torch.tensor([limit - len(self.generated[i]) for i in self.rows])

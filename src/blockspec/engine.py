@@ -187,7 +187,7 @@ class SpeculativeDecoder:
         return checks.probabilities(self.target, "target", logits, sampling, self.vocab)
 
     def _roll_back(self, batch: Batch, proposer: DraftProposer, finished: list[int]) -> None:
-        lengths = torch.tensor([len(c) - 1 for c in batch.contexts()])  # [B]: committed tokens less the pending one
+        lengths = batch.lengths()  # [B]
         self.target.rollback(lengths.to(self.target.device))
         proposer.roll_back(lengths)
         if finished:

@@ -21,7 +21,7 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache
 
-from ..defaults import DTYPES, QUANTS
+from ..defaults import BACKENDS, DTYPES, QUANTS
 from .attention import GROUPED_SDPA, unsupported_attention
 from .base import left_pad
 from .convert import load_preset
@@ -231,8 +231,11 @@ def load_model(
     progress: bool = True,
     allow_download: bool = False,
     quant: str | None = None,
-) -> HFModel:
-    """Load a causal LM as an HFModel: a bundled preset name, a GGUF file, a local directory or a hub id.
+    backend: str = "hf",
+):
+    """Load a causal LM as an HFModel: a bundled preset name, a GGUF file, a local directory or a hub id; with
+    ``backend="llamacpp"`` a preset or GGUF file as a ``llamacpp.LlamaCppModel`` instead (CPU only; the GGUF's own
+    quantization, so ``dtype`` does not apply and ``quant`` is refused). ``default_backend`` picks one.
 
     Hub ids resolve from the local Hugging Face cache only: a name that is none of these is refused with the
     closest preset name, before any network access, unless ``allow_download=True`` lets a hub id be downloaded.
@@ -242,6 +245,16 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "llamacpp":
+        if quant is not None or resolve_device(device).type != "cpu":
+            raise ValueError(
+                f"the llama.cpp backend runs the GGUF's own quantization on the CPU; got quant={quant!r} on {device}"
+            )
+        from .llamacpp import load_llamacpp
+
+        return load_llamacpp(name_or_path, progress=progress)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     torch_dtype, target_device = getattr(torch, dtype), resolve_device(device)
@@ -264,6 +277,18 @@ def load_model(
     # PreTrainedModel.to is decorated with functools.wraps(Module.to), which pyright reads as an unbound function
     model = model.to(target_device) if quant is None else quantize(model, quant)  # pyright: ignore[reportArgumentType]
     return HFModel(model, tokenizer, name=name_or_path if quant is None else f"{name_or_path} ({quant})")
+
+
+def default_backend(name_or_path: str, device: str) -> str:
+    """``llamacpp`` for a preset or GGUF file on the CPU when llama-cpp-python is installed (llama.cpp's kernels on the
+    file's own quantization decode the bundled pair faster than transformers on dequantized weights: docs/results.md),
+    else ``hf``."""
+    import importlib.util
+
+    gguf = name_or_path in PRESETS or name_or_path.endswith(".gguf")
+    if gguf and resolve_device(device).type == "cpu" and importlib.util.find_spec("llama_cpp") is not None:
+        return "llamacpp"
+    return "hf"
 
 
 def _in_hub_cache(name: str) -> bool:

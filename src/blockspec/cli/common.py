@@ -6,6 +6,10 @@ from __future__ import annotations
 import argparse
 
 ALLOW_DOWNLOAD_HELP = "download hub ids missing from the local Hugging Face cache (default: never)"
+BACKEND_HELP = (
+    "who runs the models: llamacpp (llama.cpp's kernels on the GGUF as it is), hf (transformers on dequantized "
+    "weights), or auto: llamacpp for presets and GGUF files on the CPU, else hf (default: %(default)s)"
+)
 DEVICE_HELP = "cpu, cuda, cuda:N or auto"
 NO_CHAT_HELP = "send prompts raw instead of in the model's chat template"
 TIME_BUDGET_HELP = "seconds; stop scheduling runs after this (run again to resume)"

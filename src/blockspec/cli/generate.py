@@ -8,9 +8,9 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from .. import defaults
-from ..defaults import DTYPES, QUANTS
+from ..defaults import BACKENDS, DTYPES, QUANTS
 from . import sv
-from .common import ALLOW_DOWNLOAD_HELP, DEVICE_HELP, NO_CHAT_HELP, int_at_least, rule_name
+from .common import ALLOW_DOWNLOAD_HELP, BACKEND_HELP, DEVICE_HELP, NO_CHAT_HELP, int_at_least, rule_name
 from .progress import PrefillProgress, Streamer, watch_prefill
 
 DRAFTERS = ("model", "lookup", "lookup+model")
@@ -52,6 +52,7 @@ class GenerateConfig:
     sv_profile: Path | None = None
     latency: Path | None = None
     allow_download: bool = False
+    backend: str = "auto"  # "auto" or one of BACKENDS
 
     @property
     def resolved_max_draft(self) -> int:
@@ -132,6 +133,7 @@ def add_parser(sub) -> None:
         help="quantize the target (CPU): a different, faster model (default: %(default)s)",
     )
     gen.add_argument("--device", default="cpu", help=f"{DEVICE_HELP} (default: %(default)s)")
+    gen.add_argument("--backend", default="auto", choices=["auto", *BACKENDS], help=BACKEND_HELP)
     gen.add_argument("--no-chat", dest="chat", action="store_false", help=NO_CHAT_HELP)
     gen.add_argument(
         "--stop", action="append", default=[], metavar="TEXT", help="stop a row after this text (repeatable)"
@@ -155,7 +157,7 @@ def run(args) -> int:
 def generate(config: GenerateConfig) -> int:
     from ..drafting import PromptLookup
     from ..models.chat import encode_prompt
-    from ..models.hf import load_model, resolve_device
+    from ..models.hf import load_model, resolve_backend, resolve_device
     from ..sampling import SamplingParams
     from ..verify import RULES, SAMPLED_RULES
 
@@ -172,17 +174,29 @@ def generate(config: GenerateConfig) -> int:
             raise ValueError(f"--drafter {config.drafter} needs --policy fixed or auto, and no --draft {NO_DRAFT}")
         if config.drafter == "lookup":  # no draft model: the lengths of lookup proposals adapt on their own
             config = replace(config, draft=None, policy="fixed")
-    config = _resolve_arithmetic(config, device)
+    config = replace(config, backend=resolve_backend(config.backend, config.device, config.target, config.draft))
+    if config.backend == "hf":
+        config = _resolve_arithmetic(config, device)
+    elif config.target_quant != "none" or config.draft_quant not in ("auto", "none"):
+        raise ValueError("--target-quant and --draft-quant apply to --backend hf: llama.cpp runs the GGUF's own types")
+    elif config.policy == "sv" and config.sv_predictor == "companion":
+        raise ValueError("SV's companion predictor runs on --backend hf only; use --sv-predictor draft")
     models = {}
     for role, name, quant in (
         ("target", config.target, config.target_quant),
         ("draft", config.draft, config.draft_quant),
     ):
         if name:
-            quant = None if quant == "none" else quant
-            _status(f"loading {role} {name} ({quant or config.dtype}, {device})")
+            quant = None if quant in ("none", "auto") else quant
+            arithmetic = "GGUF as it is" if config.backend == "llamacpp" else quant or config.dtype
+            _status(f"loading {role} {name} ({config.backend}: {arithmetic}, {device})")
             models[role] = load_model(
-                name, dtype=config.dtype, device=config.device, quant=quant, allow_download=config.allow_download
+                name,
+                dtype=config.dtype,
+                device=config.device,
+                quant=quant,
+                allow_download=config.allow_download,
+                backend=config.backend,
             )
     target, draft = models["target"], models.get("draft")
     policy, companion = None, None

@@ -235,7 +235,7 @@ def load_model(
 ):
     """Load a causal LM as an HFModel: a bundled preset name, a GGUF file, a local directory or a hub id; with
     ``backend="llamacpp"`` a preset or GGUF file as a ``llamacpp.LlamaCppModel`` instead (CPU only; the GGUF's own
-    quantization, so ``dtype`` does not apply and ``quant`` is refused). ``default_backend`` picks one.
+    quantization, so ``dtype`` does not apply and ``quant`` is refused). ``resolve_backend`` picks one.
 
     Hub ids resolve from the local Hugging Face cache only: a name that is none of these is refused with the
     closest preset name, before any network access, unless ``allow_download=True`` lets a hub id be downloaded.
@@ -279,13 +279,17 @@ def load_model(
     return HFModel(model, tokenizer, name=name_or_path if quant is None else f"{name_or_path} ({quant})")
 
 
-def default_backend(name_or_path: str, device: str) -> str:
-    """``llamacpp`` for a preset or GGUF file on the CPU when llama-cpp-python is installed (llama.cpp's kernels on the
-    file's own quantization decode the bundled pair faster than transformers on dequantized weights: docs/results.md),
-    else ``hf``."""
+def resolve_backend(backend: str, device: str, *names: str | None) -> str:
+    """``backend``, or for ``auto``: ``llamacpp`` when every named model is a preset or GGUF file, the device is the
+    CPU and llama-cpp-python is installed (llama.cpp's kernels on the file's own quantization decode the bundled
+    pair faster than transformers on dequantized weights: docs/results.md), else ``hf``."""
     import importlib.util
 
-    gguf = name_or_path in PRESETS or name_or_path.endswith(".gguf")
+    if backend != "auto":
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be auto or one of {BACKENDS}, got {backend!r}")
+        return backend
+    gguf = all(name in PRESETS or name.endswith(".gguf") for name in names if name)
     if gguf and resolve_device(device).type == "cpu" and importlib.util.find_spec("llama_cpp") is not None:
         return "llamacpp"
     return "hf"

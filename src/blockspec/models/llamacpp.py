@@ -35,8 +35,8 @@ _silence: Any = None  # the log callback must outlive every call into llama.cpp
 
 
 def library():
-    """llama-cpp-python's ctypes bindings, with llama.cpp's backend initialised and its log quiet (warnings and errors
-    go to this module's logger). Raises ImportError naming the set-up step when the package is missing."""
+    """llama-cpp-python's ctypes bindings, with llama.cpp's backend initialised and its log quiet (its warnings go to
+    this module's logger as info, its errors as errors). Raises ImportError naming the set-up step when the package is missing."""
     global _lib, _silence
     if _lib is None:
         try:
@@ -45,8 +45,9 @@ def library():
             raise ImportError(f"the llama.cpp backend needs llama-cpp-python: {INSTALL_HINT}") from error
 
         def forward_log(level: int, text: bytes, _user: Any) -> None:
-            if level in (3, 4):  # GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR
-                log.log(logging.WARNING if level == 3 else logging.ERROR, "%s", text.decode(errors="replace").rstrip())
+            # GGML_LOG_LEVEL_WARN (3) is mostly notes on the file as it loads: info here; ERROR (4) stays an error
+            if level in (3, 4):
+                log.log(logging.INFO if level == 3 else logging.ERROR, "%s", text.decode(errors="replace").rstrip())
 
         _silence = lib.llama_log_callback(forward_log)
         lib.llama_log_set(_silence, ctypes.c_void_p())
@@ -76,7 +77,8 @@ class LlamaCppModel:
         self.tokenizer = tokenizer
         self.threads = threads or torch.get_num_threads()
         self.on_prefill = on_prefill
-        self.device, self.dtype = torch.device("cpu"), torch.float32
+        self.device = torch.device("cpu")
+        self.dtype = "gguf"  # the file's own quantization: how latency profiles keyed by dtype tell it from HF's
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
         self._model = lib.llama_model_load_from_file(str(self.path).encode(), params)

@@ -104,7 +104,8 @@ def main() -> None:
 def llama_bench(tools: Path, model: Path, threads: int) -> dict:
     """llama-bench's token generation (tg64, 3 repetitions) for ``model`` at ``threads``."""
     out = subprocess.run(
-        [str(tools / "llama-bench"), "-m", str(model), "-p", "0", "-n", "64", "-r", "3", "-t", str(threads), "-o", "json"],
+        [str(tools / "llama-bench"), "-m", str(model), "-p", "0", "-n", "64", "-r", "3", "-t", str(threads)]
+        + ["-o", "json"],
         capture_output=True,
         text=True,
         check=True,

@@ -36,7 +36,7 @@ _silence: Any = None  # the log callback must outlive every call into llama.cpp
 
 def library():
     """llama-cpp-python's ctypes bindings, with llama.cpp's backend initialised and its log quiet (its warnings go to
-    this module's logger as info, its errors as errors). Raises ImportError naming the set-up step when the package is missing."""
+    this module's logger as info, its errors as errors). Raises ImportError naming the set-up step when missing."""
     global _lib, _silence
     if _lib is None:
         try:
@@ -64,7 +64,7 @@ class LlamaCppModel:
     def __init__(
         self,
         path: str | os.PathLike,
-        tokenizer=None,
+        tokenizer: Any = None,
         *,
         name: str | None = None,
         eos_token_ids: tuple[int, ...] | None = None,

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from . import machine
-from .defaults import SV_BATCH_SIZES
+from .defaults import ADAPTIVE_MAX_DRAFT, SV_BATCH_SIZES
 from .files import write_atomic
 from .models.base import model_name
 from .models.cache import cache_root
@@ -178,7 +178,9 @@ def latency_probe(target, draft, batch: int, *, refresh: bool = False):
         target,
         draft,
         batch_sizes=tuple(sorted({1, batch})),
-        tokens=(1, 2, 3, 5, 9),
+        # every width a step can verify: llama.cpp's quantized matmuls take rows in fours, so there 4 tokens can cost
+        # less than 3, and interpolating between widths would misprice them
+        tokens=tuple(range(1, ADAPTIVE_MAX_DRAFT + 2)),
         context=128,
         repeats=2,
         progress=False,

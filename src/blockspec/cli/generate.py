@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from .. import defaults
-from ..defaults import BACKENDS, DTYPES, QUANTS
+from ..defaults import BACKENDS, DTYPES, LLAMACPP_QUANTS, QUANTS
 from . import sv
 from .common import ALLOW_DOWNLOAD_HELP, BACKEND_HELP, DEVICE_HELP, NO_CHAT_HELP, int_at_least, rule_name
 from .progress import PrefillProgress, Streamer, watch_prefill
@@ -123,8 +123,9 @@ def add_parser(sub) -> None:
     gen.add_argument(
         "--draft-quant",
         default="auto",
-        choices=["auto", "none", *QUANTS],
-        help="quantize the draft (CPU): same output law (default: %(default)s)",
+        choices=["auto", "none", *QUANTS, *LLAMACPP_QUANTS],
+        help=f"quantize the draft (CPU): same output law; {', '.join(QUANTS)} on transformers, "
+        f"{', '.join(LLAMACPP_QUANTS)} on llama.cpp (default: %(default)s)",
     )
     gen.add_argument(
         "--target-quant",
@@ -176,9 +177,13 @@ def generate(config: GenerateConfig) -> int:
             config = replace(config, draft=None, policy="fixed")
     config = replace(config, backend=resolve_backend(config.backend, config.device, config.target, config.draft))
     if config.backend == "hf":
+        if config.draft_quant in LLAMACPP_QUANTS:
+            raise ValueError(f"--draft-quant {config.draft_quant} is llama.cpp's: use --backend llamacpp, or int8 here")
         config = _resolve_arithmetic(config, device)
-    elif config.target_quant != "none" or config.draft_quant not in ("auto", "none"):
-        raise ValueError("--target-quant and --draft-quant apply to --backend hf: llama.cpp runs the GGUF's own types")
+    elif config.target_quant != "none" or config.draft_quant not in ("auto", "none", *LLAMACPP_QUANTS):
+        raise ValueError(
+            f"on llama.cpp the target runs the GGUF's own types and --draft-quant is one of {LLAMACPP_QUANTS}"
+        )
     elif config.policy == "sv" and config.sv_predictor == "companion":
         raise ValueError("SV's companion predictor runs on --backend hf only; use --sv-predictor draft")
     models = {}
@@ -188,7 +193,9 @@ def generate(config: GenerateConfig) -> int:
     ):
         if name:
             quant = None if quant in ("none", "auto") else quant
-            arithmetic = "GGUF as it is" if config.backend == "llamacpp" else quant or config.dtype
+            arithmetic = quant or config.dtype
+            if config.backend == "llamacpp":
+                arithmetic = f"GGUF requantized to {quant}" if quant else "GGUF as it is"
             _status(f"loading {role} {name} ({config.backend}: {arithmetic}, {device})")
             models[role] = load_model(
                 name,

@@ -21,7 +21,7 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache
 
-from ..defaults import BACKENDS, DTYPES, QUANTS
+from ..defaults import BACKENDS, DTYPES, LLAMACPP_QUANTS, QUANTS
 from .attention import GROUPED_SDPA, unsupported_attention
 from .base import left_pad
 from .convert import load_preset
@@ -235,7 +235,8 @@ def load_model(
 ):
     """Load a causal LM as an HFModel: a bundled preset name, a GGUF file, a local directory or a hub id; with
     ``backend="llamacpp"`` a preset or GGUF file as a ``llamacpp.LlamaCppModel`` instead (CPU only; the GGUF's own
-    quantization, so ``dtype`` does not apply and ``quant`` is refused). ``resolve_backend`` picks one.
+    quantization, so ``dtype`` does not apply; ``quant`` is one of LLAMACPP_QUANTS there, a requantized copy).
+    ``resolve_backend`` picks one.
 
     Hub ids resolve from the local Hugging Face cache only: a name that is none of these is refused with the
     closest preset name, before any network access, unless ``allow_download=True`` lets a hub id be downloaded.
@@ -248,13 +249,14 @@ def load_model(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "llamacpp":
-        if quant is not None or resolve_device(device).type != "cpu":
+        if quant not in (None, *LLAMACPP_QUANTS) or resolve_device(device).type != "cpu":
             raise ValueError(
-                f"the llama.cpp backend runs the GGUF's own quantization on the CPU; got quant={quant!r} on {device}"
+                f"the llama.cpp backend runs on the CPU, quant None or one of {LLAMACPP_QUANTS}; got quant={quant!r} "
+                f"on {device}"
             )
         from .llamacpp import load_llamacpp
 
-        return load_llamacpp(name_or_path, progress=progress)
+        return load_llamacpp(name_or_path, quant=quant, progress=progress)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     torch_dtype, target_device = getattr(torch, dtype), resolve_device(device)

@@ -14,14 +14,19 @@ not used).
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
 import os
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from ..defaults import LLAMACPP_QUANTS
+from .cache import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -250,10 +255,46 @@ class _Batch:
         return self.batch
 
 
-def load_llamacpp(name_or_path: str, *, progress: bool = True, threads: int | None = None) -> LlamaCppModel:
+# llama.cpp's own weight types a GGUF can be requantized to (llama_ftype): every tensor, embeddings and output layer
+# included, since the output layer's 151,936 rows are a third of the bundled draft's bytes
+QUANTS = dict(zip(LLAMACPP_QUANTS, (2,), strict=True))
+
+
+def requantize(path: Path, quant: str) -> Path:
+    """``path`` requantized to ``quant`` by llama.cpp (``llama_model_quantize``), once, into the model cache (keyed by
+    the file's path, size and mtime): a cheaper draft.
+    Its law is its own, and verification sees exactly that law, so decoding stays lossless; only acceptance moves."""
+    from ..files import TEMPORARY_SUFFIX
+
+    if quant not in QUANTS:
+        raise ValueError(f"llama.cpp quantization must be one of {tuple(QUANTS)}, got {quant!r}")
+    stat = path.stat()
+    identity = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_root() / "llamacpp" / f"{path.stem}-{identity}.{quant}.gguf"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lib = library()
+    params = lib.llama_model_quantize_default_params()
+    params.ftype = params.output_tensor_type = params.token_embedding_type = QUANTS[quant]
+    params.allow_requantize, params.nthread = True, torch.get_num_threads()
+    partial = out.with_name(f"{out.name}.{secrets.token_hex(4)}{TEMPORARY_SUFFIX}")  # concurrent runs each write own
+    log.info("requantizing %s to %s (once)", path.name, quant)
+    try:
+        if lib.llama_model_quantize(str(path).encode(), str(partial).encode(), ctypes.byref(params)) != 0:
+            raise RuntimeError(f"llama.cpp could not requantize {path} to {quant}")
+        os.replace(partial, out)
+    finally:
+        partial.unlink(missing_ok=True)
+    return out
+
+
+def load_llamacpp(
+    name_or_path: str, *, quant: str | None = None, progress: bool = True, threads: int | None = None
+) -> LlamaCppModel:
     """A bundled preset or a GGUF file on llama.cpp, with the tokenizer and end tokens the HF path gives it (the
     preset's tokenizer and EOS list; a GGUF file's tokenizer read by transformers), so both backends agree on
-    every token id."""
+    every token id. ``quant`` (one of QUANTS) runs a requantized copy (``requantize``)."""
     from .convert import load_preset_tokenizer, materialize
     from .presets import PRESETS
 
@@ -274,4 +315,7 @@ def load_llamacpp(name_or_path: str, *, progress: bool = True, threads: int | No
             f"the llama.cpp backend runs GGUF files: {name_or_path!r} is neither a preset nor a .gguf file "
             "(use --backend hf for a transformers folder or hub id)"
         )
-    return LlamaCppModel(path, tokenizer, name=f"{name_or_path} (llama.cpp)", eos_token_ids=eos, threads=threads)
+    if quant is not None:
+        path = requantize(Path(path), quant)
+    label = f"llama.cpp, {quant}" if quant else "llama.cpp"
+    return LlamaCppModel(path, tokenizer, name=f"{name_or_path} ({label})", eos_token_ids=eos, threads=threads)

@@ -4,16 +4,23 @@ Per prompt, in one interleaved round (batch 1, the same chat-formatted prompt an
   llamacpp-alone     blockspec's engine, target alone, on the llama.cpp adapter
   llamacpp-token/-block  blockspec, the 0.5B draft, fixed K, token / block verification, on llama.cpp
   llamacpp-auto      blockspec's default: block verification, length adapted to the measured step costs
-  llamacpp-lookup    blockspec, prompt lookup alone (no draft model)
+  llamacpp-block-q4 / -auto-q4  the same with the draft requantized to q4_0 by llama.cpp (`--draft-quant q4_0`)
+  llamacpp-lookup    blockspec, prompt lookup alone (no draft model), proposals priced by the measured cost of
+                     verifying them (what `generate --drafter lookup` runs); -plain: unpriced
+  hf-alone           blockspec's engine, target alone, on transformers (bfloat16 weights dequantized from the GGUF)
+  hf-assisted        transformers' assisted generation with the same draft (its whole wall time: it reports no
+                     prefill time; the others are decode time)
   llama.cpp-spec     llama.cpp's own lossless speculative decoding (`llama-speculative-simple`: the draft drafts
                      greedily, the target samples every position and keeps a drafted token only if its own sample
                      equals it), same draft and K, decode time as it reports it
 and once per run `llama-bench`'s tg figure for the target (the reference the adapter's target alone is held to).
 Figures are tokens/s of the decode (prefill excluded everywhere: llama.cpp's programs report it so), their ratios to
-llamacpp-alone of the same prompt, and accepted tokens per step. Records go to --out as JSON lines with the CPU flags.
+llamacpp-alone on the same prompt, and accepted tokens per step; the block rows also score every step's draft
+exactly under both rules (`bench.executor.ExpectedScores`): the paired analytic gain of block over token.
 
-    bash scripts/build_llamacpp_tools.sh          # once: llama-bench and llama-speculative-simple
-    python benchmarks/llamacpp_compare.py --datasets humaneval pydoc-qa --prompts 3 --temperatures 0 1
+    bash scripts/build_llamacpp_tools.sh      # once: llama-bench and llama-speculative-simple
+    python benchmarks/llamacpp_compare.py run --out results/llamacpp --datasets humaneval-edit pydoc-qa humaneval
+    python benchmarks/llamacpp_compare.py report --out results/llamacpp
 
 Run it alone: llama.cpp's threads collapse under load from another process.
 """
@@ -21,155 +28,267 @@ Run it alone: llama.cpp's threads collapse under load from another process.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import random
 import re
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
-ROWS = ("llamacpp-alone", "llamacpp-token", "llamacpp-block", "llamacpp-auto", "llamacpp-lookup", "llama.cpp-spec")
+ROWS = (
+    "llamacpp-alone",
+    "llamacpp-token",
+    "llamacpp-block",
+    "llamacpp-auto",
+    "llamacpp-block-q4",
+    "llamacpp-auto-q4",
+    "llamacpp-lookup",
+    "llamacpp-lookup-plain",
+    "llama.cpp-spec",
+    "hf-alone",
+    "hf-assisted",
+)
+BASELINE = "llamacpp-alone"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--datasets", nargs="+", default=["humaneval", "pydoc-qa"])
-    parser.add_argument("--prompts", type=int, default=2, help="per dataset")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    parser.add_argument("--max-draft", type=int, default=4, help="K of the fixed rows and of llama.cpp's")
-    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
-    parser.add_argument("--tools", type=Path, help="folder of llama-bench and llama-speculative-simple")
-    parser.add_argument("--out", type=Path, default=Path("results/llamacpp/records.jsonl"))
-    args = parser.parse_args()
+    sub = parser.add_subparsers(dest="command", required=True)
+    run_parser = sub.add_parser("run", help="measure, appending to <out>/records.jsonl")
+    run_parser.add_argument("--datasets", nargs="+", default=["humaneval-edit", "pydoc-qa", "humaneval"])
+    run_parser.add_argument("--prompts", type=int, default=2, help="per dataset")
+    run_parser.add_argument("--max-new-tokens", type=int, default=128)
+    run_parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    # K = 3: a verification of 4 tokens, the width llama.cpp's repacked matmuls run cheapest per token
+    run_parser.add_argument("--max-draft", type=int, default=3, help="K of the fixed rows and of llama.cpp's")
+    run_parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
+    run_parser.add_argument("--tools", type=Path, help="folder of llama-bench and llama-speculative-simple")
+    for each in (run_parser, sub.add_parser("report", help="print the tables of <out>/records.jsonl(.gz)")):
+        each.add_argument("--out", type=Path, default=Path("results/llamacpp"))
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        run(args)
+    report(load(args.out))
+    return 0
 
+
+def run(args) -> None:
     import torch
 
     from blockspec import PromptLookup, SamplingParams, SpeculativeDecoder
-    from blockspec.auto import adaptive_policy, latency_probe
+    from blockspec.auto import adaptive_policy, latency_probe, verify_costs
     from blockspec.bench import datasets
+    from blockspec.bench.executor import ExpectedScores
     from blockspec.machine import cpu_flags
     from blockspec.models.chat import encode_prompt
     from blockspec.models.llamacpp import load_llamacpp
 
     tools = args.tools or Path(subprocess.check_output(["bash", "scripts/build_llamacpp_tools.sh"], text=True).strip())
     target, draft = load_llamacpp("qwen2.5-coder-1.5b"), load_llamacpp("qwen2.5-coder-0.5b")
-    threads = torch.get_num_threads()
-    machine = {"cpu_flags": cpu_flags(), "threads": threads, "date": time.strftime("%Y-%m-%d %H:%M")}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    log = args.out.open("a")
+    small = load_llamacpp("qwen2.5-coder-0.5b", quant="q4_0")
+    machine = {"cpu_flags": cpu_flags(), "threads": torch.get_num_threads()}
+    args.out.mkdir(parents=True, exist_ok=True)
+    records = (args.out / "records.jsonl").open("a")
 
     def record(entry: dict) -> None:
-        entry.update(machine)
-        log.write(json.dumps(entry) + "\n")
-        log.flush()
+        entry.update(machine, date=time.strftime("%Y-%m-%d %H:%M"))
+        records.write(json.dumps(entry) + "\n")
+        records.flush()
         print(json.dumps({k: v for k, v in entry.items() if k not in machine}), flush=True)
 
-    bench = llama_bench(tools, target.path, threads)
-    record({"row": "llama-bench", **bench})
-    policy = adaptive_policy(latency_probe(target, draft, 1), 1, 8)
+    record({"row": "llama-bench", **llama_bench(tools, target.path, machine["threads"])})
+
+    def auto(model):
+        policy = adaptive_policy(latency_probe(target, model, 1), 1, 8)
+        record({"row": "policy", "draft": model.name, "speculates": policy is not None})
+        return SpeculativeDecoder(target, model if policy else None, max_draft=8, policy=policy)
+
     decoders = {
         "llamacpp-alone": SpeculativeDecoder(target),
         "llamacpp-token": SpeculativeDecoder(target, draft, rule="token", max_draft=args.max_draft),
         "llamacpp-block": SpeculativeDecoder(target, draft, rule="block", max_draft=args.max_draft),
-        "llamacpp-auto": SpeculativeDecoder(target, draft if policy else None, max_draft=8, policy=policy),
-        "llamacpp-lookup": SpeculativeDecoder(target, lookup=PromptLookup()),
+        "llamacpp-auto": auto(draft),
+        "llamacpp-block-q4": SpeculativeDecoder(target, small, rule="block", max_draft=args.max_draft),
+        "llamacpp-auto-q4": auto(small),
+        "llamacpp-lookup": SpeculativeDecoder(target, lookup=PromptLookup(verify_costs=verify_costs(target, 1, 11))),
+        "llamacpp-lookup-plain": SpeculativeDecoder(target, lookup=PromptLookup()),
     }
+    if {"hf-alone", "hf-assisted"} & set(args.rows):
+        from blockspec.bench.executor import run_assisted
+        from blockspec.models.hf import load_model
+
+        hf_target, hf_draft = (
+            load_model(name, dtype="bfloat16") for name in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
+        )
+        decoders["hf-alone"] = SpeculativeDecoder(hf_target)
     prompts = [(name, p) for name in args.datasets for p in datasets.load(name, n=args.prompts, seed=0)]
     for temperature in args.temperatures:
         sampling = SamplingParams(temperature=temperature)
         for dataset, prompt in prompts:
             ids = encode_prompt(target.tokenizer, prompt.text, chat=True)
             for row in args.rows:
-                base = {"row": row, "dataset": dataset, "prompt": prompt.id, "temperature": temperature}
+                base = {"row": row, "dataset": dataset, "prompt": prompt.id, "temperature": temperature, "K": 0}
                 if row == "llama.cpp-spec":
                     text = target.tokenizer.decode(ids)
-                    record({**base, **speculative_simple(tools, target.path, draft.path, text, args, temperature)})
+                    measured = speculative_simple(tools, target.path, draft.path, text, args, temperature)
+                    record({**base, "K": args.max_draft, **measured})
                     continue
-                result = decoders[row].generate([ids], max_new_tokens=args.max_new_tokens, sampling=sampling, seed=0)
-                decode_s = result.wall_time - result.prefill_s
-                record(
-                    {
-                        **base,
-                        "tokens": result.new_tokens,
-                        "tok_s": result.new_tokens / decode_s,
-                        "accepted_per_step": result.block_efficiency - 1,
-                        "drafted_per_step": sum(sum(s.verified) for s in result.stats) / max(result.row_steps, 1),
-                    }
+                if row == "hf-assisted":
+                    done = run_assisted(hf_target, hf_draft, ids, sampling, args.max_new_tokens, seed=0)
+                    tokens = done["new_tokens"]
+                    unknown = {"accepted_per_step": None, "drafted_per_step": None}  # transformers does not say
+                    record({**base, "tokens": tokens, "tok_s": tokens / done["wall_time"], **unknown})
+                    continue
+                decoder = decoders[row]
+                scores = ExpectedScores() if row.startswith("llamacpp-block") else None
+                result = decoder.generate(
+                    [ids], max_new_tokens=args.max_new_tokens, sampling=sampling, seed=0, on_step=scores
                 )
-    log.close()
-    summarize(args.out)
+                decode_s = result.wall_time - result.prefill_s - (scores.seconds if scores else 0.0)
+                entry = {
+                    **base,
+                    "K": decoder.max_draft if decoder.draft is not None else 0,
+                    "tokens": result.new_tokens,
+                    "tok_s": result.new_tokens / decode_s,
+                    "accepted_per_step": result.block_efficiency - 1,
+                    "drafted_per_step": sum(sum(s.verified) for s in result.stats) / max(result.row_steps, 1),
+                }
+                if scores is not None:
+                    entry.update({f"expected_{rule}": statistics.fmean(v) for rule, v in scores.expected.items()})
+                record(entry)
+    records.close()
 
 
 def llama_bench(tools: Path, model: Path, threads: int) -> dict:
     """llama-bench's token generation (tg64, 3 repetitions) for ``model`` at ``threads``."""
-    out = subprocess.run(
-        [str(tools / "llama-bench"), "-m", str(model), "-p", "0", "-n", "64", "-r", "3", "-t", str(threads)]
-        + ["-o", "json"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    (test,) = json.loads(out)
+    command = [str(tools / "llama-bench"), "-m", str(model), "-p", "0", "-n", "64", "-r", "3", "-t", str(threads)]
+    (test,) = json.loads(subprocess.run([*command, "-o", "json"], capture_output=True, text=True, check=True).stdout)
     return {"tok_s": test["avg_ts"], "tok_s_sd": test["stddev_ts"], "tokens": 64}
 
 
 def speculative_simple(tools: Path, target: Path, draft: Path, text: str, args, temperature: float) -> dict:
-    """One run of llama.cpp's own speculative decoding: the draft drafts up to K tokens greedily (no confidence
-    cut-off), the target verifies them with its sampler; its reported decode speed and acceptance."""
+    """One run of llama.cpp's own speculative decoding: the draft drafts K tokens each step (no confidence cut-off),
+    the target verifies them with its sampler at the plain law (no top-k, top-p or min-p); its reported decode speed
+    and acceptance."""
+    import torch
+
     command = [
         str(tools / "llama-speculative-simple"),
         *("-m", str(target), "-md", str(draft), "-p", text, "-n", str(args.max_new_tokens)),
-        *("--draft-max", str(args.max_draft), "--draft-min", "0", "--draft-p-min", "0"),
-        *("--temp", str(temperature), "--top-k", "0", "--top-p", "1", "--min-p", "0"),  # the target's plain law
-        *("--seed", "0", "-c", "4096", "-t", str(_threads()), "--no-warmup"),
+        *("--spec-type", "draft-simple", "--spec-draft-n-max", str(args.max_draft)),
+        *("--spec-draft-n-min", "0", "--spec-draft-p-min", "0"),
+        *("--temp", str(temperature), "--top-k", "0", "--top-p", "1", "--min-p", "0"),
+        *("--seed", "0", "-c", "4096", "-t", str(torch.get_num_threads())),
     ]
     log = subprocess.run(command, capture_output=True, text=True, check=True, timeout=900).stderr
-    decoded = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
-    drafted = re.search(r"n_drafted\s*=\s*(\d+)", log)
-    accepted = re.search(r"n_accept\s*=\s*(\d+)", log)
-    steps = re.search(r"n_predict\s*=\s*(\d+)", log)
-    if not (decoded and drafted and accepted and steps):
+    found = {
+        name: re.search(pattern, log)
+        for name, pattern in (
+            ("decoded", r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds"),
+            ("predicted", r"n_predict\s*=\s*(\d+)"),
+            ("drafted", r"n_drafted\s*=\s*(\d+)"),
+            ("accepted", r"n_accept\s*=\s*(\d+)"),
+        )
+    }
+    if not all(found.values()):
         raise RuntimeError(f"unexpected llama-speculative-simple output:\n{log[-2000:]}")
-    tokens, seconds = int(decoded.group(1)), float(decoded.group(2))
-    n_accept = int(accepted.group(1))
-    # each step emits its accepted drafts plus one token of the target's own: steps = tokens - accepted
+    value = {name: int(match.group(1)) for name, match in found.items() if match}
+    seconds = float(found["decoded"].group(2))  # pyright: ignore[reportOptionalMemberAccess]
+    # a step emits the drafted tokens it accepted and one token of the target's own: steps = emitted - accepted
+    steps = max(value["predicted"] - value["accepted"], 1)
     return {
-        "tokens": tokens,
-        "tok_s": tokens / seconds,
-        "accepted_per_step": n_accept / max(int(steps.group(1)) - n_accept, 1),
-        "drafted": int(drafted.group(1)),
-        "accepted": n_accept,
+        "tokens": value["decoded"],
+        "tok_s": value["decoded"] / seconds,
+        "accepted_per_step": value["accepted"] / steps,
+        "drafted_per_step": value["drafted"] / steps,
     }
 
 
-def _threads() -> int:
-    import torch
+def load(out: Path) -> list[dict]:
+    path = out / "records.jsonl.gz"
+    text = gzip.open(path, "rt").read() if path.is_file() else (out / "records.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines()]
 
-    return torch.get_num_threads()
+
+def interval(values: list[float], rounds: int = 2000) -> str:
+    """The median and a 95 % bootstrap interval over prompts (seeded: the report is reproducible)."""
+    if len(values) < 3:
+        return f"{statistics.median(values):.3f}x"
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(rounds))
+    low, high = medians[int(0.025 * rounds)], medians[int(0.975 * rounds) - 1]
+    return f"{statistics.median(values):.3f}x [{low:.3f}, {high:.3f}]"
 
 
-def summarize(path: Path) -> None:
-    """Per temperature and row: median tokens/s, median ratio to llamacpp-alone on the same prompt, mean accepted per
-    step; and the llama-bench reference."""
-    records = [json.loads(line) for line in path.read_text().splitlines()]
-    bench = [r for r in records if r["row"] == "llama-bench"]
-    for r in bench:
-        print(f"llama-bench tg64: {r['tok_s']:.2f} +- {r['tok_s_sd']:.2f} tok/s")
-    alone = {(r["temperature"], r["prompt"]): r["tok_s"] for r in records if r["row"] == "llamacpp-alone"}
-    print(f"{'T':>4} {'row':<16} {'tok/s':>7} {'x alone':>8} {'accepted/step':>14} {'n':>3}")
-    for temperature in sorted({r["temperature"] for r in records if "temperature" in r}):
-        for row in ROWS:
-            runs = [r for r in records if r["row"] == row and r.get("temperature") == temperature]
-            if not runs:
+def report(records: list[dict]) -> None:
+    """The tables: the target alone against llama-bench; per temperature and prompt group, every row against the
+    target alone on the same prompts; block against token verification on the same drafts."""
+    runs = [r for r in records if "temperature" in r]
+    flags = sorted({" ".join(r["cpu_flags"]) for r in records})
+    print(f"Machine: CPU flags {'; '.join(flags)}; {records[0]['threads']} threads.\n")
+    bench = [r["tok_s"] for r in records if r["row"] == "llama-bench"]
+    alone = {(r["temperature"], r["prompt"]): r["tok_s"] for r in runs if r["row"] == BASELINE}
+    print("## target alone against llama-bench\n")
+    print("| llama-bench tg64 tok/s | blockspec target alone on llama.cpp, median tok/s | ratio |")
+    print("|---|---|---|")
+    median_alone = statistics.median(alone.values())
+    print(f"| {statistics.median(bench):.2f} | {median_alone:.2f} | {median_alone / statistics.median(bench):.3f}x |")
+    groups = {
+        "prompts grounded in their input (humaneval-edit, pydoc-qa)": ("humaneval-edit", "pydoc-qa"),
+        "other prompts": None,
+    }
+    print("\n## speed against llama.cpp's target alone\n")
+    print("| T | prompts | row | K | runs | tok/s | x target alone (CI) | accepted / step | drafted / step |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for temperature in sorted({r["temperature"] for r in runs}):
+        for group, names in groups.items():
+            inside = names or tuple({r["dataset"] for r in runs} - grounded(groups))
+            chosen = [r for r in runs if r["temperature"] == temperature and r["dataset"] in inside]
+            for row in ROWS:
+                these = [r for r in chosen if r["row"] == row]
+                if not these:
+                    continue
+                ratios = [r["tok_s"] / alone[temperature, r["prompt"]] for r in these]
+                print(
+                    f"| {temperature:g} | {group} | {row} | {these[0]['K']} | {len(these)} | "
+                    f"{statistics.median(r['tok_s'] for r in these):.2f} | {interval(ratios)} | "
+                    f"{mean_of(these, 'accepted_per_step')} | {mean_of(these, 'drafted_per_step')} |"
+                )
+    print("\n## block against token verification, and against llama.cpp's own rule\n")
+    print(
+        "| T | row | runs | analytic accepted / step token | block | analytic gain | measured accepted / step | "
+        "llama.cpp-spec accepted / step | block / llama.cpp |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for temperature in sorted({r["temperature"] for r in runs}):
+        spec = [r for r in runs if r["row"] == "llama.cpp-spec" and r["temperature"] == temperature]
+        own = {r["prompt"]: r["accepted_per_step"] for r in spec}
+        for row in ("llamacpp-block", "llamacpp-block-q4"):
+            these = [r for r in runs if r["row"] == row and r["temperature"] == temperature and "expected_block" in r]
+            if not these:
                 continue
-            ratios = [r["tok_s"] / alone[temperature, r["prompt"]] for r in runs if (temperature, r["prompt"]) in alone]
+            token = statistics.fmean(r["expected_token"] for r in these)
+            block = statistics.fmean(r["expected_block"] for r in these)
+            measured = statistics.fmean(r["accepted_per_step"] for r in these)
+            theirs = statistics.fmean(own[r["prompt"]] for r in these if r["prompt"] in own) if own else float("nan")
             print(
-                f"{temperature:>4} {row:<16} {statistics.median(r['tok_s'] for r in runs):7.2f} "
-                f"{statistics.median(ratios) if ratios else float('nan'):8.2f} "
-                f"{statistics.mean(r['accepted_per_step'] for r in runs):14.2f} {len(runs):>3}"
+                f"| {temperature:g} | {row} | {len(these)} | {token:.3f} | {block:.3f} | {block / token - 1:+.1%} | "
+                f"{measured:.2f} | {theirs:.2f} | {measured / theirs:.2f}x |"
             )
 
 
+def mean_of(runs: list[dict], key: str) -> str:
+    """The mean of ``key`` over ``runs``, or "-" where a run does not know it."""
+    values = [r[key] for r in runs]
+    return "-" if None in values else f"{statistics.fmean(values):.2f}"
+
+
+def grounded(groups: dict) -> set[str]:
+    return {name for names in groups.values() if names for name in names}
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

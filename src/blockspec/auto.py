@@ -272,3 +272,41 @@ def step_seconds(model, step: torch.Tensor, last_only: bool) -> float:
     seconds = time.perf_counter() - start
     model.rollback(prefilled)
     return seconds
+
+
+def verify_costs(target, batch: int, widths: int, *, refresh: bool = False) -> tuple[float, ...]:
+    """What a target forward over n = 1..``widths`` tokens per row costs at ``batch`` rows, in units of a one-token
+    step: the prices of prompt lookup proposals (``PromptLookup.verify_costs``). Measured once (three rounds, the
+    first a warm-up; seconds) and cached per model, dtype, device, thread count and batch size."""
+    key = {
+        "target": model_name(target),
+        "dtype": dtype_name(getattr(target, "dtype", None)),
+        "device": str(target.device),
+        "threads": torch.get_num_threads(),
+        "batch": batch,
+        "widths": widths,
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = sv_dir() / f"verify-costs-{digest}.json"
+    if path.is_file() and not refresh:
+        try:
+            data = json.loads(path.read_text())
+            if data["key"] == key:
+                return tuple(data["costs"])
+        except (ValueError, KeyError):
+            log.warning("measuring again: unreadable %s", path)
+    log.info("measuring the cost of verifying 1 to %d tokens with %s at batch %d (once)", widths, key["target"], batch)
+    generator = torch.Generator().manual_seed(0)
+    target.prefill(torch.randint(target.vocab_size, (batch, 128), generator=generator).tolist())
+    steps = [torch.randint(target.vocab_size, (batch, n), generator=generator) for n in range(1, widths + 1)]
+    times: list[list[float]] = [[] for _ in steps]
+    with torch.inference_mode():
+        for _ in range(3):  # rounds take turns over the widths, so drift is shared; the first warms up
+            for n, step in enumerate(steps):
+                times[n].append(step_seconds(target, step.to(target.device), last_only=False))
+    target.prefill([])
+    seconds = [statistics.median(t[1:]) for t in times]
+    costs = tuple(round(s / seconds[0], 4) for s in seconds)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps({"key": key, "costs": costs}, indent=1) + "\n")
+    return costs

@@ -5,8 +5,9 @@ taken from (<records> is benchmarks/results/<run>/records.jsonl.gz):
 
     Reproduce: `python -m blockspec.bench.report --records <records>`, section "<title>".
     Reproduce: `python benchmarks/vllm_serve.py report --out benchmarks/results/<run>`, section "<title>".
+    Reproduce: `python benchmarks/llamacpp_compare.py report --out benchmarks/results/<run>`, section "<title>".
 
-The tests run that command's code path (``blockspec.bench.report.main``, or the vLLM benchmark's ``main``, which
+The tests run that command's code path (``blockspec.bench.report.main``, or the benchmark script's ``main``, which
 reads <run>/records.jsonl.gz) on the kept records and require the page's table to equal the section's table line
 for line, so an edited figure, or records that no longer give the published figure, fail here. They also require
 the machine the records name (CPU flags, threads) to be stated with the table, a README.md in every directory
@@ -32,10 +33,12 @@ ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "results.md"
 KEPT = ROOT / "benchmarks" / "results"
 COMMAND = re.compile(
-    r"^Reproduce: `(?P<command>python -m blockspec\.bench\.report|python benchmarks/vllm_serve\.py "
-    r'report) (?P<args>[^`]+)`, section "(?P<section>[^"]+)"\.$'
+    r"^Reproduce: `(?P<command>python -m blockspec\.bench\.report|python benchmarks/(?:vllm_serve|llamacpp_compare)"
+    r'\.py report) (?P<args>[^`]+)`, section "(?P<section>[^"]+)"\.$'
 )
-VLLM_BENCHMARK = "python benchmarks/vllm_serve.py report"
+SCRIPTS = {  # the benchmark scripts whose `report --out <run>` prints tables of <run>/records.jsonl.gz
+    f"python benchmarks/{name}.py report": name for name in ("vllm_serve", "llamacpp_compare")
+}
 MACHINE = re.compile(r"^Machine: CPU flags (?P<flags>.+); (?P<threads>\d+) threads\.$", re.M)
 
 
@@ -80,8 +83,9 @@ def documented_tables(text: str) -> list[dict]:
 def report_output(args: str, command: str = "python -m blockspec.bench.report") -> str:
     """What ``<command> <args>`` prints, run from the repository's root."""
     main, argv = report.main, shlex.split(args)
-    if command == VLLM_BENCHMARK:
-        spec = importlib.util.spec_from_file_location("vllm_serve", ROOT / "benchmarks" / "vllm_serve.py")
+    if command in SCRIPTS:
+        name = SCRIPTS[command]
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -119,7 +123,7 @@ def test_the_page_has_its_tables_each_with_a_command_over_kept_records():
     assert len(TABLES) >= 6
     for table in TABLES:
         args = shlex.split(table["args"])
-        if table["command"] == VLLM_BENCHMARK:
+        if table["command"] in SCRIPTS:
             paths = [Path(args[args.index("--out") + 1]) / "records.jsonl.gz"]
         else:
             paths = [Path(p) for p in args[args.index("--records") + 1 :] if not p.startswith("-")]

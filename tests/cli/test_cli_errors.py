@@ -153,3 +153,23 @@ def test_ctrl_c_exits_130_with_one_line(monkeypatch, capsys):
         pytest.fail("Ctrl-C escaped main() as a traceback")
     assert code == 130
     assert capsys.readouterr().err.strip() == "blockspec: interrupted"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--backend", "llamacpp", "--target-quant", "int8"], "GGUF's own types"),
+        (["--backend", "llamacpp", "--draft-quant", "int8"], "--draft-quant is one of auto, none, q4_0"),
+        (["--backend", "hf", "--draft-quant", "q4_0"], "is llama.cpp's"),
+        (["--backend", "llamacpp", "--policy", "sv", "--sv-predictor", "companion"], "companion predictor"),
+    ],
+)
+def test_flags_the_chosen_backend_cannot_run_are_refused_before_loading_a_model(flags, message, loads, capsys):
+    assert cli.main(["generate", *flags, "hello"]) == 2
+    assert message in error_line(capsys) and loads == []
+
+
+def test_bench_on_llamacpp_refuses_transformers_only_configurations_before_loading_a_model(tmp_path, loads, capsys):
+    out = str(tmp_path / "bench")
+    assert cli.main(["bench", "--backend", "llamacpp", "--configs", "target-only", "hf-assisted", "--out", out]) == 2
+    assert "hf-assisted run on transformers only" in error_line(capsys) and loads == []

@@ -51,6 +51,9 @@ class BenchConfig:
     allow_download: bool = False  # let load_model fetch hub ids missing from the local cache
     # T_d: the draft's own temperatures, each run by the fixed-K configurations; empty: the target's temperature
     draft_temperatures: tuple[float, ...] = ()
+    # who runs the models: "hf" (transformers), "llamacpp" (llama.cpp, presets and GGUF files, CPU), or "auto"
+    # (models.hf.resolve_backend); transformers' own baselines (hf-*) and SV's companion need "hf"
+    backend: str = "hf"
 
     def __post_init__(self):
         unknown = sorted(set(self.configs) - set(rec.KNOWN_CONFIGS))
@@ -287,7 +290,7 @@ def run(config: BenchConfig, *, progress: bool = True) -> Path:
     """Run (or resume) the plan of ``config``; returns the records file."""
     from ..auto import choose_arithmetic
     from ..models.chat import encode_prompt
-    from ..models.hf import load_model, resolve_device
+    from ..models.hf import load_model, resolve_backend, resolve_device
     from . import datasets
 
     existing = prepare_out(config)
@@ -296,8 +299,11 @@ def run(config: BenchConfig, *, progress: bool = True) -> Path:
     failed = rec.still_failed(existing)
     if failed and not config.retry_failed:
         log.warning("%d runs failed before and are not retried (retry_failed reruns them)", len(failed))
+    backend = resolve_backend(config.backend, config.device, config.target, config.draft)
     arithmetic = None
-    if config.dtype == "auto" or set(config.configs) & set(AUTO_DRAFT):
+    if backend == "llamacpp":
+        arithmetic = llamacpp_arithmetic(config)
+    elif config.dtype == "auto" or set(config.configs) & set(AUTO_DRAFT):
         arithmetic = choose_arithmetic(resolve_device(config.device))
         log.info("arithmetic: %s", arithmetic.reason)
     dtype = arithmetic.dtype if arithmetic is not None and config.dtype == "auto" else config.dtype
@@ -307,10 +313,16 @@ def run(config: BenchConfig, *, progress: bool = True) -> Path:
         device=config.device,
         quant=config.target_quant,
         allow_download=config.allow_download,
+        backend=backend,
     )
     drafts = {
         quant: load_model(
-            config.draft, dtype=dtype, device=config.device, quant=quant, allow_download=config.allow_download
+            config.draft,
+            dtype=dtype,
+            device=config.device,
+            quant=quant,
+            allow_download=config.allow_download,
+            backend=backend,
         )
         for quant in {draft_quant_of(name, arithmetic) for name in config.configs if name not in NO_DRAFT}
     }
@@ -361,6 +373,20 @@ def run(config: BenchConfig, *, progress: bool = True) -> Path:
         bar.update(1, record)
     bar.close()
     return records_file
+
+
+def llamacpp_arithmetic(config: BenchConfig):
+    """The ``auto.Arithmetic`` of a bench on llama.cpp: the GGUF's own types, the auto configurations' draft in q4_0
+    (what ``blockspec generate`` runs there); refuses what only transformers runs, before any model loads."""
+    from ..auto import Arithmetic
+    from ..defaults import LLAMACPP_QUANTS
+
+    only_hf = sorted(set(config.configs) & {*rec.HF_CONFIGS, "block-int8", "sv-token", "sv-block"})
+    if only_hf or config.target_quant is not None:
+        raise ValueError(
+            f"{', '.join(only_hf) or '--target-quant'} run on transformers only: leave them out with --backend llamacpp"
+        )
+    return Arithmetic("gguf", LLAMACPP_QUANTS[0], "llama.cpp: the GGUF's own types, the auto draft in q4_0", None)
 
 
 class Progress:

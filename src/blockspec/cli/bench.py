@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .. import defaults
 from ..bench.records import CONFIGS, KNOWN_CONFIGS
-from ..defaults import DTYPES, QUANTS
+from ..defaults import BACKENDS, DTYPES, QUANTS
 from .common import ALLOW_DOWNLOAD_HELP, DEVICE_HELP, NO_CHAT_HELP, TIME_BUDGET_HELP, int_at_least, positive_float
 
 PRESETS = ("quick", "paper", "sv", "align")  # blockspec.bench.runner.PRESETS, which imports torch
@@ -74,6 +74,11 @@ def add_parser(sub) -> None:
     bench.add_argument("--dtype", choices=["auto", *DTYPES], help="auto: the fastest on this machine (default: auto)")
     bench.add_argument("--target-quant", choices=QUANTS, help="quantize the target in every configuration (CPU)")
     bench.add_argument("--device", help=DEVICE_HELP)
+    bench.add_argument(
+        "--backend",
+        choices=["auto", *BACKENDS],
+        help="llamacpp, hf or auto (default: hf; transformers' baselines and SV's companion need it)",
+    )
     bench.add_argument("--out", type=Path, help="output directory for records, report and plots")
     bench.add_argument("--allow-download", action="store_true", default=None, help=ALLOW_DOWNLOAD_HELP)
     bench.add_argument("--no-chat", dest="chat", action="store_false", default=None, help=NO_CHAT_HELP)

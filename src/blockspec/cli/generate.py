@@ -156,7 +156,6 @@ def run(args) -> int:
 
 
 def generate(config: GenerateConfig) -> int:
-    from ..drafting import PromptLookup
     from ..models.chat import encode_prompt
     from ..models.hf import load_model, resolve_backend, resolve_device
     from ..sampling import SamplingParams
@@ -180,12 +179,8 @@ def generate(config: GenerateConfig) -> int:
         if config.draft_quant in LLAMACPP_QUANTS:
             raise ValueError(f"--draft-quant {config.draft_quant} is llama.cpp's: use --backend llamacpp, or int8 here")
         config = _resolve_arithmetic(config, device)
-    elif config.target_quant != "none" or config.draft_quant not in ("auto", "none", *LLAMACPP_QUANTS):
-        raise ValueError(
-            f"on llama.cpp the target runs the GGUF's own types and --draft-quant is one of {LLAMACPP_QUANTS}"
-        )
-    elif config.policy == "sv" and config.sv_predictor == "companion":
-        raise ValueError("SV's companion predictor runs on --backend hf only; use --sv-predictor draft")
+    else:
+        config = _llamacpp_arithmetic(config)
     models = {}
     for role, name, quant in (
         ("target", config.target, config.target_quant),
@@ -195,8 +190,8 @@ def generate(config: GenerateConfig) -> int:
             quant = None if quant in ("none", "auto") else quant
             arithmetic = quant or config.dtype
             if config.backend == "llamacpp":
-                arithmetic = f"GGUF requantized to {quant}" if quant else "GGUF as it is"
-            _status(f"loading {role} {name} ({config.backend}: {arithmetic}, {device})")
+                arithmetic = f"llama.cpp, the GGUF requantized to {quant}" if quant else "llama.cpp, the GGUF as it is"
+            _status(f"loading {role} {name} ({arithmetic}, {device})")
             models[role] = load_model(
                 name,
                 dtype=config.dtype,
@@ -213,7 +208,7 @@ def generate(config: GenerateConfig) -> int:
         policy = _adaptive_policy(config, target, draft)
         if policy is None:
             draft = None
-    lookup = PromptLookup() if config.drafter != "model" else None
+    lookup = _priced_lookup(target, len(config.prompts)) if config.drafter != "model" else None
     decoder = _decoder(config, target, draft, policy=policy, companion=companion, lookup=lookup)
     if decoder.tokenizer is None:
         raise ValueError(f"{config.target} has no tokenizer: the CLI needs one to read and print text")
@@ -284,6 +279,22 @@ def _resolve_arithmetic(config: GenerateConfig, device) -> GenerateConfig:
     )
 
 
+def _llamacpp_arithmetic(config: GenerateConfig) -> GenerateConfig:
+    """``config`` on llama.cpp: the GGUF's own types, the draft in q4_0 for ``--draft-quant auto`` (a cheaper draft
+    pays on llama.cpp's kernels, docs/results.md; not under SV, whose latency profile times the draft as it is);
+    refuses what only transformers runs."""
+    if config.target_quant != "none" or config.draft_quant not in ("auto", "none", *LLAMACPP_QUANTS):
+        raise ValueError(
+            "on llama.cpp the target runs the GGUF's own types and --draft-quant is one of "
+            f"{', '.join(('auto', 'none', *LLAMACPP_QUANTS))}"
+        )
+    if config.policy == "sv" and config.sv_predictor == "companion":
+        raise ValueError("SV's companion predictor runs on --backend hf only; use --sv-predictor draft")
+    if config.draft_quant == "auto":
+        return replace(config, draft_quant="none" if config.policy == "sv" else LLAMACPP_QUANTS[0])
+    return config
+
+
 def _adaptive_policy(config: GenerateConfig, target, draft):
     """``policy.AdaptiveLength`` over this machine's measured step latency, or None (after saying so) where no
     draft length is expected to beat the target alone."""
@@ -304,6 +315,18 @@ def _adaptive_policy(config: GenerateConfig, target, draft):
             "(--policy fixed speculates anyway; --target-quant int8 makes verification cheaper)"
         )
     return policy
+
+
+def _priced_lookup(target, batch: int):
+    """Prompt lookup whose proposals are cut to the length that pays at this machine's cost of verifying them
+    (``auto.verify_costs``: on llama.cpp 2 tokens cost about 1.4 one-token steps, so a shaky 1-token proposal
+    loses)."""
+    from ..auto import verify_costs
+    from ..drafting import PromptLookup
+
+    widths = PromptLookup().max_draft + 1
+    _status(f"cost of verifying 1 to {widths} tokens on this machine (measured on the first run, then cached)")
+    return PromptLookup(verify_costs=verify_costs(target, batch, widths))
 
 
 def _drafted_per_step(result) -> str:

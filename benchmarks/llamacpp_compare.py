@@ -5,8 +5,7 @@ Per prompt, in one interleaved round (batch 1, the same chat-formatted prompt an
   llamacpp-token/-block  blockspec, the 0.5B draft, fixed K, token / block verification, on llama.cpp
   llamacpp-auto      blockspec's default: block verification, length adapted to the measured step costs
   llamacpp-block-q4 / -auto-q4  the same with the draft requantized to q4_0 by llama.cpp (`--draft-quant q4_0`)
-  llamacpp-lookup    blockspec, prompt lookup alone (no draft model), proposals priced by the measured cost of
-                     verifying them (what `generate --drafter lookup` runs); -plain: unpriced
+  llamacpp-lookup    blockspec, prompt lookup alone (no draft model)
   hf-alone           blockspec's engine, target alone, on transformers (bfloat16 weights dequantized from the GGUF)
   hf-assisted        transformers' assisted generation with the same draft (its whole wall time: it reports no
                      prefill time; the others are decode time)
@@ -46,7 +45,6 @@ ROWS = (
     "llamacpp-block-q4",
     "llamacpp-auto-q4",
     "llamacpp-lookup",
-    "llamacpp-lookup-plain",
     "llama.cpp-spec",
     "hf-alone",
     "hf-assisted",
@@ -79,7 +77,7 @@ def run(args) -> None:
     import torch
 
     from blockspec import PromptLookup, SamplingParams, SpeculativeDecoder
-    from blockspec.auto import adaptive_policy, latency_probe, verify_costs
+    from blockspec.auto import adaptive_policy, latency_probe
     from blockspec.bench import datasets
     from blockspec.bench.executor import ExpectedScores
     from blockspec.machine import cpu_flags
@@ -113,8 +111,7 @@ def run(args) -> None:
         "llamacpp-auto": auto(draft),
         "llamacpp-block-q4": SpeculativeDecoder(target, small, rule="block", max_draft=args.max_draft),
         "llamacpp-auto-q4": auto(small),
-        "llamacpp-lookup": SpeculativeDecoder(target, lookup=PromptLookup(verify_costs=verify_costs(target, 1, 11))),
-        "llamacpp-lookup-plain": SpeculativeDecoder(target, lookup=PromptLookup()),
+        "llamacpp-lookup": SpeculativeDecoder(target, lookup=PromptLookup()),
     }
     if {"hf-alone", "hf-assisted"} & set(args.rows):
         from blockspec.bench.executor import run_assisted

@@ -125,41 +125,9 @@ def test_the_state_is_per_prompt_and_only_proposals_move_it():
     assert state.propose([2, 0], [contexts[2], contexts[0]], [10, 10]) == [[6, 5, 4], [2, 3]]
 
 
-# llama.cpp's shape on an AVX-512 CPU: its matmuls take tokens in fours, so 4 cost less than 3
-PRICES = (1.0, 1.4, 1.9, 1.6, 2.0, 2.4, 2.8, 3.0, 3.1, 3.3, 3.4)
-
-
-def test_a_priced_proposal_is_cut_to_the_length_that_pays_or_dropped():
-    lookup = PromptLookup(verify_costs=PRICES)
-    assert lookup.priced_length(6, 0.95) == 3  # 4 tokens in 1.6 steps beat 5 in 2.0, ..., 7 in 2.8 and 3 in 1.9
-    assert lookup.priced_length(10, 0.95) == 10  # 11 tokens in 3.4 steps beat them all
-    assert lookup.priced_length(2, 0.6) == 1  # at 0.6 a second proposed token is not worth its price (1.9)
-    assert lookup.priced_length(10, 0.3) == 0  # a plain step is worth more than any proposal
-    assert lookup.priced_length(0, 0.95) == 0
-    expected = [sum(0.7**i for i in range(k + 1)) / PRICES[k] for k in range(11)]
-    assert lookup.priced_length(10, 0.7) == max(range(11), key=expected.__getitem__)
-
-
-def test_a_priced_state_learns_each_prompts_acceptance_and_recovers_towards_the_prior():
-    state = LookupState(PromptLookup(verify_costs=PRICES, prior=0.9), prompts=2)
-    context = [1, 2, 3, 4, 5, 6, 7, 1]
-    assert state.propose([0, 1], [context, context], [10, 10]) == [[2, 3, 4], [2, 3, 4]]  # cut from initial 4 to 3
-    state.observe([0, 1], [3, 3], [0, 3])  # prompt 0: first position rejected; prompt 1: all accepted
-    assert state.acceptance == [0.45, 0.95]
-    assert state.propose([0, 1], [context, context], [10, 10]) == [[2], [2, 3, 4]]  # 1.45 tokens for 1.4 steps
-    state.observe([0, 1], [1, 3], [0, 3])
-    assert state.acceptance == [0.225, 0.975]
-    assert state.propose([0, 1], [context, context], [10, 10])[0] == []  # prompt 0 priced out
-    state.observe([0, 1], [0, 3], [0, 3])  # no proposal for prompt 0: its acceptance moves back towards 0.9
-    assert state.acceptance[0] == pytest.approx(0.225 + 0.1 * (0.9 - 0.225))
-
-
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        (dict(verify_costs=(1.0, 1.2)), "verify_costs needs 11 finite costs > 0"),
-        (dict(verify_costs=(1.0, 0.0, *PRICES[2:])), "verify_costs needs 11 finite costs > 0"),
-        (dict(prior=1.0), "prior must lie in \\(0, 1\\)"),
         (dict(max_ngram=0), "max_ngram must be an int >= 1"),
         (dict(min_ngram=0), "min_ngram must be an int >= 1"),
         (dict(max_draft=2.0), "max_draft must be an int >= 1"),
@@ -227,27 +195,24 @@ def model_rows_kept(with_proposals, vocab: int):
 
 
 @pytest.mark.parametrize("rule", SAMPLED_RULES)
-@pytest.mark.parametrize("mode", ["lookup", "lookup+model", "lookup+adaptive", "lookup+priced"])
+@pytest.mark.parametrize("mode", ["lookup", "lookup+model", "lookup+adaptive"])
 def test_law_of_the_first_tokens_is_the_targets(mode, rule, monkeypatch):
     """Chi-square of the joint law of the first 3 tokens (6**3 outcomes) against the exact target law, for two
     prompts in one batch: one whose last 2-gram occurred before (lookup proposes [1, 1] at the first step, each
     token with target probability about 1/2), one with no match at the first step (a model draft, or a plain
     target step without a draft model); later steps look up in some rows and not in others. The same test on
     engines that verify lookup rows against a smoothed law, or against the model's rows of a mixed step, fails.
-    "lookup+adaptive": the model rows' lengths come from AdaptiveLength, which learns from earlier steps;
-    "lookup+priced": the lookup rows' lengths come from each prompt's acceptance so far (PromptLookup.verify_costs)."""
+    "lookup+adaptive": the model rows' lengths come from AdaptiveLength, which learns from earlier steps."""
     vocab, length, samples = 6, 3, 3000
     target = tiny_model(vocab=vocab, sharpness=5.0)
-    draft = perturbed(target, scale=0.6, seed=1) if mode not in ("lookup", "lookup+priced") else None
-    # priced at the prior 0.6, the first proposal is 1 token; a row's later proposals follow what it saw
-    settings = PromptLookup(verify_costs=(1.0, 1.1, 1.5, *PRICES[3:])) if mode == "lookup+priced" else PromptLookup()
+    draft = perturbed(target, scale=0.6, seed=1) if mode != "lookup" else None
     prompts = [[1, 3, 1, 1, 3], [1, 2, 3]]
     laws = [exact_law_of_first_tokens(target, p, length) for p in prompts]
     policy = None
     if mode == "lookup+adaptive":  # latency under which the prior's K is 1 and what the steps teach moves it
         policy = AdaptiveLength(profile([100, 150, 200, 250, 300], draft_ms=10), max_draft=4, memory=0.5)
     first_k = policy.best_length(2 * samples) if policy else 2
-    decoder = SpeculativeDecoder(target, draft, rule=rule, max_draft=2, policy=policy, lookup=settings)
+    decoder = SpeculativeDecoder(target, draft, rule=rule, max_draft=2, policy=policy, lookup=PromptLookup())
 
     def tests():
         result = decoder.generate(

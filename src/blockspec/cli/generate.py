@@ -156,6 +156,7 @@ def run(args) -> int:
 
 
 def generate(config: GenerateConfig) -> int:
+    from ..drafting import PromptLookup
     from ..models.chat import encode_prompt
     from ..models.hf import load_model, resolve_backend, resolve_device
     from ..sampling import SamplingParams
@@ -208,7 +209,7 @@ def generate(config: GenerateConfig) -> int:
         policy = _adaptive_policy(config, target, draft)
         if policy is None:
             draft = None
-    lookup = _priced_lookup(target, len(config.prompts)) if config.drafter != "model" else None
+    lookup = PromptLookup() if config.drafter != "model" else None
     decoder = _decoder(config, target, draft, policy=policy, companion=companion, lookup=lookup)
     if decoder.tokenizer is None:
         raise ValueError(f"{config.target} has no tokenizer: the CLI needs one to read and print text")
@@ -315,18 +316,6 @@ def _adaptive_policy(config: GenerateConfig, target, draft):
             "(--policy fixed speculates anyway; --target-quant int8 makes verification cheaper)"
         )
     return policy
-
-
-def _priced_lookup(target, batch: int):
-    """Prompt lookup whose proposals are cut to the length that pays at this machine's cost of verifying them
-    (``auto.verify_costs``: on llama.cpp 2 tokens cost about 1.4 one-token steps, so a shaky 1-token proposal
-    loses)."""
-    from ..auto import verify_costs
-    from ..drafting import PromptLookup
-
-    widths = PromptLookup().max_draft + 1
-    _status(f"cost of verifying 1 to {widths} tokens on this machine (measured on the first run, then cached)")
-    return PromptLookup(verify_costs=verify_costs(target, batch, widths))
 
 
 def _drafted_per_step(result) -> str:

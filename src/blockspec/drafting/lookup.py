@@ -13,9 +13,6 @@ Glossary:
     allowed     a prompt's current proposal length, adapted from what the target accepted of its last proposal
     limit       the most tokens a row may draft this step (room before max_new_tokens and in the models'
                 contexts), as for a model draft
-    costs       with ``verify_costs``: a target forward over n tokens in units of a one-token step; a proposal
-                is then cut to the length with the most expected tokens per unit of cost, by each prompt's
-                acceptance so far, and dropped where a plain step is worth more (llama.cpp: 2 tokens cost 1.4)
 
 Why it stays lossless: docs/algorithms.md ("Prompt lookup proposes").
 """
@@ -45,9 +42,6 @@ class PromptLookup:
     max_draft: int = 10  # the most tokens one proposal holds
     initial_len: int = 4  # a prompt's allowed proposal length before any of its proposals was verified
     grow: int = 2  # added to the allowed length after a fully accepted proposal
-    # cost of verifying n = 1, 2, ... tokens in one-token steps (auto.verify_costs); None: proposals are not priced
-    verify_costs: tuple[float, ...] | None = None
-    prior: float = 0.6  # a prompt's per-token acceptance before it verified a proposal, when priced
 
     def __post_init__(self):
         for name in ("max_ngram", "min_ngram", "max_draft", "initial_len", "grow"):
@@ -60,11 +54,6 @@ class PromptLookup:
             raise ValueError(
                 f"PromptLookup.initial_len ({self.initial_len}) must not exceed max_draft ({self.max_draft})"
             )
-        costs = self.verify_costs
-        if costs is not None and (len(costs) < self.max_draft + 1 or not all(0 < c < float("inf") for c in costs)):
-            raise ValueError(f"PromptLookup.verify_costs needs {self.max_draft + 1} finite costs > 0, got {costs}")
-        if not 0 < self.prior < 1:
-            raise ValueError(f"PromptLookup.prior must lie in (0, 1), got {self.prior}")
 
     def match(self, context: Sequence[int], length: int) -> list[int]:
         """The proposal for ``context`` (see the module's glossary): at most ``length`` tokens, [] if none.
@@ -87,13 +76,6 @@ class PromptLookup:
                 return list(context[follow : follow + length])
         return []
 
-    def priced_length(self, longest: int, acceptance: float) -> int:
-        """The k in 0..``longest`` with the most expected tokens per unit of cost, 1 + a + ... + a^k over
-        ``verify_costs[k]``, each token accepted with probability ``acceptance`` once those before it were."""
-        assert self.verify_costs is not None
-        worth = [sum(acceptance**i for i in range(k + 1)) / self.verify_costs[k] for k in range(longest + 1)]
-        return max(range(longest + 1), key=worth.__getitem__)
-
     def next_length(self, allowed: int, proposed: int, accepted: int) -> int:
         """A prompt's allowed length after a proposal of ``proposed`` tokens of which ``accepted`` were accepted."""
         if accepted == proposed:
@@ -105,31 +87,18 @@ class LookupState:
     """One ``generate`` call's prompt lookup: each prompt's allowed length, indexed by prompt (rows leave the
     batch as they finish; the caller passes each batch row's prompt index)."""
 
-    RECOVERY = 0.1  # with priced proposals, the share of the way back to the prior a prompt's acceptance goes per
-    # step without a proposal verified: a prompt whose proposals failed is tried again later, not never
-
     def __init__(self, settings: PromptLookup, prompts: int):
         self.settings = settings
         self.allowed = [settings.initial_len] * prompts
-        self.acceptance = [settings.prior] * prompts  # per token, priced proposals only
 
     def propose(
         self, prompts: Sequence[int], contexts: Sequence[Sequence[int]], limit: Sequence[int]
     ) -> list[list[int]]:
-        """One proposal per batch row (prompt ``prompts[b]``), at most min(its allowed length, ``limit[b]``), cut to
-        its priced length when the settings price proposals."""
-        proposals = [self.settings.match(c, min(self.allowed[i], n)) for i, c, n in zip(prompts, contexts, limit)]
-        if self.settings.verify_costs is None:
-            return proposals
-        return [p[: self.settings.priced_length(len(p), self.acceptance[i])] for i, p in zip(prompts, proposals)]
+        """One proposal per batch row (prompt ``prompts[b]``), at most min(its allowed length, ``limit[b]``)."""
+        return [self.settings.match(c, min(self.allowed[i], n)) for i, c, n in zip(prompts, contexts, limit)]
 
     def observe(self, prompts: Sequence[int], proposed: Sequence[int], accepted: Sequence[int]) -> None:
-        """Adapt the allowed length of each prompt that verified a proposal (``proposed[b]`` > 0 tokens), and its
-        acceptance: the share of the positions it tried that were accepted (every accepted one and the first
-        rejected), half the weight to this step."""
+        """Adapt the allowed length of each prompt that verified a proposal (``proposed[b]`` > 0 tokens)."""
         for i, k, tau in zip(prompts, proposed, accepted):
             if k > 0:
                 self.allowed[i] = self.settings.next_length(self.allowed[i], k, tau)
-                self.acceptance[i] = (self.acceptance[i] + tau / (tau + (tau < k))) / 2
-            else:
-                self.acceptance[i] += self.RECOVERY * (self.settings.prior - self.acceptance[i])

@@ -32,12 +32,14 @@ from pathlib import Path
 import pytest
 import torch
 from kits import lawkit
+from kits.svkit import hand_profile, profile
 from kits.tiny import VOCAB, perturbed, tiny_model
 from kits.tinygguf import save_gguf
 
-from blockspec import SamplingParams, SpeculativeDecoder
+from blockspec import PromptLookup, SamplingParams, SpeculativeDecoder
 from blockspec.models import llamacpp
 from blockspec.models.llamacpp import MAX_ROWS, LlamaCppModel
+from blockspec.policy import AdaptiveLength, SVPolicy
 from blockspec.sampling import process
 from blockspec.verify import RULES, accepted_length_law, final_distributions
 
@@ -338,6 +340,27 @@ def test_speculative_greedy_equals_the_target_alone(files, rule):
         assert_same_greedy(result.sequences[b], expected[b], prompt, files.target_path, f"{rule}, row {b}")
     # the equality means something only if drafts were both accepted and rejected
     assert 1.3 < result.block_efficiency < 4, result.block_efficiency
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "sv-draft", "lookup"])
+def test_the_length_policies_and_prompt_lookup_keep_the_greedy_output(files, policy):
+    """What `generate` runs on llama.cpp besides fixed K: AdaptiveLength, SV's draft-only predictor (toy profiles
+    under which both draft 1 to 3 tokens), prompt lookup alone, on the same prompts and the target alone."""
+    plain = SpeculativeDecoder(adapter(files.target_path), None)
+    expected = plain.generate(PROMPTS, max_new_tokens=NEW_TOKENS, sampling=GREEDY, stop_on_eos=False).sequences
+    target, draft = adapter(files.target_path), adapter(files.draft_path)
+    latency = profile([100, 110, 120, 130, 140], draft_ms=5)
+    decoder = {
+        "adaptive": lambda: SpeculativeDecoder(target, draft, policy=AdaptiveLength(latency, max_draft=3)),
+        "sv-draft": lambda: SpeculativeDecoder(
+            target, draft, policy=SVPolicy(hand_profile(), latency, rule="block", max_draft=3, kind="draft")
+        ),
+        "lookup": lambda: SpeculativeDecoder(target, lookup=PromptLookup()),
+    }[policy]()
+    result = decoder.generate(PROMPTS, max_new_tokens=NEW_TOKENS, sampling=GREEDY, stop_on_eos=False)
+    for b, prompt in enumerate(PROMPTS):
+        assert_same_greedy(result.sequences[b], expected[b], prompt, files.target_path, f"{policy}, row {b}")
+    assert any(sum(step.verified) for step in result.stats), f"{policy} never verified a drafted token"
 
 
 # --- 3. the exact law at temperature 1 -----------------------------------------------------------------------------

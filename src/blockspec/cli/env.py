@@ -44,7 +44,11 @@ def run(args) -> int:
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.is_available(),
         "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-        **{package: version(package) for package in ("transformers", "accelerate", "gguf", "safetensors")},
+        **{
+            package: version(package)
+            for package in ("transformers", "accelerate", "gguf", "safetensors", "llama-cpp-python")
+        },
+        "llamacpp_build": _llamacpp_build(),
         "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", ""),
     }
     arithmetic = choose_arithmetic("cuda" if torch.cuda.is_available() else "cpu")  # probes once per machine
@@ -59,3 +63,13 @@ def run(args) -> int:
         for key, value in info.items():
             print(f"{key}: {value}")
     return 0
+
+
+def _llamacpp_build() -> str:
+    """The instruction sets the installed llama.cpp was built with (its system info), or why there is none."""
+    from ..models.llamacpp import library
+
+    try:
+        return library().llama_print_system_info().decode().strip()
+    except ImportError as error:
+        return str(error)

@@ -75,7 +75,7 @@ def load_companion(
         except ValueError:
             raise ValueError(f"a target-prefix companion is written prefix:K (K an integer), got {spec!r}") from None
         return target_prefix(target, layers)
-    companion = _as_hf(load_model(spec, dtype=dtype, device=device, progress=progress, allow_download=allow_download))
+    companion = load_model(spec, dtype=dtype, device=device, progress=progress, allow_download=allow_download)
     try:
         check_shared_vocabulary(target, companion, target_vocabulary(target), "companion")
     except ValueError as error:

@@ -15,7 +15,7 @@ import difflib
 import logging
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 from transformers import PreTrainedConfig
@@ -28,6 +28,9 @@ from .convert import load_preset
 from .presets import PRESETS
 from .quant import quantize
 from .slots import SlotCache, SlotLayer, slot_mask
+
+if TYPE_CHECKING:
+    from .llamacpp import LlamaCppModel
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +226,28 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
+@overload
+def load_model(
+    name_or_path: str,
+    *,
+    dtype: str = ...,
+    device: str = ...,
+    progress: bool = ...,
+    allow_download: bool = ...,
+    quant: str | None = ...,
+    backend: Literal["hf"] = ...,
+) -> HFModel: ...
+@overload
+def load_model(
+    name_or_path: str,
+    *,
+    dtype: str = ...,
+    device: str = ...,
+    progress: bool = ...,
+    allow_download: bool = ...,
+    quant: str | None = ...,
+    backend: str,
+) -> HFModel | LlamaCppModel: ...
 def load_model(
     name_or_path: str,
     *,
@@ -232,7 +257,7 @@ def load_model(
     allow_download: bool = False,
     quant: str | None = None,
     backend: str = "hf",
-):
+) -> HFModel | LlamaCppModel:
     """Load a causal LM as an HFModel: a bundled preset name, a GGUF file, a local directory or a hub id; with
     ``backend="llamacpp"`` a preset or GGUF file as a ``llamacpp.LlamaCppModel`` instead (CPU only; the GGUF's own
     quantization, so ``dtype`` does not apply; ``quant`` is one of LLAMACPP_QUANTS there, a requantized copy).

@@ -296,3 +296,28 @@ def test_align_and_hub_companions_download_only_when_allowed(flag, expected, mon
     with pytest.raises(ValueError, match="stopped before loading"):
         companion.load_companion("some/companion", tiny_model(), allow_download=expected)
     assert loads == [("some/model", expected), ("some/companion", expected)]
+
+
+class ByteTokenizer:
+    """Token i is byte i: a multi-byte character spans tokens, as in byte-level BPE. Records the longest decode."""
+
+    longest = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.longest = max(self.longest, len(ids))
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3])
+def test_the_streamed_text_is_the_rows_text_up_to_a_cut_last_character(chunk, capsys):
+    """Every character arrives whole, and a row that ends inside a character prints what its text holds (U+FFFD)
+    instead of dropping it; over a long row the decoded window stays short."""
+    row = list(("héllo wörld ✓ " * 40).encode()) + ["é".encode()[0]]  # ends on the first byte of a character
+    tokenizer = ByteTokenizer()
+    stream = progress_cli.Streamer(tokenizer)
+    for start in range(0, len(row), chunk):
+        stream(0, row[start : start + chunk])
+    stream.close()
+    text = bytes(row).decode("utf-8", errors="replace")
+    assert text.endswith("\ufffd") and capsys.readouterr().out == text + "\n"
+    assert tokenizer.longest <= 2 * progress_cli.Streamer.WINDOW + chunk + 3 < len(row)

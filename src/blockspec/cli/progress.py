@@ -41,20 +41,35 @@ def watch_prefill(model, progress: PrefillProgress) -> None:
 
 
 class Streamer:
-    """Prints a single row's text as its tokens are accepted (decoding the whole row keeps multi-byte
-    characters split across tokens intact)."""
+    """Prints a single row's text as its tokens are accepted. It decodes a window of the row's latest tokens, not
+    the whole row (which would cost O(n^2) over a long answer): the window starts WINDOW tokens back, at a point
+    already printed, so a multi-byte character split across tokens comes out whole. A character still incomplete
+    when the row ends is printed as the decoded text has it (U+FFFD), so the printed text is ``result.texts``."""
+
+    WINDOW = 64  # tokens kept as the decoding window's context once printed
 
     def __init__(self, tokenizer):
         self.tokenizer, self.tokens, self.shown = tokenizer, [], ""
 
     def __call__(self, row: int, tokens: list[int]) -> None:
         self.tokens += tokens
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        text = self._decode()
         if text.endswith("\ufffd"):  # an incomplete character: wait for the next tokens
             return
+        self._write(text)
+        if len(self.tokens) > 2 * self.WINDOW:  # everything is printed: keep only the window's context
+            self.tokens = self.tokens[-self.WINDOW :]
+            self.shown = self._decode()
+
+    def close(self) -> None:
+        self._write(self._decode())
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+    def _decode(self) -> str:
+        return self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+
+    def _write(self, text: str) -> None:
         sys.stdout.write(text[len(self.shown) :])
         sys.stdout.flush()
         self.shown = text
-
-    def close(self) -> None:
-        sys.stdout.write("\n")

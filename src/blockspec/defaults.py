@@ -11,6 +11,7 @@ LLAMACPP_QUANTS = ("q4_0",)  # llama.cpp requantizations of a whole GGUF (blocks
 BACKENDS = ("llamacpp", "hf")  # who runs a model: llama.cpp on the GGUF as it is, or transformers (models.load_model)
 RULE = "block"  # the verification rule: optimal in expected accepted tokens (Sun et al.)
 MAX_DRAFT = 4  # tokens a step drafts per row under a fixed length (and the most SV drafts)
+DRAFT_LIMIT = 64  # the most --max-draft accepts: a longer draft costs more than any acceptance pays back
 ADAPTIVE_MAX_DRAFT = 8  # the most a step drafts when the length adapts to measured latency (AdaptiveLength)
 COMPANION = "prefix:8"  # SV's companion: the target's own first 8 layers (shared weights)
 SV_PREDICTOR = "draft"  # SV's features: draft-only (no companion forward)

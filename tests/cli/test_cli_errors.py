@@ -173,3 +173,11 @@ def test_bench_on_llamacpp_refuses_transformers_only_configurations_before_loadi
     out = str(tmp_path / "bench")
     assert cli.main(["bench", "--backend", "llamacpp", "--configs", "target-only", "hf-assisted", "--out", out]) == 2
     assert "hf-assisted run on transformers only" in error_line(capsys) and loads == []
+
+
+@pytest.mark.parametrize("command", [["generate", "hello"], ["bench"], ["sv", "calibrate"]])
+def test_a_draft_length_past_the_limit_is_refused_by_the_parser(command, loads, capsys):
+    """A huge --max-draft once made the adaptive policy spin for minutes before anything loaded."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([*command, "--max-draft", "1000000000"])
+    assert exit_.value.code == 2 and "must be an integer <= 64" in capsys.readouterr().err and loads == []

@@ -41,7 +41,11 @@ def add_parser(sub) -> None:
     bench.add_argument("--datasets", nargs="+", help="prompt sets (blockspec.bench.datasets.DATASETS)")
     bench.add_argument("--prompts", type=int_at_least(1), dest="prompts_per_dataset", help="prompts per dataset")
     bench.add_argument(
-        "--max-draft", type=int_at_least(1), nargs="+", dest="max_drafts", help="draft lengths K to compare"
+        "--max-draft",
+        type=int_at_least(1, defaults.DRAFT_LIMIT),
+        nargs="+",
+        dest="max_drafts",
+        help="draft lengths K to compare",
     )
     bench.add_argument("--temperatures", type=float, nargs="+", help="sampling temperatures (0 = greedy)")
     bench.add_argument(

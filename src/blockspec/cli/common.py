@@ -15,8 +15,8 @@ NO_CHAT_HELP = "send prompts raw instead of in the model's chat template"
 TIME_BUDGET_HELP = "seconds; stop scheduling runs after this (run again to resume)"
 
 
-def int_at_least(minimum: int):
-    """An argparse type: an integer >= ``minimum``."""
+def int_at_least(minimum: int, maximum: int | None = None):
+    """An argparse type: an integer >= ``minimum`` (and <= ``maximum``, if given)."""
 
     def parse(text: str) -> int:
         try:
@@ -25,6 +25,8 @@ def int_at_least(minimum: int):
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be an integer <= {maximum}, got {value}")
         return value
 
     return parse

@@ -103,7 +103,7 @@ def add_parser(sub) -> None:
     )
     gen.add_argument(
         "--max-draft",
-        type=int_at_least(1),
+        type=int_at_least(1, defaults.DRAFT_LIMIT),
         help=f"K, tokens drafted per step (fixed), or the most a step drafts (default: {defaults.MAX_DRAFT}; "
         f"auto: {defaults.ADAPTIVE_MAX_DRAFT})",
     )

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..defaults import BACKENDS, COMPANION, DRAFT, DTYPES, SV_BATCH_SIZES, SV_PREDICTOR, TARGET
+from ..defaults import BACKENDS, COMPANION, DRAFT, DRAFT_LIMIT, DTYPES, SV_BATCH_SIZES, SV_PREDICTOR, TARGET
 from ..policy.profiles import latency_path, profile_path, sampling_key, sv_dir  # stdlib only: no torch
 from . import sv_replay
 from .common import ALLOW_DOWNLOAD_HELP, BACKEND_HELP, DEVICE_HELP, int_at_least
@@ -93,7 +93,10 @@ def add_parser(sub) -> None:
     calibrate.add_argument("--prompts", type=int_at_least(1), default=24, help="(default: %(default)s)")
     calibrate.add_argument("--max-new-tokens", type=int_at_least(1), default=64, help="(default: %(default)s)")
     calibrate.add_argument(
-        "--max-draft", type=int_at_least(1), default=8, help="K drafted and recorded per step (default: %(default)s)"
+        "--max-draft",
+        type=int_at_least(1, DRAFT_LIMIT),
+        default=8,
+        help="K drafted and recorded per step (default: %(default)s)",
     )
     calibrate.add_argument("--batch-size", type=int_at_least(1), default=4, help="(default: %(default)s)")
     calibrate.add_argument("--temperature", type=float, default=1.0, help="(default: %(default)s)")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ..defaults import ADAPTIVE_MAX_DRAFT
@@ -80,7 +82,7 @@ class AdaptiveLength(FixedLength):
         has not read) and the target's forward over K + 1 tokens, from ``latency``. Where even the prior cannot
         pay for a draft (a machine on which a multi-token forward costs nearly as much per token as a plain step),
         it is 0 from the first step and stays 0: the caller can say so."""
-        emitted = [sum(self.acceptance**i for i in range(k + 1)) for k in range(self.max_draft + 1)]
+        emitted = list(itertools.accumulate(self.acceptance**i for i in range(self.max_draft + 1)))  # O(K)
         goodput = [
             emitted[k]
             / (self.latency.drafting(batch, k, catch_up, companion=False) + self.latency.target(batch, 1 + k))

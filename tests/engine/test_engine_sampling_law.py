@@ -26,14 +26,14 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
-from kits import lawkit
+from kits import enginekit, lawkit
 from kits.tiny import perturbed, tiny_model
 
 from blockspec import SamplingParams, SpeculativeDecoder, checks
 from blockspec.drafting import DraftProposer
 from blockspec.drafting import proposer as proposer_module
 from blockspec.sampling import process
-from blockspec.verify import SAMPLED_RULES, accepted_length_law, expected_accepted, final_distributions
+from blockspec.verify import SAMPLED_RULES, expected_accepted
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -183,43 +183,15 @@ def engine_law(
     and of the emitted token given the block are its closed forms (blockspec.verify); k = 0 is a plain target step.
     With ``draft_reported`` = ``draft_sampled`` this is the correct engine and must be the target's law.
     """
-    law = torch.zeros([VOCAB] * LENGTH, dtype=torch.float64)
-
-    def visit(prefix: tuple[int, ...], mass: float) -> None:
-        done = len(prefix)
-        if done == LENGTH:
-            law[prefix] += mass
-            return
-        context = torch.tensor(prefix, dtype=torch.long).reshape(1, done)
-        width = min(DRAFT_LEN, LENGTH - 1 - done)
-        if width == 0:
-            for token, prob in enumerate(_at(target, context)[0].tolist()):
-                if prob > 0:
-                    visit(prefix + (token,), mass * prob)
-            return
-        blocks = lawkit.all_blocks(VOCAB, width)  # [N, k]
-        contexts = [torch.cat([context.expand(len(blocks), -1), blocks[:, :i]], 1) for i in range(width + 1)]
-        sampled = torch.stack([_at(draft_sampled, contexts[i]) for i in range(width)], 1)  # [N, k, V]
-        block_prob = sampled.gather(-1, blocks[..., None]).squeeze(-1).prod(-1)  # [N]
-        drafted = block_prob > 0
-        blocks, block_prob = blocks[drafted], block_prob[drafted]
-        reported = torch.stack([_at(draft_reported, contexts[i][drafted]) for i in range(width)], 1)
-        target_probs = torch.stack([_at(target, contexts[i][drafted]) for i in range(width + 1)], 1)
-        # A drafted token the reported draft gives 0 would make the verifier divide 0 by 0 where the target gives 0
-        # too: the controls are chosen so that it never happens (their law is then well defined).
-        assert bool((reported.gather(-1, blocks[..., None]) > 0).all()), "a drafted token is reported impossible"
-        tau_law = accepted_length_law(blocks, reported, target_probs, rule, validate=False)  # [N, k+1]
-        final = final_distributions(blocks, reported, target_probs, rule, validate=False)  # [N, k+1, V]
-        for b, block in enumerate(blocks.tolist()):
-            for tau in range(width + 1):
-                step_mass = float(block_prob[b] * tau_law[b, tau])
-                if step_mass > 0:
-                    for token, prob in enumerate(final[b, tau].tolist()):
-                        if prob > 0:
-                            visit(prefix + tuple(block[:tau]) + (token,), mass * step_mass * prob)
-
-    visit((), 1.0)
-    return law
+    return enginekit.engine_law(
+        VOCAB,
+        LENGTH,
+        DRAFT_LEN,
+        lambda contexts: _at(target, contexts),
+        lambda contexts: _at(draft_sampled, contexts),
+        rule,
+        reported=lambda contexts: _at(draft_reported, contexts),
+    )
 
 
 def first_step_accepted(target: list[torch.Tensor], draft: list[torch.Tensor], rule: str) -> float:

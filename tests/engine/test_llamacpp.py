@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kits import lawkit
+from kits import enginekit, lawkit
 from kits.svkit import hand_profile, profile
 from kits.tiny import VOCAB, perturbed, tiny_model
 from kits.tinygguf import save_gguf
@@ -41,7 +41,7 @@ from blockspec.models import llamacpp
 from blockspec.models.llamacpp import MAX_ROWS, LlamaCppModel
 from blockspec.policy import AdaptiveLength, SVPolicy
 from blockspec.sampling import process
-from blockspec.verify import RULES, accepted_length_law, final_distributions
+from blockspec.verify import RULES
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
@@ -387,38 +387,10 @@ def engine_law(tables: lawkit.Tables, rule: str, shift: bool) -> torch.Tensor:
     after g tokens a step drafts k = min(DRAFT_LEN, LENGTH - 1 - g) tokens from the draft table and verifies them
     through the rule's closed forms (k = 0: a plain target step). ``shift``: the verifier is handed each row's target
     distributions rotated by one position (``shifted_within_rows``). Unshifted, this must be the target's law."""
-    vocab = tables.vocab
-    law = torch.zeros([vocab] * LENGTH, dtype=torch.float64)
-
-    def visit(prefix: tuple[int, ...], mass: float) -> None:
-        done = len(prefix)
-        if done == LENGTH:
-            law[prefix] += mass
-            return
-        context = torch.tensor(prefix, dtype=torch.long).reshape(1, done)
-        width = min(DRAFT_LEN, LENGTH - 1 - done)
-        if width == 0:
-            for token, prob in enumerate(tables.target_at(context)[0].tolist()):
-                visit(prefix + (token,), mass * prob)
-            return
-        blocks = lawkit.all_blocks(vocab, width)  # [N, k]
-        paths = torch.cat([context.expand(len(blocks), -1), blocks], 1)  # [N, g + k]
-        draft_probs = torch.stack([tables.draft_at(paths[:, : done + i]) for i in range(width)], 1)  # [N, k, V]
-        target_probs = torch.stack([tables.target_at(paths[:, : done + i]) for i in range(width + 1)], 1)
-        if shift:
-            target_probs = target_probs.roll(1, dims=1)  # every row verifies all k: the whole width rotates
-        block_prob = draft_probs.gather(-1, blocks[..., None]).squeeze(-1).prod(-1)  # [N]
-        tau_law = accepted_length_law(blocks, draft_probs, target_probs, rule, validate=False)  # [N, k+1]
-        final = final_distributions(blocks, draft_probs, target_probs, rule, validate=False)  # [N, k+1, V]
-        for b, block in enumerate(blocks.tolist()):
-            for tau in range(width + 1):
-                step = float(block_prob[b] * tau_law[b, tau])
-                if step > 0:
-                    for token, prob in enumerate(final[b, tau].tolist()):
-                        visit(prefix + tuple(block[:tau]) + (token,), mass * step * prob)
-
-    visit((), 1.0)
-    return law
+    rotated = (lambda target: target.roll(1, dims=1)) if shift else None  # every row verifies all k: the width rotates
+    return enginekit.engine_law(
+        tables.vocab, LENGTH, DRAFT_LEN, tables.target_at, tables.draft_at, rule, verified=rotated
+    )
 
 
 def shifted_within_rows(verify):

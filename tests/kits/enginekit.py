@@ -1,10 +1,18 @@
-"""The engine's references: plain greedy decoding by transformers, and a plausible engine bug (``off_by_one``)."""
+"""The engine's references: plain greedy decoding by transformers, the exact law of the engine's first tokens
+(``engine_law``), and a plausible engine bug (``off_by_one``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from blockspec.verify import accepted_length_law, final_distributions
+
+from . import lawkit
 from .tiny import EOS
+
+Table = Callable[[torch.Tensor], torch.Tensor]  # contexts [N, L] (continuations of the prompt) -> probs [N, V]
 
 
 def reference_greedy(target, prompt, max_new_tokens, eos: int | None = EOS):
@@ -21,3 +29,62 @@ def off_by_one(verify):
         return verify(draft_tokens, draft_probs, target_probs.roll(1, dims=1), **kwargs)
 
     return broken
+
+
+def engine_law(
+    vocab: int,
+    length: int,
+    draft_len: int,
+    target: Table,
+    draft: Table,
+    rule: str,
+    *,
+    reported: Table | None = None,
+    verified: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The exact joint law [vocab] * length of the engine's first ``length`` tokens, step by step as the engine runs
+    them. After g tokens a step drafts k = min(draft_len, length - 1 - g) tokens from ``draft`` (the engine leaves
+    room for the step's own last token) and verifies them through the rule's closed forms (blockspec.verify), handed
+    the draft probabilities of ``reported`` (default: ``draft``) and the target's [N, k+1, V] as ``verified`` turns
+    them (default: as they are); k = 0 is a plain target step. Without ``reported`` and ``verified`` this is the
+    correct engine and must be the target's law; with them, a subtly wrong one."""
+    reported = reported or draft
+    law = torch.zeros([vocab] * length, dtype=torch.float64)
+
+    def visit(prefix: tuple[int, ...], mass: float) -> None:
+        done = len(prefix)
+        if done == length:
+            law[prefix] += mass
+            return
+        context = torch.tensor(prefix, dtype=torch.long).reshape(1, done)
+        width = min(draft_len, length - 1 - done)
+        if width == 0:
+            for token, prob in enumerate(target(context)[0].tolist()):
+                if prob > 0:
+                    visit(prefix + (token,), mass * prob)
+            return
+        blocks = lawkit.all_blocks(vocab, width)  # [N, k]
+        contexts = [torch.cat([context.expand(len(blocks), -1), blocks[:, :i]], 1) for i in range(width + 1)]
+        sampled = torch.stack([draft(contexts[i]) for i in range(width)], 1)  # [N, k, V]
+        block_prob = sampled.gather(-1, blocks[..., None]).squeeze(-1).prod(-1)  # [N]
+        drafted = block_prob > 0
+        blocks, block_prob = blocks[drafted], block_prob[drafted]
+        told = torch.stack([reported(contexts[i][drafted]) for i in range(width)], 1)
+        target_probs = torch.stack([target(contexts[i][drafted]) for i in range(width + 1)], 1)
+        if verified is not None:
+            target_probs = verified(target_probs)
+        # A drafted token the reported draft gives 0 would make the verifier divide 0 by 0 where the target gives 0
+        # too: the controls are chosen so that it never happens (their law is then well defined).
+        assert bool((told.gather(-1, blocks[..., None]) > 0).all()), "a drafted token is reported impossible"
+        tau_law = accepted_length_law(blocks, told, target_probs, rule, validate=False)  # [N, k+1]
+        final = final_distributions(blocks, told, target_probs, rule, validate=False)  # [N, k+1, V]
+        for b, block in enumerate(blocks.tolist()):
+            for tau in range(width + 1):
+                step_mass = float(block_prob[b] * tau_law[b, tau])
+                if step_mass > 0:
+                    for token, prob in enumerate(final[b, tau].tolist()):
+                        if prob > 0:
+                            visit(prefix + tuple(block[:tau]) + (token,), mass * step_mass * prob)
+
+    visit((), 1.0)
+    return law

@@ -175,6 +175,10 @@ def generate(config: GenerateConfig) -> int:
             raise ValueError(f"--drafter {config.drafter} needs --policy fixed or auto, and no --draft {NO_DRAFT}")
         if config.drafter == "lookup":  # no draft model: the lengths of lookup proposals adapt on their own
             config = replace(config, draft=None, policy="fixed")
+    if config.policy == "sv":  # SV's profiles are keyed by the companion they were made with: transformers only
+        if config.backend == "llamacpp":
+            raise ValueError("--policy sv runs on --backend hf: its profiles are made there (blockspec sv)")
+        config = replace(config, backend="hf")
     config = replace(config, backend=resolve_backend(config.backend, config.device, config.target, config.draft))
     if config.backend == "hf":
         if config.draft_quant in LLAMACPP_QUANTS:
@@ -282,17 +286,14 @@ def _resolve_arithmetic(config: GenerateConfig, device) -> GenerateConfig:
 
 def _llamacpp_arithmetic(config: GenerateConfig) -> GenerateConfig:
     """``config`` on llama.cpp: the GGUF's own types, the draft in q4_0 for ``--draft-quant auto`` (a cheaper draft
-    pays on llama.cpp's kernels, docs/results.md; not under SV, whose latency profile times the draft as it is);
-    refuses what only transformers runs."""
+    pays on llama.cpp's kernels, docs/results.md); refuses what only transformers runs."""
     if config.target_quant != "none" or config.draft_quant not in ("auto", "none", *LLAMACPP_QUANTS):
         raise ValueError(
             "on llama.cpp the target runs the GGUF's own types and --draft-quant is one of "
             f"{', '.join(('auto', 'none', *LLAMACPP_QUANTS))}"
         )
-    if config.policy == "sv" and config.sv_predictor == "companion":
-        raise ValueError("SV's companion predictor runs on --backend hf only; use --sv-predictor draft")
     if config.draft_quant == "auto":
-        return replace(config, draft_quant="none" if config.policy == "sv" else LLAMACPP_QUANTS[0])
+        return replace(config, draft_quant=LLAMACPP_QUANTS[0])
     return config
 
 

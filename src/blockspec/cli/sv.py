@@ -12,10 +12,10 @@ import json
 import sys
 from pathlib import Path
 
-from ..defaults import BACKENDS, COMPANION, DRAFT, DRAFT_LIMIT, DTYPES, SV_BATCH_SIZES, SV_PREDICTOR, TARGET
+from ..defaults import COMPANION, DRAFT, DRAFT_LIMIT, DTYPES, SV_BATCH_SIZES, SV_PREDICTOR, TARGET
 from ..policy.profiles import latency_path, profile_path, sampling_key, sv_dir  # stdlib only: no torch
 from . import sv_replay
-from .common import ALLOW_DOWNLOAD_HELP, BACKEND_HELP, DEVICE_HELP, int_at_least
+from .common import ALLOW_DOWNLOAD_HELP, DEVICE_HELP, int_at_least
 
 COMPANION_HELP = "prefix:K (the target's first K layers) or a model sharing the target's tokenizer"
 
@@ -56,7 +56,6 @@ def add_parser(sub) -> None:
         "and save the table.",
     )
     _model_arguments(profile)
-    profile.add_argument("--backend", default="auto", choices=["auto", *BACKENDS], help=BACKEND_HELP)
     profile.add_argument("--companion", default=COMPANION, help="(default: %(default)s); none: no companion")
     profile.add_argument(
         "--batch-sizes", type=int_at_least(1), nargs="+", default=list(SV_BATCH_SIZES), help="(default: %(default)s)"
@@ -118,20 +117,6 @@ def _model_arguments(parser) -> None:
     parser.add_argument("--allow-download", action="store_true", help=ALLOW_DOWNLOAD_HELP)
 
 
-def _load_models(args, backend: str):
-    """(target, draft, the backend they run on) for ``sv profile`` and ``sv calibrate`` (on transformers: the
-    acceptance it calibrates is the models', whoever runs them, and its companion runs on transformers only)."""
-    from ..models.hf import load_model, resolve_backend, resolve_device
-
-    resolve_device(args.device)  # a device torch cannot use is refused before the models load
-    backend = resolve_backend(backend, args.device, args.target, args.draft)
-    target, draft = (
-        load_model(name, dtype=args.dtype, device=args.device, allow_download=args.allow_download, backend=backend)
-        for name in (args.target, args.draft)
-    )
-    return target, draft, backend
-
-
 def build_policy(config, target, sampling):
     """(SVPolicy, companion model or None) for ``blockspec generate --policy sv``: the profiles saved for the
     model names the user typed (a quantized draft keeps its name)."""
@@ -168,11 +153,12 @@ def build_policy(config, target, sampling):
 def run_profile(args) -> int:
     from ..auto import measure_profile
     from ..models.companion import load_companion
-    from ..policy.latency import dtype_name
+    from ..models.hf import load_model, resolve_device
 
-    target, draft, backend = _load_models(args, args.backend)
-    # a companion runs on transformers: on llama.cpp the profile times the target and the draft (SV's draft predictor)
-    companion_name = None if args.companion == "none" or backend != "hf" else args.companion
+    resolve_device(args.device)  # a device torch cannot use is refused before the models load
+    target = load_model(args.target, dtype=args.dtype, device=args.device, allow_download=args.allow_download)
+    draft = load_model(args.draft, dtype=args.dtype, device=args.device, allow_download=args.allow_download)
+    companion_name = None if args.companion == "none" else args.companion
     companion = (
         load_companion(companion_name, target, dtype=args.dtype, device=args.device, allow_download=args.allow_download)
         if companion_name
@@ -189,8 +175,7 @@ def run_profile(args) -> int:
     )
     # the names the other commands look the profile up by: what the user typed
     profile.meta.update(target=args.target, draft=args.draft, companion=companion_name)
-    arithmetic = dtype_name(target.dtype)  # "gguf" on llama.cpp
-    out = args.out or latency_path(args.target, args.draft, companion_name, arithmetic, str(target.device))
+    out = args.out or latency_path(args.target, args.draft, companion_name, args.dtype, str(target.device))
     out.parent.mkdir(parents=True, exist_ok=True)
     profile.save(out)
     for name, table in (("target", profile.target), ("draft", profile.draft), ("companion", profile.companion)):
@@ -211,10 +196,13 @@ def run_calibrate(args) -> int:
     from ..engine import SpeculativeDecoder
     from ..models.chat import encode_prompt
     from ..models.companion import load_companion
+    from ..models.hf import load_model, resolve_device
     from ..sampling import SamplingParams
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)  # values checked before the models load
-    target, draft, _ = _load_models(args, "hf")
+    resolve_device(args.device)
+    target = load_model(args.target, dtype=args.dtype, device=args.device, allow_download=args.allow_download)
+    draft = load_model(args.draft, dtype=args.dtype, device=args.device, allow_download=args.allow_download)
     companion = load_companion(
         args.companion, target, dtype=args.dtype, device=args.device, allow_download=args.allow_download
     )

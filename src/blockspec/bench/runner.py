@@ -52,7 +52,7 @@ class BenchConfig:
     # T_d: the draft's own temperatures, each run by the fixed-K configurations; empty: the target's temperature
     draft_temperatures: tuple[float, ...] = ()
     # who runs the models: "hf" (transformers), "llamacpp" (llama.cpp, presets and GGUF files, CPU), or "auto"
-    # (models.hf.resolve_backend); transformers' own baselines (hf-*) and SV's companion need "hf"
+    # (models.hf.resolve_backend); transformers' own baselines (hf-*) and SV (its profiles) need "hf"
     backend: str = "hf"
 
     def __post_init__(self):
@@ -381,7 +381,7 @@ def llamacpp_arithmetic(config: BenchConfig):
     from ..auto import Arithmetic
     from ..defaults import LLAMACPP_QUANTS
 
-    only_hf = sorted(set(config.configs) & {*rec.HF_CONFIGS, "block-int8", "sv-token", "sv-block"})
+    only_hf = sorted(set(config.configs) & {*rec.HF_CONFIGS, "block-int8", *rec.SV_CONFIGS})
     if only_hf or config.target_quant is not None:
         raise ValueError(
             f"{', '.join(only_hf) or '--target-quant'} run on transformers only: leave them out with --backend llamacpp"

@@ -77,7 +77,12 @@ def broken(what: str):
         return (x, d, t), kwargs, "randomness.uniforms must lie in [0, 1)"
     if what == "exponentials":
         kwargs["randomness"] = Randomness(torch.zeros(B, K, dtype=t.dtype), torch.zeros(B, V, dtype=t.dtype))
-        return (x, d, t), kwargs, "randomness.exponentials must be > 0"
+        return (x, d, t), kwargs, "randomness.exponentials must be finite and > 0"
+    if what == "infinite exponentials":  # all infinite: the race's argmax returns token 0, of target probability 0
+        exponentials = torch.ones(B, V, dtype=t.dtype)
+        exponentials[1] = torch.inf
+        kwargs["randomness"] = Randomness(torch.zeros(B, K, dtype=t.dtype), exponentials)
+        return (x, d, t), kwargs, "randomness.exponentials must be finite and > 0"
     raise AssertionError(what)
 
 
@@ -100,6 +105,7 @@ CASES = [
     "uniforms shape",
     "uniforms range",
     "exponentials",
+    "infinite exponentials",
 ]
 
 

@@ -309,12 +309,15 @@ def _check_values(draft_tokens, draft_probs, target_probs, num_verified, randomn
 
 
 def check_randomness_values(randomness: Randomness) -> None:
-    """Uniforms in [0, 1) and exponentials > 0 (NaN fails both)."""
+    """Uniforms in [0, 1) and exponentials finite and > 0 (NaN fails both). An infinite exponential never wins the
+    final token's race; where every possible token's is infinite, the race's argmax over all-zero ratios returns
+    token 0, of probability 0 perhaps."""
     u = randomness.uniforms
     if bool(((u < 0) | (u >= 1) | u.isnan()).any()):
         raise ValueError("randomness.uniforms must lie in [0, 1)")
-    if bool((~(randomness.exponentials > 0)).any()):
-        raise ValueError("randomness.exponentials must be > 0")
+    exponentials = randomness.exponentials
+    if bool((~((exponentials > 0) & exponentials.isfinite())).any()):
+        raise ValueError("randomness.exponentials must be finite and > 0")
 
 
 def check_distributions(name: str, probs: torch.Tensor, used: torch.Tensor) -> None:

@@ -8,10 +8,14 @@ from collections.abc import Iterable, Sequence
 class Stopper:
     """Cuts each step's new tokens where the row ends.
 
-    Stop strings are looked for in the text of a window: the new tokens and, before them, as many generated
-    tokens as the longest stop string has UTF-8 bytes, plus 3 (a token carries at least one byte, and the
-    window's first character may be cut: a UTF-8 character spans at most 4 bytes). A stop string that ends in
-    the new tokens lies inside that window, so a step decodes a bounded number of tokens however long the row.
+    Stop strings are matched on the text the user gets (``GenerationResult.texts``: special tokens skipped), less
+    a last character still cut (its U+FFFD stands for bytes a later token may complete; a stop string waits for
+    the token that settles it). They are looked for first in the text of a window: the new tokens and, before
+    them, as many generated tokens as the longest stop string has UTF-8 bytes, plus 3 (a token carries at least
+    one byte, and the window's first character may be cut: a UTF-8 character spans at most 4 bytes). A stop
+    string that ends in the new tokens lies inside that window, so a step decodes a bounded number of tokens
+    however long the row; only a match there (which a cut first character could fake) is checked on the row's
+    whole text.
     """
 
     def __init__(self, eos_ids: Iterable[int], tokenizer, stop_strings: Sequence[str], limit: int):
@@ -29,10 +33,14 @@ class Stopper:
         if self.stop_strings:
             before = generated[-self.window :]
             for n in range(1, len(new) + 1):  # the shortest prefix whose text completes a stop string
-                text = self.tokenizer.decode(before + new[:n])
-                if any(s in text for s in self.stop_strings):
+                if self._stops(before + new[:n]) and self._stops(generated + new[:n]):
                     new, reason = new[:n], "stop"
                     break
         if len(generated) + len(new) >= self.limit:
             new, reason = new[: self.limit - len(generated)], reason or "length"
         return new, reason
+
+    def _stops(self, tokens: list[int]) -> bool:
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        settled = text.rstrip("\ufffd")  # a cut last character decodes as U+FFFD until its bytes are complete
+        return any(s in settled for s in self.stop_strings)

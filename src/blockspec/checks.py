@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import operator
 import secrets
-from collections.abc import Mapping, Sequence, Set
+import threading
+from collections.abc import Iterator, Mapping, Sequence, Set
+from contextlib import contextmanager
 
 import torch
 
@@ -81,6 +83,8 @@ def stop_strings_of(stop_strings, tokenizer) -> tuple[str, ...]:
         raise TypeError(f"stop_strings must be a list of strings, got {strings!r}")
     if any(s == "" for s in strings):
         raise ValueError("stop_strings holds an empty string, which would end every row after one token")
+    for n, string in enumerate(strings):
+        check_text(string, f"stop string {n}")
     if strings and tokenizer is None:
         raise ValueError("stop_strings need a tokenizer to decode the generated text")
     return strings
@@ -94,6 +98,7 @@ def encode_prompts(prompts, tokenizer, vocab: int, chat: bool) -> list[list[int]
     sequences = []
     for b, prompt in enumerate(prompts):
         if isinstance(prompt, str):
+            check_text(prompt, f"prompt {b}")
             if tokenizer is None:
                 raise ValueError("string prompts need a tokenizer: pass token ids, or models with tokenizers")
             prompt = encode_prompt(tokenizer, prompt, chat=chat)
@@ -111,6 +116,19 @@ def encode_prompts(prompts, tokenizer, vocab: int, chat: bool) -> list[list[int]
             raise ValueError(f"prompt {b} has token ids outside the vocabulary [0, {vocab})")
         sequences.append(prompt)
     return sequences
+
+
+def check_text(text: str, what: str) -> None:
+    """Refuse a string that is not valid Unicode text: a lone surrogate (from a file or an argument that was not
+    valid UTF-8, which Python reads as U+DC80..U+DCFF) would reach the tokenizer as something else."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        character = text[error.start]
+        raise ValueError(
+            f"{what} is not valid UTF-8 text: character {error.start} is U+{ord(character):04X}, a lone surrogate "
+            "(a byte that is not UTF-8, or half of a UTF-16 pair); give the text as UTF-8"
+        ) from None
 
 
 def token_id(token, row: int) -> int:
@@ -135,8 +153,12 @@ def check_context(sequences: list[list[int]], max_new_tokens: int, target: Langu
             )
 
 
+SEEDS = 2**64  # torch.Generator takes seeds in [0, 2**64); it would alias a negative seed with seed + 2**64
+
+
 def row_seeds(seed, batch: int) -> list[int]:
-    """One seed per row: ``seed + b`` for an int, the given ones for a list, random ones for None."""
+    """One seed per row: ``seed + b`` for an int, the given ones for a list, random ones for None; each in
+    [0, 2**64)."""
     if seed is None:
         return [secrets.randbits(63) for _ in range(batch)]
     # an int, a NumPy integer or a 0-d array or tensor is one seed; a list, an array or a tensor holds one per prompt
@@ -145,13 +167,45 @@ def row_seeds(seed, batch: int) -> list[int]:
     if isinstance(seed, str | bytes | bool) or not usable:
         raise TypeError(f"seed must be an int or one int per prompt, got {seed!r} ({type(seed).__name__})")
     if scalar:
-        return [operator.index(seed) + b for b in range(batch)]
+        first = operator.index(seed)
+        if not 0 <= first <= SEEDS - batch:
+            raise ValueError(
+                f"seed {first} is out of range: row b uses seed + b, so for {batch} prompt(s) the seed must lie in "
+                f"[0, 2**64 - {batch}] = [0, {SEEDS - batch}]"
+            )
+        return [first + b for b in range(batch)]
     if any(isinstance(s, bool) or not hasattr(s, "__index__") for s in seed):
         raise TypeError(f"seed must be an int or one int per prompt, got {seed!r}")
     seeds = [operator.index(s) for s in seed]
     if len(seeds) != batch:
         raise ValueError(f"seed must be an int or one int per prompt ({batch}), got {len(seeds)}")
+    for b, row_seed in enumerate(seeds):
+        if not 0 <= row_seed < SEEDS:
+            raise ValueError(f"the seed of prompt {b}, {row_seed}, is out of range: seeds lie in [0, 2**64 - 1]")
     return seeds
+
+
+_IN_USE: set[int] = set()  # id() of every model adapter a generate call is running on, in any thread
+_IN_USE_LOCK = threading.Lock()
+
+
+@contextmanager
+def exclusive(*models: LanguageModel | None) -> Iterator[None]:
+    """Hold ``models`` for one generate call: a model adapter keeps one call's rows in its KV cache, so a second
+    call on it (another thread, or a callback of the first) is refused instead of corrupting both."""
+    ids = {id(m) for m in models if m is not None}
+    with _IN_USE_LOCK:
+        if ids & _IN_USE:
+            raise RuntimeError(
+                "these models are already generating (another thread, or a callback of a running generate): a "
+                "model's KV cache holds one call's rows; give each thread its own SpeculativeDecoder and models"
+            )
+        _IN_USE.update(ids)
+    try:
+        yield
+    finally:
+        with _IN_USE_LOCK:
+            _IN_USE.difference_update(ids)
 
 
 def probabilities(

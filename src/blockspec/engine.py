@@ -60,8 +60,9 @@ class SpeculativeDecoder:
         checks.refuse_shared_adapters(self.target, self.draft, self.companion)
         self.rule, self.lookup = rule, lookup
         self.sv = policy == "sv"  # resolved per call: an SV calibration is specific to the call's sampling
-        fixed = FixedLength(max_draft if self.draft is not None else 0)
-        self.policy: LengthPolicy = policy if isinstance(policy, LengthPolicy) else fixed
+        self.policy: LengthPolicy = (
+            policy if isinstance(policy, LengthPolicy) else FixedLength(max_draft if self.draft is not None else 0)
+        )
         # the widest step, what each step draws randomness for: the model's drafts or the longest lookup proposal
         self.max_draft = max(self.policy.max_draft if self.draft else 0, lookup.max_draft if lookup else 0)
         context = self.target.max_length
@@ -100,17 +101,34 @@ class SpeculativeDecoder:
         never depends on its neighbours. ``stop_strings``: a row ends right after the first of them appears in its
         text. ``on_tokens(i, tokens)`` streams the tokens of prompt i as they are committed; ``on_step`` observes
         each step (``StepObserver``). ``draft_sampling``: the draft's own temperature / top-k / top-p (default:
-        ``sampling``); any choice stays lossless. docs/guide/library.md says more.
+        ``sampling``); any choice stays lossless. One call at a time runs on a decoder's models (a RuntimeError
+        says so otherwise): a thread needs its own decoder and models. docs/guide/library.md says more.
         """
         check_unsupported(options)
         checks.check_generate(max_new_tokens, self.rule, sampling, draft_sampling)
+        max_new_tokens = int(max_new_tokens)  # a NumPy integer is stored as Python's
         stop_strings = checks.stop_strings_of(stop_strings, self.tokenizer)
         sequences = checks.encode_prompts(prompts, self.tokenizer, self.vocab, chat)
         checks.check_context(sequences, max_new_tokens, self.target)
         batch = Batch(sequences, checks.row_seeds(seed, len(sequences)))
         eos = self.target.eos_token_ids if stop_on_eos else ()
         stopper = Stopper(eos, self.tokenizer, stop_strings, max_new_tokens)
-        proposer = self._proposer(len(sequences), sampling, draft_sampling or sampling)
+        with checks.exclusive(self.target, self.draft, self.companion):
+            proposer = self._proposer(len(sequences), sampling, draft_sampling or sampling)
+            return self._decode(batch, proposer, stopper, sampling, on_tokens, on_step)
+
+    def _decode(
+        self,
+        batch: Batch,
+        proposer: DraftProposer,
+        stopper: Stopper,
+        sampling: SamplingParams,
+        on_tokens: Callable[[int, list[int]], None] | None,
+        on_step: StepObserver | None,
+    ) -> GenerationResult:
+        """The loop, from the prefill of ``batch``'s prompts until every row has ended."""
+        max_new_tokens = stopper.limit
+        sequences = batch.contexts()
         rule = get_rule("greedy" if sampling.greedy else self.rule)
         device = self.target.device  # sampling and verification run where the target's logits are
 

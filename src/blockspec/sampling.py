@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from numbers import Real
+from numbers import Integral, Real
 
 import torch
 
@@ -34,6 +34,7 @@ class SamplingParams:
             )
         if not (is_int(self.top_k) and self.top_k >= 0):
             raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
+        object.__setattr__(self, "top_k", int(self.top_k))  # a NumPy integer is stored as Python's
         if not (is_number(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p!r}")
 
@@ -43,8 +44,8 @@ class SamplingParams:
 
 
 def is_int(value) -> bool:
-    """An integer, not a bool (True would pass as 1) nor a float."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer (Python's or NumPy's), not a bool (True would pass as 1) nor a float."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
 
 
 def is_number(value) -> bool:

@@ -321,3 +321,19 @@ def test_the_streamed_text_is_the_rows_text_up_to_a_cut_last_character(chunk, ca
     text = bytes(row).decode("utf-8", errors="replace")
     assert text.endswith("\ufffd") and capsys.readouterr().out == text + "\n"
     assert tokenizer.longest <= 2 * progress_cli.Streamer.WINDOW + chunk + 3 < len(row)
+
+
+@pytest.mark.slow  # a subprocess or thousands of rows: the full suite runs it
+def test_a_closed_pipe_ends_generate_quietly(tiny_pair):
+    """`blockspec generate ... | head -c1`: the reader is gone before the first token is printed. This used to end
+    as "error: [Errno 32] Broken pipe" and exit 2, plus Python's "Exception ignored" on its last flush."""
+    target, draft = tiny_pair
+    argv = ["--target", target, "--draft", draft, "--dtype", "float32", "--max-new-tokens", "12", "abc de"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "blockspec.cli", "generate", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert process.stdout is not None
+    process.stdout.close()  # long before the models load: the first write finds no reader
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 141, err.decode()
+    assert "error" not in err.decode() and "Exception" not in err.decode()

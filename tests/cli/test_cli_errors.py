@@ -113,6 +113,21 @@ def test_a_rule_is_a_name_of_the_registry_checked_before_loading_a_model(loads, 
     assert "--rule greedy needs --temperature 0" in error_line(capsys) and loads == []
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["ab\udcffc"], "the prompt is not valid UTF-8 text: character 2 is U+DCFF"),
+        (["ok", "\udc80"], "prompt 1 is not valid UTF-8 text: character 0 is U+DC80"),
+        (["--stop", "x\ud800", "ok"], "--stop 'x\\ud800' is not valid UTF-8 text: character 1 is U+D800"),
+    ],
+)
+def test_text_that_is_not_utf8_is_refused_naming_the_character_before_loading_a_model(argv, message, loads, capsys):
+    """Arguments that are not UTF-8 reach Python as lone surrogates (U+DC80..U+DCFF), which the tokenizer would
+    turn into something else."""
+    assert cli.main(["generate", *argv]) == 2
+    assert message in error_line(capsys) and loads == []
+
+
 def test_an_unexpected_exception_is_one_line_with_its_type_and_exit_1(monkeypatch, capsys):
     def broken(args):
         raise KeyError("shape")

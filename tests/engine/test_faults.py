@@ -74,6 +74,12 @@ BAD_GENERATE = [  # decoder.generate(PROMPTS or prompts, max_new_tokens=4, **kwa
     ({"prompts": [{1: 2, 3: 4}]}, TypeError, "prompt 0 is a dict"),
     ({"prompts": [{1, 2}]}, TypeError, "prompt 0 is a set"),
     ({"prompts": [[1] * 250], "max_new_tokens": 10}, ValueError, r"250 \+ 10 = 260 exceeds the context of 256"),
+    ({"prompts": ["ab\udcffc"]}, ValueError, "prompt 0 is not valid UTF-8 text: character 2 is U[+]DCFF"),
+    ({"stop_strings": ["a\ud800"]}, ValueError, "stop string 0 is not valid UTF-8 text: character 1 is U[+]D800"),
+    ({"seed": -1}, ValueError, r"seed -1 is out of range: .* \[0, 2\*\*64 - 2\]"),  # -1 would alias 2**64 - 1
+    ({"seed": 2**64 - 1}, ValueError, "out of range: row b uses seed [+] b"),  # row 1 would overflow
+    ({"seed": [0, 2**64]}, ValueError, r"the seed of prompt 1, 18446744073709551616, is out of range"),
+    ({"seed": [-1, 0]}, ValueError, "the seed of prompt 0, -1, is out of range"),
 ]
 
 
@@ -158,6 +164,56 @@ def test_numpy_and_torch_integers_are_accepted_as_seeds_and_token_ids(pair):
         assert decoder.generate(PROMPTS, max_new_tokens=6, seed=seeds).sequences == plain
     with pytest.raises(ValueError, match="one int per prompt"):
         decoder.generate(PROMPTS, max_new_tokens=6, seed=torch.tensor([5]))  # one seed in a list is not a base seed
+
+
+def test_numpy_integers_are_accepted_wherever_python_ints_are(pair):
+    """max_new_tokens, top_k, max_draft and PromptLookup's lengths used to refuse NumPy integers."""
+    from blockspec.drafting import PromptLookup
+
+    python = SpeculativeDecoder(*pair, max_draft=3).generate(
+        PROMPTS, max_new_tokens=6, sampling=SamplingParams(top_k=3), seed=1
+    )
+    numpy = SpeculativeDecoder(*pair, max_draft=np.int64(3)).generate(
+        PROMPTS, max_new_tokens=np.int32(6), sampling=SamplingParams(top_k=np.int64(3)), seed=1
+    )
+    assert numpy.sequences == python.sequences
+    assert type(SamplingParams(top_k=np.int16(3)).top_k) is int
+    lookup = PromptLookup(max_draft=np.int64(4), initial_len=np.uint8(2))  # pyright: ignore[reportArgumentType]
+    assert lookup == PromptLookup(max_draft=4, initial_len=2)
+    with pytest.raises(ValueError, match="max_draft must be an int >= 0, got 2.5"):
+        FixedLength(2.5)  # pyright: ignore[reportArgumentType]
+
+
+def test_one_decoder_used_from_two_threads_refuses_the_second_call_clearly(pair):
+    """Two threads on one decoder corrupted each other's KV cache rows (bare assertion and index errors); now the
+    second call is refused while the first runs, and the first is unharmed."""
+    import threading
+
+    decoder = SpeculativeDecoder(*pair, max_draft=3)
+    expected = decoder.generate(PROMPTS, max_new_tokens=8, sampling=GREEDY).sequences
+    started, release, results = threading.Event(), threading.Event(), []
+
+    def hold(row, tokens):
+        started.set()
+        release.wait(timeout=60)
+
+    def first():
+        results.append(decoder.generate(PROMPTS, max_new_tokens=8, sampling=GREEDY, on_tokens=hold).sequences)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    assert started.wait(timeout=60)
+    try:
+        with pytest.raises(RuntimeError, match="already generating .* give each thread its own SpeculativeDecoder"):
+            decoder.generate(PROMPTS, max_new_tokens=8, sampling=GREEDY)
+        other = SpeculativeDecoder(decoder.target, None)  # another decoder on the same (busy) target adapter
+        with pytest.raises(RuntimeError, match="already generating"):
+            other.generate(PROMPTS, max_new_tokens=8, sampling=GREEDY)
+    finally:
+        release.set()
+        thread.join(timeout=60)
+    assert results == [expected]
+    assert decoder.generate(PROMPTS, max_new_tokens=8, sampling=GREEDY).sequences == expected  # free again
 
 
 def test_one_transformers_model_as_target_and_draft_gets_two_caches(pair):
@@ -288,15 +344,19 @@ def test_law_of_the_first_tokens_when_a_rows_drafting_is_cut_by_its_context(monk
 BYTES = [b"a", b"b", b" ", b"\xc3", b"\xa9", b"\xf0\x9f", b"\x98\x80", b"ab", b"!"]  # id -> bytes; 0xC3A9 = e-acute
 
 
+SPECIAL = len(BYTES)  # a special token, "<|end|>", which the user's text skips
+
+
 class ByteTokenizer:
     """Token i is BYTES[i]; decoding joins the bytes (a character may be split across tokens). Counts tokens."""
 
     def __init__(self):
         self.decoded = []
 
-    def decode(self, ids, **kwargs):
+    def decode(self, ids, skip_special_tokens=False):
         self.decoded.append(len(ids))
-        return b"".join(BYTES[i] for i in ids).decode("utf-8", errors="replace")
+        special = b"" if skip_special_tokens else b"<|end|>"
+        return b"".join(special if i == SPECIAL else BYTES[i] for i in ids).decode("utf-8", errors="replace")
 
 
 def stopper(stop_strings, limit=10**6):
@@ -313,9 +373,10 @@ def test_stop_strings_decode_a_bounded_window_not_the_whole_text():
 
 
 def first_stop(stop_strings, generated, new):
-    """The reference: the shortest prefix of ``new`` whose full text (generated + prefix) holds a stop string."""
+    """The reference: the shortest prefix of ``new`` whose full text (generated + prefix) holds a stop string, less
+    a last character still cut (U+FFFD until a later token completes or settles it)."""
     for n in range(1, len(new) + 1):
-        text = b"".join(BYTES[i] for i in generated + new[:n]).decode("utf-8", errors="replace")
+        text = b"".join(BYTES[i] for i in generated + new[:n]).decode("utf-8", errors="replace").rstrip("\ufffd")
         if any(s in text for s in stop_strings):
             return new[:n], "stop"
     return new, None
@@ -330,6 +391,7 @@ def first_stop(stop_strings, generated, new):
         (["a😀b"], [0, 5, 6, 1]),
         (["b é", "ab!"], [7, 8]),
         (["abababab"], [7, 0, 1, 7, 7]),
+        (["\ufffda"], [3, 0]),  # a real U+FFFD: 0xC3 followed by "a" is not UTF-8
     ],
 )
 def test_windowed_stop_strings_find_what_the_whole_text_finds(stop_strings, planted):
@@ -351,3 +413,19 @@ def test_windowed_stop_strings_find_what_the_whole_text_finds(stop_strings, plan
         assert stop.cut(generated, new) == expected, (generated, new)
         found += expected[1] == "stop"
     assert found >= 50  # the stop strings were really found, not only missed
+
+
+@pytest.mark.parametrize(
+    ("stop_strings", "generated", "new", "expected"),
+    [
+        (["end"], [0], [SPECIAL, 1], ([SPECIAL, 1], None)),  # "<|end|>" is a special token: not in the text
+        (["\ufffd"], [0], [3], ([3], None)),  # 0xC3 is the first half of e-acute, not yet a U+FFFD ...
+        (["\ufffd"], [0, 3], [4], ([4], None)),  # ... and the next token completes it
+        (["\ufffd"], [0, 3], [0, 1], ([0], "stop")),  # ... or settles it as a real U+FFFD
+        (["\ufffd"], [5, 6, 0, 0, 0, 0, 0], [0], ([0], None)),  # the window cuts the emoji's first half
+    ],
+)
+def test_stop_strings_are_matched_on_the_text_the_user_gets(stop_strings, generated, new, expected):
+    """The user's text skips special tokens, and a character cut at the end of the text (or at the start of the
+    window) is not a U+FFFD of that text: stop strings used to be matched on the decoded window as it was."""
+    assert stopper(stop_strings).cut(generated, new) == expected

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from . import align, bench, env, generate, models, sv
@@ -17,6 +18,7 @@ EXIT_STATUS = """exit status:
   2    bad input: an argument, path, device, model or profile that cannot be used (the message says which)
   1    an unexpected error, likely a bug: please report it with `blockspec env` and the `--debug` traceback
   130  interrupted (Ctrl-C)
+  141  the output's reader went away (a closed pipe, as in `| head`): nothing more to print, quietly
 """
 
 __all__ = ["build_parser", "main"]
@@ -30,6 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:
         return args.run(args)
+    except BrokenPipeError:  # `blockspec generate ... | head -c1`: the reader has what it wanted
+        if args.debug:
+            raise
+        _silence_stdout()
+        return 141
     except KeyboardInterrupt:
         if args.debug:
             raise
@@ -44,6 +51,15 @@ def main(argv: list[str] | None = None) -> int:
             message = f"{type(error).__name__}: {message}" if message else type(error).__name__
         print(f"blockspec: error: {message} (run with --debug for the traceback)", file=sys.stderr)
         return 2 if expected else 1
+
+
+def _silence_stdout() -> None:
+    """Point stdout's file descriptor at /dev/null, so that the interpreter's last flush of what is still buffered
+    for the closed pipe raises nothing more (Python's own advice for SIGPIPE)."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):  # no file descriptor underneath (an embedding program, a test)
+        pass
 
 
 def _is_user_error(error: Exception) -> bool:

@@ -156,6 +156,7 @@ def run(args) -> int:
 
 
 def generate(config: GenerateConfig) -> int:
+    from ..checks import check_text
     from ..drafting import PromptLookup
     from ..models.chat import encode_prompt
     from ..models.hf import load_model, resolve_backend, resolve_device
@@ -166,6 +167,10 @@ def generate(config: GenerateConfig) -> int:
     # a large model takes to load.
     sampling = SamplingParams(config.temperature, config.top_k, config.top_p)
     device = resolve_device(config.device)
+    for n, prompt in enumerate(config.prompts):
+        check_text(prompt, f"prompt {n}" if len(config.prompts) > 1 else "the prompt")
+    for stop in config.stop:
+        check_text(stop, f"--stop {stop!r}")
     if not RULES[config.rule].sampled and not sampling.greedy:
         raise ValueError(f"--rule {config.rule} needs --temperature 0; to sample use one of {', '.join(SAMPLED_RULES)}")
     if config.policy == "sv" and config.draft is None:

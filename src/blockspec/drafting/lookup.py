@@ -48,6 +48,7 @@ class PromptLookup:
             value = getattr(self, name)
             if not (is_int(value) and value >= 1):
                 raise ValueError(f"PromptLookup.{name} must be an int >= 1, got {value!r}")
+            object.__setattr__(self, name, int(value))  # a NumPy integer is stored as Python's
         if self.min_ngram > self.max_ngram:
             raise ValueError(f"PromptLookup.min_ngram ({self.min_ngram}) must not exceed max_ngram ({self.max_ngram})")
         if self.initial_len > self.max_draft:

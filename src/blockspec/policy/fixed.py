@@ -18,7 +18,9 @@ class FixedLength:
     needs_companion = False
 
     def __init__(self, max_draft: int):
-        self.max_draft = max_draft
+        if not (is_int(max_draft) and max_draft >= 0):
+            raise ValueError(f"max_draft must be an int >= 0, got {max_draft!r}")
+        self.max_draft = int(max_draft)  # a NumPy integer is stored as Python's
 
     def reset(self) -> None:
         pass

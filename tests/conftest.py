@@ -11,7 +11,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """A test that takes ``rule`` runs once per registered verification rule (``blockspec.verify.RULES``), one that
     takes ``sampled_rule`` once per rule with closed forms, lossless at any temperature (``SAMPLED_RULES``). The
     registry is read at collection, so a rule added to it joins the exact, statistical, property and validation
-    tests, their negative controls included, with no test edited. A test's own parametrize of the name wins."""
+    tests, their negative controls included, with no test edited. One that takes ``device`` runs on each of
+    ``devices()``. A test's own parametrize of the name wins."""
     from blockspec.verify import rules
 
     own = {
@@ -22,6 +23,16 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     for name, names in (("rule", rules.RULES), ("sampled_rule", rules.SAMPLED_RULES)):
         if name in metafunc.fixturenames and name not in own:
             metafunc.parametrize(name, list(names))
+    if "device" in metafunc.fixturenames and "device" not in own:
+        metafunc.parametrize("device", devices(), scope="module")
+
+
+def devices() -> list[str]:
+    """A test (or a module fixture) that takes ``device`` runs on the CPU, and on CUDA too where torch sees a GPU:
+    the engine's exact-law, chi-square and greedy tests then check the CUDA path with the same thresholds."""
+    import torch
+
+    return ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 
 @pytest.fixture(autouse=True, scope="session")

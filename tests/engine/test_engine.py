@@ -22,9 +22,10 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
 
 
 @pytest.fixture(scope="module")
-def pair():
+def pair(device):
     target = tiny_model(sharpness=5.0)
-    return target, perturbed(target, scale=0.3, seed=1)
+    draft = perturbed(target, scale=0.3, seed=1)
+    return target.to(device), draft.to(device)
 
 
 @pytest.mark.parametrize("rule", [*RULES, None])  # None: the target alone
@@ -40,9 +41,11 @@ def test_greedy_output_equals_plain_greedy_decoding(pair, rule, max_draft):
         assert 1.3 < result.block_efficiency < max_draft + 1 or max_draft == 1
 
 
-def test_greedy_equivalence_on_a_llama_model():
+def test_greedy_equivalence_on_a_llama_model(device):
     target = tiny_model(family="llama", sharpness=5.0, seed=3)
-    decoder = SpeculativeDecoder(target, perturbed(target, scale=0.3, seed=2), rule="block", max_draft=4)
+    draft = perturbed(target, scale=0.3, seed=2).to(device)
+    target = target.to(device)
+    decoder = SpeculativeDecoder(target, draft, rule="block", max_draft=4)
     result = decoder.generate(PROMPTS, max_new_tokens=20, sampling=GREEDY)
     assert result.sequences == [reference_greedy(target, p, 20) for p in PROMPTS]
 
@@ -113,12 +116,13 @@ def test_sampled_rows_stop_right_after_their_first_eos(pair):
 
 
 @pytest.mark.parametrize("rule", SAMPLED_RULES)
-def test_law_of_the_first_tokens_is_the_targets(rule, monkeypatch):
+def test_law_of_the_first_tokens_is_the_targets(rule, device, monkeypatch):
     """Chi-square of the joint law of the first 3 tokens (6**3 outcomes) against the exact target law; the
     same test on an engine whose verifier sees misaligned target distributions must fail."""
     vocab, length, samples = 6, 3, 6000
     target = tiny_model(vocab=vocab, sharpness=5.0)
-    draft = perturbed(target, scale=0.6, seed=1)
+    draft = perturbed(target, scale=0.6, seed=1).to(device)
+    target = target.to(device)
     law = exact_law_of_first_tokens(target, [1, 2, 3], length)
     decoder = SpeculativeDecoder(target, draft, rule=rule, max_draft=2)
 

@@ -122,21 +122,23 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def models():
+def models(device):
     target = tiny_model(vocab=VOCAB, sharpness=3.0)
-    draft = perturbed(target, scale=0.4, seed=1)
+    draft = perturbed(target, scale=0.4, seed=1).to(device)
+    target = target.to(device)
     return target, draft, logit_tables(target), logit_tables(draft)
 
 
 def logit_tables(model) -> list[torch.Tensor]:
-    """tables[L]: the model's last logits [V**L, V] float32 after PROMPT + each of the V**L continuations of length
-    L (mixed radix order, as lawkit.all_blocks), for L = 0..LENGTH-1: every context the first LENGTH tokens see."""
+    """tables[L]: the model's last logits [V**L, V] float32 (on the CPU) after PROMPT + each of the V**L continuations
+    of length L (mixed radix order, as lawkit.all_blocks), for L = 0..LENGTH-1: every context the first LENGTH
+    tokens see. The model runs on its own device: on CUDA the tables are CUDA's arithmetic, as the engine's are."""
     tables = []
     with torch.no_grad():
         for length in range(LENGTH):
             continuations = lawkit.all_blocks(VOCAB, length)
             contexts = torch.cat([torch.tensor(PROMPT).expand(len(continuations), -1), continuations], dim=1)
-            tables.append(model(contexts).logits[:, -1].float())
+            tables.append(model(contexts.to(model.device)).logits[:, -1].float().cpu())
     return tables
 
 

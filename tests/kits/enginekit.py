@@ -17,7 +17,11 @@ Table = Callable[[torch.Tensor], torch.Tensor]  # contexts [N, L] (continuations
 
 def reference_greedy(target, prompt, max_new_tokens, eos: int | None = EOS):
     out = target.generate(
-        torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0
+        torch.tensor([prompt], device=target.device),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=0,
     )
     return out[0, len(prompt) :].tolist()
 

@@ -90,7 +90,7 @@ def exact_law_of_first_tokens(
             contexts = torch.cat(
                 [torch.tensor(prompt).expand(len(prefixes), -1), prefixes.reshape(len(prefixes), i)], 1
             )
-            logits = model(contexts).logits[:, -1].double()
+            logits = model(contexts.to(model.device)).logits[:, -1].double().cpu()
             seen = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, contexts, True)
             penalised = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
             logits = torch.where(seen, penalised, logits)

@@ -4,6 +4,7 @@ golden      hand-made probabilities whose outcome is fixed, checked by hand agai
 format      tokens [B, K+1] int64 left-aligned and -1 padded, the accepted prefix is the draft's, tau bounds
 support     a token the target gives probability 0 is never emitted
 purity      same seed -> same output; explicit Randomness -> a pure function (no generator, no global RNG)
+device      on CUDA (where torch sees a GPU) the CPU's decisions and closed forms, from the same inputs
 layout      a row's output does not depend on its batch neighbours, nor on the padding of a ragged batch
 agreement   K = 1 and a one-hot target: token == block decision by decision; a one-hot draft: same law
 greedy      the argmax chain, ties to the lowest token id
@@ -269,6 +270,29 @@ def test_explicit_randomness_is_a_pure_function(rule):
     assert torch.equal(torch.random.get_rng_state(), global_state)
     after = (draft_tokens, draft, target, randomness.uniforms, randomness.exponentials)
     assert all(torch.equal(a, b) for a, b in zip(inputs, after)), "inputs must not be modified"
+
+
+def test_a_cuda_device_makes_the_cpus_decisions(rule, device):
+    if device == "cpu":
+        pytest.skip("the CPU is the reference: this runs where torch sees a GPU")
+    batch, width, vocab = 4096, 4, 7
+    draft_tokens, draft, target = random_inputs(batch, width, vocab, seed=6)
+    num_verified = torch.randint(0, width + 1, (batch,), generator=torch.Generator().manual_seed(7))
+    randomness = draw(batch, width, vocab, seed=8)
+    inputs = (draft_tokens, draft, target)
+    on_cpu = RULES[rule].verify(*inputs, num_verified=num_verified, randomness=randomness)
+    moved = Randomness(randomness.uniforms.to(device), randomness.exponentials.to(device))
+    on_device = RULES[rule].verify(
+        *(t.to(device) for t in inputs), num_verified=num_verified.to(device), randomness=moved
+    )
+    assert on_device.tokens.device.type == device
+    assert torch.equal(on_device.tokens.cpu(), on_cpu.tokens)
+    assert torch.equal(on_device.num_accepted.cpu(), on_cpu.num_accepted)
+    if RULES[rule].sampled:  # the deterministic part, in float64, to rounding
+        survival = acceptance_survival(draft_tokens, draft, target, rule, num_verified)
+        inputs_there = [t.to(device) for t in (draft_tokens, draft, target, num_verified)]
+        moved_survival = acceptance_survival(inputs_there[0], inputs_there[1], inputs_there[2], rule, inputs_there[3])
+        torch.testing.assert_close(moved_survival.cpu(), survival, rtol=0, atol=1e-12)
 
 
 # --- layout: batch neighbours, ragged padding -------------------------------------------------------------------

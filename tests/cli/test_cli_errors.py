@@ -196,3 +196,43 @@ def test_a_draft_length_past_the_limit_is_refused_by_the_parser(command, loads, 
     with pytest.raises(SystemExit) as exit_:
         cli.main([*command, "--max-draft", "1000000000"])
     assert exit_.value.code == 2 and "must be an integer <= 64" in capsys.readouterr().err and loads == []
+
+
+MODEL_CODE = """
+import pathlib
+pathlib.Path({marker!r}).write_text("the model folder's code ran")
+from transformers import PretrainedConfig
+class EvilConfig(PretrainedConfig):
+    model_type = "blockspec-evil"
+"""
+
+
+@pytest.mark.slow  # a subprocess or thousands of rows: the full suite runs it
+@pytest.mark.parametrize("config_file", ["config.json", "tokenizer_config.json"])
+def test_code_in_a_model_folder_never_runs_even_when_stdin_trusts_it(tmp_path, config_file):
+    """transformers asks on stdin whether to run a folder's code (auto_map) when trust_remote_code is not given,
+    and a piped "y" said yes: the folder is refused before anything loads, whatever stdin says."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    folder, marker = tmp_path / "model", tmp_path / "code-ran"
+    folder.mkdir()
+    (folder / "evil.py").write_text(MODEL_CODE.format(marker=str(marker)))
+    auto_map = {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilForCausalLM"}
+    config = {"model_type": "blockspec-evil", "architectures": ["EvilForCausalLM"]}
+    (folder / "config.json").write_text(json.dumps({**config, "auto_map": auto_map}))
+    if config_file == "tokenizer_config.json":  # the model's config is plain; the tokenizer's maps to code
+        (folder / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+        (folder / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": ["evil.Evil", None]}}))
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "BLOCKSPEC_CACHE": str(tmp_path / "cache")}
+    command = [sys.executable, "-m", "blockspec.cli", "generate", "--target", str(folder), "--draft", "none"]
+    command += ["--dtype", "float32", "hi"]
+    done = subprocess.run(command, input="y\n", capture_output=True, text=True, env=env, timeout=300)
+    assert not marker.exists()
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"blockspec: error: {folder}: its {config_file} maps to Python code in the folder (auto_map); blockspec "
+        "never runs code from a model folder (run with --debug for the traceback)"
+    )

@@ -117,6 +117,39 @@ def test_a_model_folder_loads_from_local_files_only(tmp_path, monkeypatch):
     assert seen["local_files_only"] is True and model.vocab_size == 48
 
 
+@pytest.mark.parametrize("config_file", ["config.json", "tokenizer_config.json"])
+def test_a_model_folder_with_code_is_refused_before_anything_loads(tmp_path, monkeypatch, config_file):
+    from transformers import AutoModelForCausalLM
+
+    folder = save_tiny(tmp_path / "tiny")
+    path = Path(folder) / config_file
+    config = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**config, "auto_map": {"AutoModelForCausalLM": "modeling.Model"}}))
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("loaded the model"))
+    with pytest.raises(
+        ValueError, match=rf"^{folder}: its {config_file} maps to Python code in the folder.*never runs"
+    ):
+        load_model(folder, dtype="float32")
+
+
+def test_every_from_pretrained_in_the_library_refuses_remote_code():
+    """Without trust_remote_code=False, transformers asks on stdin whether to run a model folder's code."""
+    import ast
+
+    import blockspec
+
+    calls = []
+    for source in Path(blockspec.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "from_pretrained":
+                refused = any(
+                    k.arg == "trust_remote_code" and isinstance(k.value, ast.Constant) and k.value.value is False
+                    for k in node.keywords
+                )
+                calls.append((f"{source.name}:{node.lineno}", refused))
+    assert len(calls) >= 10 and [call for call, refused in calls if not refused] == []
+
+
 # --- devices ------------------------------------------------------------------------------------------------
 
 

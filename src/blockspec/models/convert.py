@@ -169,8 +169,8 @@ def load_preset(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=getattr(torch, name))
-    tokenizer = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=getattr(torch, name), trust_remote_code=False)
+    tokenizer = AutoTokenizer.from_pretrained(out, trust_remote_code=False)
     log.info("preset %s: checked and loaded cached %s copy in %.1f s", preset.name, name, time.perf_counter() - t0)
     return model.eval(), tokenizer
 
@@ -182,8 +182,10 @@ def _convert(preset: Preset, gguf: Path, out: Path, name: str):
 
     t0 = time.perf_counter()
     log.info("preset %s: first load, dequantising %s to %s (slow, once per dtype)", preset.name, gguf.name, name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, name))
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, name), trust_remote_code=False
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
     _make_dense(model)
     if preset.eos_token_ids is not None:
         model.generation_config.eos_token_id = list(preset.eos_token_ids)
@@ -209,9 +211,9 @@ def load_preset_tokenizer(preset: str | Preset, *, cache: str | os.PathLike | No
 
     preset = get_preset(preset)
     for name in status(preset, cache=cache).converted:
-        return AutoTokenizer.from_pretrained(converted_dir(preset, name, cache))
+        return AutoTokenizer.from_pretrained(converted_dir(preset, name, cache), trust_remote_code=False)
     gguf = materialize(preset, cache=cache, progress=progress)
-    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
 
 
 def _make_dense(model) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import json
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -293,11 +294,15 @@ def load_model(
         if not os.path.isfile(name_or_path):
             raise FileNotFoundError(f"no GGUF file at {name_or_path}")
         folder, file = os.path.split(os.path.abspath(name_or_path))
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch_dtype)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch_dtype, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file, trust_remote_code=False)
     elif os.path.isdir(name_or_path) or allow_download or _in_hub_cache(name_or_path):
+        if os.path.isdir(name_or_path):
+            refuse_model_code(name_or_path)
         local = not allow_download
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, local_files_only=local)
+        model = AutoModelForCausalLM.from_pretrained(
+            name_or_path, dtype=torch_dtype, local_files_only=local, trust_remote_code=False
+        )
         tokenizer = _optional_tokenizer(name_or_path, local_files_only=local)
     else:
         raise ValueError(_unknown_model_message(name_or_path, PRESETS))
@@ -320,6 +325,28 @@ def resolve_backend(backend: str, device: str, *names: str | None) -> str:
     if gguf and resolve_device(device).type == "cpu" and importlib.util.find_spec("llama_cpp") is not None:
         return "llamacpp"
     return "hf"
+
+
+MODEL_CODE_FILES = ("config.json", "tokenizer_config.json")  # where transformers finds an auto_map
+
+
+def refuse_model_code(folder: str) -> None:
+    """Raise ValueError when the model folder ``folder`` maps its model or tokenizer to Python code of its own (an
+    ``auto_map`` in config.json or tokenizer_config.json), before anything loads. Every load passes
+    ``trust_remote_code=False`` as well (without it transformers asks on stdin, and a "y" runs the folder's code);
+    on such a folder transformers would then either fail with advice to trust the code or quietly use its built-in
+    class for the ``model_type``, which need not be the model the folder's code defines."""
+    for name in MODEL_CODE_FILES:
+        try:
+            with open(os.path.join(folder, name)) as file:
+                config = json.load(file)
+        except (OSError, ValueError):  # absent, or unreadable: transformers reports that one itself
+            continue
+        if isinstance(config, dict) and "auto_map" in config:
+            raise ValueError(
+                f"{folder}: its {name} maps to Python code in the folder (auto_map); blockspec never runs code "
+                "from a model folder"
+            )
 
 
 def _in_hub_cache(name: str) -> bool:
@@ -347,7 +374,7 @@ def _optional_tokenizer(name_or_path: str, *, local_files_only: bool) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(name_or_path, local_files_only=local_files_only)
+        return AutoTokenizer.from_pretrained(name_or_path, local_files_only=local_files_only, trust_remote_code=False)
     except (OSError, ValueError) as error:  # a bare model directory without tokenizer files
         log.warning("%s: no tokenizer (%s); pass token ids instead of strings", name_or_path, error)
         return None

@@ -309,7 +309,7 @@ def load_llamacpp(
         from transformers import AutoTokenizer
 
         path = Path(name_or_path).resolve()
-        tokenizer, eos = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name), None
+        tokenizer, eos = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=False), None
     else:
         raise ValueError(
             f"the llama.cpp backend runs GGUF files: {name_or_path!r} is neither a preset nor a .gguf file "

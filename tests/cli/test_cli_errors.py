@@ -236,3 +236,16 @@ def test_code_in_a_model_folder_never_runs_even_when_stdin_trusts_it(tmp_path, c
         f"blockspec: error: {folder}: its {config_file} maps to Python code in the folder (auto_map); blockspec "
         "never runs code from a model folder (run with --debug for the traceback)"
     )
+
+
+@pytest.mark.parametrize("how", ["tensor count", "metadata count", "100 bytes", "truncated"])
+def test_a_damaged_gguf_file_is_one_line_naming_it_and_exit_2(tmp_path, capsys, how):
+    from kits.tiny import tiny_model
+    from kits.tinygguf import damage_gguf, save_gguf
+
+    good = save_gguf(tiny_model(), tmp_path / "good.gguf")
+    damaged = damage_gguf(good, tmp_path / "damaged.gguf", how)
+    assert cli.main(["generate", "--target", damaged, "--draft", "none", "--dtype", "float32", "hello"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.splitlines()[-1].startswith(f"blockspec: error: {damaged}: not a valid GGUF file; it is truncated")

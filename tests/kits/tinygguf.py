@@ -104,3 +104,22 @@ def _add_tokenizer(writer: gguf.GGUFWriter, config) -> None:
     writer.add_eos_token_id(config.eos_token_id)
     writer.add_pad_token_id(config.pad_token_id)
     writer.add_add_bos_token(False)
+
+
+# How a GGUF file gets damaged, as byte edits of a good one. The header: magic (4 bytes), version (u32), tensor count
+# (u64 at offset 8), metadata key-value count (u64 at offset 16).
+DAMAGES = ("tensor count", "metadata count", "100 bytes", "truncated")
+
+
+def damage_gguf(good: str | os.PathLike, damaged: str | os.PathLike, how: str) -> str:
+    """Write ``damaged``: the GGUF file ``good`` damaged as ``how`` (one of DAMAGES) says; returns its path."""
+    data = open(good, "rb").read()
+    edits = {
+        "tensor count": lambda: data[:8] + (1 << 40).to_bytes(8, "little") + data[16:],
+        "metadata count": lambda: data[:16] + (1 << 40).to_bytes(8, "little") + data[24:],
+        "100 bytes": lambda: data[:100],
+        "truncated": lambda: data[: len(data) // 2],
+    }
+    with open(damaged, "wb") as file:
+        file.write(edits[how]())
+    return str(damaged)

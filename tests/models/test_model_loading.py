@@ -150,6 +150,24 @@ def test_every_from_pretrained_in_the_library_refuses_remote_code():
     assert len(calls) >= 10 and [call for call, refused in calls if not refused] == []
 
 
+@pytest.fixture(scope="module")
+def good_gguf(tmp_path_factory):
+    from kits.tinygguf import save_gguf
+
+    return save_gguf(tiny_model(), tmp_path_factory.mktemp("gguf") / "good.gguf")
+
+
+@pytest.mark.parametrize("backend", ["hf", "llamacpp"])
+@pytest.mark.parametrize("how", ["tensor count", "metadata count", "100 bytes", "truncated"])
+def test_a_damaged_gguf_file_is_a_clear_error_naming_it(good_gguf, tmp_path, how, backend):
+    """The loaders' own errors for these came from deep in the parse (numpy's, struct's), naming no file."""
+    from kits.tinygguf import damage_gguf
+
+    path = damage_gguf(good_gguf, tmp_path / "damaged.gguf", how)
+    with pytest.raises(ValueError, match=rf"^{path}: not a valid GGUF file; it is truncated or corrupted$"):
+        load_model(path, dtype="float32", backend=backend)
+
+
 # --- devices ------------------------------------------------------------------------------------------------
 
 

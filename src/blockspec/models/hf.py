@@ -282,7 +282,8 @@ def load_model(
             )
         from .llamacpp import load_llamacpp
 
-        return load_llamacpp(name_or_path, quant=quant, progress=progress)
+        with _reading_gguf(None if name_or_path in PRESETS else name_or_path):
+            return load_llamacpp(name_or_path, quant=quant, progress=progress)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     torch_dtype, target_device = getattr(torch, dtype), resolve_device(device)
@@ -294,8 +295,11 @@ def load_model(
         if not os.path.isfile(name_or_path):
             raise FileNotFoundError(f"no GGUF file at {name_or_path}")
         folder, file = os.path.split(os.path.abspath(name_or_path))
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch_dtype, trust_remote_code=False)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file, trust_remote_code=False)
+        with _reading_gguf(name_or_path):
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, gguf_file=file, dtype=torch_dtype, trust_remote_code=False
+            )
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file, trust_remote_code=False)
     elif os.path.isdir(name_or_path) or allow_download or _in_hub_cache(name_or_path):
         if os.path.isdir(name_or_path):
             refuse_model_code(name_or_path)
@@ -325,6 +329,32 @@ def resolve_backend(backend: str, device: str, *names: str | None) -> str:
     if gguf and resolve_device(device).type == "cpu" and importlib.util.find_spec("llama_cpp") is not None:
         return "llamacpp"
     return "hf"
+
+
+@contextlib.contextmanager
+def _reading_gguf(path: str | None) -> Iterator[None]:
+    """While the block loads the GGUF file ``path`` (None: a preset, whose bytes are hash-checked), turn a failure
+    into a ValueError naming the file when gguf's own reader cannot read the file either: the loaders fail deep in
+    the parse of a corrupted or truncated file, with numpy's or struct's words, naming neither the file nor the
+    cause. Any other failure (a missing file too) passes unchanged; the file is read again only after a failure."""
+    try:
+        yield
+    except Exception as error:
+        if path is None or not os.path.isfile(path) or gguf_readable(path):
+            raise
+        raise ValueError(f"{path}: not a valid GGUF file; it is truncated or corrupted") from error
+
+
+def gguf_readable(path: str) -> bool:
+    """Whether gguf's reader reads the file at ``path`` whole (header, metadata, every tensor within the file).
+    Slow on a large vocabulary (seconds): for the error path."""
+    from gguf import GGUFReader
+
+    try:
+        GGUFReader(path)
+    except Exception:  # numpy's and struct's errors, whatever the defect
+        return False
+    return True
 
 
 MODEL_CODE_FILES = ("config.json", "tokenizer_config.json")  # where transformers finds an auto_map

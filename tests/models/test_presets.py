@@ -202,20 +202,35 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(integrity, "_FINGERPRINT_BLOCK", 256, raising=False)
 
 
+def fake_dequantiser(monkeypatch) -> list[bytes]:
+    """transformers' GGUF loaders replaced: a tiny transformers model and tokenizer stand in for what a GGUF holds.
+    Returns the list of the bytes of each GGUF file the model loader was given, as they were at that moment."""
+    from kits.tiny import tiny_model, tiny_tokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dequantised: list[bytes] = []
+
+    def from_gguf(original, build, seen=None):
+        def load(folder, *args, **kwargs):
+            if "gguf_file" not in kwargs:
+                return original(folder, *args, **kwargs)
+            if seen is not None:
+                seen.append((Path(folder) / kwargs["gguf_file"]).read_bytes())
+            return build()
+
+        return load
+
+    model_loader = from_gguf(AutoModelForCausalLM.from_pretrained, tiny_model, dequantised)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", model_loader)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", from_gguf(AutoTokenizer.from_pretrained, tiny_tokenizer))
+    return dequantised
+
+
 @pytest.fixture
 def converted_copy(fake_install, monkeypatch):
     """The fake preset loaded once in float32 by `load`, which writes and marks its converted copy; a tiny
     transformers model stands in for what its GGUF holds. Returns (preset, cache, copy folder)."""
-    from kits.tiny import tiny_model, tiny_tokenizer
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    def from_gguf(original, build):
-        return lambda *args, **kwargs: build() if "gguf_file" in kwargs else original(*args, **kwargs)
-
-    monkeypatch.setattr(
-        AutoModelForCausalLM, "from_pretrained", from_gguf(AutoModelForCausalLM.from_pretrained, tiny_model)
-    )
-    monkeypatch.setattr(AutoTokenizer, "from_pretrained", from_gguf(AutoTokenizer.from_pretrained, tiny_tokenizer))
+    fake_dequantiser(monkeypatch)
     preset, cache, _ = fake_install
     convert.load_preset(preset, dtype="float32", cache=cache, progress=False)
     return preset, cache, converted_dir(preset, "float32", cache)
@@ -293,6 +308,46 @@ def test_a_converted_copy_without_recorded_hashes_is_rebuilt(converted_copy, mon
     monkeypatch.setattr(convert, "materialize", rebuild)  # the first step of a rebuild
     with pytest.raises(Rebuilt):
         convert.load_preset(preset, dtype="float32", cache=cache, progress=False)
+
+
+def test_a_gguf_rotten_since_it_was_verified_is_rebuilt_not_dequantised(fake_install, monkeypatch):
+    """The GGUF's marker vouches for size and mtime, which a disk that rots keeps: the bytes are hashed before they
+    are dequantised, and the copy's marker records the hash measured on them."""
+    preset, cache, content = fake_install
+    gguf = convert.materialize(preset, cache=cache, progress=False)
+    mtime = gguf.stat().st_mtime_ns
+    gguf.write_bytes(bytes(len(content)))  # zeros, same size, same mtime: the marker still matches
+    os.utime(gguf, ns=(mtime, mtime))
+    assert status(preset, cache=cache).gguf_verified
+    dequantised = fake_dequantiser(monkeypatch)
+    convert.load_preset(preset, dtype="float32", cache=cache, progress=False)
+    assert dequantised == [content]  # the file rebuilt from the packages, not the zeros
+    assert gguf.read_bytes() == content and status(preset, cache=cache).gguf_verified
+    marker = json.loads((converted_dir(preset, "float32", cache) / "blockspec-preset.json").read_text())
+    assert marker["gguf_sha256"] == hashlib.sha256(content).hexdigest()
+
+
+@pytest.mark.parametrize("source", ["not measured", "0" * 64])
+def test_verify_flags_a_copy_made_from_a_gguf_that_was_not_the_pinned_one(converted_copy, monkeypatch, source):
+    """A copy an earlier blockspec made without hashing the GGUF (its marker records the pinned hash, not a measured
+    one), or one made from other bytes: after `verify`'s advice to delete a bad GGUF, such a copy would otherwise
+    pass every check for good. It is flagged, no longer counted as converted, and rebuilt by the next load."""
+    preset, cache, out = converted_copy
+    marker_path = out / "blockspec-preset.json"
+    marker = json.loads(marker_path.read_text())
+    del marker["gguf_sha256"]
+    if source == "not measured":
+        marker["sha256"] = preset.sha256  # what the marker of an unchecked conversion recorded
+    else:
+        marker["gguf_sha256"] = source
+    marker_path.write_text(json.dumps(marker))
+    (cache / "fake-model" / "fake.gguf").unlink()
+    problems = verify(preset, cache=cache, progress=False)
+    assert len(problems) == 1 and problems[0].startswith(f"{out}: made from a GGUF whose sha256 was {source}")
+    assert status(preset, cache=cache).converted == ()
+    dequantised = fake_dequantiser(monkeypatch)
+    convert.load_preset(preset, dtype="float32", cache=cache, progress=False)
+    assert len(dequantised) == 1 and verify(preset, cache=cache, progress=False) == []
 
 
 def test_install_script_hint_runs():

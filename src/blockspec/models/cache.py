@@ -4,8 +4,10 @@
       <name>.gguf                the concatenated file, written once and hash-checked
       <name>.gguf.verified.json  marker: size, sha256 and mtime of the verified file
       hf-<dtype>/                the dequantised model saved with `save_pretrained` (safetensors), tokenizer and
-                                 generation config. Its marker records each file's size, sha256 and fingerprint
-                                 (`integrity`): every load checks the fingerprints, `verify` the full hashes.
+                                 generation config. Its marker records the sha256 of the GGUF bytes it was made
+                                 from, measured just before dequantising them, and each file's size, sha256 and
+                                 fingerprint (`integrity`): every load checks the fingerprints, `verify` the full
+                                 hashes.
     and beside each folder `<preset>.lock`, held by the one process writing into it (`convert`).
 
 Standard library only: `blockspec models` reads the cache without torch or transformers.
@@ -105,23 +107,31 @@ def _copy_files(folder: Path) -> list[Path]:
     return sorted(f for f in folder.iterdir() if f.is_file() and f.name != CONVERTED_MARKER)
 
 
-def mark_converted(folder: Path, preset: Preset, dtype: str) -> None:
-    """Mark ``folder`` complete, recording size, fingerprint and sha256 of each of its files (the full hash reads
-    the whole copy once, at conversion, where dequantising took a minute anyway)."""
+def mark_converted(folder: Path, preset: Preset, dtype: str, gguf_sha256: str) -> None:
+    """Mark ``folder`` complete, recording ``gguf_sha256``, the hash measured on the GGUF bytes it was made from,
+    and size, fingerprint and sha256 of each of its files (the full hash reads the whole copy once, at conversion,
+    where dequantising took a minute anyway)."""
     files = {f.name: integrity.record(f) for f in _copy_files(folder)}
-    marker = {"preset": preset.name, "sha256": preset.sha256, "dtype": dtype, "files": files}
+    marker = {"preset": preset.name, "gguf_sha256": gguf_sha256, "dtype": dtype, "files": files}
     write_atomic(folder / CONVERTED_MARKER, json.dumps(marker, indent=1))
 
 
-def converted_record(preset: Preset, out: Path) -> dict | None:
-    """The copy's marker if the copy is complete and current: made from this preset's GGUF (a copy of another GGUF
-    is stale) and recording its files' hashes (a copy whose marker has none is rebuilt: nothing known-good
-    remains to check it against)."""
+def _converted_marker(out: Path) -> dict | None:
     try:
-        marker = json.loads((out / CONVERTED_MARKER).read_text())
+        return json.loads((out / CONVERTED_MARKER).read_text())
     except (OSError, ValueError):
         return None
-    return marker if marker.get("sha256") == preset.sha256 and isinstance(marker.get("files"), dict) else None
+
+
+def converted_record(preset: Preset, out: Path) -> dict | None:
+    """The copy's marker if the copy is complete and current: made from bytes measured to hash to this preset's
+    pinned sha256 (a copy of another GGUF is stale, and so is one whose marker records no measured hash: it was
+    made from a GGUF nobody hashed just before, maybe one rotten since it was cached) and recording its files'
+    hashes (a copy whose marker has none is rebuilt: nothing known-good remains to check it against)."""
+    marker = _converted_marker(out)
+    if marker is None or marker.get("gguf_sha256") != preset.sha256 or not isinstance(marker.get("files"), dict):
+        return None
+    return marker
 
 
 def changed_files(out: Path, recorded: dict, *, full: bool, progress: bool = False) -> list[str]:
@@ -185,9 +195,10 @@ def status_all() -> list[PresetStatus]:
 
 
 def verify(preset: str | Preset, *, cache: str | os.PathLike | None = None, progress: bool = True) -> list[str]:
-    """Full check of the preset's cache, reading every byte: the GGUF against the pinned sha256 and each converted
-    copy's files against the sha256 recorded when the copy was written. Returns one message per problem, naming
-    the file and the fix; empty when everything cached is intact (or nothing is cached). Deletes nothing."""
+    """Full check of the preset's cache, reading every byte: the GGUF against the pinned sha256, each converted
+    copy's source (the GGUF hash its marker records, measured when it was made, against the pinned one) and its
+    files against the sha256 recorded when the copy was written. Returns one message per problem, naming the file
+    and the fix; empty when everything cached is intact (or nothing is cached). Deletes nothing."""
     preset = get_preset(preset)
     problems = []
     gguf = gguf_path(preset, cache)
@@ -196,6 +207,14 @@ def verify(preset: str | Preset, *, cache: str | os.PathLike | None = None, prog
             f"{gguf}: sha256 differs from the pinned {preset.sha256}; delete it and the next load "
             "rebuilds it from the installed packages"
         )
+    folder = preset_dir(preset, cache)
+    for out in sorted(folder.glob("hf-*")) if folder.is_dir() else ():
+        marker = _converted_marker(out)
+        if out.name[3:] in _DTYPES.values() and marker is not None and marker.get("gguf_sha256") != preset.sha256:
+            problems.append(  # a copy made from bytes that were not, or not measured to be, the pinned GGUF
+                f"{out}: made from a GGUF whose sha256 was {marker.get('gguf_sha256') or 'not measured'}, not the "
+                f"pinned {preset.sha256}; the next load rebuilds it from the installed packages (or delete it)"
+            )
     for dtype in status(preset, cache=cache).converted:
         out = converted_dir(preset, dtype, cache)
         record = converted_record(preset, out)

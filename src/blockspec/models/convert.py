@@ -1,9 +1,9 @@
 """Filling the model cache (`cache`) from a preset's packages, and loading a preset from it.
 
-`materialize` concatenates the chunks into the GGUF file and checks its sha256; `load_preset` dequantises the GGUF
-through transformers' GGUF loader once per dtype and saves a dense copy that later loads take in seconds. One
-process at a time writes into a preset's folder, holding its lock (`_writing` says why that is safe); loading
-what is already in the cache takes no lock.
+`materialize` concatenates the chunks into the GGUF file and checks its sha256; `load_preset` hashes the GGUF again
+in full, dequantises it through transformers' GGUF loader once per dtype and saves a dense copy, marked with that
+hash, that later loads take in seconds. One process at a time writes into a preset's folder, holding its lock
+(`_writing` says why that is safe); loading what is already in the cache takes no lock.
 
 This module imports transformers inside functions only.
 """
@@ -102,7 +102,8 @@ def materialize(preset: str | Preset, *, cache: str | os.PathLike | None = None,
     return gguf
 
 
-def _concatenate(preset: Preset, gguf: Path, progress: bool) -> None:
+def _concatenate(preset: Preset, gguf: Path, progress: bool) -> str:
+    """Write the chunks into ``gguf``, hashing them in the same pass; return that hash (the pinned one)."""
     chunks = presets.find_chunks(preset)
     total = sum(c.stat().st_size for c in chunks)
     if total != preset.size:  # fail before copying a gigabyte
@@ -131,6 +132,7 @@ def _concatenate(preset: Preset, gguf: Path, progress: bool) -> None:
         partial.unlink(missing_ok=True)  # after a mismatch or an interruption: never leave a bad file behind
     mark_gguf_verified(preset, gguf)
     log.info("preset %s: verified sha256 in %.1f s", preset.name, time.perf_counter() - t0)
+    return actual
 
 
 def load_preset(
@@ -142,8 +144,9 @@ def load_preset(
 ):
     """Load a preset as (transformers model, tokenizer), on CPU, in `dtype`, in eval mode.
 
-    First call per dtype: materialize the GGUF, dequantise it through transformers' GGUF loader (about a minute
-    for the Qwen pair on 2 cores), then save a safetensors copy (with tokenizer and generation config) in
+    First call per dtype: materialize the GGUF and hash it in full (a file changed since it was cached is rebuilt
+    from the installed packages), dequantise it through transformers' GGUF loader (about a minute for the Qwen pair
+    on 2 cores), then save a safetensors copy (with tokenizer and generation config) in
     `hf-<dtype>/`. Later calls check the copy's fingerprints and load it in seconds; a copy changed since it was
     written raises ChecksumMismatchError naming the file. The copy holds exactly the weights of a direct GGUF
     load in the same dtype (transformers dequantises to float32 and then casts), so the two paths give the same
@@ -158,7 +161,7 @@ def load_preset(
         with _writing(out.parent):
             record = converted_record(preset, out)  # written by the process this one waited for, if any
             if record is None:
-                return _convert(preset, gguf, out, name)
+                return _convert(preset, gguf, _checked_sha256(preset, gguf, progress), out, name)
     t0 = time.perf_counter()
     changed = changed_files(out, record["files"], full=False)
     if changed:
@@ -175,8 +178,21 @@ def load_preset(
     return model.eval(), tokenizer
 
 
-def _convert(preset: Preset, gguf: Path, out: Path, name: str):
-    """Dequantise ``gguf`` in dtype ``name``, save it as the copy ``out`` and mark it; return (model, tokenizer)."""
+def _checked_sha256(preset: Preset, gguf: Path, progress: bool) -> str:
+    """The sha256 of the cached ``gguf``, hashed in full (seconds, against a minute of dequantising): its marker
+    vouches for size and mtime only, which a rotten disk keeps. A file that differs from the pinned one is rebuilt
+    from the installed packages; returns the hash of the bytes now there. The caller holds the folder's lock."""
+    sha256 = integrity.sha256_file(gguf, f"{preset.name}: checking {gguf.name}", progress)
+    if sha256 != preset.sha256:
+        log.warning("preset %s: cached %s changed since it was verified; rebuilding it", preset.name, gguf)
+        gguf.unlink()
+        sha256 = _concatenate(preset, gguf, progress)
+    return sha256
+
+
+def _convert(preset: Preset, gguf: Path, gguf_sha256: str, out: Path, name: str):
+    """Dequantise ``gguf`` (whose bytes hash to ``gguf_sha256``) in dtype ``name``, save it as the copy ``out`` and
+    mark it; return (model, tokenizer)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -196,7 +212,7 @@ def _convert(preset: Preset, gguf: Path, out: Path, name: str):
     try:
         model.save_pretrained(partial)  # safetensors is the default format in transformers 5
         tokenizer.save_pretrained(partial)
-        mark_converted(partial, preset, name)
+        mark_converted(partial, preset, name, gguf_sha256)
         shutil.rmtree(out, ignore_errors=True)  # a stale or incomplete copy
         os.replace(partial, out)
     finally:

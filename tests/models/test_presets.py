@@ -350,6 +350,56 @@ def test_verify_flags_a_copy_made_from_a_gguf_that_was_not_the_pinned_one(conver
     assert len(dequantised) == 1 and verify(preset, cache=cache, progress=False) == []
 
 
+@pytest.mark.parametrize("writer", ["weights", "tokenizer"])
+def test_a_full_disk_while_saving_a_copy_names_the_cache_and_leaves_no_copy(fake_install, monkeypatch, writer):
+    import errno
+
+    import transformers.modeling_utils
+    from kits.tiny import tiny_tokenizer
+    from safetensors import SafetensorError
+
+    preset, cache, _ = fake_install
+    fake_dequantiser(monkeypatch)
+    if writer == "weights":  # safetensors' own words for a full disk (measured on a full tmpfs)
+
+        def full(*args, **kwargs):
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+        monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full)
+    else:  # the weights are written by then: a half copy lies in hf-float32.partial
+
+        def full(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(type(tiny_tokenizer()), "save_pretrained", full)
+    folder = cache / "fake-model"
+    message = rf"no space left in the model cache {re.escape(str(folder))} for the float32 copy of preset 'fake-model'"
+    with pytest.raises(OSError, match=message + r": it needs about 0\.\d MiB and [\d.]+ [GM]iB are free") as error:
+        convert.load_preset(preset, dtype="float32", cache=cache, progress=False)
+    assert error.value.errno == errno.ENOSPC
+    assert sorted(p.name for p in folder.iterdir()) == ["fake.gguf", "fake.gguf.verified.json"]
+    assert status(preset, cache=cache).converted == ()
+
+
+def test_a_full_disk_while_concatenating_names_the_cache_and_leaves_no_file(fake_install, monkeypatch):
+    import errno
+
+    preset, cache, _ = fake_install
+
+    class FillingDisk:  # the progress bar advances after each block written: the disk fills after the first
+        def update(self, _bytes):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(integrity, "progress_bar", lambda *args: FillingDisk())
+    folder = cache / "fake-model"
+    with pytest.raises(OSError, match=rf"no space left in the model cache {re.escape(str(folder))} for the GGUF"):
+        convert.materialize(preset, cache=cache, progress=True)
+    assert list(folder.iterdir()) == []
+
+
 def test_install_script_hint_runs():
     """The last line of scripts/install_models.sh tells what to run next: that command must work."""
     script = Path(__file__).parents[2] / "scripts" / "install_models.sh"

@@ -11,6 +11,7 @@ This module imports transformers inside functions only.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -26,6 +27,7 @@ from filelock import FileLock, Timeout
 from ..files import TEMPORARY_SUFFIX
 from . import integrity, presets
 from .cache import (
+    CACHE_ENV,
     changed_files,
     converted_dir,
     converted_record,
@@ -74,6 +76,28 @@ def _writing(folder: Path) -> Iterator[None]:
         lock.release()
 
 
+@contextlib.contextmanager
+def _space_for(folder: Path, what: str, needed: int) -> Iterator[None]:
+    """Turn a full disk while the block writes ``what``, about ``needed`` bytes, into ``folder`` into an error that
+    names the folder and the space needed (the block removes what it wrote before this runs)."""
+    try:
+        yield
+    except Exception as error:
+        # safetensors (Rust) reports a full disk as a SafetensorError "... (os error 28)", not as an OSError
+        if not (getattr(error, "errno", None) == errno.ENOSPC or f"(os error {errno.ENOSPC})" in str(error)):
+            raise
+        free = shutil.disk_usage(folder).free
+        raise OSError(
+            errno.ENOSPC,
+            f"no space left in the model cache {folder} for {what}: it needs about {_size(needed)} and "
+            f"{_size(free)} are free; free some space, or set {CACHE_ENV} to a folder on a larger disk",
+        ) from error
+
+
+def _size(size: int) -> str:
+    return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+
+
 def materialize(preset: str | Preset, *, cache: str | os.PathLike | None = None, progress: bool = True) -> Path:
     """Concatenate the preset's chunks into the cache, check size and sha256, and return the GGUF path.
 
@@ -113,23 +137,24 @@ def _concatenate(preset: Preset, gguf: Path, progress: bool) -> str:
     t0 = time.perf_counter()
     digest = hashlib.sha256()
     bar = integrity.progress_bar(total, f"{preset.name}: concatenating", progress)
-    try:
-        with open(partial, "wb") as out:
-            for chunk in chunks:
-                with open(chunk, "rb") as src:
-                    while block := src.read(integrity.READ_BLOCK):
-                        digest.update(block)  # hash what is written, in the same pass
-                        out.write(block)
-                        if bar is not None:
-                            bar.update(len(block))
-        actual = digest.hexdigest()
-        if actual != preset.sha256:
-            raise corrupt_packages(preset, "sha256", preset.sha256, actual)
-        os.replace(partial, gguf)
-    finally:
-        if bar is not None:
-            bar.close()
-        partial.unlink(missing_ok=True)  # after a mismatch or an interruption: never leave a bad file behind
+    with _space_for(gguf.parent, f"the GGUF of preset {preset.name!r}", total):
+        try:
+            with open(partial, "wb") as out:
+                for chunk in chunks:
+                    with open(chunk, "rb") as src:
+                        while block := src.read(integrity.READ_BLOCK):
+                            digest.update(block)  # hash what is written, in the same pass
+                            out.write(block)
+                            if bar is not None:
+                                bar.update(len(block))
+            actual = digest.hexdigest()
+            if actual != preset.sha256:
+                raise corrupt_packages(preset, "sha256", preset.sha256, actual)
+            os.replace(partial, gguf)
+        finally:
+            if bar is not None:
+                bar.close()
+            partial.unlink(missing_ok=True)  # after a mismatch or an interruption: never leave a bad file behind
     mark_gguf_verified(preset, gguf)
     log.info("preset %s: verified sha256 in %.1f s", preset.name, time.perf_counter() - t0)
     return actual
@@ -209,14 +234,16 @@ def _convert(preset: Preset, gguf: Path, gguf_sha256: str, out: Path, name: str)
 
     t0 = time.perf_counter()
     partial = out.with_name(out.name + PARTIAL)
-    try:
-        model.save_pretrained(partial)  # safetensors is the default format in transformers 5
-        tokenizer.save_pretrained(partial)
-        mark_converted(partial, preset, name, gguf_sha256)
-        shutil.rmtree(out, ignore_errors=True)  # a stale or incomplete copy
-        os.replace(partial, out)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    with _space_for(out.parent, f"the {name} copy of preset {preset.name!r}", weights):
+        try:
+            model.save_pretrained(partial)  # safetensors is the default format in transformers 5
+            tokenizer.save_pretrained(partial)
+            mark_converted(partial, preset, name, gguf_sha256)
+            shutil.rmtree(out, ignore_errors=True)  # a stale or incomplete copy
+            os.replace(partial, out)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)  # never a half copy: only a complete one is renamed into place
     log.info("preset %s: saved fast-loading copy to %s in %.1f s", preset.name, out, time.perf_counter() - t0)
     return model.eval(), tokenizer
 

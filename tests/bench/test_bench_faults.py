@@ -1,14 +1,21 @@
 """`blockspec bench` when things go wrong: a run that raises, a resume with other settings or into an older run
-directory, a damaged records file, other processes competing for the cores; and the machine facts behind it."""
+directory, two benches into one directory, a damaged records or settings file, other processes competing for the
+cores; and the machine facts behind it."""
 
 from __future__ import annotations
 
+import builtins
+import errno
+import io
 import json
 import logging
+import os
+import signal
 import subprocess
 import sys
 import time
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import pytest
 from kits.tiny import save_tiny
@@ -16,6 +23,7 @@ from kits.tiny import save_tiny
 from blockspec import machine
 from blockspec.bench import records as rec
 from blockspec.bench import report, runner
+from blockspec.cli import main as cli_main
 
 pytestmark = pytest.mark.usefixtures("quiet_machine")  # tests/bench/conftest.py
 
@@ -228,6 +236,111 @@ def test_records_of_another_schema_are_neither_resumed_nor_reported(recorded, tm
         runner.run(config, progress=False)
     assert report.main(["--records", str(path), "--no-plots"]) == 2
     assert "record schema 3" in capsys.readouterr().err
+
+
+# --- one bench per run directory, and its settings file -------------------------------------------------------
+
+HOLD = """
+import sys
+from pathlib import Path
+from blockspec.bench import records
+with records.one_writer(Path(sys.argv[1])):
+    print("held", flush=True)
+    sys.stdin.read()  # until the test closes it
+"""
+
+
+@pytest.fixture
+def other_bench():
+    """Starts another process that holds a run directory as a bench writing into it does: ``start(out)``."""
+    children = []
+
+    def start(out) -> subprocess.Popen:
+        child = subprocess.Popen(
+            [sys.executable, "-c", HOLD, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        children.append(child)
+        assert child.stdout is not None and child.stdout.readline() == "held\n"
+        return child
+
+    yield start
+    for child in children:
+        child.kill()
+        child.wait()
+
+
+def test_a_second_bench_into_a_directory_in_use_is_refused_naming_its_pid(
+    recorded, tmp_path, monkeypatch, capsys, other_bench
+):
+    config = copy_of(recorded, tmp_path)
+    before = (config.out / runner.RECORDS).read_text()
+    holder = other_bench(config.out)
+    no_model_loads(monkeypatch)
+    in_use = f"{config.out} is in use by another bench (pid {holder.pid}): let it finish, or use another --out"
+    with pytest.raises(ValueError) as refused:
+        runner.run(replace(config, prompts_per_dataset=2), progress=False)
+    assert str(refused.value) == in_use
+    flags = ["--target", config.target, "--draft", config.draft, "--dtype", "float32", "--datasets", "lm1b"]
+    flags += ["--prompts", "2", "--configs", "target-only", "--max-new-tokens", "4", "--out", str(config.out)]
+    assert cli_main(["bench", *flags]) == 2
+    assert capsys.readouterr().err == f"blockspec: error: {in_use} (run with --debug for the traceback)\n"
+    assert (config.out / runner.RECORDS).read_text() == before
+    assert holder.stdin is not None
+    holder.stdin.close()
+    assert holder.wait() == 0 and not (config.out / rec.LOCK).exists()  # released as it ends
+
+
+def test_a_lock_left_by_a_killed_bench_is_taken_over_with_a_warning(recorded, tmp_path, caplog, other_bench):
+    config = copy_of(recorded, tmp_path)
+    holder = other_bench(config.out)
+    os.kill(holder.pid, signal.SIGKILL)  # no clean-up: its pid stays in the lock file
+    holder.wait()
+    assert (config.out / rec.LOCK).read_text() == f"{holder.pid}\n"
+    with caplog.at_level(logging.WARNING, logger="blockspec.bench.records"):
+        records = list(rec.read(runner.run(replace(config, prompts_per_dataset=2), progress=False)))
+    assert f"taking over the lock of pid {holder.pid}, which ended without releasing it" in caplog.text
+    assert len(records) == 2 and not (config.out / rec.LOCK).exists()
+
+
+class HalfWritten:
+    """A file whose first write stops half-way with ENOSPC, as on a full disk."""
+
+    def __init__(self, file):
+        self.file = file
+
+    def write(self, text):
+        self.file.write(text[: len(text) // 2])
+        self.file.flush()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.file.close()
+
+
+def test_a_bench_cut_off_while_storing_its_settings_can_still_be_resumed(recorded, tmp_path, monkeypatch):
+    config = copy_of(recorded, tmp_path)
+    stored = (config.out / runner.CONFIG).read_text()
+    real_open = io.open
+
+    def disk_full_for_settings(file, mode="r", *args, **kwargs):
+        handle = real_open(file, mode, *args, **kwargs)
+        writes = "w" in mode or "x" in mode
+        return HalfWritten(handle) if writes and Path(str(file)).name.startswith(runner.CONFIG) else handle
+
+    with monkeypatch.context() as patch:
+        patch.setattr(builtins, "open", disk_full_for_settings)
+        patch.setattr(io, "open", disk_full_for_settings)
+        with pytest.raises(OSError, match="No space left on device"):
+            runner.run(replace(config, prompts_per_dataset=2), progress=False)
+    assert (config.out / runner.CONFIG).read_text() == stored  # the settings before, whole
+    assert sorted(p.name for p in config.out.iterdir()) == [runner.CONFIG, runner.RECORDS]  # no temporary file
+    assert len(list(rec.read(runner.run(replace(config, prompts_per_dataset=2), progress=False)))) == 2
 
 
 def test_out_pointing_at_a_file_fails_before_any_model_loads(small, tmp_path, monkeypatch):

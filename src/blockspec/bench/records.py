@@ -7,14 +7,17 @@ lists them, ``new_tokens`` and ``wall_time`` are the batch's, ``accepted`` and `
 row-step (flattened over the ``rows[s]`` rows active in step s), ``drafted`` and ``rows`` one per step. A run that
 raised is recorded too, ``status`` FAILED with its ``error`` and no measurement; readers leave it out
 (``Record.ok``). Only records of schema ``SCHEMA`` are read. The settings of a run directory are stored beside its
-records (the runner's ``config.json``); ``refuse_other_settings`` keeps a resume from pooling other settings' runs.
+records (the runner's ``config.json``); ``refuse_other_settings`` keeps a resume from pooling other settings' runs,
+and ``one_writer`` a second process from writing into the same directory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import logging
+import os
 import zlib
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -178,3 +181,44 @@ def refuse_other_settings(where: Path, found: dict, wanted: dict) -> None:
             f"({', '.join(f'{k}: {a!r} there, {b!r} here' for k, (a, b) in differ.items())}): "
             "use another --out"
         )
+
+
+LOCK = "bench.lock"  # in a run directory while a process writes into it: that process's pid
+
+
+@contextlib.contextmanager
+def one_writer(folder: Path) -> Iterator[None]:
+    """Hold the lock of the run directory ``folder`` (``folder/LOCK``, with this process's pid in it) for the
+    block. Another process holding it is refused at once, ValueError naming the folder and its pid: two benches
+    into one directory would each run the whole plan and interleave their records. The lock is the kernel's
+    (``flock``): it ends with its process however that ends, so a lock file found unlocked with a pid in it was
+    left by a process that was killed, and is taken over with a warning. POSIX only."""
+    import fcntl
+
+    path = folder / LOCK
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise ValueError(
+                f"{folder} is in use by another bench (pid {holder}): let it finish, or use another --out"
+            ) from None
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # its holder removed the file between our open and our lock: lock the one there now
+    try:
+        left = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        if left:
+            log.warning("%s: taking over the lock of pid %s, which ended without releasing it", folder, left)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # while still locked: a process that opens it after this makes a new one
+        os.close(fd)

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .. import defaults, machine
+from ..files import write_atomic
 from . import records as rec
 from .executor import AUTO_DRAFT, NO_DRAFT, Executor, draft_quant_of
 
@@ -233,13 +234,21 @@ def settings(config: BenchConfig) -> dict:
     return json.loads(json.dumps({**asdict(config), **machine.facts()}, default=str))
 
 
-def prepare_out(config: BenchConfig) -> list[rec.Record]:
-    """Check ``config.out`` before any model loads, store this call's settings there, and return the records
-    already in it. Raises ValueError when ``out`` is not a directory, or holds records of other settings or
-    with no stored settings (``rec.read`` refuses records of another schema)."""
-    out = config.out
+def make_out(out: Path) -> None:
+    """Make the run directory ``out``; ValueError when it cannot be one."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} is a file: --out must be a directory (a new one, or a bench's to resume)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # e.g. a parent is a file
+        raise ValueError(f"cannot make the output directory {out}: {error}") from None
+
+
+def prepare_out(config: BenchConfig) -> list[rec.Record]:
+    """Check ``config.out`` before any model loads, store this call's settings there (whole or not at all), and
+    return the records already in it. Raises ValueError when it holds records of other settings or with no stored
+    settings (``rec.read`` refuses records of another schema)."""
+    out = config.out
     existing = list(rec.read(out / RECORDS)) if (out / RECORDS).exists() else []
     wanted = settings(config)
     if existing:
@@ -253,11 +262,7 @@ def prepare_out(config: BenchConfig) -> list[rec.Record]:
         except json.JSONDecodeError as error:
             raise ValueError(f"{out / CONFIG} is unreadable ({error}): use a new --out") from None
         rec.refuse_other_settings(out, found, {k: v for k, v in wanted.items() if k not in RESUMABLE})
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as error:  # e.g. a parent is a file
-        raise ValueError(f"cannot make the output directory {out}: {error}") from None
-    (out / CONFIG).write_text(json.dumps(wanted, indent=1) + "\n")
+    write_atomic(out / CONFIG, json.dumps(wanted, indent=1) + "\n")
     return existing
 
 
@@ -287,7 +292,14 @@ def gain_is_known(records_file: Path, precision: float) -> bool:
 
 
 def run(config: BenchConfig, *, progress: bool = True) -> Path:
-    """Run (or resume) the plan of ``config``; returns the records file."""
+    """Run (or resume) the plan of ``config``, one process at a time per run directory (``rec.one_writer``);
+    returns the records file."""
+    make_out(config.out)
+    with rec.one_writer(config.out):
+        return _run(config, progress)
+
+
+def _run(config: BenchConfig, progress: bool) -> Path:
     from ..auto import choose_arithmetic
     from ..models.chat import encode_prompt
     from ..models.hf import load_model, resolve_backend, resolve_device

@@ -1,6 +1,6 @@
-"""`blockspec bench` when things go wrong: a run that raises, a resume with other settings or into an older run
-directory, two benches into one directory, a damaged records or settings file, other processes competing for the
-cores; and the machine facts behind it."""
+"""`blockspec bench` when things go wrong: a run that raises, a resume with other settings, other arithmetic,
+libraries or model bytes, or into an older run directory, two benches into one directory, a damaged records or
+settings file, other processes competing for the cores; and the machine facts behind it."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ import pytest
 from kits.tiny import save_tiny
 
 from blockspec import machine
+from blockspec.auto import Arithmetic
+from blockspec.bench import provenance, report, runner
 from blockspec.bench import records as rec
-from blockspec.bench import report, runner
 from blockspec.cli import main as cli_main
 
 pytestmark = pytest.mark.usefixtures("quiet_machine")  # tests/bench/conftest.py
@@ -157,9 +158,23 @@ def copy_of(config: runner.BenchConfig, out) -> runner.BenchConfig:
 
 def test_the_run_directory_stores_its_settings_and_machine(recorded):
     stored = json.loads((recorded.out / runner.CONFIG).read_text())
+    resolved = stored.pop("resolved")
     assert stored == runner.settings(recorded)
     assert stored["target"] == recorded.target and stored["seed"] == recorded.seed and stored["chat"] is True
     assert stored["cpu_flags"] == machine.cpu_flags() and stored["threads"] == machine.threads()
+    assert resolved["dtype"] == "float32" and resolved["draft_quant"] == {}  # target-only drafts nothing
+    assert set(resolved["versions"]) == {"python", "blockspec", "torch", "transformers"}
+    assert resolved["models"] == {
+        "target": provenance.fingerprint(recorded.target),
+        "draft": provenance.fingerprint(recorded.draft),
+    }
+    assert None not in resolved["models"].values()
+    (record,) = rec.read(recorded.out / runner.RECORDS)
+    assert (record.meta["dtype"], record.meta["versions"], record.meta["models"]) == (
+        resolved["dtype"],
+        resolved["versions"],
+        resolved["models"],
+    )
 
 
 @pytest.mark.parametrize(
@@ -236,6 +251,163 @@ def test_records_of_another_schema_are_neither_resumed_nor_reported(recorded, tm
         runner.run(config, progress=False)
     assert report.main(["--records", str(path), "--no-plots"]) == 2
     assert "record schema 3" in capsys.readouterr().err
+
+
+# --- resuming: what the settings resolved to -----------------------------------------------------------------
+
+
+@pytest.fixture
+def auto_run(tmp_path, monkeypatch):
+    """A complete run directory of one prompt through target-only with ``dtype="auto"``, the probe's pick pinned to
+    float32, on models of its own (a test may replace them in place)."""
+    pin_arithmetic(monkeypatch, "float32")
+    config = runner.BenchConfig(
+        target=save_tiny(tmp_path / "target"),
+        draft=save_tiny(tmp_path / "draft", noise=0.3),
+        dtype="auto",
+        datasets=("lm1b",),
+        prompts_per_dataset=1,
+        configs=("target-only",),
+        max_drafts=(2,),
+        max_new_tokens=4,
+        out=tmp_path / "out",
+    )
+    runner.run(config, progress=False)
+    return config
+
+
+def pin_arithmetic(monkeypatch, dtype: str, draft_quant: str | None = None) -> None:
+    """What ``auto.choose_arithmetic`` picks, as a probe of a quiet (or a busy) machine might."""
+    monkeypatch.setattr(
+        "blockspec.auto.choose_arithmetic", lambda device: Arithmetic(dtype, draft_quant, "pinned", None)
+    )
+
+
+def reprobe_to_bfloat16(config, monkeypatch):
+    pin_arithmetic(monkeypatch, "bfloat16")
+    return r"resolved\.dtype: 'float32' there, 'bfloat16' here"
+
+
+def replace_the_target_in_place(config, monkeypatch):
+    before = provenance.fingerprint(config.target)
+    save_tiny(config.target, seed=1)  # other weights, the same config and shapes
+    return rf"resolved\.models\.target: '{before}' there, '{provenance.fingerprint(config.target)}' here"
+
+
+def upgrade_torch(config, monkeypatch):
+    found = provenance.versions
+    monkeypatch.setattr(provenance, "versions", lambda backend: {**found(backend), "torch": "9.9.9"})
+    return r"resolved\.versions\.torch: '[^']+' there, '9\.9\.9' here"
+
+
+@pytest.mark.parametrize("change", [reprobe_to_bfloat16, replace_the_target_in_place, upgrade_torch])
+def test_a_resume_that_resolves_another_dtype_other_weights_or_libraries_is_refused_before_any_model_loads(
+    auto_run, monkeypatch, change
+):
+    before = (auto_run.out / runner.RECORDS).read_text()
+    refused = change(auto_run, monkeypatch)
+    no_model_loads(monkeypatch)
+    with pytest.raises(ValueError, match=rf"holds runs with other settings \({refused}\): use another --out"):
+        runner.run(replace(auto_run, prompts_per_dataset=2), progress=False)
+    assert (auto_run.out / runner.RECORDS).read_text() == before
+
+
+def test_a_resume_whose_auto_draft_quantization_resolves_otherwise_is_refused(auto_run, monkeypatch):
+    stored = json.loads((auto_run.out / runner.CONFIG).read_text())
+    stored["resolved"]["draft_quant"] = {"auto": "int8"}  # as a first call whose probe picked an int8 draft stores
+    (auto_run.out / runner.CONFIG).write_text(json.dumps(stored))
+    no_model_loads(monkeypatch)
+    with pytest.raises(ValueError, match=r"resolved\.draft_quant\.auto: 'int8' there, None here"):
+        runner.run(replace(auto_run, configs=("target-only", "auto")), progress=False)
+    # a configuration the directory has not run yet has no runs to disagree with
+    with pytest.raises(AssertionError, match="a model was loaded"):
+        runner.run(replace(auto_run, configs=("target-only", "lookup+model")), progress=False)
+    stored = json.loads((auto_run.out / runner.CONFIG).read_text())
+    assert stored["resolved"]["draft_quant"] == {"auto": "int8", "lookup+model": None}  # kept for the next resume
+
+
+def test_a_run_directory_of_an_older_blockspec_is_reported_but_not_resumed(recorded, tmp_path, monkeypatch, capsys):
+    config = copy_of(recorded, tmp_path)
+    stored = json.loads((config.out / runner.CONFIG).read_text())
+    del stored["resolved"]
+    (config.out / runner.CONFIG).write_text(json.dumps(stored))
+    path = config.out / runner.RECORDS
+    older = {"python": "3.11.7", "torch": "2.13.0+cpu", "transformers": "5.23.0"}  # versions as they were recorded
+    path.write_text(
+        "".join(
+            json.dumps(
+                {**data, "meta": {k: v for k, v in {**data["meta"], "versions": older}.items() if k != "models"}}
+            )
+            + "\n"
+            for data in map(json.loads, path.read_text().splitlines())
+        )
+    )
+    no_model_loads(monkeypatch)
+    with pytest.raises(
+        ValueError, match="made by an older blockspec.* finish it with that version, or use a new --out"
+    ):
+        runner.run(replace(config, prompts_per_dataset=2), progress=False)
+    assert report.main(["--records", str(path), "--no-plots"]) == 0
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("dtype", "bfloat16"),
+        ("target_quant", "int8"),
+        ("draft_quant", "int8"),
+        ("versions", {"torch": "9.9.9"}),
+        ("models", {"target": "0" * 64, "draft": "1" * 64}),
+    ],
+)
+def test_the_report_refuses_records_of_other_builds(recorded, tmp_path, capsys, field, value):
+    (record,) = rec.read(recorded.out / runner.RECORDS)
+    record = replace(record, config="hf-assisted", meta={**record.meta, "draft_quant": None})
+    other = replace(record, prompt_id="lm1b/other", seed=1, meta={**record.meta, field: value})
+    with pytest.raises(ValueError, match="records of other builds"):
+        report.build_report([record, other])
+    path = tmp_path / runner.RECORDS
+    for each in (record, other):
+        rec.append(path, each)
+    assert report.main(["--records", str(path), "--no-plots"]) == 2
+    assert "records of other builds" in capsys.readouterr().err
+
+
+def test_a_hub_model_the_bench_downloads_is_fingerprinted_once_loaded_and_resumes(auto_run, tmp_path, monkeypatch):
+    from blockspec.models import hf
+
+    load, cached = hf.load_model, []
+
+    def download_then_load(name, **kwargs):  # "org/tiny" is the tiny target, in the hub cache once loaded
+        cached.append(name)
+        return load(auto_run.target if name == "org/tiny" else name, **kwargs)
+
+    monkeypatch.setattr(hf, "load_model", download_then_load)
+    monkeypatch.setattr(provenance, "_hub_snapshot", lambda name: Path(auto_run.target) if cached else None)
+    config = replace(auto_run, target="org/tiny", allow_download=True, out=tmp_path / "hub")
+    runner.run(config, progress=False)
+    resolved = json.loads((config.out / runner.CONFIG).read_text())["resolved"]
+    assert resolved["models"]["target"] == provenance.fingerprint(auto_run.target)
+    assert len(list(rec.read(runner.run(replace(config, prompts_per_dataset=2), progress=False)))) == 2
+
+
+def test_a_model_fingerprint_follows_its_config_and_weights_not_its_readme(tmp_path):
+    from blockspec.models.presets import PRESETS
+
+    folder = save_tiny(tmp_path / "model")
+    first = provenance.fingerprint(folder)
+    (Path(folder) / "README.md").write_text("notes")
+    assert provenance.fingerprint(folder) == first
+    save_tiny(folder, seed=1)  # the same names, dtypes and shapes: a safetensors header alone would not tell
+    assert provenance.fingerprint(folder) != first
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(1000))
+    one = provenance.fingerprint(str(gguf))
+    gguf.write_bytes(b"GGUF" + bytes(999) + b"\1")
+    assert provenance.fingerprint(str(gguf)) not in (one, None)
+    assert provenance.fingerprint("qwen2.5-coder-0.5b") == PRESETS["qwen2.5-coder-0.5b"].sha256
+    assert provenance.fingerprint(str(tmp_path / "missing")) is None
 
 
 # --- one bench per run directory, and its settings file -------------------------------------------------------

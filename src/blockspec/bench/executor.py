@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import platform
-import sys
 import time
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -40,11 +39,13 @@ def draft_quant_of(name: str, arithmetic) -> str | None:
 
 class Executor:
     """Runs one planned generation and turns it into a Record; warms each variant up before its first run.
-    ``drafts`` maps each draft quantization the configurations use (None: unquantized) to its loaded model."""
+    ``drafts`` maps each draft quantization the configurations use (None: unquantized) to its loaded model;
+    ``resolved`` is what the settings resolved to (``provenance.resolve``): dtype, versions, model fingerprints."""
 
-    def __init__(self, target, drafts: dict, config: BenchConfig, dtype: str, arithmetic=None):
+    def __init__(self, target, drafts: dict, config: BenchConfig, resolved: dict, arithmetic=None):
         self.target, self.drafts, self.config, self.arithmetic = target, drafts, config, arithmetic
         self.warm: set[tuple] = set()
+        dtype = resolved["dtype"]
         self.sv = SVSetup(target, config, dtype) if set(config.configs) & set(rec.SV_CONFIGS) else None
         self.meta = {
             "target": config.target,
@@ -55,11 +56,8 @@ class Executor:
             **machine.facts(),
             "machine": platform.platform(),
             "processor": platform.processor(),
-            "versions": {
-                "python": sys.version.split()[0],
-                "torch": torch.__version__,
-                "transformers": __import__("transformers").__version__,
-            },
+            "versions": resolved["versions"],
+            "models": resolved["models"],
         }
 
     def warm_up(self, item: Run) -> None:

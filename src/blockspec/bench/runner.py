@@ -18,6 +18,7 @@ from pathlib import Path
 
 from .. import defaults, machine
 from ..files import write_atomic
+from . import provenance
 from . import records as rec
 from .executor import AUTO_DRAFT, NO_DRAFT, Executor, draft_quant_of
 
@@ -244,26 +245,43 @@ def make_out(out: Path) -> None:
         raise ValueError(f"cannot make the output directory {out}: {error}") from None
 
 
-def prepare_out(config: BenchConfig) -> list[rec.Record]:
-    """Check ``config.out`` before any model loads, store this call's settings there (whole or not at all), and
-    return the records already in it. Raises ValueError when it holds records of other settings or with no stored
-    settings (``rec.read`` refuses records of another schema)."""
+def prepare_out(config: BenchConfig) -> tuple[list[rec.Record], dict | None]:
+    """Check ``config.out`` before any model loads: return the records already in it and the settings stored with
+    them (None when it holds none). Raises ValueError when it holds records of other settings, with no stored
+    settings, or with settings stored by a blockspec that did not store what they resolved to (``rec.read``
+    refuses records of another schema)."""
     out = config.out
     existing = list(rec.read(out / RECORDS)) if (out / RECORDS).exists() else []
+    if not existing:
+        return existing, None
+    if not (out / CONFIG).exists():
+        raise ValueError(
+            f"{out} holds records but no {CONFIG}: their settings are unknown, so they cannot be resumed: use "
+            "a new --out (they can still be reported: python -m blockspec.bench.report)"
+        )
+    try:
+        found = json.loads((out / CONFIG).read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{out / CONFIG} is unreadable ({error}): use a new --out") from None
     wanted = settings(config)
-    if existing:
-        if not (out / CONFIG).exists():
-            raise ValueError(
-                f"{out} holds records but no {CONFIG}: their settings are unknown, so they cannot be resumed: use "
-                "a new --out (they can still be reported: python -m blockspec.bench.report)"
-            )
-        try:
-            found = json.loads((out / CONFIG).read_text())
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{out / CONFIG} is unreadable ({error}): use a new --out") from None
-        rec.refuse_other_settings(out, found, {k: v for k, v in wanted.items() if k not in RESUMABLE})
-    write_atomic(out / CONFIG, json.dumps(wanted, indent=1) + "\n")
-    return existing
+    rec.refuse_other_settings(out, found, {k: v for k, v in wanted.items() if k not in RESUMABLE})
+    if "resolved" not in found:
+        raise ValueError(
+            f"{out} was made by an older blockspec, which did not store the dtype, library versions and model "
+            "fingerprints its runs resolved to, so a resume cannot check them: finish it with that version, or use "
+            "a new --out (its records can still be reported: python -m blockspec.bench.report)"
+        )
+    return existing, found
+
+
+def store_settings(config: BenchConfig, found: dict | None, resolved: dict) -> None:
+    """Refuse to add runs that resolved otherwise than the ones stored (``found``, ``provenance.check``), then
+    store this call's settings and what they resolved to in ``<out>/config.json``, whole or not at all (with the
+    draft quantization of configurations run before and not in this call, for the next resume to check)."""
+    if found is not None:
+        provenance.check(config.out, found["resolved"], resolved)
+        resolved = {**resolved, "draft_quant": {**found["resolved"]["draft_quant"], **resolved["draft_quant"]}}
+    write_atomic(config.out / CONFIG, json.dumps({**settings(config), "resolved": resolved}, indent=1) + "\n")
 
 
 MIN_PROMPTS = 5  # per dataset, before a bootstrap interval is trusted to stop a run
@@ -305,7 +323,7 @@ def _run(config: BenchConfig, progress: bool) -> Path:
     from ..models.hf import load_model, resolve_backend, resolve_device
     from . import datasets
 
-    existing = prepare_out(config)
+    existing, found = prepare_out(config)
     records_file = config.out / RECORDS
     done = {r.key for r in existing if r.ok or not config.retry_failed}
     failed = rec.still_failed(existing)
@@ -319,6 +337,10 @@ def _run(config: BenchConfig, progress: bool) -> Path:
         arithmetic = choose_arithmetic(resolve_device(config.device))
         log.info("arithmetic: %s", arithmetic.reason)
     dtype = arithmetic.dtype if arithmetic is not None and config.dtype == "auto" else config.dtype
+    resolved = provenance.resolve(config, backend, dtype, arithmetic)
+    downloads = None in resolved["models"].values()  # a hub id the load downloads: fingerprinted once it is here
+    if not downloads:
+        store_settings(config, found, resolved)
     target = load_model(
         config.target,
         dtype=dtype,
@@ -338,6 +360,9 @@ def _run(config: BenchConfig, progress: bool) -> Path:
         )
         for quant in {draft_quant_of(name, arithmetic) for name in config.configs if name not in NO_DRAFT}
     }
+    if downloads:
+        resolved = provenance.resolve(config, backend, dtype, arithmetic)
+        store_settings(config, found, resolved)
     prompts = {
         name: [
             (p.id, encode_prompt(target.tokenizer, p.text, chat=config.chat))
@@ -350,7 +375,7 @@ def _run(config: BenchConfig, progress: bool) -> Path:
     if not todo:
         return records_file
 
-    executor = Executor(target, drafts, config, dtype, arithmetic)
+    executor = Executor(target, drafts, config, resolved, arithmetic)
     start, executed, skipped, precise = time.perf_counter(), 0, 0, False
     bar = Progress(len(todo), progress)
     for n, item in enumerate(todo):

@@ -4,7 +4,9 @@ docs/guide/bench.md, and ``CONVENTION`` / ``BATCH_CONVENTION``, printed above th
 
 from __future__ import annotations
 
+import json
 import logging
+from collections import defaultdict
 from dataclasses import asdict, dataclass
 
 from .. import records as records_io
@@ -49,12 +51,14 @@ def build_report(records: list[Record], config: ReportConfig = ReportConfig()) -
     Unknown configurations are ignored with a warning; missing ones leave their columns empty (None). Failed
     runs are left out of every figure, contended ones out of tok/s and speedups (``LeftOut``). Runs at a draft
     temperature of their own are left to the alignment report (``alignment``), but for the failed ones, listed here.
-    Raises ValueError for records of more than one machine kind or thread count.
+    Raises ValueError for records of more than one machine kind or thread count, or of more than one build
+    (``_one_build``).
     """
     known = [r for r in records if r.config in records_io.KNOWN_CONFIGS]
     if len(known) < len(records):
         log.warning("%d records with an unknown config are ignored", len(records) - len(known))
     machine = _one_machine(known)
+    _one_build(known)
     left_out = _left_out(known)
     n_records, known = len(known), [r for r in known if r.ok and r.draft_temperature is None]
     batch = (
@@ -97,6 +101,29 @@ def _one_machine(records: list[Record]) -> dict | None:
         )
     flags, threads = kinds.pop() if kinds else (None, None)
     return None if flags is None else {"cpu_flags": list(flags), "threads": threads}
+
+
+def _one_build(records: list[Record]) -> None:
+    """ValueError if ``records`` ran in more than one arithmetic (dtype, target quantization, a configuration's
+    draft quantization), with other library versions or on other model bytes (the fingerprints of
+    ``bench.provenance``): pooled, their figures would describe no one setup. Records that predate a field agree
+    on its absence."""
+    found: dict[str, set[str]] = defaultdict(set)
+    for record in records:
+        meta = record.meta
+        found["dtype"].add(json.dumps(meta.get("dtype")))
+        found["target quantization"].add(json.dumps(meta.get("target_quant")))
+        found["versions"].add(json.dumps(meta.get("versions"), sort_keys=True))
+        found["model fingerprints"].add(json.dumps(meta.get("models"), sort_keys=True))
+        if "draft_quant" in meta:
+            found[f"draft quantization of {record.config}"].add(json.dumps(meta["draft_quant"]))
+    differ = {what: values for what, values in found.items() if len(values) > 1}
+    if differ:
+        raise ValueError(
+            "records of other builds ("
+            + "; ".join(f"{what}: {' vs '.join(sorted(values))}" for what, values in differ.items())
+            + "): their figures are not comparable; report each run directory separately"
+        )
 
 
 def _key_fields(record: Record) -> dict:

@@ -12,6 +12,7 @@ predictions use x_i).
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -100,6 +101,10 @@ class LatencyTable:
             raise ValueError("latency table axes must be strictly increasing")
         if len(self.seconds) != len(self.batch_sizes) or any(len(r) != len(self.tokens) for r in self.seconds):
             raise ValueError("latency table seconds must be [len(batch_sizes)][len(tokens)]")
+        if not self.batch_sizes or not self.tokens:
+            raise ValueError("latency table axes must not be empty")
+        if not all(seconds >= 0 and math.isfinite(seconds) for row in self.seconds for seconds in row):
+            raise ValueError(f"latency table seconds must be finite and >= 0, got {self.seconds}")
 
     def __call__(self, batch: int, tokens: int) -> float:
         rows = [_interpolate(self.tokens, row, tokens) for row in self.seconds]

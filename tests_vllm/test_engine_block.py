@@ -143,7 +143,7 @@ def test_first_tokens_follow_the_target_with_sv_choosing_the_drafts(llm, target,
     draft only for its cache), nothing is learnt and the law is the target's. SV reading the drafted token's own
     probability in place of the top probability (broken: it looks at x_i) must fail."""
     never = sv == "never drafting"
-    paths = tinyvllm.sv_profiles(tmp_path, drafting=10.0 if never else 0.0, prior=0.1 if never else 0.9)
+    paths = tinyvllm.sv_profiles(tmp_path, drafting=10.0 if never else 0.0, prior=0.1 if never else 0.9, llm=llm)
     llm.collective_rpc(tinyvllm.sv, args=(paths, sv == "x_i's own probability"))
     try:
         before = check(llm, "block")[0]["cut"]

@@ -106,9 +106,11 @@ def start(
     rule: str | None,
     num_speculative_tokens: int = 2,
     schedule: list[tuple[int, int, int]] | None = None,
+    draft_sample_method: str = "probabilistic",
     **engine,
 ):
-    """vLLM's offline engine on the tiny pair, float32, drafting with probabilities (``num_speculative_tokens`` 0:
+    """vLLM's offline engine on the tiny pair, float32, drafting with probabilities unless ``draft_sample_method``
+    says otherwise (``num_speculative_tokens`` 0:
     the target alone; ``schedule``: vLLM's batch-size schedule of K, ``num_speculative_tokens_per_batch_size``);
     the worker process inherits ``BLOCKSPEC_VLLM_RULE`` = ``rule`` (None: unset, vLLM as shipped). ``engine``:
     more of ``LLM``'s arguments."""
@@ -127,7 +129,7 @@ def start(
             "method": "draft_model",
             "model": draft,
             "num_speculative_tokens": num_speculative_tokens,
-            "draft_sample_method": "probabilistic",
+            "draft_sample_method": draft_sample_method,
             "rejection_sample_method": "standard",
             "num_speculative_tokens_per_batch_size": schedule,
         }
@@ -301,11 +303,11 @@ def cut_by_drafted_token(self, *args, **kwargs):
     return [row[:length] for row, length in zip(drafts.tolist(), lengths)]
 
 
-def sv_profiles(directory: Path, drafting: float, prior: float) -> tuple[str, str]:
+def sv_profiles(directory: Path, drafting: float, prior: float, llm) -> tuple[str, str]:
     """SV's profiles for the tiny pair, made by hand: a calibration whose block-rule gain is about 1 where the
     draft's top probability is above 0.3 and about 0 below, expected to be ``prior`` at every position before any
-    step, and a latency where each verified token costs a fifth of a step and one draft forward ``drafting`` steps.
-    (calibration path, latency path)."""
+    step, and a latency where each verified token costs a fifth of a step and one draft forward ``drafting`` steps,
+    "measured" on the models, dtype and device the engine ``llm`` serves. (calibration path, latency path)."""
     from blockspec.policy.base import LatencyTable
     from blockspec.policy.features import DRAFT_FEATURES
     from blockspec.policy.latency import META_FIELDS, LatencyProfile
@@ -322,8 +324,17 @@ def sv_profiles(directory: Path, drafting: float, prior: float) -> tuple[str, st
         {"block": [prior, prior]},
     )
     steps = LatencyTable((1, 64), (1, 2, 3), ((1.0, 1.2, 1.4), (1.0, 1.2, 1.4)))
+    served = {
+        "target": llm.llm_engine.model_config.model,
+        "draft": llm.llm_engine.vllm_config.speculative_config.model,
+        "dtype": "float32",
+        "device": "cpu",
+    }
     latency = LatencyProfile(
-        steps, LatencyTable((1, 64), (1,), ((drafting,), (drafting,))), None, dict.fromkeys(META_FIELDS, "tiny")
+        steps,
+        LatencyTable((1, 64), (1,), ((drafting,), (drafting,))),
+        None,
+        dict.fromkeys(META_FIELDS, "tiny") | served,
     )
     paths = str(directory / "calibration.json"), str(directory / "latency.json")
     calibration.save(paths[0])

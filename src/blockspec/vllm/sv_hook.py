@@ -5,47 +5,142 @@ docs/guide/vllm.md."""
 
 from __future__ import annotations
 
+import math
+import os
 from typing import TYPE_CHECKING
 
 import torch
 
 from .ragged import padded_block
 from .state import STATE
-from .switches import requested_rule
+from .switches import SV_SWITCH, requested_rule
 
 if TYPE_CHECKING:
+    from ..policy.latency import LatencyProfile
+    from ..policy.predictor import Profile
     from ..policy.sv import SVPolicy
 
 
 def use_sv(paths: tuple[str, str] | None) -> None:
-    """Put SV in place with the profiles at ``paths`` (None: take it out), reading them now so that a missing or
-    broken profile fails where vLLM starts."""
-    from ..policy.latency import LatencyProfile
-    from ..policy.predictor import Profile
-
-    profiles = None if paths is None else (Profile.load(paths[0]), LatencyProfile.load(paths[1]))
+    """Put SV in place with the profiles at ``paths`` (None: take it out), read and tried now
+    (``checked_profiles``) so that a missing or broken profile fails where vLLM starts, not at its first request."""
+    profiles = None if paths is None else checked_profiles(paths, requested_rule() or "token")
     STATE.sv_paths, STATE.sv_profiles = (None if paths is None else list(paths)), profiles
     STATE.sv_policy, STATE.offset = None, 0.0
 
 
-def sv_policy(runner) -> SVPolicy:
-    """This worker's SVPolicy, built at its first step (the number of drafted tokens is the runner's)."""
-    if STATE.sv_policy is None:
-        from ..policy.sv import SVPolicy
+def checked_profiles(paths: tuple[str, str], rule: str) -> tuple[Profile, LatencyProfile]:
+    """The (calibration, latency) profiles at ``paths``, refused with ``BLOCKSPEC_VLLM_SV``'s name unless SV can
+    decide with them under ``rule``: a draft-only predictor on blockspec's draft features with finite weights, a
+    prior of gains in [0, 1], a latency profile whose target takes time everywhere (its tables are finite and
+    non-negative, ``LatencyTable``), and one trial step (does drafting pay? then a request's verified length)
+    that runs. Without them SV would raise inside vLLM's worker mid-serving, or never draft."""
+    from ..policy.features import DRAFT_FEATURES
+    from ..policy.latency import LatencyProfile
+    from ..policy.predictor import Profile
 
-        if STATE.sv_profiles is None:
+    calibration_path, latency_path = paths
+    try:
+        calibration = Profile.load(calibration_path)
+        predictor, prior = calibration.predictor(rule, "draft"), calibration.prior.get(rule)
+        if predictor.features != DRAFT_FEATURES:
+            raise ValueError(
+                f"its {rule!r} draft predictor reads {predictor.features}, not the draft features "
+                f"{DRAFT_FEATURES}: run `blockspec sv calibrate` with this blockspec"
+            )
+        if len(predictor.weights) != len(DRAFT_FEATURES) or not all(math.isfinite(w) for w in predictor.weights):
+            raise ValueError(
+                f"its {rule!r} draft predictor needs {len(DRAFT_FEATURES)} finite weights, got {predictor.weights}"
+            )
+        if not prior or not all(0.0 <= gain <= 1.0 for gain in prior):  # NaN fails too
+            raise ValueError(
+                f"its {rule!r} prior must list the expected gain (in [0, 1]) of each position, got {prior}"
+            )
+    except (OSError, ValueError, TypeError) as error:
+        raise ValueError(f"{SV_SWITCH}: calibration profile {calibration_path}: {error}") from None
+    try:
+        latency = LatencyProfile.load(latency_path)
+        if not min(min(row) for row in latency.target.seconds) > 0:
+            raise ValueError(f"its target table must be > 0 seconds everywhere, got {latency.target.seconds}")
+        if max(latency.target.tokens) < 2:
+            raise ValueError("its target table has no width with drafts (tokens per request up to 1)")
+    except (OSError, ValueError, TypeError) as error:
+        raise ValueError(f"{SV_SWITCH}: latency profile {latency_path}: {error}") from None
+    try:
+        trial_step(new_policy(calibration, latency, rule, max(latency.target.tokens) - 1))
+    except (ValueError, TypeError, ArithmeticError, IndexError, RuntimeError) as error:
+        raise ValueError(
+            f"{SV_SWITCH}: SV's trial step on {calibration_path} and {latency_path} failed: {error}"
+        ) from error
+    return calibration, latency
+
+
+def new_policy(calibration: Profile, latency: LatencyProfile, rule: str, max_draft: int) -> SVPolicy:
+    """The plugin's kind of SVPolicy: draft-only predictor, each request paying its own tokens, whole drafts."""
+    from ..policy.sv import SVPolicy
+
+    return SVPolicy(calibration, latency, rule=rule, kind="draft", ragged=True, whole_drafts=True, max_draft=max_draft)
+
+
+def trial_step(policy: SVPolicy) -> None:
+    """SV's two decisions in vLLM on one request that drafted ``max_draft`` tokens from a uniform draft."""
+    policy.draft_budget(1, 1)
+    drafts = torch.zeros(1, policy.max_draft, dtype=torch.long)
+    sv_lengths(policy, drafts, torch.full((1, policy.max_draft, 2), 0.5))
+
+
+def sv_policy(runner) -> SVPolicy:
+    """This worker's SVPolicy, built once the model runner is known (its K), with the latency profile checked
+    against what the runner serves (``check_served``)."""
+    if STATE.sv_policy is None:
+        if STATE.sv_profiles is None or STATE.sv_paths is None:
             raise RuntimeError("blockspec: SV is not in place (use_sv)")
         calibration, latency = STATE.sv_profiles
-        STATE.sv_policy = SVPolicy(
-            calibration,
-            latency,
-            rule=requested_rule() or "token",
-            kind="draft",
-            ragged=True,
-            whole_drafts=True,
-            max_draft=runner.speculative_config.num_speculative_tokens,
+        check_served(latency, STATE.sv_paths[1], runner)
+        STATE.sv_policy = new_policy(
+            calibration, latency, requested_rule() or "token", runner.speculative_config.num_speculative_tokens
         )
     return STATE.sv_policy
+
+
+def check_served(latency: LatencyProfile, path: str, runner) -> None:
+    """Refuse, with ``BLOCKSPEC_VLLM_SV``'s name, a latency profile measured on other models, another dtype or
+    device than vLLM's model ``runner`` serves, or up to fewer drafts than it verifies: SV would price its steps
+    with another engine's seconds. (The calibration profile is made on blockspec's side, under its own names for
+    the pair, so only its predictor was checked, ``checked_profiles``.)"""
+    from ..policy.latency import dtype_name
+
+    spec = runner.speculative_config
+    served = {
+        "target": runner.model_config.model,
+        "draft": spec.model,
+        "dtype": dtype_name(runner.model_config.dtype),
+        "device": torch.device(runner.device).type,
+    }
+    for field, value in served.items():
+        if not same(latency.meta.get(field), value):
+            raise ValueError(
+                f"{SV_SWITCH}: latency profile {path} was measured with {field} {latency.meta.get(field)!r}, but vLLM "
+                f"serves {value!r}: measure it with python -m blockspec.vllm.profile on what vLLM serves"
+            )
+    measured = max(latency.target.tokens) - 1
+    if spec.num_speculative_tokens > measured:
+        raise ValueError(
+            f"{SV_SWITCH}: latency profile {path} was measured up to {measured} drafts a request, but vLLM drafts "
+            f"{spec.num_speculative_tokens}: measure it with --max-draft {spec.num_speculative_tokens}"
+        )
+
+
+def same(measured, served: str) -> bool:
+    """Whether a profile's ``measured`` field names ``served``: the same text, or two paths to one file."""
+    if measured == served:
+        return True
+    return (
+        isinstance(measured, str)
+        and os.path.exists(measured)
+        and os.path.exists(served)
+        and os.path.samefile(measured, served)
+    )
 
 
 def plan_drafts(self, scheduler_output, *args, **kwargs):

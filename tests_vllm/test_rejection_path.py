@@ -17,6 +17,7 @@ import torch
 from kits import lawkit
 from vllmkit import Batch, OneStep, configure, emitted
 
+from blockspec.sampling import NonFiniteLogitsError
 from blockspec.verify import accepted_length_law
 from blockspec.vllm import plugin
 from blockspec.vllm.state import STATE
@@ -183,3 +184,48 @@ def test_the_plugin_refuses_other_vllm_versions(monkeypatch):
     monkeypatch.setenv(SWITCH, "fast")
     with pytest.raises(ValueError, match="BLOCKSPEC_VLLM_RULE"):
         plugin.register()
+
+
+def broken_row_batch(tables, broken: str) -> Batch:
+    """Two sampled requests drafting WIDTH tokens each, the second request's first drafted row broken: its target
+    logits NaN at one token or masked everywhere (-inf), or its draft probabilities NaN."""
+    block = tables.draw_blocks(2, WIDTH, torch.Generator().manual_seed(8))
+    draft_probs, target_probs = tables.block_inputs(block)
+    draft_rows, logits = draft_probs.reshape(-1, VOCAB).float(), target_probs.log().reshape(-1, VOCAB).float()
+    target_row, draft_row = WIDTH + 1, WIDTH  # request 1's first drafted position: after request 0's K + 1 rows
+    if broken == "target NaN":
+        logits[target_row, 1] = float("nan")
+    if broken == "target masked":
+        logits[target_row] = float("-inf")
+    if broken == "draft NaN":
+        draft_rows[draft_row] = float("nan")
+    return Batch(block.tolist(), draft_rows, logits, [1.0, 1.0])
+
+
+@pytest.mark.parametrize(
+    ("broken", "model"), [("target NaN", "target"), ("target masked", "target"), ("draft NaN", "draft")]
+)
+def test_block_rule_refuses_nan_or_fully_masked_rows_naming_the_model(tables, monkeypatch, broken, model):
+    """The block rule used to read such a row as a distribution and emit token 0 (its verification skips the
+    input checks for speed): now one maximum per row, as blockspec's engine takes, finds it and the error names
+    the model."""
+    configure("block")
+    monkeypatch.setattr(STATE, "models", {"target": "models/tiny-target", "draft": "models/tiny-draft"})
+    with pytest.raises(NonFiniteLogitsError, match=f"the {model} model \\(models/tiny-{model}\\) gave non-finite"):
+        broken_row_batch(tables, broken).run()
+    assert len(emitted(broken_row_batch(tables, "nothing").run().sampled_token_ids)) == 2
+
+
+def test_the_token_rule_in_place_is_vllm_s_own_with_its_sampled_steps_counted(tables, monkeypatch):
+    """With BLOCKSPEC_VLLM_RULE=token the plugin's sampler is vLLM's token rule, same draws, same tokens; it counts
+    the steps with sampled requests that drafted, which the presence check reads (check(..., verified=True))."""
+    batch = mixed_batch(tables, torch.Generator().manual_seed(9))
+    outputs = []
+    for rule in ("token", "block"):
+        configure(rule)
+        monkeypatch.setattr(STATE, "rule", "token")
+        before = dict(STATE.steps)
+        torch.manual_seed(4)
+        outputs.append(batch.run().sampled_token_ids)
+    assert torch.equal(outputs[0], outputs[1])
+    assert STATE.steps == {**before, "token": before["token"] + 1}

@@ -1,6 +1,7 @@
 """The vLLM plugin's presence check for a running server (``check_server``), against a stand-in for vLLM's
 development endpoint /collective_rpc on 127.0.0.1: it passes only when every worker reports the rule asked for
-with a working expand kernel and seeded drafts, and says what to do otherwise. No vLLM needed (the real server is
+on vLLM's V1 model runner with a working expand kernel and seeded drafts (and, asked to, having verified sampled
+steps by it), and says what to do otherwise. No vLLM needed (the real server is
 exercised by benchmarks/vllm_serve.py, which checks every server it starts this way).
 """
 
@@ -14,7 +15,14 @@ import pytest
 
 from blockspec.vllm.status import check_server
 
-BLOCK = {"rule": "block", "expand": "fixed", "drafts": "request seeds", "steps": {"block": 3, "token": 0}}
+BLOCK = {
+    "rule": "block",
+    "runner": "v1",
+    "expand": "fixed",
+    "drafts": "request seeds",
+    "steps": {"block": 3, "token": 0},
+}
+V2_RUNNER = "vllm.v1.worker.gpu.model_runner.GPUModelRunner"
 
 
 @pytest.fixture
@@ -59,6 +67,26 @@ def test_a_worker_with_another_rule_the_broken_kernel_or_unseeded_drafts_fails(s
     replies["body"] = {"results": [BLOCK, status]}
     with pytest.raises(RuntimeError, match="asked for the block rule, but a worker runs"):
         check_server(url, "block")
+
+
+def test_a_worker_on_vllm_s_model_runner_v2_fails(server):
+    """vLLM's Model Runner V2 (GPU) has its own sampler: the plugin's block rule, fixes and drafting hook never
+    run there, whatever the patched V1 functions report."""
+    url, replies = server
+    replies["body"] = {"results": [BLOCK, {**BLOCK, "runner": V2_RUNNER}]}
+    with pytest.raises(RuntimeError, match=f"model runner {V2_RUNNER}.*VLLM_USE_V2_MODEL_RUNNER=0"):
+        check_server(url, "block")
+
+
+def test_a_rule_that_verified_no_sampled_step_fails_when_asked_to_have_verified(server):
+    """In place is not the same as run: after sampled traffic, ``verified=True`` asks that the rule verified
+    some of its steps (a runner that bypasses vLLM's V1 rejection sampler never counts any)."""
+    url, replies = server
+    assert check_server(url, "block", verified=True) == [BLOCK]
+    replies["body"] = {"results": [BLOCK, {**BLOCK, "steps": {"block": 0, "token": 4}}]}
+    assert check_server(url, "block") == replies["body"]["results"]  # at start: nothing verified yet
+    with pytest.raises(RuntimeError, match="has verified no step with sampled requests by it"):
+        check_server(url, "block", verified=True)
 
 
 def test_no_worker_fails(server):

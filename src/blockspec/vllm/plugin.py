@@ -2,9 +2,10 @@
 # pyright: reportMissingImports=false
 """blockspec's vLLM plugin: ``register``, vLLM's entry point (group ``vllm.general_plugins``), which vLLM calls in
 each of its processes before the worker registers its CPU kernels. With ``BLOCKSPEC_VLLM_RULE`` unset it does
-nothing; with ``block`` or ``token`` it puts in place the fixes (``fixes``), the drafting hook (``sv_hook``) and
-the workers' status (``status``), and with ``block`` the block rule (``rejection``). It is pinned to the vLLM
-version whose internals it replaces and refuses any other. Guide: docs/guide/vllm.md."""
+nothing; with ``block`` or ``token`` it puts in place the fixes (``fixes``), the drafting hook (``sv_hook``), the
+workers' status (``status``) and the rejection sampler (``rejection``: the block rule with ``block``, vLLM's own
+rule, counted, with ``token``). It is pinned to the vLLM version whose internals it replaces and refuses any
+other. Guide: docs/guide/vllm.md."""
 
 from __future__ import annotations
 
@@ -14,8 +15,17 @@ from .fixes import draft_with_request_seeds, expand_in_place, refuse_cut_grammar
 from .rejection import block_rejection_sample
 from .state import STATE
 from .status import worker_status
-from .sv_hook import plan_drafts, use_sv
-from .switches import CUT_SWITCH, SV_SWITCH, SWITCH, min_draft_prob, requested_rule, sv_profiles
+from .sv_hook import plan_drafts, sv_policy, use_sv
+from .switches import (
+    CUT_SWITCH,
+    SV_SWITCH,
+    SWITCH,
+    analytic,
+    min_draft_prob,
+    refuse_switches_unused,
+    requested_rule,
+    sv_profiles,
+)
 
 VLLM_VERSION = "0.32.0"  # the version whose rejection sampler and CPU kernels this plugin replaces
 
@@ -23,6 +33,7 @@ VLLM_VERSION = "0.32.0"  # the version whose rejection sampler and CPU kernels t
 def register() -> None:
     """vLLM's plugin entry point: patch this process as ``BLOCKSPEC_VLLM_RULE`` asks (idempotent)."""
     rule = requested_rule()
+    refuse_switches_unused(rule)
     if rule is None:
         return
     from vllm.version import __version__ as vllm_version
@@ -40,7 +51,7 @@ def register() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.worker_base import WorkerBase
 
-    STATE.min_prob = min_draft_prob()
+    STATE.min_prob, STATE.analytic = min_draft_prob(), analytic()
     use_sv(sv_profiles())
     if STATE.min_prob is not None and STATE.sv_paths is not None:
         raise ValueError(f"{CUT_SWITCH} and {SV_SWITCH} both choose the drafts verified: set one of them")
@@ -49,10 +60,33 @@ def register() -> None:
     patch(SpecDecodeBaseProposer, "_sample_from_logits", draft_with_request_seeds)  # vLLM's uses the global generator
     patch(GPUModelRunner, "sample_tokens", sample_with_chunk_draws_apart)  # CPU's runner inherits it
     patch(GPUModelRunner, "propose_draft_token_ids", plan_drafts)  # vLLM's returns every drafted token
+    patch(GPUModelRunner, "__init__", start_runner)  # the V1 runner (CPU's inherits it) at the worker's start
     cpu_kernels._expand_kernel_impl = expand_in_place  # read when the CPU worker registers its kernels
-    if rule == "block":
-        patch(sampler, "rejection_sample", block_rejection_sample)  # vLLM's token rule, kept for what stays on it
+    STATE.rule = rule
+    patch(sampler, "rejection_sample", block_rejection_sample)  # vLLM's token rule, kept for what stays on it
     WorkerBase.blockspec_status = worker_status
+
+
+def start_runner(self, *args, **kwargs) -> None:
+    """vLLM's V1 model runner's ``__init__``, then, at the worker's start rather than at its first request: the
+    served models' names, for the errors that name them, and the refusal of a stopping rule (threshold or SV)
+    that could never cut: without a draft model, or without the draft probabilities it reads. SV's policy is
+    built here, its latency profile checked against what the runner serves (``sv_hook.sv_policy``)."""
+    start_runner.stock(self, *args, **kwargs)
+    spec = self.speculative_config
+    STATE.models = {"target": self.model_config.model, "draft": spec.model if spec is not None else None}
+    if STATE.min_prob is None and STATE.sv_paths is None:
+        return
+    switch = SV_SWITCH if STATE.sv_paths is not None else CUT_SWITCH
+    if spec is None or spec.draft_sample_method != "probabilistic":
+        method = None if spec is None else spec.draft_sample_method
+        served = "serves no draft model" if spec is None else f"drafts with draft_sample_method={method!r}"
+        raise ValueError(
+            f"{switch} chooses among sampled drafts by their draft probabilities, but vLLM {served}: serve a "
+            f"draft model with draft_sample_method='probabilistic', or unset {switch}"
+        )
+    if STATE.sv_paths is not None:
+        sv_policy(self)
 
 
 def patch(owner, name: str, replacement: Any) -> None:

@@ -191,6 +191,7 @@ def main(argv=None) -> None:
 
     from vllm import LLM
 
+    from ..policy.latency import dtype_name
     from .status import check
     from .switches import CUT_SWITCH, SV_SWITCH, SWITCH
 
@@ -217,7 +218,7 @@ def main(argv=None) -> None:
         llm,
         args.target,
         args.draft,
-        args.dtype,
+        dtype_name(llm.llm_engine.model_config.dtype),  # "auto" resolved: what the plugin compares with at serving
         sorted(set(args.batch_sizes)),
         args.max_draft,
         args.context,

@@ -1,4 +1,5 @@
-"""Block verification on vLLM's flattened ragged layout; imports torch and ``blockspec.verify`` only, never vLLM.
+"""Block verification on vLLM's flattened ragged layout; imports torch and blockspec's ``verify`` and ``sampling``
+only, never vLLM.
 
 vLLM's rejection sampler hands its rule every request's drafted tokens one after another (B requests, T drafted
 tokens in all, V tokens in the vocabulary, request b drafted n_b >= 0 tokens, cu the cumulative n_b):
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ..sampling import NonFiniteLogitsError
 from ..verify import SAMPLED_RULES, Randomness, expected_accepted, verify_block
 
 PLACEHOLDER = -1  # vLLM's PLACEHOLDER_TOKEN_ID: an empty output slot, or a drafted token to be rejected
@@ -26,6 +28,30 @@ def target_probs_with_spare_row(target_logits: torch.Tensor, dtype: torch.dtype)
     buffer = torch.empty(total + 1, vocab, dtype=dtype, device=target_logits.device)
     buffer[total] = 1.0 / vocab
     return torch.softmax(target_logits, -1, dtype=dtype, out=buffer[:total])
+
+
+def check_rows(draft_probs: torch.Tensor, target_logits: torch.Tensor, rows: torch.Tensor, names: dict) -> None:
+    """Raise NonFiniteLogitsError naming the model unless every verified row (``rows`` [T] bool) of the target's
+    processed logits [T, V] has a finite maximum and every one of ``draft_probs`` [T, V] a finite positive one.
+    One maximum per row, as blockspec's engine checks: it is NaN if any entry is, +inf if any is, and -inf
+    (target) or 0 (draft) only if every token is masked; the rule would read such a row as a distribution and
+    emit token 0. ``names``: "target" and "draft" -> the models' names."""
+    target_peaks, draft_peaks = target_logits.amax(-1), draft_probs.amax(-1)  # [T] each
+    bad = {
+        "target": rows & ~torch.isfinite(target_peaks),
+        "draft": rows & ~(torch.isfinite(draft_peaks) & (draft_peaks > 0)),
+    }
+    if not bool((bad["target"] | bad["draft"]).any()):  # one synchronisation for both
+        return
+    role = "target" if bool(bad["target"].any()) else "draft"
+    what = "logits" if role == "target" else "probabilities"
+    first = int(bad[role].nonzero()[0, 0])
+    peak = float((target_peaks if role == "target" else draft_peaks)[first])
+    raise NonFiniteLogitsError(
+        f"the {role} model ({names.get(role, 'unknown')}) gave non-finite or fully masked {what} at "
+        f"{int(bad[role].sum())} of {len(rows)} drafted positions (first at row {first}, maximum {peak}): a float16 "
+        "overflow, a broken checkpoint, or a logits processor that masks every token? Try bfloat16 or float32"
+    )
 
 
 def has_spare_row(rows: torch.Tensor) -> bool:

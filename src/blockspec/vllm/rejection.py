@@ -2,7 +2,9 @@
 # pyright: reportMissingImports=false
 """The block rule on vLLM 0.32's rejection-sampling path (``BLOCKSPEC_VLLM_RULE=block``): vLLM's
 ``rejection_sample`` with its sampled requests verified by ``ragged.block_verify_ragged``, from the same random
-draws; greedy requests, and steps without draft probabilities, stay on vLLM's own paths."""
+draws; greedy requests, and steps without draft probabilities, stay on vLLM's own paths, and so does every step
+with ``BLOCKSPEC_VLLM_RULE=token``. Either way the steps with sampled requests are counted by the rule that verified
+them (``STATE.steps``), which ``status.check`` reads."""
 
 from __future__ import annotations
 
@@ -10,10 +12,9 @@ import warnings
 
 import torch
 
-from .ragged import block_verify_ragged, expected_accepted_ragged, target_probs_with_spare_row
+from .ragged import block_verify_ragged, check_rows, expected_accepted_ragged, target_probs_with_spare_row
 from .state import STATE
 from .sv_hook import learn_from_verification
-from .switches import analytic
 
 
 def block_rejection_sample(
@@ -32,13 +33,20 @@ def block_rejection_sample(
     """vLLM 0.32's ``rejection_sample`` with block verification for the sampled requests.
 
     Same arguments, same random draws from the same generators, same output; greedy requests go through
-    vLLM's greedy kernel as before, and the all-greedy batch returns before anything is drawn.
+    vLLM's greedy kernel as before, and the all-greedy batch returns before anything is drawn. With the token
+    rule in place (``STATE.rule``) everything stays on vLLM's own path, its steps with sampled requests counted.
     """
     from vllm.v1.sample import rejection_sampler as sampler
 
-    if sampling_metadata.all_greedy or synthetic_mode or draft_probs is None:
-        if draft_probs is None and not sampling_metadata.all_greedy and any(num_draft_tokens):
+    token = STATE.rule != "block"
+    if token or sampling_metadata.all_greedy or synthetic_mode or draft_probs is None:
+        if (
+            (token or draft_probs is None)
+            and not (sampling_metadata.all_greedy or synthetic_mode)
+            and any(num_draft_tokens)
+        ):
             STATE.steps["token"] += 1
+        if draft_probs is None and not token and not sampling_metadata.all_greedy and any(num_draft_tokens):
             warnings.warn(
                 "blockspec: this drafter gives no draft probabilities (ngram, suffix or a custom "
                 "proposer, or draft_sample_method is not 'probabilistic'); its drafts are verified by "
@@ -80,6 +88,9 @@ def block_rejection_sample(
             uniforms,
             None,
         )
+    counts = torch.tensor(num_draft_tokens, dtype=torch.long, device=device)
+    rows = sampled.repeat_interleave(counts, output_size=len(draft_token_ids))  # [T]: sampled requests' rows
+    check_rows(draft_probs, target_logits, rows, STATE.models)
     target_probs = target_probs_with_spare_row(target_logits, draft_probs.dtype)
     exponentials = recovery_exponentials(
         num_draft_tokens,
@@ -88,7 +99,6 @@ def block_rejection_sample(
         torch.float64 if use_fp64_gumbel else torch.float32,
         device,
     )
-    counts = torch.tensor(num_draft_tokens, dtype=torch.long, device=device)
     block = block_verify_ragged(
         draft_token_ids,
         counts,
@@ -99,7 +109,7 @@ def block_rejection_sample(
         uniforms,
         exponentials.to(draft_probs),
     )
-    if analytic():
+    if STATE.analytic:
         score_both_rules(draft_token_ids, counts, draft_probs, target_probs, sampled)
     if STATE.sv_policy is not None:
         learn_from_verification(STATE.sv_policy, draft_token_ids, counts, sampled, draft_probs, target_probs)

@@ -18,10 +18,13 @@ if TYPE_CHECKING:
 class PluginState:
     """The stopping rule in place (a threshold or SV's profiles, at most one) and the plugin's counters."""
 
+    rule: str | None = None  # BLOCKSPEC_VLLM_RULE: the rule verifying sampled drafts
     min_prob: float | None = None  # BLOCKSPEC_VLLM_MIN_DRAFT_PROB's threshold
+    models: dict[str, str | None] = field(default_factory=dict)  # "target", "draft" -> the served models' names
+    analytic: bool = False  # BLOCKSPEC_VLLM_ANALYTIC: score every block step's drafts under both rules
     sv_paths: list[str] | None = None  # BLOCKSPEC_VLLM_SV's (calibration, latency) profile paths
     sv_profiles: tuple[Profile, LatencyProfile] | None = None  # read from sv_paths when SV is put in place
-    sv_policy: SVPolicy | None = None  # built from sv_profiles at the worker's first step
+    sv_policy: SVPolicy | None = None  # built from sv_profiles when the worker's model runner starts
     offset: float = 0.0  # what SV has learnt on its predictor's logits from the steps the block rule verified
     skipped: int = 0  # steps SV did not draft
     drafted: int = 0  # tokens drafted, and of them verified, while a stopping rule was in place

@@ -16,18 +16,22 @@ EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"  # the name vLL
 
 
 def worker_status(self) -> dict:
-    """Which verification rule, expand kernel and draft sampler this worker runs, how many steps with sampled
-    requests it verified by each rule, how many chunk samples it drew apart, the stopping rule in place with the
+    """Which verification rule, model runner, expand kernel and draft sampler this worker runs, how many steps with
+    sampled requests it verified by each rule, how many chunk samples it drew apart, the stopping rule in place with the
     tokens it saw drafted and kept, and the analytic sums (``STATE``); ``check`` calls it on every worker."""
     from vllm.triton_utils import HAS_TRITON
     from vllm.triton_utils.dispatcher import _registry
     from vllm.v1.sample import rejection_sampler as sampler
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     expand = _registry.get(EXPAND_KERNEL, (None, None))[1]
     seeded = SpecDecodeBaseProposer._sample_from_logits is draft_with_request_seeds
+    runner = type(getattr(self, "model_runner", None))
     return {
-        "rule": "block" if sampler.rejection_sample is block_rejection_sample else "token",
+        "rule": STATE.rule if sampler.rejection_sample is block_rejection_sample else "token",
+        # vLLM's Model Runner V2 (GPU, VLLM_USE_V2_MODEL_RUNNER) has its own sampler: none of the plugin's steps run
+        "runner": "v1" if issubclass(runner, GPUModelRunner) else f"{runner.__module__}.{runner.__qualname__}",
         "expand": "triton" if HAS_TRITON else ("fixed" if expand is expand_in_place else "stock"),
         "drafts": "request seeds" if seeded else "global",
         "steps": dict(STATE.steps),
@@ -44,9 +48,11 @@ def worker_status(self) -> dict:
     }
 
 
-def check(llm, rule: str | None = None) -> list[dict]:
+def check(llm, rule: str | None = None, *, verified: bool = False) -> list[dict]:
     """Raise unless every worker of the vLLM ``LLM`` runs ``rule`` (default: what ``BLOCKSPEC_VLLM_RULE`` asks)
-    with a working expand kernel and seeded drafts; returns the workers' statuses."""
+    on vLLM's V1 model runner with a working expand kernel and seeded drafts, and, with ``verified`` (after
+    serving sampled requests with drafts), unless the rule has verified some of their steps; returns the workers'
+    statuses."""
     rule = asked(rule)
     try:
         statuses = llm.collective_rpc("blockspec_status")
@@ -55,10 +61,10 @@ def check(llm, rule: str | None = None) -> list[dict]:
             f"blockspec's vLLM plugin is not loaded in vLLM's worker ({error}); is blockspec "
             f"installed in vLLM's environment and {SWITCH} set where vLLM starts?"
         ) from error
-    return require(statuses, rule)
+    return require(statuses, rule, verified)
 
 
-def check_server(url: str, rule: str | None = None, timeout: float = 60) -> list[dict]:
+def check_server(url: str, rule: str | None = None, timeout: float = 60, *, verified: bool = False) -> list[dict]:
     """``check`` for a running ``vllm serve`` at ``url`` (e.g. http://127.0.0.1:8000), through its development
     endpoint /collective_rpc, which vLLM serves only when started with VLLM_SERVER_DEV_MODE=1 (it lets any
     client call methods of the workers: serve it on a trusted network only)."""
@@ -82,7 +88,7 @@ def check_server(url: str, rule: str | None = None, timeout: float = 60) -> list
             else f"is blockspec installed in vLLM's environment and {SWITCH} set where vLLM starts?"
         )
         raise RuntimeError(f"{url}: no blockspec status from vLLM's workers (HTTP {error.code}); {hint}") from error
-    return require(statuses, rule)
+    return require(statuses, rule, verified)
 
 
 def asked(rule: str | None) -> str:
@@ -93,8 +99,17 @@ def asked(rule: str | None) -> str:
     return rule
 
 
-def require(statuses: list[dict], rule: str) -> list[dict]:
-    """``statuses``, unless one of them runs another rule, vLLM CPU's broken expand kernel or unseeded drafts."""
+def require(statuses: list[dict], rule: str, verified: bool = False) -> list[dict]:
+    """``statuses``, unless one of them runs another rule, another model runner than vLLM's V1 (whose rejection
+    sampler the plugin replaces), vLLM CPU's broken expand kernel or unseeded drafts; with ``verified``, unless
+    one of them has verified no step with sampled requests by ``rule``."""
+    other = [status for status in statuses if status["runner"] != "v1"]
+    if other:
+        raise RuntimeError(
+            f"blockspec's vLLM plugin asked for the {rule} rule, but a worker runs vLLM's model runner "
+            f"{other[0]['runner']}, which never calls the V1 rejection sampler the plugin replaces: start vLLM "
+            "with VLLM_USE_V2_MODEL_RUNNER=0"
+        )
     wrong = [
         status
         for status in statuses
@@ -103,5 +118,12 @@ def require(statuses: list[dict], rule: str) -> list[dict]:
     if wrong or not statuses:
         raise RuntimeError(
             f"blockspec's vLLM plugin asked for the {rule} rule, but a worker runs {wrong[0] if wrong else 'nothing'}"
+        )
+    idle = [status for status in statuses if verified and not status["steps"][rule]]
+    if idle:
+        raise RuntimeError(
+            f"blockspec's vLLM plugin has the {rule} rule in place, but a worker has verified no step with sampled "
+            f"requests by it ({idle[0]['steps']}): check after serving requests at temperature > 0 with drafts; "
+            "if it still says so, vLLM bypasses the rejection sampler the plugin replaces"
         )
     return statuses

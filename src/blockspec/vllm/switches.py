@@ -1,5 +1,5 @@
-"""The plugin's environment switches, read where vLLM starts: a value the plugin cannot use is refused with the
-switch's name, never guessed (vLLM then logs the plugin's failure, and ``status.check`` reports it missing).
+"""The plugin's environment switches, read where vLLM starts: a value the plugin cannot use, or a switch the rule
+asked for would ignore, is refused with the switch's name, never guessed, and vLLM does not start.
 What each switch does: docs/guide/vllm.md."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from ..verify import SAMPLED_RULES
 SWITCH = "BLOCKSPEC_VLLM_RULE"  # block or token: the rule verifying sampled drafts; unset or off: patch nothing
 CUT_SWITCH = "BLOCKSPEC_VLLM_MIN_DRAFT_PROB"  # verify drafts only while the draft's top probability is at least this
 SV_SWITCH = "BLOCKSPEC_VLLM_SV"  # SV's calibration and latency profiles: SV decides what is drafted and verified
-ANALYTIC_SWITCH = "BLOCKSPEC_VLLM_ANALYTIC"  # =1: also score every block step's drafts under both rules (slower)
+ANALYTIC_SWITCH = "BLOCKSPEC_VLLM_ANALYTIC"  # 1: also score every block step's drafts under both rules (slower)
 
 
 def requested_rule() -> str | None:
@@ -53,5 +53,25 @@ def sv_profiles() -> tuple[str, str] | None:
 
 
 def analytic() -> bool:
-    """Whether ``BLOCKSPEC_VLLM_ANALYTIC=1`` asks to score every block step's drafts under both rules."""
-    return os.environ.get(ANALYTIC_SWITCH) == "1"
+    """Whether ``BLOCKSPEC_VLLM_ANALYTIC`` asks to score every block step's drafts under both rules: 1 (or true,
+    yes, on) or, unset, 0 (false, no, off); any other value is refused."""
+    value = os.environ.get(ANALYTIC_SWITCH, "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{ANALYTIC_SWITCH}={value!r}: expected 1 (on) or 0 (off)")
+
+
+def refuse_switches_unused(rule: str | None) -> None:
+    """Refuse a switch that the requested ``rule`` would silently ignore: the threshold, SV and the analytic sums
+    without any rule (the plugin then patches nothing), and the analytic sums with the token rule (they are
+    taken on the block rule's steps)."""
+    for name, reader in ((CUT_SWITCH, min_draft_prob), (SV_SWITCH, sv_profiles), (ANALYTIC_SWITCH, analytic)):
+        if reader() and rule is None:
+            raise ValueError(
+                f"{name} is set but {SWITCH} is not, so the plugin does nothing: set {SWITCH}=block "
+                f"(or token), or unset {name}"
+            )
+    if analytic() and rule != "block":
+        raise ValueError(f"{ANALYTIC_SWITCH} scores the block rule's steps: set {SWITCH}=block, or unset it")

@@ -25,11 +25,13 @@ from blockspec.policy import LatencyTable, SVPolicy
 from blockspec.policy.features import DRAFT_FEATURES, draft_features, prefix_logprob
 from blockspec.policy.latency import LatencyProfile
 from blockspec.policy.predictor import Predictor, Profile
+from blockspec.sampling import NonFiniteLogitsError
 from blockspec.verify import SAMPLED_RULES, Randomness, expected_accepted, position_gains, verify_block
 from blockspec.verify.base import race
 from blockspec.vllm.ragged import (
     PLACEHOLDER,
     block_verify_ragged,
+    check_rows,
     expected_accepted_ragged,
     has_spare_row,
     pad_ragged,
@@ -350,3 +352,34 @@ def test_sv_learns_from_a_ragged_step_what_it_learns_from_each_request_alone(cou
     assert policy.offsets["draft"] == pytest.approx(expected, rel=1e-9, abs=1e-12)
     assert STATE.offset == policy.offsets["draft"]
     assert (policy.offsets["draft"] != 0.0) == bool(differences)
+
+
+NAMES = {"target": "t-model", "draft": "d-model"}
+
+
+def test_masked_tokens_and_rows_not_verified_by_the_rule_pass_the_row_check():
+    """-inf entries (tokens top-k, top-p or a grammar masked) are harmless where the row keeps a finite maximum,
+    and a greedy request's rows (not verified by the block rule) are not the rule's to check."""
+    logits = torch.tensor([[0.0, float("-inf"), 1.0], [float("nan"), 0.0, 0.0], [float("-inf")] * 3])
+    draft = torch.tensor([[0.5, 0.0, 0.5], [float("nan")] * 3, [0.0] * 3])
+    check_rows(draft, logits, torch.tensor([True, False, False]), NAMES)
+
+
+@pytest.mark.parametrize(
+    ("row", "model"),
+    [
+        (("target", 1, [float("nan"), 0.0, 0.0]), "target model \\(t-model\\) gave non-finite .* logits"),
+        (("target", 1, [0.0, float("inf"), 0.0]), "target model"),
+        (("target", 1, [float("-inf")] * 3), "target model .*at 1 of 3 drafted positions \\(first at row 1"),
+        (("draft", 2, [0.0] * 3), "draft model \\(d-model\\) gave non-finite or fully masked probabilities"),
+        (("draft", 2, [float("nan"), 0.5, 0.5]), "draft model"),
+    ],
+)
+def test_a_verified_row_without_a_finite_maximum_is_refused_naming_the_model(row, model):
+    """One maximum per row: NaN if any entry is, +inf if any is, -inf (or a draft's 0) only if every token is
+    masked; the block rule would read such a row as a distribution and emit token 0."""
+    logits, draft = torch.zeros(3, 3), torch.full((3, 3), 1 / 3)
+    role, index, values = row
+    (logits if role == "target" else draft)[index] = torch.tensor(values)
+    with pytest.raises(NonFiniteLogitsError, match=model):
+        check_rows(draft, logits, torch.ones(3, dtype=torch.bool), NAMES)

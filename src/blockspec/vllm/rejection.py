@@ -38,15 +38,12 @@ def block_rejection_sample(
     """
     from vllm.v1.sample import rejection_sampler as sampler
 
-    token = STATE.rule != "block"
+    token = STATE.rule != "block"  # BLOCKSPEC_VLLM_RULE=token: every step stays on vLLM's path
     if token or sampling_metadata.all_greedy or synthetic_mode or draft_probs is None:
-        if (
-            (token or draft_probs is None)
-            and not (sampling_metadata.all_greedy or synthetic_mode)
-            and any(num_draft_tokens)
-        ):
+        sampled_drafts = not (sampling_metadata.all_greedy or synthetic_mode) and any(num_draft_tokens)
+        if sampled_drafts and (token or draft_probs is None):
             STATE.steps["token"] += 1
-        if draft_probs is None and not token and not sampling_metadata.all_greedy and any(num_draft_tokens):
+        if sampled_drafts and draft_probs is None and not token:
             warnings.warn(
                 "blockspec: this drafter gives no draft probabilities (ngram, suffix or a custom "
                 "proposer, or draft_sample_method is not 'probabilistic'); its drafts are verified by "

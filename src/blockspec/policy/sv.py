@@ -23,7 +23,7 @@ from .base import ragged_stopping_lengths, stopping_lengths
 from .features import DRAFT_FEATURES, companion_features, draft_features
 from .latency import LatencyProfile, dtype_name
 from .predictor import Profile
-from .profiles import latency_path, profile_path, require_file, sampling_key
+from .profiles import calibration_file, latency_file, sampling_key
 
 
 def load_calibration(
@@ -31,7 +31,7 @@ def load_calibration(
 ) -> tuple[Profile, Path]:
     """The calibration profile ``blockspec sv calibrate`` saved for these model names and sampling (or ``path``),
     checked to be theirs, and where it was read from."""
-    path = require_file(path or profile_path(target, draft, companion, sampling_key(sampling)), "sv calibrate")
+    path = calibration_file(target, draft, companion, sampling_key(sampling), path)
     profile = Profile.load(path)
     profile.check(target=target, draft=draft, companion=companion, sampling=sampling_key(sampling))
     return profile, path
@@ -42,7 +42,7 @@ def load_latency(
 ) -> tuple[LatencyProfile, Path]:
     """The latency profile ``blockspec sv profile`` saved for these model names, dtype and device (or ``path``),
     checked to be theirs, and where it was read from."""
-    path = require_file(path or latency_path(target, draft, companion, dtype, str(device)), "sv profile")
+    path = latency_file(target, draft, companion, dtype, str(device), path)
     profile = LatencyProfile.load(path)
     profile.check(target, draft, companion, dtype, device)
     return profile, path

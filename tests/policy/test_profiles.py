@@ -1,0 +1,141 @@
+"""Where SV's profiles are saved: one file per models' identity (not their file names), exact sampling values,
+dtype and device; a profile an earlier blockspec saved under its old name is pointed to, never read as current."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from blockspec.models.presets import PRESETS
+from blockspec.policy.profiles import (
+    calibration_file,
+    latency_file,
+    latency_path,
+    model_identity,
+    profile_path,
+)
+
+SAMPLING = {"temperature": 0.7, "top_k": 0, "top_p": 1.0}
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def fake_model(folder, weights: bytes = b"weights") -> str:
+    """A model folder as far as its identity goes: a config and a weight file, never loaded."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(weights)
+    return str(folder)
+
+
+def both_paths(target, draft, companion="prefix:8", sampling=SAMPLING):
+    return profile_path(target, draft, companion, sampling), latency_path(target, draft, companion, "float32", "cpu")
+
+
+def test_profiles_of_models_with_the_same_file_name_in_other_folders_do_not_share_a_file(tmp_path):
+    draft = fake_model(tmp_path / "draft")
+    one, other = fake_model(tmp_path / "a" / "model"), fake_model(tmp_path / "b" / "model")
+    for mine, theirs in zip(both_paths(one, draft), both_paths(other, draft)):
+        assert mine != theirs and mine.parent == theirs.parent
+        assert "model" in mine.name  # the name still says which models, for whoever lists the folder
+
+
+def test_calibrations_at_sampling_values_equal_to_6_digits_do_not_share_a_file(tmp_path):
+    target, draft = fake_model(tmp_path / "t"), fake_model(tmp_path / "d")
+    close = {**SAMPLING, "temperature": 0.7000001}
+    assert profile_path(target, draft, None, SAMPLING) != profile_path(target, draft, None, close)
+    wider = {**SAMPLING, "top_p": 0.9999999}
+    assert profile_path(target, draft, None, SAMPLING) != profile_path(target, draft, None, wider)
+    # equal values are one key, whether written as int or float
+    assert profile_path(target, draft, None, {**SAMPLING, "top_p": 1}) == profile_path(target, draft, None, SAMPLING)
+
+
+def test_other_weights_under_the_same_path_are_another_profile(tmp_path):
+    target, draft = fake_model(tmp_path / "t"), fake_model(tmp_path / "d")
+    before = both_paths(target, draft)
+    assert both_paths(target, draft) == before  # stable while nothing changes
+    (tmp_path / "t" / "model.safetensors").write_bytes(b"retrained weights")
+    after = both_paths(target, draft)
+    assert after[0] != before[0] and after[1] != before[1]
+
+
+def test_a_tokenizer_or_readme_edit_keeps_the_profile(tmp_path):
+    target, draft = fake_model(tmp_path / "t"), fake_model(tmp_path / "d")
+    before = both_paths(target, draft)
+    (tmp_path / "t" / "README.md").write_text("notes")
+    assert both_paths(target, draft) == before
+
+
+def test_a_relative_path_is_the_folder_it_names(tmp_path, monkeypatch):
+    target = fake_model(tmp_path / "t")
+    monkeypatch.chdir(tmp_path)
+    assert model_identity("t") == model_identity(target)
+
+
+def test_a_preset_is_its_gguf_hash_and_a_loaded_models_label_is_kept(tmp_path):
+    name, preset = next(iter(PRESETS.items()))
+    assert preset.sha256 in model_identity(name)
+    folder = fake_model(tmp_path / "d")
+    assert model_identity(f"{folder} (int8)") == f"{model_identity(folder)} (int8)"
+    assert model_identity(f"{name} (Q4_0)") == f"{model_identity(name)} (Q4_0)"
+    assert model_identity("prefix:8") == "prefix:8" and model_identity(None) == "none"
+
+
+def test_latency_profiles_are_apart_per_dtype_and_device(tmp_path):
+    target, draft = fake_model(tmp_path / "t"), fake_model(tmp_path / "d")
+    paths = {
+        latency_path(target, draft, None, dtype, device)
+        for dtype in ("float32", "gguf")
+        for device in ("cpu", "cuda:0")
+    }
+    assert len(paths) == 4
+
+
+def test_profile_names_fit_a_file_system_whatever_the_paths(tmp_path):
+    long = [fake_model(tmp_path / (letter * 200) / ("m" * 200)) for letter in "ab"]
+    for path in both_paths(*long, companion=long[0]):
+        assert len(path.name) <= 255
+
+
+@pytest.mark.parametrize("kind", ["calibration", "latency"])
+def test_a_profile_saved_under_an_earlier_name_is_pointed_to_not_read(kind, tmp_path, cache):
+    """An earlier blockspec named profiles by the models' base names (and sampling to 6 digits): such a file may
+    belong to other models, so it is never read in place of the missing one; the error names it and how to use
+    it if it is right."""
+    target, draft = fake_model(tmp_path / "t"), fake_model(tmp_path / "d")
+    find = {
+        "calibration": lambda: calibration_file(target, draft, "prefix:8", SAMPLING),
+        "latency": lambda: latency_file(target, draft, "prefix:8", "float32", "cpu"),
+    }[kind]
+    with pytest.raises(
+        FileNotFoundError, match=f"run `blockspec sv {'calibrate' if kind == 'calibration' else 'profile'}`"
+    ):
+        find()
+    old = {
+        "calibration": cache / "sv" / "calibration-t-d-prefix8-T0.7-k0-p1.json",
+        "latency": cache / "sv" / "latency-t-d-prefix8-float32-cpu.json",
+    }[kind]
+    old.parent.mkdir(parents=True)
+    old.write_text("{}")
+    option = {"calibration": "--sv-profile", "latency": "--latency"}[kind]
+    with pytest.raises(FileNotFoundError, match="earlier blockspec") as error:
+        find()
+    assert str(old) in str(error.value) and option in str(error.value)
+    new = {"calibration": profile_path(target, draft, "prefix:8", SAMPLING), "latency": both_paths(target, draft)[1]}
+    new[kind].write_text("{}")
+    assert find() == new[kind]
+
+
+def test_an_explicit_profile_path_is_used_as_given(tmp_path):
+    given = tmp_path / "mine.json"
+    with pytest.raises(FileNotFoundError, match="sv calibrate"):
+        calibration_file("t", "d", None, SAMPLING, given)
+    given.write_text("{}")
+    assert calibration_file("t", "d", None, SAMPLING, given) == given
+    assert latency_file("t", "d", None, "float32", "cpu", given) == given
+    assert os.path.samefile(given, latency_file("t", "d", None, "float32", "cpu", str(given)))

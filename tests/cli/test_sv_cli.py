@@ -255,3 +255,50 @@ def test_sv_commands_refuse_an_unusable_device_before_loading_a_model(command, m
     assert cli.main(["sv", command, "--device", "cuda"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("blockspec: error: ") and "cuda" in err
+
+
+@pytest.mark.parametrize("command", ["profile", "calibrate"])
+def test_sv_commands_refuse_to_replace_a_saved_profile_before_loading_a_model(command, tmp_path, monkeypatch, capsys):
+    """A profile can take hours to make: an existing one is replaced only with --force, and the refusal comes
+    before any model loads, naming the models the existing profile holds."""
+    saved = tmp_path / "saved.json"
+    saved.write_text(json.dumps({"meta": {"target": "a/model", "draft": "d", "companion": None, "date": "2026-01-01"}}))
+    monkeypatch.setattr(hf, "load_model", lambda name, **kwargs: pytest.fail(f"loaded {name}"))
+    assert cli.main(["sv", command, "--out", str(saved)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--force" in err and "a/model" in err and str(saved) in err
+
+    def stop(name, **kwargs):
+        raise ValueError("stopped before measuring")
+
+    monkeypatch.setattr(hf, "load_model", stop)
+    assert cli.main(["sv", command, "--out", str(saved), "--force"]) == 2
+    err = capsys.readouterr().err
+    assert "will replace" in err and "stopped before measuring" in err
+    assert json.loads(saved.read_text())["meta"]["target"] == "a/model"  # kept until a new profile is saved
+
+
+def test_sv_calibrate_refuses_to_replace_the_default_profile_before_loading_a_model(tmp_path, monkeypatch, capsys):
+    from blockspec.policy.profiles import profile_path
+
+    monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(hf, "load_model", lambda name, **kwargs: pytest.fail(f"loaded {name}"))
+    saved = profile_path("t", "d", "prefix:8", {"temperature": 0.5, "top_k": 0, "top_p": 1.0})
+    saved.parent.mkdir(parents=True)
+    saved.write_text(json.dumps({"target": "t", "draft": "d", "companion": "prefix:8", "sampling": {}}))
+    common = ["sv", "calibrate", "--target", "t", "--draft", "d", "--companion", "prefix:8", "--top-p", "1.0"]
+    assert cli.main([*common, "--temperature", "0.5"]) == 2
+    assert "--force" in capsys.readouterr().err
+    # 0.5000001 is another calibration, which must not replace this one
+    with pytest.raises(pytest.fail.Exception, match="loaded t"):
+        cli.main([*common, "--temperature", "0.5000001", "--debug"])
+
+
+def test_sv_commands_refuse_an_output_folder_they_cannot_write_before_loading_a_model(tmp_path, monkeypatch, capsys):
+    from blockspec.cli import sv as sv_cli
+
+    monkeypatch.setattr(hf, "load_model", lambda name, **kwargs: pytest.fail(f"loaded {name}"))
+    monkeypatch.setattr(sv_cli.os, "access", lambda path, mode: False)  # a read-only folder, even to root
+    assert cli.main(["sv", "calibrate", "--out", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot write" in err and "--out" in err

@@ -1,14 +1,16 @@
 """``blockspec sv profile`` and ``sv calibrate`` (``sv replay``: sv_replay.py), and the SV options of ``generate``.
 
 Profiles live by default in ``sv_dir()`` (``sv/`` in the model cache: ~/.cache/blockspec/sv unless
-``BLOCKSPEC_CACHE`` says otherwise), named after the models (and the sampling, for the calibration profile), so
-``generate --policy sv`` finds the ones measured for its configuration.
+``BLOCKSPEC_CACHE`` says otherwise), named after the models' identity (and the sampling, for the calibration
+profile: ``policy.profiles``), so ``generate --policy sv`` finds the ones measured for its configuration. A saved
+profile is replaced only with ``--force``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from . import sv_replay
 from .common import ALLOW_DOWNLOAD_HELP, DEVICE_HELP, int_at_least
 
 COMPANION_HELP = "prefix:K (the target's first K layers) or a model sharing the target's tokenizer"
+FORCE_HELP = "replace the profile already saved at the output path (without it, an existing one is kept)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +77,7 @@ def add_parser(sub) -> None:
         "--repeats", type=int_at_least(1), default=3, help="timed forwards per cell, median kept (default: %(default)s)"
     )
     profile.add_argument("--out", type=Path, help=f"output JSON (default: under {sv_dir()})")
+    profile.add_argument("--force", action="store_true", help=FORCE_HELP)
     profile.set_defaults(run=run_profile)
 
     calibrate = sv_sub.add_parser(
@@ -103,6 +107,7 @@ def add_parser(sub) -> None:
     calibrate.add_argument("--top-p", type=float, default=1.0, help="(default: %(default)s)")
     calibrate.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     calibrate.add_argument("--out", type=Path, help=f"profile JSON (default: under {sv_dir()})")
+    calibrate.add_argument("--force", action="store_true", help=FORCE_HELP)
     calibrate.add_argument("--recording", type=Path, help="also save the recorded positions, for `sv replay`")
     calibrate.set_defaults(run=run_calibrate)
 
@@ -156,9 +161,15 @@ def run_profile(args) -> int:
     from ..models.hf import load_model, resolve_device
 
     resolve_device(args.device)  # a device torch cannot use is refused before the models load
-    target = load_model(args.target, dtype=args.dtype, device=args.device, allow_download=args.allow_download)
-    draft = load_model(args.draft, dtype=args.dtype, device=args.device, allow_download=args.allow_download)
     companion_name = None if args.companion == "none" else args.companion
+    if args.out:
+        check_output(args.out, args.force)
+    target = load_model(args.target, dtype=args.dtype, device=args.device, allow_download=args.allow_download)
+    # the default path names the device the target loaded on ("cuda:0" for cuda): known once the target is loaded
+    out = args.out or latency_path(args.target, args.draft, companion_name, args.dtype, str(target.device))
+    if not args.out:
+        check_output(out, args.force)
+    draft = load_model(args.draft, dtype=args.dtype, device=args.device, allow_download=args.allow_download)
     companion = (
         load_companion(companion_name, target, dtype=args.dtype, device=args.device, allow_download=args.allow_download)
         if companion_name
@@ -175,8 +186,6 @@ def run_profile(args) -> int:
     )
     # the names the other commands look the profile up by: what the user typed
     profile.meta.update(target=args.target, draft=args.draft, companion=companion_name)
-    out = args.out or latency_path(args.target, args.draft, companion_name, args.dtype, str(target.device))
-    out.parent.mkdir(parents=True, exist_ok=True)
     profile.save(out)
     for name, table in (("target", profile.target), ("draft", profile.draft), ("companion", profile.companion)):
         if table is not None:
@@ -201,6 +210,8 @@ def run_calibrate(args) -> int:
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)  # values checked before the models load
     resolve_device(args.device)
+    out = args.out or profile_path(args.target, args.draft, args.companion, sampling_key(sampling))
+    check_output(out, args.force)
     target = load_model(args.target, dtype=args.dtype, device=args.device, allow_download=args.allow_download)
     draft = load_model(args.draft, dtype=args.dtype, device=args.device, allow_download=args.allow_download)
     companion = load_companion(
@@ -220,8 +231,6 @@ def run_calibrate(args) -> int:
         recording, target=args.target, draft=args.draft, companion=args.companion, sampling=sampling_key(sampling)
     )
     profile.metrics["calibration_prompts"] = [p.id for p in prompts]
-    out = args.out or profile_path(args.target, args.draft, args.companion, sampling_key(sampling))
-    out.parent.mkdir(parents=True, exist_ok=True)
     profile.save(out)
     plot = out.with_suffix(".png")
     plot_calibration(report, plot, title=f"{args.target} / {args.draft} / companion {args.companion}")
@@ -242,6 +251,34 @@ def run_calibrate(args) -> int:
         )
     )
     return 0
+
+
+def check_output(path: Path, force: bool) -> None:
+    """Before measuring (a calibration can take hours): refuse to replace a saved profile without ``force``, say
+    which one ``force`` replaces, and make sure the folder can be written."""
+    if path.exists():
+        if not force:
+            raise FileExistsError(
+                f"{path} already holds a profile ({_held(path)}): pass --force to replace it, or --out to save "
+                "elsewhere"
+            )
+        print(f"--force: the new profile will replace {path} ({_held(path)})", file=sys.stderr)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not os.access(path.parent, os.W_OK):
+        raise PermissionError(f"cannot write to {path.parent}: pass --out to save the profile elsewhere")
+
+
+def _held(path: Path) -> str:
+    """The models a saved profile was made for, in a few words, from its JSON (a calibration profile's top level,
+    a latency profile's meta)."""
+    try:
+        data = json.loads(path.read_text())
+        fields = {**data.get("meta", data), "sampling": data.get("sampling")}
+        said = [f"{field} {fields[field]}" for field in ("target", "draft", "companion")]
+        said += [f"{field} {fields[field]}" for field in ("sampling", "date") if fields.get(field)]
+        return ", ".join(said)
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return "not readable as a profile"
 
 
 def plot_calibration(report: dict, path: Path, title: str) -> None:

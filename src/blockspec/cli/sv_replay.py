@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from ..defaults import SV_BATCH_SIZES
+from ..files import write_atomic
 from .common import int_at_least, rule_name
 
 
@@ -72,7 +73,7 @@ def run(args) -> int:
             f"{r['verified_per_emitted']:17.3f} {r['drafted_per_emitted']:16.3f}"
         )
     if args.out:
-        args.out.write_text(json.dumps(rows, indent=1) + "\n")
+        write_atomic(args.out, json.dumps(rows, indent=1) + "\n")
         plot(rows, args.out.with_suffix(".png"))
     print(json.dumps({"replay": [{k: r[k] for k in ("rule", "batch", "policy", "speedup")} for r in rows]}))
     return 0

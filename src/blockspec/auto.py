@@ -85,7 +85,8 @@ def choose_arithmetic(device: torch.device | str = "cpu", *, refresh: bool = Fal
 
 
 def cpu_probe(*, refresh: bool = False) -> dict:
-    """Milliseconds per pass of PROBE_TOKENS tokens through the probe's matrices, by arithmetic; cached."""
+    """Milliseconds per pass of PROBE_TOKENS tokens through the probe's matrices, by arithmetic; cached where the
+    cache can be written."""
     key = {
         "schema": PROBE_SCHEMA,
         "cpu_flags": machine.cpu_flags(),
@@ -109,9 +110,19 @@ def cpu_probe(*, refresh: bool = False) -> dict:
             "other processes kept %.1f cores busy during the arithmetic probe: using it for this run only", others
         )
         return ms
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps({"key": key, "ms": ms}, indent=1) + "\n")  # concurrent runs read whole files
+    # write_atomic: a concurrent run reads the old file or the new one, never half of one
+    _cache(path, lambda: write_atomic(path, json.dumps({"key": key, "ms": ms}, indent=1) + "\n"), "arithmetic probe")
     return ms
+
+
+def _cache(path: Path, write, what: str) -> None:
+    """Keep a measurement with ``write()``; where the cache cannot be written (a read-only one), say so and go
+    on: the measurement serves this run, and the next one measures again."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write()
+    except OSError as error:
+        log.warning("cannot cache the %s at %s (%s): using it for this run only", what, path, error)
 
 
 def _probe_path(key: dict) -> Path:
@@ -163,7 +174,8 @@ def adaptive_policy(latency, batch: int, max_draft: int):
 def latency_probe(target, draft, batch: int, *, refresh: bool = False):
     """The step latency of ``target`` and ``draft`` (loaded adapters) at batch sizes 1 and ``batch``: a
     ``LatencyProfile`` measured once (about 3 rounds of 1-9 token forwards, seconds on a CPU) and cached per
-    models, dtype, device, thread count and batch size."""
+    models (``profiles.model_identity``: other weights under the same name are measured again), dtype, device,
+    thread count and batch size; a cache that cannot be written serves this run's measurement only."""
     name = latency_path(target.name, draft.name, None, dtype_name(target.dtype), str(target.device)).name
     path = sv_dir() / f"probe-b{batch}-t{torch.get_num_threads()}-{name}"
     if path.is_file() and not refresh:
@@ -171,7 +183,7 @@ def latency_probe(target, draft, batch: int, *, refresh: bool = False):
             profile = LatencyProfile.load(path)
             profile.check(target.name, draft.name, None, target.dtype, target.device)
             return profile
-        except ValueError as error:
+        except (OSError, ValueError) as error:
             log.warning("measuring again: %s", error)
     log.info("measuring step latency of %s and %s at batch %d (once per machine)", target.name, draft.name, batch)
     profile = measure_profile(
@@ -185,8 +197,7 @@ def latency_probe(target, draft, batch: int, *, refresh: bool = False):
         repeats=2,
         progress=False,
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    profile.save(path)
+    _cache(path, lambda: profile.save(path), "latency probe")
     return profile
 
 

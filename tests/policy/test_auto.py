@@ -3,7 +3,10 @@ cost-driven draft length; each drafter and policy keeps the target's exact law."
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
+import os
 from dataclasses import replace
 
 import pytest
@@ -13,10 +16,10 @@ from kits.enginekit import off_by_one, reference_greedy
 from kits.svkit import CHEAP_VERIFICATION, LINEAR_VERIFICATION, profile
 from kits.tiny import exact_law_of_first_tokens, perturbed, save_tiny, tiny_model
 
-from blockspec import SamplingParams, SpeculativeDecoder, auto
+from blockspec import SamplingParams, SpeculativeDecoder, auto, cli
 from blockspec.models.hf import HFModel, load_model
 from blockspec.models.quant import quantize
-from blockspec.policy import AdaptiveLength
+from blockspec.policy import AdaptiveLength, latency
 from blockspec.verify import RULES, SAMPLED_RULES
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -177,3 +180,47 @@ def test_the_real_probe_measures_every_arithmetic():
     ms = auto._measure(repeats=1)
     assert set(ms) == {"bfloat16", "float32", "int8"}
     assert all(v[str(n)] > 0 for v in ms.values() for n in auto.PROBE_TOKENS)
+
+
+@pytest.fixture(params=["chmod", "failing writes"])
+def read_only_cache(request, tmp_path, monkeypatch):
+    """A cache that cannot be written: a folder without write permission (which does not stop root, so that
+    variant is skipped there) or one whose writes fail as on a read-only file system."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("BLOCKSPEC_CACHE", str(cache))
+    if request.param == "chmod":
+        if os.geteuid() == 0:
+            pytest.skip("root writes into a folder without write permission")
+        cache.chmod(0o500)
+        request.addfinalizer(lambda: cache.chmod(0o700))
+    else:
+
+        def refuse(path, text):
+            raise PermissionError(errno.EROFS, "Read-only file system", str(path))
+
+        monkeypatch.setattr(auto, "write_atomic", refuse)
+        monkeypatch.setattr(latency, "write_atomic", refuse)
+    return cache
+
+
+def test_a_read_only_cache_serves_the_probes_measured_and_says_they_cannot_be_kept(
+    read_only_cache, monkeypatch, probe_load, caplog
+):
+    monkeypatch.setattr(auto, "_measure", lambda: {"bfloat16": {"1": 1.0}, "float32": {"1": 2.0}})
+    target = HFModel(tiny_model(), name="tiny-target")
+    draft = HFModel(perturbed(tiny_model(), scale=0.3, seed=1), name="tiny-draft")
+    with caplog.at_level(logging.WARNING, logger=auto.__name__):
+        assert auto.cpu_probe()["bfloat16"] == {"1": 1.0}
+        assert auto.latency_probe(target, draft, 1).target(1, 1) > 0
+    warnings = [r.getMessage() for r in caplog.records if "cannot cache" in r.getMessage()]
+    assert len(warnings) == 2 and "arithmetic probe" in warnings[0] and "latency probe" in warnings[1]
+    assert not list(read_only_cache.rglob("*.json"))
+
+
+def test_generate_with_its_defaults_runs_from_a_read_only_cache(read_only_cache, tmp_path, monkeypatch, probe_load):
+    """Every model is there: the probes that cannot be cached are measured for this run, not an error."""
+    monkeypatch.setattr(auto, "_measure", lambda: {"bfloat16": {"1": 2.0}, "float32": {"1": 1.0}})
+    target, draft = save_tiny(tmp_path / "target"), save_tiny(tmp_path / "draft", noise=0.3)
+    status = cli.main(["generate", "--target", target, "--draft", draft, "--max-new-tokens", "4", "abc"])
+    assert status == 0

@@ -249,3 +249,13 @@ def test_a_damaged_gguf_file_is_one_line_naming_it_and_exit_2(tmp_path, capsys, 
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert err.splitlines()[-1].startswith(f"blockspec: error: {damaged}: not a valid GGUF file; it is truncated")
+
+
+def test_a_draft_folder_with_code_is_refused_before_the_target_loads(tmp_path, loads, capsys):
+    import json
+
+    folder = tmp_path / "draft"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2", "auto_map": {"AutoConfig": "x.Y"}}))
+    assert cli.main(["generate", "--draft", str(folder), "--dtype", "float32", "hi"]) == 2
+    assert "its config.json maps to Python code in the folder (auto_map)" in error_line(capsys) and loads == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -159,7 +160,7 @@ def generate(config: GenerateConfig) -> int:
     from ..checks import check_text
     from ..drafting import PromptLookup
     from ..models.chat import encode_prompt
-    from ..models.hf import load_model, resolve_backend, resolve_device
+    from ..models.hf import load_model, refuse_model_code, resolve_backend, resolve_device
     from ..sampling import SamplingParams
     from ..verify import RULES, SAMPLED_RULES
 
@@ -171,6 +172,9 @@ def generate(config: GenerateConfig) -> int:
         check_text(prompt, f"prompt {n}" if len(config.prompts) > 1 else "the prompt")
     for stop in config.stop:
         check_text(stop, f"--stop {stop!r}")
+    for folder in (config.target, config.draft):
+        if folder and os.path.isdir(folder):  # a draft with code is refused before the target takes minutes to load
+            refuse_model_code(folder)
     if not RULES[config.rule].sampled and not sampling.greedy:
         raise ValueError(f"--rule {config.rule} needs --temperature 0; to sample use one of {', '.join(SAMPLED_RULES)}")
     if config.policy == "sv" and config.draft is None:

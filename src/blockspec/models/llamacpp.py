@@ -148,19 +148,21 @@ class LlamaCppModel:
         return logits
 
     def rollback(self, lengths: torch.Tensor) -> None:
-        memory = library().llama_get_memory(self._context)
+        lib = library()
+        memory = lib.llama_get_memory(self._context)
         for b, keep in enumerate(lengths.tolist()):
             if keep < len(self._tokens[b]):
-                library().llama_memory_seq_rm(memory, self._sequences[b], keep, -1)
+                lib.llama_memory_seq_rm(memory, self._sequences[b], keep, -1)
                 del self._tokens[b][keep:]
 
     def select(self, rows: torch.Tensor) -> None:
         kept = rows.tolist()
         if len(set(kept)) != len(kept):
             raise ValueError(f"{self.name}: select keeps each row at most once, got {kept}")
-        memory = library().llama_get_memory(self._context)
+        lib = library()
+        memory = lib.llama_get_memory(self._context)
         for b in set(range(len(self._tokens))) - set(kept):
-            library().llama_memory_seq_rm(memory, self._sequences[b], -1, -1)
+            lib.llama_memory_seq_rm(memory, self._sequences[b], -1, -1)
         self._sequences = [self._sequences[b] for b in kept]
         self._tokens = [self._tokens[b] for b in kept]
 

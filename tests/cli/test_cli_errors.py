@@ -259,3 +259,15 @@ def test_a_draft_folder_with_code_is_refused_before_the_target_loads(tmp_path, l
     (folder / "config.json").write_text(json.dumps({"model_type": "qwen2", "auto_map": {"AutoConfig": "x.Y"}}))
     assert cli.main(["generate", "--draft", str(folder), "--dtype", "float32", "hi"]) == 2
     assert "its config.json maps to Python code in the folder (auto_map)" in error_line(capsys) and loads == []
+
+
+def test_a_broken_pipe_other_than_stdout_is_an_error_not_a_quiet_exit(monkeypatch, capsys):
+    """Exit 141 without a word is for a closed stdout (`| head`) only: a socket or subprocess pipe that breaks is
+    reported like any other error."""
+
+    def broken(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(env_cli, "run", broken)
+    assert cli.main(["env"]) == 2
+    assert "Broken pipe" in error_line(capsys)

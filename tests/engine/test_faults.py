@@ -100,7 +100,7 @@ def test_prompts_as_tuples_arrays_and_tensors_are_token_ids(pair):
 
 
 def test_stop_strings_given_as_a_generator_are_read_once_and_used(pair):
-    """Validation used to consume a generator, and the empty remainder stopped nothing."""
+    """A generator is read once, then validated and used: validating it must not leave an empty remainder."""
     target, draft = pair
     decoder = SpeculativeDecoder(HFModel(target, tiny_tokenizer()), HFModel(draft, tiny_tokenizer()), max_draft=3)
     free = decoder.generate(PROMPTS[:1], max_new_tokens=12, sampling=GREEDY, stop_on_eos=False)
@@ -167,7 +167,7 @@ def test_numpy_and_torch_integers_are_accepted_as_seeds_and_token_ids(pair):
 
 
 def test_numpy_integers_are_accepted_wherever_python_ints_are(pair):
-    """max_new_tokens, top_k, max_draft and PromptLookup's lengths used to refuse NumPy integers."""
+    """max_new_tokens, top_k, max_draft and PromptLookup's lengths take NumPy integers, stored as Python's."""
     from blockspec.drafting import PromptLookup
 
     python = SpeculativeDecoder(*pair, max_draft=3).generate(
@@ -185,8 +185,8 @@ def test_numpy_integers_are_accepted_wherever_python_ints_are(pair):
 
 
 def test_one_decoder_used_from_two_threads_refuses_the_second_call_clearly(pair):
-    """Two threads on one decoder corrupted each other's KV cache rows (bare assertion and index errors); now the
-    second call is refused while the first runs, and the first is unharmed."""
+    """Two calls on one decoder's models at once would mix their rows in one KV cache: the second is refused while
+    the first runs (also from another decoder on the same adapter), and the first is unharmed."""
     import threading
 
     decoder = SpeculativeDecoder(*pair, max_draft=3)
@@ -350,6 +350,8 @@ SPECIAL = len(BYTES)  # a special token, "<|end|>", which the user's text skips
 class ByteTokenizer:
     """Token i is BYTES[i]; decoding joins the bytes (a character may be split across tokens). Counts tokens."""
 
+    all_special_ids = [SPECIAL]
+
     def __init__(self):
         self.decoded = []
 
@@ -423,9 +425,11 @@ def test_windowed_stop_strings_find_what_the_whole_text_finds(stop_strings, plan
         (["\ufffd"], [0, 3], [4], ([4], None)),  # ... and the next token completes it
         (["\ufffd"], [0, 3], [0, 1], ([0], "stop")),  # ... or settles it as a real U+FFFD
         (["\ufffd"], [5, 6, 0, 0, 0, 0, 0], [0], ([0], None)),  # the window cuts the emoji's first half
+        (["abab"], [7] + [SPECIAL] * 9, [7], ([7], "stop")),  # special tokens carry no text: the window skips them
     ],
 )
 def test_stop_strings_are_matched_on_the_text_the_user_gets(stop_strings, generated, new, expected):
-    """The user's text skips special tokens, and a character cut at the end of the text (or at the start of the
-    window) is not a U+FFFD of that text: stop strings used to be matched on the decoded window as it was."""
+    """Stop strings are matched on the user's text: special tokens skipped (and not counted in the window, since
+    they add nothing to the text), and a character cut at the end of the text (or at the start of the window) is
+    not a U+FFFD of that text."""
     assert stopper(stop_strings).cut(generated, new) == expected

@@ -160,7 +160,8 @@ def good_gguf(tmp_path_factory):
 @pytest.mark.parametrize("backend", ["hf", "llamacpp"])
 @pytest.mark.parametrize("how", ["tensor count", "metadata count", "100 bytes", "truncated"])
 def test_a_damaged_gguf_file_is_a_clear_error_naming_it(good_gguf, tmp_path, how, backend):
-    """The loaders' own errors for these came from deep in the parse (numpy's, struct's), naming no file."""
+    """The loaders fail deep in the parse of such a file (with numpy's or struct's words, naming no file): the error
+    names the file and says it is truncated or corrupted."""
     from kits.tinygguf import damage_gguf
 
     path = damage_gguf(good_gguf, tmp_path / "damaged.gguf", how)

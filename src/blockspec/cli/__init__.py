@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import select
 import sys
 
 from . import align, bench, env, generate, models, sv
@@ -32,17 +33,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:
         return args.run(args)
-    except BrokenPipeError:  # `blockspec generate ... | head -c1`: the reader has what it wanted
-        if args.debug:
-            raise
-        _silence_stdout()
-        return 141
     except KeyboardInterrupt:
         if args.debug:
             raise
         print("\nblockspec: interrupted", file=sys.stderr)  # starts a new line: a streamed text may be half printed
         return 130
     except Exception as error:
+        if isinstance(error, BrokenPipeError) and _stdout_closed():  # `blockspec generate ... | head -c1`
+            return 141  # the reader has what it wanted; another broken pipe (a socket, a subprocess) is an error
         if args.debug:
             raise
         expected = _is_user_error(error)
@@ -53,13 +51,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if expected else 1
 
 
-def _silence_stdout() -> None:
-    """Point stdout's file descriptor at /dev/null, so that the interpreter's last flush of what is still buffered
-    for the closed pipe raises nothing more (Python's own advice for SIGPIPE)."""
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone away (poll reports an error on it); if so, stdout's file
+    descriptor is pointed at /dev/null, so that the interpreter's last flush of what is still buffered raises
+    nothing more (Python's own advice for SIGPIPE)."""
     try:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        if not any(event & select.POLLERR for _, event in poller.poll(0)):
+            return False
+        os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
     except (AttributeError, OSError, ValueError):  # no file descriptor underneath (an embedding program, a test)
-        pass
+        return False
+    return True
 
 
 def _is_user_error(error: Exception) -> bool:

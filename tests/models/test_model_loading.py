@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -63,12 +64,18 @@ def hub_outcomes(tmp_path_factory):
     save_tiny(repo / "snapshots" / FAKE_REVISION)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(FAKE_REVISION)
+    coded = home / "hub" / "models--someorg--coded"  # the same model, its config mapped to code in its folder
+    shutil.copytree(repo, coded)
+    config = json.loads((coded / "snapshots" / FAKE_REVISION / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling.Evil"}
+    (coded / "snapshots" / FAKE_REVISION / "config.json").write_text(json.dumps(config))
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE")}
     env.update(HF_HOME=str(home), HF_HUB_DISABLE_TELEMETRY="1")
     cases = [
         ["someorg/some-model", False],
         ["qwen2.5-coder-1.5B", False],
         ["someorg/tiny", False],
+        ["someorg/coded", False],
         ["someorg/some-model", True],
     ]
     result = subprocess.run(
@@ -94,6 +101,16 @@ def test_mistyped_preset_name_gets_the_closest_preset(hub_outcomes):
 
 def test_hub_id_in_the_local_cache_loads_without_requests(hub_outcomes):
     assert hub_outcomes["someorg/tiny False"] == {"error": None, "requests": 0}
+
+
+def test_a_hub_model_in_the_cache_with_code_is_refused_before_it_loads(hub_outcomes):
+    """A hub id is checked like a folder: its config maps to code, so it is refused, not loaded with transformers'
+    built-in class for its model_type (which need not be the model its code defines)."""
+    outcome = hub_outcomes["someorg/coded False"]
+    assert outcome["requests"] == 0 and outcome["error"] is not None
+    assert outcome["error"].endswith(
+        "its config.json maps to Python code in the folder (auto_map); blockspec never runs code from a model folder"
+    )
 
 
 def test_allow_download_reaches_the_hub(hub_outcomes):

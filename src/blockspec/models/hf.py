@@ -301,8 +301,9 @@ def load_model(
             )
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file, trust_remote_code=False)
     elif os.path.isdir(name_or_path) or allow_download or _in_hub_cache(name_or_path):
-        if os.path.isdir(name_or_path):
-            refuse_model_code(name_or_path)
+        folder = name_or_path if os.path.isdir(name_or_path) else _hub_config_folder(name_or_path, allow_download)
+        if folder is not None:
+            refuse_model_code(folder)
         local = not allow_download
         model = AutoModelForCausalLM.from_pretrained(
             name_or_path, dtype=torch_dtype, local_files_only=local, trust_remote_code=False
@@ -388,6 +389,25 @@ def _in_hub_cache(name: str) -> bool:
         return isinstance(try_to_load_from_cache(name, "config.json"), str)  # else None, or a "known absent" marker
     except HFValidationError:  # not even shaped like a hub id (a mistyped path, ...)
         return False
+
+
+def _hub_config_folder(name: str, allow_download: bool) -> str | None:
+    """The snapshot folder holding hub id ``name``'s config files (MODEL_CODE_FILES), those not in the local cache
+    downloaded first when ``allow_download``: where ``refuse_model_code`` looks, before any weights are read."""
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+    from huggingface_hub.errors import EntryNotFoundError
+
+    folder = None
+    for file in MODEL_CODE_FILES:
+        path = try_to_load_from_cache(name, file)
+        if not isinstance(path, str) and allow_download:
+            try:
+                path = hf_hub_download(name, file)
+            except EntryNotFoundError:  # no tokenizer_config.json, say: nothing there maps to code
+                path = None
+        if isinstance(path, str):
+            folder = os.path.dirname(path)
+    return folder
 
 
 def _unknown_model_message(name: str, preset_names) -> str:

@@ -316,15 +316,27 @@ def test_a_gguf_rotten_since_it_was_verified_is_rebuilt_not_dequantised(fake_ins
     preset, cache, content = fake_install
     gguf = convert.materialize(preset, cache=cache, progress=False)
     mtime = gguf.stat().st_mtime_ns
-    gguf.write_bytes(bytes(len(content)))  # zeros, same size, same mtime: the marker still matches
+    gguf.write_bytes(bytes(len(content)))  # zeros, same size, same mtime: the marker's size and mtime still match
     os.utime(gguf, ns=(mtime, mtime))
-    assert status(preset, cache=cache).gguf_verified
     dequantised = fake_dequantiser(monkeypatch)
     convert.load_preset(preset, dtype="float32", cache=cache, progress=False)
     assert dequantised == [content]  # the file rebuilt from the packages, not the zeros
     assert gguf.read_bytes() == content and status(preset, cache=cache).gguf_verified
     marker = json.loads((converted_dir(preset, "float32", cache) / "blockspec-preset.json").read_text())
     assert marker["gguf_sha256"] == hashlib.sha256(content).hexdigest()
+
+
+def test_a_gguf_rotten_since_it_was_verified_is_rebuilt_before_llama_cpp_reads_it(fake_install):
+    """llama.cpp runs the cached GGUF itself (materialize, no conversion): a file zeroed in place with its size and
+    mtime kept fails the marker's sampled fingerprint, is hashed, and is rebuilt from the packages."""
+    preset, cache, content = fake_install
+    gguf = convert.materialize(preset, cache=cache, progress=False)
+    mtime = gguf.stat().st_mtime_ns
+    gguf.write_bytes(bytes(len(content)))
+    os.utime(gguf, ns=(mtime, mtime))
+    assert not status(preset, cache=cache).gguf_verified
+    assert convert.materialize(preset, cache=cache, progress=False) == gguf
+    assert gguf.read_bytes() == content and status(preset, cache=cache).gguf_verified
 
 
 @pytest.mark.parametrize("source", ["not measured", "0" * 64])

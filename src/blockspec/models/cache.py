@@ -81,22 +81,26 @@ def _gguf_marker(gguf: Path) -> Path:
 
 
 def gguf_verified(preset: Preset, gguf: Path) -> bool:
-    """The cached file is the verified one: same size and mtime as when its hash was checked."""
+    """The cached file is the verified one: same size, mtime and sampled fingerprint (``integrity.fingerprint``, 64
+    MiB read, where the full hash reads the whole file) as when its hash was checked. A disk that rots keeps size
+    and mtime; the fingerprint sees a file zeroed, truncated or rewritten in place, not a single flipped byte."""
     try:
         marker = json.loads(_gguf_marker(gguf).read_text())
         st = gguf.stat()
+        return (
+            marker.get("sha256") == preset.sha256
+            and marker.get("size") == st.st_size == preset.size
+            and marker.get("mtime_ns") == st.st_mtime_ns
+            and marker.get("fingerprint") == integrity.fingerprint(gguf)
+        )
     except (OSError, ValueError):
         return False
-    return (
-        marker.get("sha256") == preset.sha256
-        and marker.get("size") == st.st_size == preset.size
-        and marker.get("mtime_ns") == st.st_mtime_ns
-    )
 
 
 def mark_gguf_verified(preset: Preset, gguf: Path) -> None:
     st = gguf.stat()
     marker = {"preset": preset.name, "size": st.st_size, "sha256": preset.sha256, "mtime_ns": st.st_mtime_ns}
+    marker["fingerprint"] = integrity.fingerprint(gguf)
     write_atomic(_gguf_marker(gguf), json.dumps(marker, indent=1))
 
 

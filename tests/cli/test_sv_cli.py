@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import subprocess
@@ -298,7 +299,11 @@ def test_sv_commands_refuse_an_output_folder_they_cannot_write_before_loading_a_
     from blockspec.cli import sv as sv_cli
 
     monkeypatch.setattr(hf, "load_model", lambda name, **kwargs: pytest.fail(f"loaded {name}"))
-    monkeypatch.setattr(sv_cli.os, "access", lambda path, mode: False)  # a read-only folder, even to root
+
+    def read_only(*args, **kwargs):  # what a read-only mount answers, to root too
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(sv_cli.tempfile, "TemporaryFile", read_only)
     assert cli.main(["sv", "calibrate", "--out", str(tmp_path / "p.json")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot write" in err and "--out" in err

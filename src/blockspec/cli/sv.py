@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
+import tempfile
 from pathlib import Path
 
 from ..defaults import COMPANION, DRAFT, DRAFT_LIMIT, DTYPES, SV_BATCH_SIZES, SV_PREDICTOR, TARGET
@@ -264,8 +264,13 @@ def check_output(path: Path, force: bool) -> None:
             )
         print(f"--force: the new profile will replace {path} ({_held(path)})", file=sys.stderr)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if not os.access(path.parent, os.W_OK):
-        raise PermissionError(f"cannot write to {path.parent}: pass --out to save the profile elsewhere")
+    try:  # a file really made there: asking os.access can be wrong (NFS, ACLs, a root that squashes)
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as error:
+        raise PermissionError(
+            f"cannot write to {path.parent} ({error.strerror}): pass --out to save the profile elsewhere"
+        ) from None
 
 
 def _held(path: Path) -> str:

@@ -7,7 +7,9 @@
 All three take (draft_tokens [B, K], draft_probs [B, K, V] | None, target_probs [B, K+1, V]) and return a
 VerifyOutput. ``RULES`` names them with their closed forms (rules.py; ``SAMPLED_RULES``: valid at temperature > 0).
 Glossary: base.py; the law of tau and the gains that length policies and the exact tests build on: exact.py.
-tree.py verifies drafted trees, with closed forms ``tree_law``, ``expected_accepted_tree`` (docs/algorithms.md).
+tree.py verifies drafted trees, with closed forms ``tree_law``, ``expected_accepted_tree`` (docs/algorithms.md);
+multipath.py verifies k drafted paths jointly on their prefix tree (``verify_multipath``, ``multipath_law``,
+``expected_accepted_multipath``).
 """
 
 from .base import Randomness, VerifyOutput, agreement, positive_part_mass, row_chunks
@@ -21,6 +23,14 @@ from .exact import (
     position_gains,
 )
 from .greedy import verify_greedy
+from .multipath import (
+    MultiPathVerifyOutput,
+    PathTree,
+    expected_accepted_multipath,
+    multipath_law,
+    paths_to_tree,
+    verify_multipath,
+)
 from .rules import RULES, SAMPLED_RULES, Rule, get_rule
 from .token import token_acceptance, verify_token
 from .tree import (
@@ -38,6 +48,8 @@ __all__ = [
     "SAMPLED_RULES",
     "Rule",
     "get_rule",
+    "MultiPathVerifyOutput",
+    "PathTree",
     "Randomness",
     "TreeLaw",
     "TreeVerifyOutput",
@@ -49,8 +61,11 @@ __all__ = [
     "block_weights",
     "draft_distributions",
     "expected_accepted",
+    "expected_accepted_multipath",
     "expected_accepted_tree",
     "final_distributions",
+    "multipath_law",
+    "paths_to_tree",
     "position_gains",
     "positive_part_mass",
     "row_chunks",
@@ -58,6 +73,7 @@ __all__ = [
     "tree_law",
     "verify_block",
     "verify_greedy",
+    "verify_multipath",
     "verify_token",
     "verify_tree_block",
     "verify_tree_greedy",

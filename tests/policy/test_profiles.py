@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from blockspec.models import identity
 from blockspec.models.presets import PRESETS
 from blockspec.policy.profiles import (
     calibration_file,
@@ -39,10 +40,21 @@ def both_paths(target, draft, companion="prefix:8", sampling=SAMPLING):
 
 def test_profiles_of_models_with_the_same_file_name_in_other_folders_do_not_share_a_file(tmp_path):
     draft = fake_model(tmp_path / "draft")
-    one, other = fake_model(tmp_path / "a" / "model"), fake_model(tmp_path / "b" / "model")
+    one, other = fake_model(tmp_path / "a" / "model", b"weights"), fake_model(tmp_path / "b" / "model", b"others")
     for mine, theirs in zip(both_paths(one, draft), both_paths(other, draft)):
         assert mine != theirs and mine.parent == theirs.parent
         assert "model" in mine.name  # the name still says which models, for whoever lists the folder
+
+
+def test_a_touched_or_copied_model_keeps_its_profile(tmp_path):
+    """The identity is the weights' content: a bare ``touch``, a download again or a copy of the same bytes finds
+    the profile measured on them (an SV calibration takes hours)."""
+    target, draft = fake_model(tmp_path / "t"), fake_model(tmp_path / "d")
+    before = both_paths(target, draft)
+    os.utime(tmp_path / "t" / "model.safetensors", ns=(1, 1))
+    assert both_paths(target, draft) == before
+    copy = fake_model(tmp_path / "elsewhere" / "t")  # the same name and bytes in another folder
+    assert both_paths(copy, draft) == before
 
 
 def test_calibrations_at_sampling_values_equal_to_6_digits_do_not_share_a_file(tmp_path):
@@ -55,16 +67,23 @@ def test_calibrations_at_sampling_values_equal_to_6_digits_do_not_share_a_file(t
     assert profile_path(target, draft, None, {**SAMPLING, "top_p": 1}) == profile_path(target, draft, None, SAMPLING)
 
 
-def test_other_weights_under_the_same_path_are_another_profile(tmp_path):
+def test_other_weights_of_the_same_size_and_time_under_the_same_path_are_another_profile(tmp_path, monkeypatch):
+    """``rsync -a`` or ``cp -p`` replace weights in place keeping their size and modification time: the profile
+    measured on the old ones must not be served for the new."""
     target, draft = fake_model(tmp_path / "t"), fake_model(tmp_path / "d")
     before = both_paths(target, draft)
     assert both_paths(target, draft) == before  # stable while nothing changes
-    (tmp_path / "t" / "model.safetensors").write_bytes(b"retrained weights")
+    weights = tmp_path / "t" / "model.safetensors"
+    old = weights.stat()
+    weights.write_bytes(b"WEIGHTS")  # other bytes, the same size
+    os.utime(weights, ns=(old.st_atime_ns, old.st_mtime_ns))
+    assert (weights.stat().st_size, weights.stat().st_mtime_ns) == (old.st_size, old.st_mtime_ns)
+    monkeypatch.setattr(identity, "_fingerprints", {})  # a later process: nothing read before is remembered
     after = both_paths(target, draft)
     assert after[0] != before[0] and after[1] != before[1]
 
 
-def test_a_tokenizer_or_readme_edit_keeps_the_profile(tmp_path):
+def test_a_readme_edit_keeps_the_profile(tmp_path):
     target, draft = fake_model(tmp_path / "t"), fake_model(tmp_path / "d")
     before = both_paths(target, draft)
     (tmp_path / "t" / "README.md").write_text("notes")
@@ -84,6 +103,19 @@ def test_a_preset_is_its_gguf_hash_and_a_loaded_models_label_is_kept(tmp_path):
     assert model_identity(f"{folder} (int8)") == f"{model_identity(folder)} (int8)"
     assert model_identity(f"{name} (Q4_0)") == f"{model_identity(name)} (Q4_0)"
     assert model_identity("prefix:8") == "prefix:8" and model_identity(None) == "none"
+
+
+def test_a_presets_identity_reads_no_file_and_looks_up_no_hub_id(monkeypatch):
+    """`blockspec generate` finds its latency profile on every run: for the bundled presets (loaded as "<name>" or
+    "<name> (Q4_0)") that costs no read of their weights and no import of huggingface_hub."""
+
+    def fail(*args):
+        raise AssertionError("read or looked up")
+
+    monkeypatch.setattr(identity, "hub_snapshot", fail)
+    monkeypatch.setattr(identity.integrity, "fingerprint", fail)
+    for name in PRESETS:
+        assert PRESETS[name].sha256 in model_identity(f"{name} (Q4_0)") == f"{model_identity(name)} (Q4_0)"
 
 
 def test_latency_profiles_are_apart_per_dtype_and_device(tmp_path):
@@ -129,6 +161,26 @@ def test_a_profile_saved_under_an_earlier_name_is_pointed_to_not_read(kind, tmp_
     new = {"calibration": profile_path(target, draft, "prefix:8", SAMPLING), "latency": both_paths(target, draft)[1]}
     new[kind].write_text("{}")
     assert find() == new[kind]
+
+
+@pytest.mark.parametrize("kind", ["calibration", "latency"])
+def test_a_missing_profile_names_those_saved_for_the_same_names_under_another_digest(kind, tmp_path):
+    """New weights under the same name, or a profile of an earlier blockspec that digested models otherwise: the
+    error names the profiles saved for the same names, which the user may know to be right, besides the command
+    that measures one again (hours, for a calibration)."""
+    target, draft = fake_model(tmp_path / "t"), fake_model(tmp_path / "d")
+    find = {
+        "calibration": lambda: calibration_file(target, draft, "prefix:8", SAMPLING),
+        "latency": lambda: latency_file(target, draft, "prefix:8", "float32", "cpu"),
+    }[kind]
+    saved = dict(zip(["calibration", "latency"], both_paths(target, draft)))[kind]
+    saved.parent.mkdir(parents=True)
+    saved.write_text("{}")
+    (tmp_path / "t" / "model.safetensors").write_bytes(b"retrained")
+    option = {"calibration": "--sv-profile", "latency": "--latency"}[kind]
+    with pytest.raises(FileNotFoundError, match="under another digest: for other weights") as error:
+        find()
+    assert str(saved) in str(error.value) and option in str(error.value)
 
 
 def test_an_explicit_profile_path_is_used_as_given(tmp_path):

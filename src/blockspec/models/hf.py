@@ -26,6 +26,7 @@ from ..defaults import BACKENDS, DTYPES, LLAMACPP_QUANTS, QUANTS
 from .attention import GROUPED_SDPA, unsupported_attention
 from .base import left_pad
 from .convert import load_preset
+from .identity import hub_snapshot
 from .presets import PRESETS
 from .quant import quantize
 from .slots import SlotCache, SlotLayer, slot_mask
@@ -300,7 +301,7 @@ def load_model(
                 folder, gguf_file=file, dtype=torch_dtype, trust_remote_code=False
             )
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file, trust_remote_code=False)
-    elif os.path.isdir(name_or_path) or allow_download or _in_hub_cache(name_or_path):
+    elif os.path.isdir(name_or_path) or allow_download or hub_snapshot(name_or_path) is not None:
         folder = name_or_path if os.path.isdir(name_or_path) else _hub_config_folder(name_or_path, allow_download)
         if folder is not None:
             refuse_model_code(folder)
@@ -378,17 +379,6 @@ def refuse_model_code(folder: str) -> None:
                 f"{folder}: its {name} maps to Python code in the folder (auto_map); blockspec never runs code "
                 "from a model folder"
             )
-
-
-def _in_hub_cache(name: str) -> bool:
-    """Whether hub id ``name`` has a config in the local Hugging Face cache: a file-system look-up, no network."""
-    from huggingface_hub import try_to_load_from_cache
-    from huggingface_hub.errors import HFValidationError
-
-    try:
-        return isinstance(try_to_load_from_cache(name, "config.json"), str)  # else None, or a "known absent" marker
-    except HFValidationError:  # not even shaped like a hub id (a mistyped path, ...)
-        return False
 
 
 def _hub_config_folder(name: str, allow_download: bool) -> str | None:

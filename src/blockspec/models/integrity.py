@@ -1,6 +1,6 @@
 """Checks of a file's content: its sha256 (every byte read), and a fingerprint cheap enough for every load.
 
-    fingerprint  sha256 over a file's size, its safetensors header and 64 sampled blocks of 1 MiB.
+    fingerprint  sha256 over a file's size, its header and 64 sampled blocks of 1 MiB.
 
 Standard library only (tqdm, from the `hf` extra, draws progress bars where it is installed).
 """
@@ -16,7 +16,8 @@ READ_BLOCK = 8 << 20  # 8 MiB per read while copying and hashing
 _FINGERPRINT_BLOCKS = 64
 _FINGERPRINT_BLOCK = 1 << 20  # 64 blocks of 1 MiB: a load reads 64 MiB per file to check it, whatever its size
 _FINGERPRINT_SEED = 0  # fixed: the same offsets at every load of a given file size
-_MAX_HEADER = 100 << 20  # safetensors' own limit on its JSON header; bounds the read of a corrupt length field
+_MAX_HEADER = 100 << 20  # safetensors' own limit on its JSON header
+_OTHER_HEADER = 1 << 20  # of any other file (GGUF, pickle): the first MiB, a GGUF's header and metadata's start
 
 
 def progress_bar(total: int, desc: str, enabled: bool):
@@ -45,17 +46,20 @@ def sha256_file(path: Path, label: str, progress: bool) -> str:
 
 
 def fingerprint(path: str | os.PathLike) -> str:
-    """A cheap content check of a file, made for safetensors files: sha256 over the file's size, its bytes up to
-    the end of the safetensors header (tensor names, dtypes, shapes, offsets) and 64 blocks of 1 MiB at offsets
-    drawn with a fixed seed. Reads at most about 64 MiB whatever the size, so every load can afford it; a file no
-    larger than that (config, tokenizer) is read whole. A planted, truncated or re-saved file fails it; a single
-    corrupted byte outside the sampled blocks only fails the full sha256."""
+    """A cheap content check of a file: sha256 over the file's size, its header and 64 blocks of 1 MiB at offsets
+    drawn with a fixed seed. The header of a safetensors file is its bytes up to the end of its JSON header (tensor
+    names, dtypes, shapes, offsets); of any other file (a GGUF, a pickle) its first MiB. Reads at most about
+    65 MiB whatever the size, so every load can afford it; a file no larger than that (config, tokenizer) is read
+    whole. A planted, truncated or re-saved file fails it; a single corrupted byte outside the sampled blocks only
+    fails the full sha256."""
     path = Path(path)
     size = path.stat().st_size
     digest = hashlib.sha256(f"{size}\n".encode())
     with open(path, "rb") as f:
-        length = f.read(8)  # safetensors: u64 little-endian length of the JSON header that follows
-        header_end = min(size, 8 + int.from_bytes(length, "little"), _MAX_HEADER) if len(length) == 8 else size
+        start = f.read(9)  # safetensors: a u64 little-endian length of the JSON header that follows, then "{"
+        length = 8 + int.from_bytes(start[:8], "little")
+        safetensors = start[8:] == b"{" and length <= min(size, _MAX_HEADER)
+        header_end = length if safetensors else min(size, _OTHER_HEADER)
         f.seek(0)
         digest.update(f.read(header_end))
         for offset in sampled_offsets(header_end, size):

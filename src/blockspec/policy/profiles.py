@@ -3,15 +3,16 @@
 A profile's file name holds the models' names for whoever lists the folder, and a digest of what the profile is
 specific to, so two configurations never share a file:
 
-- each model's identity (``model_identity``): a preset and its GGUF's sha256; a file, or a folder's config and
-  weight files, by resolved path, size and modification time; a hub id and the snapshot the local Hugging Face
-  cache holds. Other weights under the same name make another file, and the profile is measured again;
+- each model's identity (``model_identity``): the content of its weights (``models.identity.fingerprint``), wherever
+  they lie. Other weights under the same name make another file, and the profile is measured again; a copy of the
+  same weights (moved, touched, downloaded again) finds its profile;
 - the sampling settings exactly (``repr`` of each float), for the calibration profile;
 - the dtype ("gguf" on the llama.cpp backend) and the device, for the latency profile.
 
-``calibration_file`` and ``latency_file`` find a profile or say which command makes it, naming a file an earlier
-blockspec saved for the same model names, whose name told neither models of the same file name nor sampling
-values equal to 6 digits apart: pass that one explicitly if it was measured for these models.
+``calibration_file`` and ``latency_file`` find a profile or say which command makes it, naming the files saved for
+the same model names under another digest (other weights, or a blockspec that told models apart otherwise) and
+a file an earlier blockspec saved under the models' base names, whose name told neither models of the same file
+name nor sampling values equal to 6 digits apart: pass one explicitly if it was measured for these models.
 
 Stdlib only, so the command line can name these paths in its help without importing torch.
 """
@@ -24,12 +25,11 @@ import re
 from pathlib import Path
 
 from ..models.cache import cache_root
-from ..models.presets import PRESETS
+from ..models.identity import fingerprint
 
-# What decides a folder's weights: its config and weight files (a tokenizer or README edit does not change them).
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 _LABEL = re.compile(r"^(?P<base>.+) \((?P<label>[^()]+)\)$")  # an adapter's name: "<name> (int8)", "<name> (Q4_0)"
 _SLUG_PART = 40  # characters of each model's name in a file name: three paths must fit in 255
+_DIGEST = 16  # hex digits of the digest that ends a profile's file name
 
 
 def sv_dir() -> Path:
@@ -84,56 +84,21 @@ def _require_file(path, command: str) -> Path:
 
 
 def model_identity(name: str | None) -> str:
-    """What names ``name``'s weights, found without reading them: a preset and its GGUF's sha256; an existing file
-    or folder by its resolved path, with the size and modification time of the file, or of the folder's
-    config.json and weight files; a hub id with the snapshot folder the local Hugging Face cache holds for it
-    (by the same stat); anything else (a companion ``prefix:K``, an adapter's own name) as it is. A loaded model's
-    label (``"<name> (int8)"``) stays part of it."""
+    """What names ``name``'s weights: their content (``identity.fingerprint``: a preset's pinned sha256; a file, a
+    model folder, or a hub id in the local Hugging Face cache by a sample of its config, weight and tokenizer
+    files); anything else (a companion ``prefix:K``, an adapter's own name) as it is. A loaded model's label
+    (``"<name> (int8)"``) stays part of it."""
     if name is None:
         return "none"
-    if name in PRESETS:
-        return f"preset {name} sha256 {PRESETS[name].sha256}"
-    path = Path(name).expanduser()
-    if path.exists():
-        return _stat_identity(path)
     labelled = _LABEL.match(name)
-    if labelled:
+    if labelled and not Path(name).exists():  # no hub id has a space: look none up (importing huggingface_hub)
         return f"{model_identity(labelled['base'])} ({labelled['label']})"
-    snapshot = _hub_snapshot(name)
-    return name if snapshot is None else f"hub {name} {_stat_identity(snapshot)}"
-
-
-def _stat_identity(path: Path) -> str:
-    path = path.resolve()
-    files = (
-        [path]
-        if path.is_file()
-        else sorted(
-            f for f in path.iterdir() if f.is_file() and (f.name == "config.json" or f.name.endswith(WEIGHT_SUFFIXES))
-        )
-    )
-    stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]  # stat follows the hub's symlinks
-    return f"{path} {json.dumps(stats)}"
-
-
-def _hub_snapshot(name: str) -> Path | None:
-    """The local Hugging Face cache's snapshot folder for hub id ``name``, if it holds one: a file-system look-up
-    (no network), which needs huggingface_hub (the `hf` extra that loads hub models)."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-        from huggingface_hub.errors import HFValidationError
-    except ImportError:
-        return None
-    try:
-        config = try_to_load_from_cache(name, "config.json")
-    except HFValidationError:  # not shaped like a hub id
-        return None
-    return Path(config).parent if isinstance(config, str) else None
+    return fingerprint(name) or name
 
 
 def _digest(target: str, draft: str, companion: str | None, extra: dict) -> str:
     identity = [model_identity(target), model_identity(draft), model_identity(companion), extra]
-    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:_DIGEST]
 
 
 def _slug(*names) -> str:
@@ -148,12 +113,29 @@ def _legacy_slug(*names) -> str:
 
 
 def _default_file(path: Path, legacy_name: str, command: str) -> Path:
+    """``path`` if it exists, else FileNotFoundError naming the command that makes it and the profiles saved for
+    the same model names that a user may know to be right: under another digest, or an earlier blockspec's name."""
+    if path.exists():
+        return path
+    stem = path.name[: -(_DIGEST + len(".json"))]  # up to the digest
+    others = sorted(str(p) for p in path.parent.glob(f"{stem}{'[0-9a-f]' * _DIGEST}.json"))
+    found = []
+    if others:
+        found.append(
+            f"{', '.join(others)} {'was' if len(others) == 1 else 'were'} saved for the same names under another "
+            "digest: for other weights or settings, an earlier copy of these, or by a blockspec that told models "
+            "apart by path and modification time"
+        )
     legacy = path.with_name(legacy_name)
-    if not path.exists() and legacy.exists():
+    if legacy.exists():
+        found.append(
+            f"{legacy} was saved by an earlier blockspec, whose file names told apart neither models of the same file "
+            "name nor sampling values equal to 6 digits"
+        )
+    if found:
         option = {"calibrate": "--sv-profile", "profile": "--latency"}[command]
         raise FileNotFoundError(
-            f"{path} does not exist; {legacy} was saved by an earlier blockspec, whose file names told apart neither "
-            f"models of the same file name nor sampling values equal to 6 digits: pass it with {option} if it was "
-            f"measured for these models, or run `blockspec sv {command}` again"
+            f"{path} does not exist; {'; '.join(found)}: pass one with {option} if it was measured for these models, "
+            f"or run `blockspec sv {command}` again"
         )
     return _require_file(path, f"sv {command}")

@@ -10,6 +10,8 @@ import io
 import json
 import logging
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +27,7 @@ from blockspec.auto import Arithmetic
 from blockspec.bench import provenance, report, runner
 from blockspec.bench import records as rec
 from blockspec.cli import main as cli_main
+from blockspec.models import identity
 
 pytestmark = pytest.mark.usefixtures("quiet_machine")  # tests/bench/conftest.py
 
@@ -164,10 +167,7 @@ def test_the_run_directory_stores_its_settings_and_machine(recorded):
     assert stored["cpu_flags"] == machine.cpu_flags() and stored["threads"] == machine.threads()
     assert resolved["dtype"] == "float32" and resolved["draft_quant"] == {}  # target-only drafts nothing
     assert set(resolved["versions"]) == {"python", "blockspec", "torch", "transformers"}
-    assert resolved["models"] == {
-        "target": provenance.fingerprint(recorded.target),
-        "draft": provenance.fingerprint(recorded.draft),
-    }
+    assert resolved["models"] == {"target": identity.fingerprint(recorded.target)}  # nothing drafts
     assert None not in resolved["models"].values()
     (record,) = rec.read(recorded.out / runner.RECORDS)
     assert (record.meta["dtype"], record.meta["versions"], record.meta["models"]) == (
@@ -283,15 +283,10 @@ def pin_arithmetic(monkeypatch, dtype: str, draft_quant: str | None = None) -> N
     )
 
 
-def reprobe_to_bfloat16(config, monkeypatch):
-    pin_arithmetic(monkeypatch, "bfloat16")
-    return r"resolved\.dtype: 'float32' there, 'bfloat16' here"
-
-
 def replace_the_target_in_place(config, monkeypatch):
-    before = provenance.fingerprint(config.target)
+    before = identity.fingerprint(config.target)
     save_tiny(config.target, seed=1)  # other weights, the same config and shapes
-    return rf"resolved\.models\.target: '{before}' there, '{provenance.fingerprint(config.target)}' here"
+    return rf"resolved\.models\.target: '{before}' there, '{identity.fingerprint(config.target)}' here"
 
 
 def upgrade_torch(config, monkeypatch):
@@ -300,8 +295,8 @@ def upgrade_torch(config, monkeypatch):
     return r"resolved\.versions\.torch: '[^']+' there, '9\.9\.9' here"
 
 
-@pytest.mark.parametrize("change", [reprobe_to_bfloat16, replace_the_target_in_place, upgrade_torch])
-def test_a_resume_that_resolves_another_dtype_other_weights_or_libraries_is_refused_before_any_model_loads(
+@pytest.mark.parametrize("change", [replace_the_target_in_place, upgrade_torch])
+def test_a_resume_that_resolves_other_weights_or_libraries_is_refused_before_any_model_loads(
     auto_run, monkeypatch, change
 ):
     before = (auto_run.out / runner.RECORDS).read_text()
@@ -312,16 +307,43 @@ def test_a_resume_that_resolves_another_dtype_other_weights_or_libraries_is_refu
     assert (auto_run.out / runner.RECORDS).read_text() == before
 
 
-def test_a_resume_whose_auto_draft_quantization_resolves_otherwise_is_refused(auto_run, monkeypatch):
+def test_a_resume_under_dtype_auto_runs_in_the_arithmetic_its_runs_resolved_to(auto_run, monkeypatch, caplog):
+    """The probe of a busy machine may pick another dtype or draft quantization than the first call's did: the
+    resume runs in the ones stored with the directory's runs, and says so, rather than refusing a directory that
+    could then never be finished."""
+    pin_arithmetic(monkeypatch, "bfloat16")
+    with caplog.at_level(logging.INFO, logger="blockspec.bench.runner"):
+        records = list(rec.read(runner.run(replace(auto_run, prompts_per_dataset=2), progress=False)))
+    assert [r.meta["dtype"] for r in records] == ["float32", "float32"]
+    assert f"float32, unquantized auto draft, as resolved by the runs in {auto_run.out}" in caplog.text
     stored = json.loads((auto_run.out / runner.CONFIG).read_text())
     stored["resolved"]["draft_quant"] = {"auto": "int8"}  # as a first call whose probe picked an int8 draft stores
     (auto_run.out / runner.CONFIG).write_text(json.dumps(stored))
+    loads = []
+
+    def load_model(name, *, dtype, quant, **_):
+        loads.append((name, dtype, quant))
+        if name == auto_run.draft:
+            raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("blockspec.models.hf.load_model", load_model)
+    with pytest.raises(AssertionError, match="a model was loaded"):
+        runner.run(replace(auto_run, configs=("target-only", "auto")), progress=False)
+    assert loads == [(auto_run.target, "float32", None), (auto_run.draft, "float32", "int8")]
+
+
+def test_a_resume_whose_auto_draft_quantization_resolves_otherwise_is_refused(auto_run, monkeypatch):
+    stored = json.loads((auto_run.out / runner.CONFIG).read_text())
+    stored["dtype"] = "float32"  # a directory of an explicit dtype: the probe still picks the auto draft's arithmetic
+    stored["resolved"]["draft_quant"] = {"auto": "int8"}  # as a first call whose probe picked an int8 draft stores
+    (auto_run.out / runner.CONFIG).write_text(json.dumps(stored))
+    explicit = replace(auto_run, dtype="float32")
     no_model_loads(monkeypatch)
     with pytest.raises(ValueError, match=r"resolved\.draft_quant\.auto: 'int8' there, None here"):
-        runner.run(replace(auto_run, configs=("target-only", "auto")), progress=False)
+        runner.run(replace(explicit, configs=("target-only", "auto")), progress=False)
     # a configuration the directory has not run yet has no runs to disagree with
     with pytest.raises(AssertionError, match="a model was loaded"):
-        runner.run(replace(auto_run, configs=("target-only", "lookup+model")), progress=False)
+        runner.run(replace(explicit, configs=("target-only", "lookup+model")), progress=False)
     stored = json.loads((auto_run.out / runner.CONFIG).read_text())
     assert stored["resolved"]["draft_quant"] == {"auto": "int8", "lookup+model": None}  # kept for the next resume
 
@@ -384,30 +406,103 @@ def test_a_hub_model_the_bench_downloads_is_fingerprinted_once_loaded_and_resume
         return load(auto_run.target if name == "org/tiny" else name, **kwargs)
 
     monkeypatch.setattr(hf, "load_model", download_then_load)
-    monkeypatch.setattr(provenance, "_hub_snapshot", lambda name: Path(auto_run.target) if cached else None)
+    monkeypatch.setattr(identity, "hub_snapshot", lambda name: Path(auto_run.target) if cached else None)
     config = replace(auto_run, target="org/tiny", allow_download=True, out=tmp_path / "hub")
     runner.run(config, progress=False)
     resolved = json.loads((config.out / runner.CONFIG).read_text())["resolved"]
-    assert resolved["models"]["target"] == provenance.fingerprint(auto_run.target)
+    assert resolved["models"]["target"] == identity.fingerprint(auto_run.target)
     assert len(list(rec.read(runner.run(replace(config, prompts_per_dataset=2), progress=False)))) == 2
+
+
+def test_a_hub_model_whose_snapshot_holds_only_its_config_is_fingerprinted_once_its_weights_are_here(
+    auto_run, tmp_path, monkeypatch
+):
+    """A config alone in the hub cache (an earlier look-up fetched it) is no model yet: fingerprinted before the
+    download, the bench would store a fingerprint its later resumes never find again."""
+    from blockspec.models import hf
+
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    shutil.copy(Path(auto_run.target) / "config.json", snapshot)
+    load = hf.load_model
+
+    def download_then_load(name, **kwargs):
+        if name == "org/tiny":
+            shutil.copytree(auto_run.target, snapshot, dirs_exist_ok=True)
+        return load(str(snapshot) if name == "org/tiny" else name, **kwargs)
+
+    monkeypatch.setattr(hf, "load_model", download_then_load)
+    monkeypatch.setattr(identity, "hub_snapshot", lambda name: snapshot if name == "org/tiny" else None)
+    config = replace(auto_run, target="org/tiny", allow_download=True, out=tmp_path / "hub")
+    runner.run(config, progress=False)
+    resolved = json.loads((config.out / runner.CONFIG).read_text())["resolved"]
+    assert resolved["models"]["target"] == identity.fingerprint(auto_run.target)
+    assert len(list(rec.read(runner.run(replace(config, prompts_per_dataset=2), progress=False)))) == 2
+
+
+def test_the_draft_is_fingerprinted_only_once_a_configuration_drafts_with_it(auto_run, monkeypatch):
+    """A bench of target-only runs loads no draft: other draft weights neither stop its resume nor are stored;
+    the first call that drafts stores the draft's fingerprint, and later ones are held to it."""
+    save_tiny(auto_run.draft, seed=1, noise=0.3)  # other draft weights
+    runner.run(replace(auto_run, prompts_per_dataset=2), progress=False)
+    drafting = replace(auto_run, prompts_per_dataset=2, configs=("target-only", "block"))
+    records = list(rec.read(runner.run(drafting, progress=False)))
+    assert json.loads((auto_run.out / runner.CONFIG).read_text())["resolved"]["models"] == {
+        "target": identity.fingerprint(auto_run.target),
+        "draft": identity.fingerprint(auto_run.draft),
+    }
+    report.build_report(records)  # target-only runs without a draft's fingerprint pool with those that draft
+    save_tiny(auto_run.draft, seed=2, noise=0.3)
+    no_model_loads(monkeypatch)
+    with pytest.raises(ValueError, match=r"resolved\.models\.draft: '[0-9a-f]+' there, '[0-9a-f]+' here"):
+        runner.run(drafting, progress=False)
+
+
+def test_a_bench_on_llama_cpp_stores_its_build_and_without_it_names_the_set_up_step(monkeypatch):
+    """llama.cpp's compile flags decide its kernels, so its figures: a bench on it stores its build info. Without
+    llama-cpp-python it stops, before any model loads, with the step that installs it (not a missing package's
+    metadata)."""
+    import importlib.metadata
+
+    from blockspec.models import llamacpp
+
+    version = importlib.metadata.version
+    with monkeypatch.context() as absent:
+        absent.setattr(llamacpp, "_lib", None)
+        absent.setitem(sys.modules, "llama_cpp", None)
+        absent.setitem(sys.modules, "llama_cpp.llama_cpp", None)
+
+        def no_llama_cpp(package):
+            if package == "llama-cpp-python":
+                raise importlib.metadata.PackageNotFoundError(package)
+            return version(package)
+
+        absent.setattr(importlib.metadata, "version", no_llama_cpp)
+        with pytest.raises(ImportError, match=re.escape(f"needs llama-cpp-python: {llamacpp.INSTALL_HINT}")):
+            provenance.versions("llamacpp")
+        assert "llamacpp_build" not in provenance.versions("hf")
+    pytest.importorskip("llama_cpp")
+    found = provenance.versions("llamacpp")
+    assert found["llamacpp_build"] == llamacpp.library().llama_print_system_info().decode().strip()
+    assert found["llama-cpp-python"] == version("llama-cpp-python")
 
 
 def test_a_model_fingerprint_follows_its_config_and_weights_not_its_readme(tmp_path):
     from blockspec.models.presets import PRESETS
 
     folder = save_tiny(tmp_path / "model")
-    first = provenance.fingerprint(folder)
+    first = identity.fingerprint(folder)
     (Path(folder) / "README.md").write_text("notes")
-    assert provenance.fingerprint(folder) == first
+    assert identity.fingerprint(folder) == first
     save_tiny(folder, seed=1)  # the same names, dtypes and shapes: a safetensors header alone would not tell
-    assert provenance.fingerprint(folder) != first
+    assert identity.fingerprint(folder) != first
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF" + bytes(1000))
-    one = provenance.fingerprint(str(gguf))
+    one = identity.fingerprint(str(gguf))
     gguf.write_bytes(b"GGUF" + bytes(999) + b"\1")
-    assert provenance.fingerprint(str(gguf)) not in (one, None)
-    assert provenance.fingerprint("qwen2.5-coder-0.5b") == PRESETS["qwen2.5-coder-0.5b"].sha256
-    assert provenance.fingerprint(str(tmp_path / "missing")) is None
+    assert identity.fingerprint(str(gguf)) not in (one, None)
+    assert identity.fingerprint("qwen2.5-coder-0.5b") == PRESETS["qwen2.5-coder-0.5b"].sha256
+    assert identity.fingerprint(str(tmp_path / "missing")) is None
 
 
 # --- one bench per run directory, and its settings file -------------------------------------------------------

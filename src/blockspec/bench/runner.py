@@ -274,14 +274,34 @@ def prepare_out(config: BenchConfig) -> tuple[list[rec.Record], dict | None]:
     return existing, found
 
 
-def store_settings(config: BenchConfig, found: dict | None, resolved: dict) -> None:
+def store_settings(config: BenchConfig, found: dict | None, resolved: dict) -> dict:
     """Refuse to add runs that resolved otherwise than the ones stored (``found``, ``provenance.check``), then
-    store this call's settings and what they resolved to in ``<out>/config.json``, whole or not at all (with the
-    draft quantization of configurations run before and not in this call, for the next resume to check)."""
+    store this call's settings and what they resolved to in ``<out>/config.json``, whole or not at all, and return
+    that: with the draft quantization of configurations and the draft's fingerprint stored before and not resolved
+    in this call, for the next resume to check."""
     if found is not None:
-        provenance.check(config.out, found["resolved"], resolved)
-        resolved = {**resolved, "draft_quant": {**found["resolved"]["draft_quant"], **resolved["draft_quant"]}}
+        stored = found["resolved"]
+        provenance.check(config.out, stored, resolved)
+        resolved = {**resolved, **{key: {**stored[key], **resolved[key]} for key in provenance.COMPARED_ON_SHARED_KEYS}}
     write_atomic(config.out / CONFIG, json.dumps({**settings(config), "resolved": resolved}, indent=1) + "\n")
+    return resolved
+
+
+def stored_arithmetic(config: BenchConfig, stored: dict):
+    """The ``auto.Arithmetic`` of a resume under ``--dtype auto``: the dtype and auto draft quantization the
+    directory's runs resolved to (``stored``), not what a probe picks now (a busy machine may pick otherwise), so
+    its runs are not pooled with others of other arithmetic. The probe decides only the draft quantization of the
+    auto configurations where the directory has run none."""
+    from ..auto import Arithmetic, choose_arithmetic
+    from ..models.hf import resolve_device
+
+    quants = {quant for name, quant in stored["draft_quant"].items() if name in AUTO_DRAFT}
+    if not quants and set(config.configs) & set(AUTO_DRAFT):
+        quants = {choose_arithmetic(resolve_device(config.device)).draft_quant}
+    quant = quants.pop() if quants else None
+    reason = f"{stored['dtype']}, {quant or 'unquantized'} auto draft, as resolved by the runs in {config.out}"
+    log.info("arithmetic: %s", reason)
+    return Arithmetic(stored["dtype"], quant, reason, None)
 
 
 MIN_PROMPTS = 5  # per dataset, before a bootstrap interval is trusted to stop a run
@@ -333,14 +353,16 @@ def _run(config: BenchConfig, progress: bool) -> Path:
     arithmetic = None
     if backend == "llamacpp":
         arithmetic = llamacpp_arithmetic(config)
+    elif config.dtype == "auto" and found is not None:
+        arithmetic = stored_arithmetic(config, found["resolved"])
     elif config.dtype == "auto" or set(config.configs) & set(AUTO_DRAFT):
         arithmetic = choose_arithmetic(resolve_device(config.device))
         log.info("arithmetic: %s", arithmetic.reason)
     dtype = arithmetic.dtype if arithmetic is not None and config.dtype == "auto" else config.dtype
     resolved = provenance.resolve(config, backend, dtype, arithmetic)
-    downloads = None in resolved["models"].values()  # a hub id the load downloads: fingerprinted once it is here
+    downloads = None in resolved["models"].values()  # a hub id whose weights the load downloads: fingerprinted after
     if not downloads:
-        store_settings(config, found, resolved)
+        resolved = store_settings(config, found, resolved)
     target = load_model(
         config.target,
         dtype=dtype,
@@ -361,8 +383,7 @@ def _run(config: BenchConfig, progress: bool) -> Path:
         for quant in {draft_quant_of(name, arithmetic) for name in config.configs if name not in NO_DRAFT}
     }
     if downloads:
-        resolved = provenance.resolve(config, backend, dtype, arithmetic)
-        store_settings(config, found, resolved)
+        resolved = store_settings(config, found, provenance.resolve(config, backend, dtype, arithmetic))
     prompts = {
         name: [
             (p.id, encode_prompt(target.tokenizer, p.text, chat=config.chat))

@@ -18,19 +18,13 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    import importlib.metadata
     import os
 
     import torch
 
     from .. import __version__, machine
     from ..auto import choose_arithmetic, native_bf16
-
-    def version(package: str) -> str:
-        try:
-            return importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            return "not installed"
+    from ..bench.provenance import package_version
 
     info = {
         "blockspec": __version__,
@@ -45,7 +39,7 @@ def run(args) -> int:
         "cuda": torch.cuda.is_available(),
         "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         **{
-            package: version(package)
+            package: package_version(package)
             for package in ("transformers", "accelerate", "gguf", "safetensors", "llama-cpp-python")
         },
         "llamacpp_build": _llamacpp_build(),
@@ -67,9 +61,9 @@ def run(args) -> int:
 
 def _llamacpp_build() -> str:
     """The instruction sets the installed llama.cpp was built with (its system info), or why there is none."""
-    from ..models.llamacpp import library
+    from ..bench.provenance import llamacpp_build
 
     try:
-        return library().llama_print_system_info().decode().strip()
+        return llamacpp_build()
     except ImportError as error:
         return str(error)

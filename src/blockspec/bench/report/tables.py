@@ -106,17 +106,19 @@ def _one_machine(records: list[Record]) -> dict | None:
 def _one_build(records: list[Record]) -> None:
     """ValueError if ``records`` ran in more than one arithmetic (dtype, target quantization, a configuration's
     draft quantization), with other library versions or on other model bytes (the fingerprints of
-    ``bench.provenance``): pooled, their figures would describe no one setup. Records that predate a field agree
-    on its absence."""
+    ``bench.provenance``: the target's, and the draft's among the records that draft): pooled, their figures would
+    describe no one setup. Records that predate a field agree on its absence."""
     found: dict[str, set[str]] = defaultdict(set)
     for record in records:
         meta = record.meta
         found["dtype"].add(json.dumps(meta.get("dtype")))
         found["target quantization"].add(json.dumps(meta.get("target_quant")))
         found["versions"].add(json.dumps(meta.get("versions"), sort_keys=True))
-        found["model fingerprints"].add(json.dumps(meta.get("models"), sort_keys=True))
-        if "draft_quant" in meta:
+        models = meta.get("models") or {}
+        found["target fingerprint"].add(json.dumps(models.get("target")))
+        if "draft_quant" in meta:  # the record drafts
             found[f"draft quantization of {record.config}"].add(json.dumps(meta["draft_quant"]))
+            found["draft fingerprint"].add(json.dumps(models.get("draft")))
     differ = {what: values for what, values in found.items() if len(values) > 1}
     if differ:
         raise ValueError(

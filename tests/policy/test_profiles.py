@@ -118,6 +118,15 @@ def test_a_presets_identity_reads_no_file_and_looks_up_no_hub_id(monkeypatch):
         assert PRESETS[name].sha256 in model_identity(f"{name} (Q4_0)") == f"{model_identity(name)} (Q4_0)"
 
 
+def test_profiles_of_the_bundled_models_keep_the_file_names_earlier_blockspecs_gave_them():
+    """Keying folders by content changed their profiles' digests; the presets' are kept, so a calibration of the
+    bundled pair made by an earlier blockspec is still found."""
+    sampled = profile_path("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "prefix:8", SAMPLING)
+    assert sampled.name == "calibration-qwen2.5-coder-1.5b-qwen2.5-coder-0.5b-prefix_8-T0.7-k0-p1-3bf0bd226a5ba4f6.json"
+    timed = latency_path("qwen2.5-coder-1.5b (Q4_0)", "qwen2.5-coder-0.5b (Q4_0)", None, "gguf", "cpu")
+    assert timed.name == "latency-qwen2.5-coder-1.5b_Q4_0-qwen2.5-coder-0.5b_Q4_0-None-gguf-cpu-9c8022d58096a03f.json"
+
+
 def test_latency_profiles_are_apart_per_dtype_and_device(tmp_path):
     target, draft = fake_model(tmp_path / "t"), fake_model(tmp_path / "d")
     paths = {

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ..models.cache import cache_root
 from ..models.identity import fingerprint
+from ..models.presets import PRESETS
 
 _LABEL = re.compile(r"^(?P<base>.+) \((?P<label>[^()]+)\)$")  # an adapter's name: "<name> (int8)", "<name> (Q4_0)"
 _SLUG_PART = 40  # characters of each model's name in a file name: three paths must fit in 255
@@ -84,12 +85,14 @@ def _require_file(path, command: str) -> Path:
 
 
 def model_identity(name: str | None) -> str:
-    """What names ``name``'s weights: their content (``identity.fingerprint``: a preset's pinned sha256; a file, a
-    model folder, or a hub id in the local Hugging Face cache by a sample of its config, weight and tokenizer
-    files); anything else (a companion ``prefix:K``, an adapter's own name) as it is. A loaded model's label
-    (``"<name> (int8)"``) stays part of it."""
+    """What names ``name``'s weights: a preset by its name and pinned sha256; a file, a model folder, or a hub id in
+    the local Hugging Face cache by their content (``identity.fingerprint``: a sample of its config, weight and
+    tokenizer files); anything else (a companion ``prefix:K``, an adapter's own name) as it is. A loaded model's
+    label (``"<name> (int8)"``) stays part of it."""
     if name is None:
         return "none"
+    if name in PRESETS:  # as earlier blockspecs wrote it, so their profiles of the bundled models are found
+        return f"preset {name} sha256 {PRESETS[name].sha256}"
     labelled = _LABEL.match(name)
     if labelled and not Path(name).exists():  # no hub id has a space: look none up (importing huggingface_hub)
         return f"{model_identity(labelled['base'])} ({labelled['label']})"

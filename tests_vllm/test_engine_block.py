@@ -195,12 +195,13 @@ def test_structured_outputs_with_sampled_drafts_are_refused(llm):
     """vLLM cuts a sampled draft at the first token the grammar refuses, which is not the target's law: the plugin
     refuses such requests and lets greedy ones through (for those the cut is exact)."""
     from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import StructuredOutputsParams
 
     prompt = [TokensPrompt(prompt_token_ids=tinyvllm.PROMPT)]
     choice = StructuredOutputsParams(choice=["w3", "w5"])  # token ids 5 and 7
-    with pytest.raises(ValueError, match="structured outputs at temperature > 0"):
+    with pytest.raises(VLLMValidationError, match="structured outputs at temperature > 0"):
         llm.generate(prompt, SamplingParams(temperature=1.0, max_tokens=2, structured_outputs=choice), use_tqdm=False)
     greedy = llm.generate(
         prompt, SamplingParams(temperature=0.0, max_tokens=2, structured_outputs=choice), use_tqdm=False

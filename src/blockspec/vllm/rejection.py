@@ -4,7 +4,8 @@
 ``rejection_sample`` with its sampled requests verified by ``ragged.block_verify_ragged``, from the same random
 draws; greedy requests, and steps without draft probabilities, stay on vLLM's own paths, and so does every step
 with ``BLOCKSPEC_VLLM_RULE=token``. Either way the steps with sampled requests are counted by the rule that verified
-them (``STATE.steps``), which ``status.check`` reads."""
+them (``STATE.steps``), which ``status.check`` reads, and so are each request's drafted and accepted tokens
+(``acceptance``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import warnings
 
 import torch
 
+from .acceptance import count_step
 from .ragged import block_verify_ragged, check_rows, expected_accepted_ragged, target_probs_with_spare_row
 from .state import STATE
 from .sv_hook import learn_from_verification
@@ -50,7 +52,7 @@ def block_rejection_sample(
                 "vLLM's token rule, which is exact for a draft scored as one-hot",
                 stacklevel=2,
             )
-        return block_rejection_sample.stock(
+        output = block_rejection_sample.stock(
             draft_token_ids,
             num_draft_tokens,
             max_spec_len,
@@ -63,6 +65,9 @@ def block_rejection_sample(
             synthetic_conditional_rates,
             use_fp64_gumbel,
         )
+        if not synthetic_mode:  # synthetic mode fakes its acceptance
+            count_step("token", sampled_requests(sampling_metadata, len(num_draft_tokens)), num_draft_tokens, output)
+        return output
     STATE.steps["block"] += 1
     device = target_logits.device
     output = torch.full(
@@ -106,23 +111,39 @@ def block_rejection_sample(
         uniforms,
         exponentials.to(draft_probs),
     )
+    expected = None
     if STATE.analytic:
-        score_both_rules(draft_token_ids, counts, draft_probs, target_probs, sampled)
+        expected = score_both_rules(draft_token_ids, counts, draft_probs, target_probs, sampled)
     if STATE.sv_policy is not None:
         learn_from_verification(STATE.sv_policy, draft_token_ids, counts, sampled, draft_probs, target_probs)
     # sampled [yes, no]: row 0 from the block rule, row 1 from vLLM's greedy kernel
-    return torch.where(sampled[:, None], block, output)
+    output = torch.where(sampled[:, None], block, output)
+    count_step("block", sampled, num_draft_tokens, output, expected)
+    return output
 
 
-def score_both_rules(draft_token_ids, counts, draft_probs, target_probs, sampled) -> None:
-    """Add this step's expected accepted lengths under the token and the block rule, on the same drafts, for
-    every sampled request that drafted something, to ``STATE.expected`` (the paired analytic gain of the
-    benchmarks)."""
+def sampled_requests(sampling_metadata, batch: int) -> torch.Tensor:
+    """[B] bool: the requests sampled at temperature > 0 (the others are vLLM's greedy kernel's)."""
+    from vllm.v1.sample.rejection_sampler import GREEDY_TEMPERATURE
+
+    if sampling_metadata.all_greedy:
+        return torch.zeros(batch, dtype=torch.bool)
+    if sampling_metadata.all_random:
+        return torch.ones(batch, dtype=torch.bool)
+    return (sampling_metadata.temperature != GREEDY_TEMPERATURE).cpu()
+
+
+def score_both_rules(draft_token_ids, counts, draft_probs, target_probs, sampled) -> dict[str, torch.Tensor]:
+    """This step's expected accepted lengths under the token and the block rule, on the same drafts, [B] per rule,
+    0 but for the sampled requests that drafted something; added up in ``STATE.expected`` (the paired analytic gain
+    of the benchmarks)."""
     expected = expected_accepted_ragged(draft_token_ids, counts, draft_probs, target_probs)
     rows = sampled & (counts > 0)
     STATE.analytic_rows += int(rows.sum())
     for rule, values in expected.items():
-        STATE.expected[rule] += float(values[rows].sum())
+        expected[rule] = values.masked_fill(~rows, 0.0)
+        STATE.expected[rule] += float(expected[rule].sum())
+    return expected
 
 
 def recovery_exponentials(

@@ -15,6 +15,23 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class RequestAcceptance:
+    """One request's counts so far (``acceptance.count_step``), until it finishes."""
+
+    counts: dict[str, list[int]] = field(default_factory=dict)  # rule -> [drafted, accepted]
+    expected: dict[str, float] = field(default_factory=dict)  # rule -> E[accepted] of its drafts (analytic)
+
+    def summary(self) -> str:
+        """ "block: 12 drafted, 9 accepted; expected accepted: token 7.41, block 7.98 (block rule's gain +0.57)"."""
+        parts = [f"{rule}: {drafted} drafted, {accepted} accepted" for rule, (drafted, accepted) in self.counts.items()]
+        if self.expected:
+            expected = ", ".join(f"{rule} {value:.2f}" for rule, value in self.expected.items())
+            gain = self.expected["block"] - self.expected["token"]
+            parts.append(f"expected accepted: {expected} (block rule's gain {gain:+.2f})")
+        return "; ".join(parts)
+
+
+@dataclass
 class PluginState:
     """The stopping rule in place (a threshold or SV's profiles, at most one) and the plugin's counters."""
 
@@ -34,6 +51,10 @@ class PluginState:
     chunks_drawn_apart: int = 0  # samples of seeded requests' prefill chunks drawn from a copy of their generator
     analytic_rows: int = 0  # sampled request-steps with drafts scored under both rules (BLOCKSPEC_VLLM_ANALYTIC)
     expected: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SAMPLED_RULES, 0.0))  # sums of E[accepted]
+    # drafted and accepted tokens by the rule that verified them: "block", "token", or "greedy" (vLLM's kernel)
+    acceptance: dict[str, dict[str, int]] = field(default_factory=dict)
+    req_ids: list[str] | None = None  # the model runner's requests in batch order, while it samples a step
+    requests: dict[str, RequestAcceptance] = field(default_factory=dict)  # request id -> counts until it finishes
 
 
 STATE = PluginState()

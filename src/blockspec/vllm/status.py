@@ -18,7 +18,8 @@ EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"  # the name vLL
 def worker_status(self) -> dict:
     """Which verification rule, model runner, expand kernel and draft sampler this worker runs, how many steps with
     sampled requests it verified by each rule, how many chunk samples it drew apart, the stopping rule in place with the
-    tokens it saw drafted and kept, and the analytic sums (``STATE``); ``check`` calls it on every worker."""
+    tokens it saw drafted and kept, the analytic sums, and the drafted and accepted tokens by rule (``STATE``);
+    ``check`` calls it on every worker."""
     from vllm.triton_utils import HAS_TRITON
     from vllm.triton_utils.dispatcher import _registry
     from vllm.v1.sample import rejection_sampler as sampler
@@ -45,6 +46,7 @@ def worker_status(self) -> dict:
             "offset": STATE.offset,
         },
         "analytic": {"rows": STATE.analytic_rows, **STATE.expected},
+        "acceptance": {rule: dict(sums) for rule, sums in STATE.acceptance.items()},
     }
 
 

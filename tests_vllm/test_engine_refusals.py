@@ -1,7 +1,7 @@
 """vLLM's offline engine with blockspec's plugin refuses to start, naming the switch, where a stopping rule could
 not work as asked: SV (BLOCKSPEC_VLLM_SV) with a latency profile measured on other models than those served, and
-a draft threshold (BLOCKSPEC_VLLM_MIN_DRAFT_PROB) over a drafter that keeps no draft probabilities. Before, the
-first was found at the first request, inside vLLM's worker, and the second never cut anything."""
+a draft threshold (BLOCKSPEC_VLLM_MIN_DRAFT_PROB) over a drafter that keeps no draft probabilities. Started, the
+first would fail at the first request, inside vLLM's worker, and the second would never cut anything."""
 
 from __future__ import annotations
 

@@ -211,9 +211,9 @@ def broken_row_batch(tables, broken: str) -> Batch:
     ("broken", "model"), [("target NaN", "target"), ("target masked", "target"), ("draft NaN", "draft")]
 )
 def test_block_rule_refuses_nan_or_fully_masked_rows_naming_the_model(tables, monkeypatch, broken, model):
-    """The block rule used to read such a row as a distribution and emit token 0 (its verification skips the
-    input checks for speed): now one maximum per row, as blockspec's engine takes, finds it and the error names
-    the model."""
+    """Read as a distribution, such a row would make the block rule emit token 0 (its verification skips the input
+    checks for speed): one maximum per row, as blockspec's engine takes, finds it and the error names the
+    model."""
     configure("block")
     monkeypatch.setattr(STATE, "models", {"target": "models/tiny-target", "draft": "models/tiny-draft"})
     with pytest.raises(NonFiniteLogitsError, match=f"the {model} model \\(models/tiny-{model}\\) gave non-finite"):

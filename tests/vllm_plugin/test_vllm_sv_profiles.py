@@ -80,6 +80,7 @@ def test_profiles_sv_decides_with_are_put_in_place(tmp_path):
         ("an empty prior", {"prior": {"block": []}}, "prior must list"),
         ("a prior above 1", {"prior": {"block": [1.5]}}, "prior must list"),
         ("a NaN prior", {"prior": {"block": [math.nan]}}, "prior must list"),
+        ("a prior that is not a table", {"prior": [0.5]}, "calibration profile"),  # hand-edited JSON
         ("too few weights", {"predictors": weights(1.0, 0.0, 0.0, 1.0)}, "needs 5 finite weights"),
         ("a NaN weight", {"predictors": weights(1.0, math.nan, 0.0, 1.0, 0.0)}, "needs 5 finite weights"),
         (
@@ -95,8 +96,8 @@ def test_profiles_sv_decides_with_are_put_in_place(tmp_path):
     ],
 )
 def test_profiles_sv_cannot_decide_with_are_refused_where_vllm_starts(tmp_path, broken, change, message):
-    """Each of these was accepted at start before: the first request then raised inside vLLM's worker (no
-    predictor, empty prior, wrong feature count, zero latency) or SV never drafted (NaN)."""
+    """Each is refused where vLLM starts, naming the profile: otherwise the first request would raise inside vLLM's
+    worker (no predictor, empty prior, wrong feature count, zero latency) or SV would never draft (NaN)."""
     paths = write_profiles(tmp_path, **change)
     with pytest.raises(ValueError, match=message) as error:
         sv_hook.use_sv(paths)
@@ -134,7 +135,7 @@ SERVED = {"target": "models/target", "draft": "models/draft", "dtype": "float32"
 def test_a_latency_profile_measured_on_another_engine_is_refused(tmp_path, served, message):
     """The latency profile is measured in vLLM on the served models (python -m blockspec.vllm.profile): one
     measured on other models, dtype, device or fewer drafts would price SV's steps with another engine's
-    seconds. Before, nothing compared them."""
+    seconds, so each is refused naming what differs."""
     paths = write_profiles(tmp_path, meta=SERVED)
     sv_hook.use_sv(paths)
     with pytest.raises(ValueError, match=f"{SV_SWITCH}: latency profile .*{message}"):

@@ -28,11 +28,14 @@ def worker_status(self) -> dict:
 
     expand = _registry.get(EXPAND_KERNEL, (None, None))[1]
     seeded = SpecDecodeBaseProposer._sample_from_logits is draft_with_request_seeds
-    runner = type(getattr(self, "model_runner", None))
+    runner = getattr(self, "model_runner", None)
+    kind = type(runner)
     return {
         "rule": STATE.rule if sampler.rejection_sample is block_rejection_sample else "token",
         # vLLM's Model Runner V2 (GPU, VLLM_USE_V2_MODEL_RUNNER) has its own sampler: none of the plugin's steps run
-        "runner": "v1" if issubclass(runner, GPUModelRunner) else f"{runner.__module__}.{runner.__qualname__}",
+        "runner": "v1"
+        if isinstance(runner, GPUModelRunner)
+        else ("none" if runner is None else f"{kind.__module__}.{kind.__qualname__}"),
         "expand": "triton" if HAS_TRITON else ("fixed" if expand is expand_in_place else "stock"),
         "drafts": "request seeds" if seeded else "global",
         "steps": dict(STATE.steps),
@@ -104,7 +107,8 @@ def asked(rule: str | None) -> str:
 def require(statuses: list[dict], rule: str, verified: bool = False) -> list[dict]:
     """``statuses``, unless one of them runs another rule, another model runner than vLLM's V1 (whose rejection
     sampler the plugin replaces), vLLM CPU's broken expand kernel or unseeded drafts; with ``verified``, unless
-    one of them has verified no step with sampled requests by ``rule``."""
+    none of them has verified a step with sampled requests by ``rule`` (with pipeline parallelism only the last
+    rank samples)."""
     other = [status for status in statuses if status["runner"] != "v1"]
     if other:
         raise RuntimeError(
@@ -121,11 +125,10 @@ def require(statuses: list[dict], rule: str, verified: bool = False) -> list[dic
         raise RuntimeError(
             f"blockspec's vLLM plugin asked for the {rule} rule, but a worker runs {wrong[0] if wrong else 'nothing'}"
         )
-    idle = [status for status in statuses if verified and not status["steps"][rule]]
-    if idle:
+    if verified and not any(status["steps"][rule] for status in statuses):
         raise RuntimeError(
-            f"blockspec's vLLM plugin has the {rule} rule in place, but a worker has verified no step with sampled "
-            f"requests by it ({idle[0]['steps']}): check after serving requests at temperature > 0 with drafts; "
-            "if it still says so, vLLM bypasses the rejection sampler the plugin replaces"
+            f"blockspec's vLLM plugin has the {rule} rule in place, but no worker has verified a step with sampled "
+            f"requests by it ({statuses[0]['steps']}): check after serving requests at temperature > 0 with "
+            "drafts; if it still says so, vLLM bypasses the rejection sampler the plugin replaces"
         )
     return statuses

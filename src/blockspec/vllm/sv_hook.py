@@ -56,7 +56,7 @@ def checked_profiles(paths: tuple[str, str], rule: str) -> tuple[Profile, Latenc
             raise ValueError(
                 f"its {rule!r} prior must list the expected gain (in [0, 1]) of each position, got {prior}"
             )
-    except (OSError, ValueError, TypeError) as error:
+    except (OSError, ValueError, TypeError, AttributeError, KeyError) as error:  # hand-edited JSON of other shapes
         raise ValueError(f"{SV_SWITCH}: calibration profile {calibration_path}: {error}") from None
     try:
         latency = LatencyProfile.load(latency_path)
@@ -64,7 +64,7 @@ def checked_profiles(paths: tuple[str, str], rule: str) -> tuple[Profile, Latenc
             raise ValueError(f"its target table must be > 0 seconds everywhere, got {latency.target.seconds}")
         if max(latency.target.tokens) < 2:
             raise ValueError("its target table has no width with drafts (tokens per request up to 1)")
-    except (OSError, ValueError, TypeError) as error:
+    except (OSError, ValueError, TypeError, AttributeError, KeyError) as error:
         raise ValueError(f"{SV_SWITCH}: latency profile {latency_path}: {error}") from None
     try:
         trial_step(new_policy(calibration, latency, rule, max(latency.target.tokens) - 1))

@@ -146,156 +146,179 @@ def weight_after_rejection(weight: torch.Tensor, mass: torch.Tensor) -> torch.Te
     return torch.where(denominator > 0, mass / denominator.clamp(min=torch.finfo(weight.dtype).tiny), 1.0)
 
 
-def _residual(target_probs, draft_probs, rows, nodes, lift, drop, removed=None) -> torch.Tensor:
-    """max(lift * P - drop * Q, 0) [M, V] over node ``nodes`` [M]'s rows of batch row ``rows`` [M] (lift, drop [M]).
+# Rows of at least this many entries are read where they lie, one (row, node) at a time: gathering them first would be
+# one more pass over each. Smaller rows are gathered [M, V] at once (many small rows: the tests' enumerations).
+IN_PLACE_VOCAB = 1 << 14
 
-    ``removed`` = (tokens, values, valid), each [M, J]: distinct siblings rejected before, out of Q_a's support, where
-    the row takes ``values`` instead (the entries with valid False point at a token the row keeps as it is).
+
+def _residual(target_probs, draft_probs, rows, nodes, lift, drop, removed=None, plain=None) -> torch.Tensor:
+    """max(lift * P - drop * Q, 0) [M, V] over the rows P, Q of node ``nodes`` [M] in batch row ``rows`` [M] (lift,
+    drop [M]); P itself where ``plain`` [M] is True (a leaf: its draft row is not read).
+
+    ``removed`` = (tokens, values, valid), each [M, J]: distinct siblings rejected before, out of Q's support, where
+    the row holds ``values`` instead (the entries with valid False point at a token the row keeps as it is).
     """
-    residual = target_probs[rows, nodes].mul_(lift[:, None])  # [M, V]: a gathered copy, updated in place
-    residual.addcmul_(draft_probs[rows, nodes], drop[:, None], value=-1.0)
+    count, vocab = len(rows), target_probs.shape[-1]
+    if vocab >= IN_PLACE_VOCAB:
+        residual = torch.empty(count, vocab, dtype=target_probs.dtype, device=target_probs.device)
+        as_is = [False] * count if plain is None else plain.tolist()
+        for i, (b, a) in enumerate(zip(rows.tolist(), nodes.tolist())):
+            if as_is[i]:
+                residual[i] = target_probs[b, a]
+            else:
+                torch.mul(target_probs[b, a], lift[i], out=residual[i])
+                residual[i].addcmul_(draft_probs[b, a], drop[i], value=-1.0)
+    else:
+        residual = target_probs[rows, nodes].mul_(lift[:, None])
+        residual.addcmul_(draft_probs[rows, nodes], drop[:, None], value=-1.0)
+        if plain is not None:
+            residual = torch.where(plain[:, None], target_probs[rows, nodes], residual)
     if removed is not None:
         tokens, values, valid = removed
         residual.scatter_(1, tokens, torch.where(valid, values, residual.gather(1, tokens)))
     return residual.clamp_(min=0.0)
 
 
-def _removed_siblings(child_tokens, excess, count, keep_token, factor):
-    """``_residual``'s ``removed`` for M nodes: the first ``count`` [M] of their children (tokens [M, J], frozen
-    excess [M, J]) at ``factor`` [M] * excess; the other slots point at ``keep_token`` [M], a token not removed."""
-    valid = torch.arange(child_tokens.shape[1], device=count.device) < count[:, None]  # [M, J]
-    tokens = torch.where(valid, child_tokens, keep_token[:, None])
-    return tokens, factor[:, None] * excess, valid
+def _siblings_before(layout: _Layout, child_tokens, excess, rows, nodes, count, keep_token, factor):
+    """``_residual``'s ``removed`` for M nodes: their first ``count`` [M] children, at ``factor`` [M] times their
+    frozen excess; the other slots point at ``keep_token`` [M], a token not removed. None for i.i.d. siblings."""
+    if excess is None:
+        return None
+    children = layout.children[rows, nodes]  # [M, J]
+    valid = torch.arange(children.shape[1], device=rows.device) < count[:, None]
+    tokens = torch.where(valid, child_tokens[rows, nodes], keep_token[:, None])
+    return tokens, factor[:, None] * excess[rows[:, None], children], valid
+
+
+def _masses(target_probs, draft_probs, rows, nodes, lift, drop, removed) -> torch.Tensor:
+    """The sums [M] of ``_residual``'s rows, row chunk by row chunk (see ``row_chunks``)."""
+    mass = torch.empty_like(lift)
+    for part in row_chunks(len(rows), target_probs.shape[-1]):
+        some = None if removed is None else tuple(t[part] for t in removed)
+        mass[part] = _residual(target_probs, draft_probs, rows[part], nodes[part], lift[part], drop[part], some).sum(-1)
+    return mass
 
 
 # --- the deterministic part ------------------------------------------------------------------------------------
 
+# A node's state, columns of ``_Rows.state``: its target row is scale * max(P - shift Q, 0), its draft row Q / rest
+# (rest = 1 - the draft mass of its rejected distinct children), w = exp(log_weight); and the coefficients of its last
+# child's rejection, max(lift P - drop Q, 0), not applied to scale and shift (``_final_rows`` builds that row).
+SCALE, SHIFT, REST, LOG_WEIGHT, LIFT, DROP = range(6)
+
 
 @dataclass(frozen=True)
 class _Rows:
-    """Every node's target row once all its children are rejected (a leaf's: P), in closed form:
-    the last rejection's residual max(lift P - drop Q, 0) (the rejected distinct siblings before it at
-    lift * excess), or, where that residual is empty, the row before it, scale * max(P - shift Q, 0)."""
+    """Every node's final row (its target row once all its children are rejected; a leaf's: P), in closed form: the
+    last rejection's residual max(lift P - drop Q, 0), or, where that residual is empty, the row before it."""
 
     layout: _Layout
     child_tokens: torch.Tensor  # [B, N+1, J] int64: the token of a's j-th child (0 after its last)
-    lift: torch.Tensor  # [B, N+1]
-    drop: torch.Tensor  # [B, N+1]
-    scale: torch.Tensor  # [B, N+1]
-    shift: torch.Tensor  # [B, N+1]
-    excess: torch.Tensor | None  # [B, N+1, J], distinct siblings only: max(P - shift Q, 0) of each rejected child,
-    # frozen at its rejection (out of Q_a's support, its entry only scales: it is scale * excess from then on)
+    state: torch.Tensor  # [B, N+1, 6]: columns SCALE .. DROP
+    excess: torch.Tensor | None  # [B, N+1], distinct siblings: max(P_a - shift Q_a, 0) at x_c for each node c, frozen
+    # when its parent a rejected it: x_c is out of Q_a's support then, and P_a[x_c] = scale * excess from then on
+
+
+def _schedule(layout: _Layout, rule: str, token, draft_probs, target_probs):
+    """The judgements, step by step: per step, for the M (row, node a) judging a child c at that step,
+    (row, node, rank of c, x_c, c is a's last child, P_a[x_c], Q_a[x_c], k) each [M], the first k of them needing the
+    mass of their rejection (the rest: the last child of a node whose final row ``_final_rows`` builds).
+
+    Node a judges its j-th child at step start(a) + j. A child needs its parent's state after the siblings before it
+    were rejected; under the block rule also its parent's own w, known once the grandparent judged the parent. The
+    token rule's nodes all start at step 0.
+    """
+    start = torch.zeros_like(layout.parent)
+    if rule == "block":
+        for _ in range(layout.max_depth):  # level by level from the root
+            start = torch.where(layout.depth > 0, start.gather(1, layout.parent) + layout.rank + 1, 0)
+    steps = int(torch.where(layout.num_children > 0, start + layout.num_children, 0).max()) if start.numel() else 0
+    judged = torch.arange(steps, device=start.device)[:, None, None] - start  # [T, B, N+1]: the rank a judges
+    step, row, node = (layout.real & (judged >= 0) & (judged < layout.num_children)).nonzero(as_tuple=True)  # [E]
+    rank = judged[step, row, node]
+    last = rank == layout.num_children[row, node] - 1
+    # A rejection's mass Z is needed where a later sibling is judged against its result, and for the last child
+    # under the block rule (w_a <- Z / (Z + 1 - w_a) is a's acceptance; the root's w stays 1).
+    needed = ~last if rule == "token" else ~last | (node > 0)
+    order = torch.argsort(2 * step + (~needed).long(), stable=True)  # in each step, the needed ones first
+    step, row, node, rank, last, needed = (t[order] for t in (step, row, node, rank, last, needed))
+    x = token[row, layout.children[row, node, rank]]
+    per_step = torch.bincount(step, minlength=steps).tolist()
+    needed_per_step = torch.bincount(step[needed], minlength=steps).tolist()
+    events = (row, node, rank, x, last, target_probs[row, node, x], draft_probs[row, node, x])
+    return list(zip(*(torch.split(t, per_step) for t in events), needed_per_step))
 
 
 def _sweep(draft_tokens, parents, draft_probs, target_probs, num_nodes, rule, scheme) -> tuple[torch.Tensor, _Rows]:
     """accept [B, N] (0 on padding) and the closed form of every node's final row; see ``tree_acceptance``."""
     layout = _layout(parents, num_nodes)
     batch, nodes = draft_tokens.shape
-    vocab = target_probs.shape[-1]
-    dtype, device = target_probs.dtype, target_probs.device
-    spare = nodes + 1  # a column past the last node: where the nodes with no child to judge at a step write
-    # x_c, and P, Q of c's parent at x_c, for every node c (column c; the root's and the spare column are unused)
-    token = F.pad(draft_tokens.clamp(0, vocab - 1), (1, 1))  # [B, N+2]
-    parent = F.pad(layout.parent, (0, 1))  # [B, N+2]
-    rows = torch.arange(batch, device=device)[:, None]
-    target_at, draft_at = target_probs[rows, parent, token], draft_probs[rows, parent, token]  # [B, N+2]
+    columns = nodes + 1
+    token = F.pad(draft_tokens.clamp(0, target_probs.shape[-1] - 1), (1, 0))  # [B, N+1]: x_c in column c
     width = layout.children.shape[-1]
-    child_tokens = token.gather(1, layout.children.view(batch, -1)).view(batch, nodes + 1, width)
-    slots = torch.arange(width, device=device)  # [J]
-
-    # Node a's state (column a): its target row scale * max(P - shift Q, 0), its draft row Q / (1 - removed), w_a.
-    scale = torch.ones(batch, nodes + 1, dtype=dtype, device=device)
-    shift, removed = torch.zeros_like(scale), torch.zeros_like(scale)
-    lift, drop = torch.zeros_like(scale), torch.zeros_like(scale)
-    excess = torch.zeros(batch, nodes + 1, width, dtype=dtype, device=device) if scheme == "distinct" else None
-    log_weight = torch.zeros(batch, nodes + 2, dtype=dtype, device=device)  # block: log w_a; the root's w is 1
-    accept = torch.zeros(batch, nodes + 2, dtype=dtype, device=device)  # token
-
-    # Node a judges its j-th child at step start(a) + j. A child needs its parent's state after the siblings before it
-    # were rejected; under the block rule also its parent's own w, known once the grandparent judged the parent.
-    start = torch.zeros_like(layout.parent)
-    if rule == "block":
-        for _ in range(layout.max_depth):  # level by level from the root
-            start = torch.where(layout.depth > 0, start.gather(1, layout.parent) + layout.rank + 1, 0)
-    steps = int(torch.where(layout.num_children > 0, start + layout.num_children, 0).max()) if batch else 0
-    for step in range(steps):
-        rank = step - start  # [B, N+1]: which child node a judges now
-        active = layout.real & (rank >= 0) & (rank < layout.num_children)
-        last = active & (rank == layout.num_children - 1)
-        slot = rank.clamp(0, width - 1)[..., None]  # [B, N+1, 1]
-        child = layout.children.gather(2, slot).squeeze(-1).where(active, spare)  # [B, N+1]
-        target_x, draft_x = target_at.gather(1, child), draft_at.gather(1, child)  # [B, N+1]: P, Q of a at x_c
-        inverse_rest = torch.where(removed < 1.0, 1.0 / (1.0 - removed), 0.0)  # guard: no mass left, no sibling
+    child_tokens = token.gather(1, layout.children.view(batch, -1)).view(batch, columns, width)
+    state = torch.zeros(batch * columns, 6, dtype=target_probs.dtype, device=target_probs.device)
+    state[:, SCALE] = state[:, REST] = 1.0  # P_a, Q_a as given; w_root = 1 (log 0)
+    excess = torch.zeros(batch, columns, dtype=state.dtype, device=state.device) if scheme == "distinct" else None
+    accept = torch.zeros(batch, columns, dtype=state.dtype, device=state.device)  # token
+    for row, node, rank, x, last, target_x, draft_x, first in _schedule(
+        layout, rule, token, draft_probs, target_probs
+    ):  # one step, [M] each: the nodes differ, so do the children
+        here = row * columns + node  # flat index of node a
+        kid = row * columns + layout.children[row, node, rank]
+        scale, shift, rest, log_weight = state[here, :LIFT].unbind(1)
+        inverse_rest = torch.where(rest > 0, 1.0 / rest, 0.0)  # guard: no draft mass left, no sibling follows
         # Node a's current rows at x_c (x_c is in Q_a's support: distinct siblings differ).
         target_now = scale * (target_x - shift * draft_x).clamp(min=0.0)
         draft_now = draft_x * inverse_rest
         if rule == "token":
-            accept.scatter_(1, child, (target_now / draft_now).clamp(max=1.0))
+            accept.view(-1)[kid] = (target_now / draft_now).clamp(max=1.0)
             weight = torch.ones_like(scale)  # the token rule starts afresh at every node: w = 1
         else:
-            weight = log_weight[:, :-1].exp()
-            log_weight.scatter_(1, child, child_log_weight(log_weight[:, :-1], target_now, draft_now))
-        # Reject x_c: P_a <- normalize(max(w P_a - Q_a, 0)). Its mass Z is needed where a later sibling is judged
-        # against the result, and for the last child under the block rule (w_a <- Z / (Z + 1 - w_a) is a's
-        # acceptance; the root's w stays 1); the last residual's row itself is built by ``_final_rows``.
-        new_lift, new_drop = residual_coefficients(weight, scale, shift, inverse_rest)
-        lift, drop = new_lift.where(last, lift), new_drop.where(last, drop)
-        follow = active & ~last
-        needed = follow if rule == "token" else active & (follow | (layout.depth > 0))
-        mass = torch.zeros_like(scale)
-        pairs = needed.nonzero(as_tuple=True)  # (rows [M], nodes [M])
-        for part in row_chunks(len(pairs[0]), vocab):
-            b, a = pairs[0][part], pairs[1][part]
-            gone = None
-            if excess is not None:
-                gone = _removed_siblings(
-                    child_tokens[b, a], excess[b, a], rank[b, a], token[b, child[b, a]], new_lift[b, a]
-                )
-            mass[b, a] = _residual(target_probs, draft_probs, b, a, new_lift[b, a], new_drop[b, a], gone).sum(-1)
-        grew = follow & (mass > 0)  # guard: Z = 0 keeps P_a (in the block rule w_a becomes 0 then)
-        scale = torch.where(grew, new_lift / mass, scale)
-        shift = torch.where(grew, new_drop / new_lift, shift)
+            weight = log_weight.exp()
+            state[kid, LOG_WEIGHT] = child_log_weight(log_weight, target_now, draft_now)
+        # Reject x_c: P_a <- normalize(max(w P_a - Q_a, 0)), Z its mass (for the first ``first`` only).
+        lift, drop = residual_coefficients(weight, scale, shift, inverse_rest)
+        mass = torch.zeros_like(lift)
+        some = slice(0, first)
+        gone = _siblings_before(layout, child_tokens, excess, row[some], node[some], rank[some], x[some], lift[some])
+        mass[some] = _masses(target_probs, draft_probs, row[some], node[some], lift[some], drop[some], gone)
+        grew = ~last & (mass > 0)  # guard: Z = 0 keeps P_a (under the block rule w_a becomes 0 then)
+        scale = torch.where(grew, lift / mass, scale)
+        shift = torch.where(grew, drop / lift, shift)
         if rule == "block":
-            log_weight[:, :-1] = torch.where(needed, weight_after_rejection(weight, mass).log(), log_weight[:, :-1])
-        if excess is not None:  # Q_a[x_c] <- 0, renormalised, after P_a's update; x_c's entry of P_a only scales now
-            frozen = (target_x - shift * draft_x).clamp(min=0.0)
-            excess = torch.where(follow[..., None] & (slots == rank[..., None]), frozen[..., None], excess)
-            removed = removed + draft_x.where(follow, 0.0)
+            needed = torch.arange(len(mass), device=mass.device) < first
+            log_weight = torch.where(needed, weight_after_rejection(weight, mass).log(), log_weight)
+        if excess is not None:  # Q_a[x_c] <- 0, renormalised, after P_a's update; P_a[x_c] only scales from now on
+            excess.view(-1)[kid] = (target_x - shift * draft_x).clamp(min=0.0)
+            rest = rest - draft_x.where(~last, 0.0)
+        state[here] = torch.stack([scale, shift, rest, log_weight, lift, drop], 1)
+    state = state.view(batch, columns, 6)
     real = layout.real[:, 1:]
-    if rule == "block":
-        accept = torch.where(real, log_weight[:, 1:-1].exp(), 0.0)  # the final w of every node
-    else:
-        accept = torch.where(real, accept[:, 1:-1], 0.0)
-    return accept, _Rows(layout, child_tokens, lift, drop, scale, shift, excess)
+    accept = state[:, 1:, LOG_WEIGHT].exp() if rule == "block" else accept[:, 1:]  # block: the final w of each node
+    return torch.where(real, accept, 0.0), _Rows(layout, child_tokens, state, excess)
 
 
 def _final_rows(target_probs, draft_probs, closed: _Rows, rows, nodes, normalize: bool) -> torch.Tensor:
     """[M, V]: the final row of node ``nodes`` [M] in batch row ``rows`` [M], normalised or not (for a race)."""
-    count = closed.layout.num_children[rows, nodes]  # [M]
-    lift = closed.lift[rows, nodes]
-    residual = _last_residual(target_probs, draft_probs, closed, rows, nodes, lift, closed.drop[rows, nodes])
-    mass = residual.sum(-1)  # [M]; NaN where a leaf's unused draft row holds junk
-    if normalize:
-        residual = residual / mass.clamp(min=torch.finfo(mass.dtype).tiny)[:, None]
-    final = torch.where((count > 0)[:, None], residual, target_probs[rows, nodes])  # a leaf's: P
+    layout, child_tokens, excess = closed.layout, closed.child_tokens, closed.excess
+    count = layout.num_children[rows, nodes]  # [M]
+    leaf = count == 0
+    scale, shift, _, _, lift, drop = closed.state[rows, nodes].unbind(1)
+    last_token = child_tokens[rows, nodes].gather(1, (count - 1).clamp(min=0)[:, None]).squeeze(1)
+    gone = _siblings_before(layout, child_tokens, excess, rows, nodes, count - 1, last_token, lift)
+    final = _residual(target_probs, draft_probs, rows, nodes, lift, drop, gone, plain=leaf)
+    mass = final.sum(-1)  # [M]
+    if normalize:  # a leaf's row is P as given
+        final = torch.where(leaf[:, None], final, final / mass.clamp(min=torch.finfo(mass.dtype).tiny)[:, None])
     # Guard: an empty last residual keeps the row before it (a distribution, so normalised already).
-    kept = ((count > 0) & ~(mass > 0)).nonzero().squeeze(1)
+    kept = (~leaf & ~(mass > 0)).nonzero().squeeze(1)
     if len(kept):
-        rows, nodes = rows[kept], nodes[kept]
-        scale, shift = closed.scale[rows, nodes], closed.shift[rows, nodes]
-        final[kept] = _last_residual(target_probs, draft_probs, closed, rows, nodes, scale, scale * shift)
+        rows, nodes, count, last_token = rows[kept], nodes[kept], count[kept], last_token[kept]
+        scale, shift = scale[kept], shift[kept]
+        gone = _siblings_before(layout, child_tokens, excess, rows, nodes, count - 1, last_token, scale)
+        final[kept] = _residual(target_probs, draft_probs, rows, nodes, scale, scale * shift, gone)
     return final
-
-
-def _last_residual(target_probs, draft_probs, closed: _Rows, rows, nodes, lift, drop) -> torch.Tensor:
-    """``_residual`` over the rows of nodes with all their children but the last rejected (M nodes)."""
-    if closed.excess is None:
-        return _residual(target_probs, draft_probs, rows, nodes, lift, drop)
-    count = closed.layout.num_children[rows, nodes]  # [M]
-    child_tokens = closed.child_tokens[rows, nodes]  # [M, J]
-    last_token = child_tokens.gather(1, (count - 1).clamp(min=0)[:, None]).squeeze(1)  # not removed before
-    removed = _removed_siblings(child_tokens, closed.excess[rows, nodes], count - 1, last_token, lift)
-    return _residual(target_probs, draft_probs, rows, nodes, lift, drop, removed)
 
 
 def tree_acceptance(

@@ -182,8 +182,9 @@ def tree_rows(args) -> list[dict]:
                 )
                 del inputs
     print(
-        f"verify_tree_token / verify_tree_block, scheme 'distinct', validate=False in the timed columns. '% of step': "
-        f"the slower rule over a {args.step_ms:g} ms target step (--step-ms)."
+        "verify_tree_token / verify_tree_block, scheme 'distinct', validate=False in the timed columns. '% of step': "
+        f"the slower rule over a {args.step_ms:g} ms target step (--step-ms; a batch-1 step, larger batches' cost "
+        "more)."
     )
     return rows
 

@@ -52,9 +52,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _stdout_closed() -> bool:
-    """Whether stdout is a pipe whose reader has gone away (poll reports an error on it); if so, stdout's file
-    descriptor is pointed at /dev/null, so that the interpreter's last flush of what is still buffered raises
-    nothing more (Python's own advice for SIGPIPE)."""
+    """Whether stdout is a pipe whose reader has gone away (poll reports an error on it). If so, as it says so, it
+    also points stdout's file descriptor at /dev/null, so that the interpreter's last flush of what is still
+    buffered raises nothing more (Python's own advice for SIGPIPE)."""
     try:
         fd = sys.stdout.fileno()
         poller = select.poll()

@@ -22,7 +22,8 @@ from . import integrity
 from .presets import PRESETS
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
-# A folder's files that decide what it computes: weights, config, tokenizer (not a README or a licence)
+# A folder's files that may decide what it computes: weights, config, tokenizer (by suffix, so a README.txt or a
+# trainer_state.json counts too; a README.md or a licence without a suffix does not)
 MODEL_FILES = (*WEIGHT_SUFFIXES, ".json", ".model", ".txt", ".tiktoken")
 
 _fingerprints: dict[tuple, str] = {}  # integrity.fingerprint by file stat, for this process
@@ -30,7 +31,7 @@ _fingerprints: dict[tuple, str] = {}  # integrity.fingerprint by file stat, for 
 
 def fingerprint(name: str) -> str | None:
     """A digest of the bytes model ``name`` loads from: a preset's pinned sha256 (its load checks its bytes against
-    it); else sha256 over the name and ``integrity.fingerprint`` of each of ``model_files(name)``; None where there
+    it); else sha256 over the file name and ``integrity.fingerprint`` of each of ``model_files(name)``; None where there
     are none (a hub id not downloaded yet, a missing path, anything that is no model)."""
     if name in PRESETS:
         return PRESETS[name].sha256

@@ -42,7 +42,10 @@ def checked_profiles(paths: tuple[str, str], rule: str) -> tuple[Profile, Latenc
     calibration_path, latency_path = paths
     try:
         calibration = Profile.load(calibration_path)
-        predictor, prior = calibration.predictor(rule, "draft"), calibration.prior.get(rule)
+        try:  # a hand-edited profile of another shape (a list for the prior, say)
+            predictor, prior = calibration.predictor(rule, "draft"), calibration.prior.get(rule)
+        except (AttributeError, KeyError) as error:
+            raise ValueError(f"it is not shaped as a calibration profile ({type(error).__name__}: {error})") from None
         if predictor.features != DRAFT_FEATURES:
             raise ValueError(
                 f"its {rule!r} draft predictor reads {predictor.features}, not the draft features "
@@ -56,7 +59,7 @@ def checked_profiles(paths: tuple[str, str], rule: str) -> tuple[Profile, Latenc
             raise ValueError(
                 f"its {rule!r} prior must list the expected gain (in [0, 1]) of each position, got {prior}"
             )
-    except (OSError, ValueError, TypeError, AttributeError, KeyError) as error:  # hand-edited JSON of other shapes
+    except (OSError, ValueError, TypeError) as error:
         raise ValueError(f"{SV_SWITCH}: calibration profile {calibration_path}: {error}") from None
     try:
         latency = LatencyProfile.load(latency_path)
@@ -64,7 +67,7 @@ def checked_profiles(paths: tuple[str, str], rule: str) -> tuple[Profile, Latenc
             raise ValueError(f"its target table must be > 0 seconds everywhere, got {latency.target.seconds}")
         if max(latency.target.tokens) < 2:
             raise ValueError("its target table has no width with drafts (tokens per request up to 1)")
-    except (OSError, ValueError, TypeError, AttributeError, KeyError) as error:
+    except (OSError, ValueError, TypeError) as error:
         raise ValueError(f"{SV_SWITCH}: latency profile {latency_path}: {error}") from None
     try:
         trial_step(new_policy(calibration, latency, rule, max(latency.target.tokens) - 1))

@@ -2,10 +2,12 @@
 
     python benchmarks/verify_speed.py                      # the full grid: B {1, 8, 64}, K {4, 8}, V {32000, 151936}
     python benchmarks/verify_speed.py --batch 1 --width 8 --vocab 151936
+    python benchmarks/verify_speed.py --tables trees       # tree rows only: shapes of 1 to 16 nodes, B {1, 8}
 
 Inputs are realistic float32 distributions (softmax of scaled Gaussian logits, draft correlated with target)
-with every drafted token sampled from the draft. Each timed call includes drawing its randomness from a
-torch.Generator, as the engine does. Prints a table, saves JSON (--out), and the last stdout line is JSON.
+with every drafted token sampled from the draft (a tree's children without replacement: scheme "distinct").
+Each timed call includes drawing its randomness from a torch.Generator, as the engine does. Prints a table per
+kind, saves JSON (--out), and the last stdout line is JSON.
 """
 
 from __future__ import annotations
@@ -22,11 +24,15 @@ from pathlib import Path
 
 import torch
 
-from blockspec.verify import RULES
+from blockspec.verify import RULES, verify_tree_block, verify_tree_token
 
 # Target forward times measured on an AVX-512 machine (Qwen2.5-Coder-1.5B bf16, KV cache 128):
 # (B, tokens per row) -> ms. Used only to express verification cost as a share of the matching forward.
 TARGET_FORWARD_MS = {(1, 5): 203, (1, 9): 229, (8, 5): 515, (8, 9): 743, (64, 5): 3045, (64, 9): 5208}
+TREE_VERIFIERS = {"token": verify_tree_token, "block": verify_tree_block}
+# Tree shapes (children per node at each depth, "x"-separated): 1, 2, 4, 8 and 16 nodes; 4x1x1x1 is four drafted
+# paths of 4 tokens, 4x3 a wide tree of the same size.
+TREE_SHAPES = ["1", "2", "2x1", "2x1x1x1", "4x1x1x1", "4x3"]
 
 
 def make_inputs(batch: int, width: int, vocab: int, seed: int = 0):
@@ -37,6 +43,32 @@ def make_inputs(batch: int, width: int, vocab: int, seed: int = 0):
     draft_probs = draft_logits.softmax(-1)
     draft_tokens = torch.multinomial(draft_probs.reshape(-1, vocab), 1, generator=gen).reshape(batch, width)
     return draft_tokens, draft_probs, target_probs
+
+
+def tree_parents(shape: tuple[int, ...]) -> list[int]:
+    """parent(a) for nodes a = 1..N of a tree of ``shape``, numbered level by level (a parent before its children)."""
+    parents, level = [], [0]
+    for children in shape:
+        first = len(parents) + 1
+        parents += [parent for parent in level for _ in range(children)]
+        level = list(range(first, len(parents) + 1))
+    return parents
+
+
+def make_tree_inputs(batch: int, shape: tuple[int, ...], vocab: int, seed: int = 0):
+    """(draft_tokens [B, N], parents [B, N], draft_probs [B, N+1, V], target_probs [B, N+1, V]): one tree of
+    ``shape`` per row, every node's children drawn from its draft row without replacement (scheme "distinct")."""
+    parents = tree_parents(shape)
+    nodes = len(parents)
+    gen = torch.Generator().manual_seed(seed)
+    target_logits = 3.0 * torch.randn(batch, nodes + 1, vocab, generator=gen)
+    draft_probs = (target_logits + 1.0 * torch.randn(batch, nodes + 1, vocab, generator=gen)).softmax(-1)
+    target_probs = target_logits.softmax(-1)
+    draft_tokens = torch.empty(batch, nodes, dtype=torch.long)
+    for parent in sorted(set(parents)):
+        children = [child - 1 for child, above in enumerate(parents, start=1) if above == parent]
+        draft_tokens[:, children] = torch.multinomial(draft_probs[:, parent], len(children), generator=gen)
+    return draft_tokens, torch.tensor(parents).expand(batch, nodes).contiguous(), draft_probs, target_probs
 
 
 def median_ms(fn, *, min_repeats: int, budget_s: float) -> float:
@@ -52,18 +84,7 @@ def median_ms(fn, *, min_repeats: int, budget_s: float) -> float:
     return statistics.median(times)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64], help="batch sizes B")
-    parser.add_argument("--width", type=int, nargs="+", default=[4, 8], help="drafted tokens per row K")
-    parser.add_argument("--vocab", type=int, nargs="+", default=[32000, 151936], help="vocabulary sizes V")
-    parser.add_argument("--repeats", type=int, default=7, help="minimum timed calls per cell (median reported)")
-    parser.add_argument("--budget", type=float, default=1.0, help="seconds of timed calls per cell, at least")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
-    parser.add_argument("--out", type=Path, default=Path("results/verify_speed.json"), help="JSON output file")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-
+def chain_rows(args) -> list[dict]:
     rows = []
     header = (
         f"{'B':>3} {'K':>2} {'V':>7} | {'token ms':>9} {'block ms':>9} {'greedy ms':>9} | {'block/token':>11} | "
@@ -112,12 +133,88 @@ def main(argv: list[str] | None = None) -> None:
         "validate=False in the timed columns; 'validation ms' = block with validate=True minus without. '% of fwd': "
         "block time over the Qwen2.5-Coder-1.5B bf16 forward of K+1 tokens (measured on an AVX-512 machine)."
     )
+    return rows
+
+
+def tree_rows(args) -> list[dict]:
+    rows = []
+    header = (
+        f"{'B':>3} {'shape':>8} {'N':>3} {'V':>7} | {'token ms':>9} {'block ms':>9} | "
+        f"{'% of step':>9} | {'validation ms':>13}"
+    )
+    print(header)
+    print("-" * len(header))
+    for batch in args.tree_batch:
+        for name in args.trees:
+            shape = tuple(int(k) for k in name.split("x"))
+            for vocab in args.tree_vocab:
+                inputs = make_tree_inputs(batch, shape, vocab)
+                gen = torch.Generator().manual_seed(1)
+                times = {
+                    rule: median_ms(
+                        functools.partial(verify, *inputs, scheme="distinct", generator=gen, validate=False),
+                        min_repeats=args.repeats,
+                        budget_s=args.budget,
+                    )
+                    for rule, verify in TREE_VERIFIERS.items()
+                }
+                validated = median_ms(
+                    functools.partial(verify_tree_block, *inputs, scheme="distinct", generator=gen, validate=True),
+                    min_repeats=args.repeats,
+                    budget_s=args.budget,
+                )
+                slowest = max(times.values())
+                row = {
+                    "batch": batch,
+                    "shape": name,
+                    "nodes": inputs[0].shape[1],
+                    "vocab": vocab,
+                    **{f"tree_{rule}_ms": round(ms, 3) for rule, ms in times.items()},
+                    "validation_ms": round(validated - times["block"], 3),
+                    "share_of_target_step": round(slowest / args.step_ms, 4),
+                }
+                rows.append(row)
+                print(
+                    f"{batch:>3} {name:>8} {row['nodes']:>3} {vocab:>7} | {times['token']:>9.2f} "
+                    f"{times['block']:>9.2f} | {100 * row['share_of_target_step']:>7.2f} % | "
+                    f"{row['validation_ms']:>13.2f}",
+                    flush=True,
+                )
+                del inputs
+    print(
+        "verify_tree_token / verify_tree_block, scheme 'distinct', validate=False in the timed columns. '% of step': "
+        f"the slower rule over a {args.step_ms:g} ms target step (--step-ms; a batch-1 step, larger batches' cost "
+        "more)."
+    )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tables", nargs="+", choices=["chains", "trees"], default=["chains", "trees"])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64], help="batch sizes B (chains)")
+    parser.add_argument("--width", type=int, nargs="+", default=[4, 8], help="drafted tokens per row K (chains)")
+    parser.add_argument("--vocab", type=int, nargs="+", default=[32000, 151936], help="vocabulary sizes V (chains)")
+    parser.add_argument("--trees", nargs="+", default=TREE_SHAPES, help="tree shapes, children per depth: 4x1x1x1")
+    parser.add_argument("--tree-batch", type=int, nargs="+", default=[1, 8], help="batch sizes B (trees)")
+    parser.add_argument("--tree-vocab", type=int, nargs="+", default=[151936], help="vocabulary sizes V (trees)")
+    parser.add_argument("--step-ms", type=float, default=80.0, help="a target step, to express tree rows against")
+    parser.add_argument("--repeats", type=int, default=7, help="minimum timed calls per cell (median reported)")
+    parser.add_argument("--budget", type=float, default=1.0, help="seconds of timed calls per cell, at least")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
+    parser.add_argument("--out", type=Path, default=Path("results/verify_speed.json"), help="JSON output file")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    rows = chain_rows(args) if "chains" in args.tables else []
+    trees = tree_rows(args) if "trees" in args.tables else []
     record = {
         "benchmark": "verify_speed",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "threads": args.threads},
         "versions": {"python": sys.version.split()[0], "torch": torch.__version__},
         "rows": rows,
+        "tree_rows": trees,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))

@@ -7,10 +7,10 @@ tokens with exact target samples, and compares the counts of the JOINT 3-token o
 by Pearson's chi-square at alpha = 1e-4, outcomes expected fewer than 5 times pooled (lawkit.sparse_cell_groups).
 
 Negative controls, with the same tables, trees and N: distinct trees verified as i.i.d. ones (both rules), and the
-traversal whose parent residual is max(P - Q, 0) instead of max(w P - Q, 0) (``rejection_residual`` swapped; Z and
-w as the rule says). Each must fail the test; their exact laws (tests/kits/treekit.py) give the test's power against
-them, asserted >= 0.99 before sampling, and their samples must pass against their own exact law (so the failure
-is the predicted one).
+traversal whose parent residual is max(P - Q, 0) instead of max(w P - Q, 0), its mass Z included
+(``residual_coefficients`` swapped). Each must fail the test; their exact laws (tests/kits/treekit.py) give the
+test's power against them, asserted >= 0.99 before sampling, and their samples must pass against their own exact
+law (so the failure is the predicted one).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ ALPHA = 1e-4  # false-alarm probability of every chi-square test here
 MIN_POWER = 0.99  # required power against each negative control
 # V = 4, tables seed 3 (of 0..7, the one where the unscaled residual errs most), peaked 0.5: the smallest
 # possible-outcome probability is 3.5e-4 (8.4 expected at N); joint-law errors (max abs) 1.6e-2 for distinct trees
-# verified as iid, 2.1e-2 for the unscaled residual: the test rejects each with probability 0.99 from N = 6.1e3 to
-# 7.4e3 (pooled as here), and ~1 at this N.
+# verified as iid, 3.6e-2 to 3.8e-2 for the unscaled residual: the test rejects them with probability 0.99 from
+# N = 6.1e3 to 7.1e3, and 2e3 (pooled as here), and ~1 at this N.
 VOCAB, DEPTH, TABLES_SEED, PEAKED = 4, 2, 3, 0.5
 SHAPES = [(), (2,), (1, 1), (3, 1), (2, 2), (1, 2)]
 PER_SHAPE = 4_000
@@ -109,14 +109,12 @@ def test_ragged_tree_batches_match_the_target_law(scheme, rule, dtype):
 # --- negative controls: the same test at the same N must reject a broken verifier -----------------------------
 
 
-def unscaled_residual(weight, target, draft):
-    """BROKEN: the parent's new target is normalize(max(P - Q, 0)), without w_a; Z (for w_a's update) is the rule's."""
-    unscaled, _ = ORIGINAL_RESIDUAL(torch.ones_like(weight), target, draft)
-    _, mass = ORIGINAL_RESIDUAL(weight, target, draft)
-    return unscaled, mass
+def unscaled_residual(weight, scale, shift, inverse_rest):
+    """BROKEN: a rejection leaves the parent max(P - Q, 0), without w_a (and w_a is updated with that mass)."""
+    return ORIGINAL_COEFFICIENTS(torch.ones_like(weight), scale, shift, inverse_rest)
 
 
-ORIGINAL_RESIDUAL = tree.rejection_residual
+ORIGINAL_COEFFICIENTS = tree.residual_coefficients
 BROKEN = {  # name -> (rule, scheme drawn, scheme the verifier is told, swapped residual or None)
     "distinct trees verified as iid, token": ("token", "distinct", "iid", None),
     "distinct trees verified as iid, block": ("block", "distinct", "iid", None),
@@ -129,7 +127,7 @@ BROKEN = {  # name -> (rule, scheme drawn, scheme the verifier is told, swapped 
 def test_broken_variant_fails_the_same_test(name, monkeypatch):
     rule, drawn, verified, residual = BROKEN[name]
     if residual is not None:
-        monkeypatch.setattr(tree, "rejection_residual", residual)
+        monkeypatch.setattr(tree, "residual_coefficients", residual)
     law = lawkit.target_law(tables(), LENGTH)
     groups = lawkit.sparse_cell_groups(law, SAMPLES)
     wrong_law = mixture_law(rule, drawn, verified)

@@ -4,7 +4,8 @@ chain       a chain-shaped tree makes verify_block's / verify_token's decisions 
             rows, float64 and float32), and its closed-form E[tau] is expected_accepted
 greedy      the deepest node whose path follows the target's argmax, found by brute force
 numbering   any drawing order (parents before children, siblings in order) gives the same law and output
-layout      a row's output does not depend on its batch neighbours, nor on the junk in its padding
+layout      a row's output does not depend on its batch neighbours, nor on the junk in its padding, nor on how the
+            vocabulary passes are split into row chunks
 format      the tokens are the accepted path's, then one more; accepted_nodes walk down from the root
 validation  refusals name the argument: distinct duplicates, parents drawn after a child, shapes, zero mass
 
@@ -21,6 +22,7 @@ import torch
 from kits import lawkit, treekit
 
 from blockspec.verify import RULES, SAMPLED_RULES, Randomness, expected_accepted, rules, verify_greedy
+from blockspec.verify import tree as tree_module
 from blockspec.verify.tree import (
     accepted_node_law,
     expected_accepted_tree,
@@ -264,6 +266,41 @@ def test_output_is_an_accepted_path_then_one_token(rule):
             assert out.tokens[b, depth] == tokens[b, node - 1]
             above = node
         assert target[b, above, out.tokens[b, tau]] > 0  # the residual's support is within the target's
+
+
+SPLITS = {  # how the passes over the vocabulary may be split: rows in chunks of 2, or one row at a time in place
+    "chunks": ("row_chunks", lambda rows, vocab: [slice(s, min(s + 2, rows)) for s in range(0, rows, 2)]),
+    "in_place": ("IN_PLACE_VOCAB", 0),
+}
+
+
+@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_vocabulary_passes_give_the_same_results_however_split(scheme, split, monkeypatch):
+    """At a real V the passes over the vocabulary run a few rows at a time (``row_chunks``), each row read where it
+    lies (``IN_PLACE_VOCAB``); small tables are gathered in one chunk. Forced here on small tables: same law, same
+    outputs, bit for bit."""
+    tables = lawkit.random_tables(4, 3, seed=11)
+    generator = torch.Generator().manual_seed(5)
+    parts = [treekit.sample_trees(tables, shape, scheme, 15, generator) for shape in [(), (3,), (2, 2), (1, 2, 1)]]
+    trees = padded_junk(treekit.concat(parts))
+    randomness = Randomness.draw(len(trees), trees.parents.shape[1], 4, dtype=torch.float64, generator=generator)
+    live = torch.nn.functional.pad(
+        torch.arange(1, trees.parents.shape[1] + 1) <= trees.num_nodes[:, None], (1, 0), value=True
+    )
+
+    def run():
+        results = []
+        for rule in SAMPLED_RULES:
+            law = tree_law(*trees.inputs, rule=rule, scheme=scheme, num_nodes=trees.num_nodes)
+            out = TREE_VERIFIERS[rule](*trees.inputs, scheme=scheme, num_nodes=trees.num_nodes, randomness=randomness)
+            results += [law.node_law, law.final[live], out.tokens]
+        return results
+
+    whole = run()
+    monkeypatch.setattr(tree_module, *SPLITS[split])
+    for one, other in zip(whole, run()):
+        assert torch.equal(one, other)
 
 
 def test_an_empty_tree_is_a_plain_target_step():

@@ -113,8 +113,8 @@ def _check_tree_values(draft_tokens, parents, draft_probs, target_probs, num_nod
         has_children = torch.zeros(batch, nodes + 1, dtype=torch.bool, device=parents.device)
         has_children.scatter_(1, parent_of, live)  # only the rows children were drawn from are used
         check_distributions("draft_probs", draft_probs, has_children)
-        drawn_from = draft_probs.gather(1, parent_of[..., None].expand(-1, -1, vocab))  # [B, N, V]
-        draft_at = drawn_from.gather(-1, draft_tokens.clamp(0, vocab - 1)[..., None]).squeeze(-1)
+        rows = torch.arange(batch, device=parents.device)[:, None]
+        draft_at = draft_probs[rows, parent_of, draft_tokens.clamp(0, vocab - 1)]  # [B, N]: Q_parent(a)[x_a]
         impossible = live & (draft_at <= 0)
         if bool(impossible.any()):
             b, i = impossible.nonzero()[0].tolist()

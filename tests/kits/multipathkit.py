@@ -84,16 +84,7 @@ def _draw(tables: lawkit.Tables, paths: int, length: int, scheme: str, choose, c
 
 def all_paths(tables: lawkit.Tables, paths: int, length: int, scheme: str) -> Paths:
     """Every set of ``paths`` paths of ``length`` tokens the draft can draw under ``scheme``, with its probability."""
-    vocab = tables.vocab
-
-    def every_token(q, live):
-        sets = len(q)
-        chosen = torch.arange(sets).repeat_interleave(vocab)
-        token = torch.arange(vocab).repeat(sets)
-        factor = torch.where(live[chosen], q.flatten(), (token == 0).double())  # a path not drawn: one copy, mass 1
-        return chosen, token, factor
-
-    drawn = _draw(tables, paths, length, scheme, every_token, 1)
+    drawn = _draw(tables, paths, length, scheme, treekit.every_token, 1)
     assert abs(float(drawn.prob.sum()) - 1.0) < 1e-12
     return drawn
 
@@ -102,13 +93,7 @@ def sample_paths(
     tables: lawkit.Tables, paths: int, length: int, scheme: str, count: int, generator: torch.Generator
 ) -> Paths:
     """``count`` sets of paths drawn from the draft as a drafter would (each with prob 1)."""
-
-    def one_token(q, live):
-        q = torch.where(live[:, None], q, 1.0)  # a path not drawn: any token, it stays padding
-        token = torch.multinomial(q, 1, generator=generator).squeeze(1)
-        return torch.arange(len(q)), token, torch.ones(len(q), dtype=torch.float64)
-
-    return _draw(tables, paths, length, scheme, one_token, count)
+    return _draw(tables, paths, length, scheme, treekit.one_token(generator), count)
 
 
 def as_trees(tree: PathTree, prob: torch.Tensor) -> treekit.Trees:

@@ -131,18 +131,31 @@ def _compact(tables, parents, paths, tokens, kept, prob) -> Trees:
     return Trees(node_tokens, node_parents, draft_probs, target_probs, num_nodes, prob)
 
 
+def every_token(q, live):
+    """A ``choose`` (``_draw_slots``) that enumerates: every draft q [T, V] continues with each token, weighted by
+    its probability; a slot not drawn (``live`` [T] False) continues as one copy (token 0) of mass 1."""
+    count, vocab = q.shape
+    drawn = torch.arange(count).repeat_interleave(vocab)
+    token = torch.arange(vocab).repeat(count)
+    factor = torch.where(live[drawn], q.flatten(), (token == 0).double())
+    return drawn, token, factor
+
+
+def one_token(generator: torch.Generator):
+    """A ``choose`` (``_draw_slots``) that samples one token per draft q [T, V], as a drafter would (weight 1); a
+    slot not drawn takes any token and stays absent."""
+
+    def choose(q, live):
+        q = torch.where(live[:, None], q, 1.0)
+        token = torch.multinomial(q, 1, generator=generator).squeeze(1)
+        return torch.arange(len(q)), token, torch.ones(len(q), dtype=torch.float64)
+
+    return choose
+
+
 def all_trees(tables: lawkit.Tables, shape: tuple[int, ...], scheme: str, *, prune=None, stop=None) -> Trees:
     """Every tree of ``shape`` the draft can draw under ``scheme``, with its probability (they sum to 1); ``prune``
     and ``stop`` as in ``_draw_slots``."""
-    vocab = tables.vocab
-
-    def every_token(q, live):
-        trees = len(q)
-        tree = torch.arange(trees).repeat_interleave(vocab)
-        token = torch.arange(vocab).repeat(trees)
-        factor = torch.where(live[tree], q.flatten(), (token == 0).double())  # a slot not drawn: one copy, mass 1
-        return tree, token, factor
-
     trees = _draw_slots(tables, shape, scheme, every_token, 1, prune, stop)
     assert abs(float(trees.prob.sum()) - 1.0) < 1e-12
     return trees
@@ -152,13 +165,7 @@ def sample_trees(
     tables: lawkit.Tables, shape: tuple[int, ...], scheme: str, count: int, generator: torch.Generator
 ) -> Trees:
     """``count`` trees drawn from the draft as a drafter would (each with prob 1)."""
-
-    def one_token(q, live):
-        q = torch.where(live[:, None], q, 1.0)  # a slot not drawn: any token, it stays absent
-        token = torch.multinomial(q, 1, generator=generator).squeeze(1)
-        return torch.arange(len(q)), token, torch.ones(len(q), dtype=torch.float64)
-
-    return _draw_slots(tables, shape, scheme, one_token, count)
+    return _draw_slots(tables, shape, scheme, one_token(generator), count)
 
 
 def pad_nodes(trees: Trees, nodes: int) -> Trees:

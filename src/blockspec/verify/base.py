@@ -157,13 +157,7 @@ def sample_final(
             tau[rows],
             weight[rows],
         )
-        if randomness is not None:
-            exponentials = randomness.exponentials[rows]
-        else:
-            exponentials = draw_exponentials(
-                len(dist), vocab, dtype=dist.dtype, device=dist.device, generator=generator
-            )
-        last[rows] = race(dist, exponentials)
+        last[rows] = race_rows(dist, rows, randomness, generator)
     return last
 
 
@@ -220,6 +214,18 @@ def race(weights: torch.Tensor, exponentials: torch.Tensor) -> torch.Tensor:
     argmax_v weights_v / E_v with E_v ~ Exp(1) independent: P(v wins) = weights_v / sum(weights).
     """
     return (weights / exponentials).argmax(-1)
+
+
+def race_rows(weights: torch.Tensor, rows: slice, randomness: Randomness | None, generator) -> torch.Tensor:
+    """``race`` over ``weights`` [M, V], the batch's rows ``rows``: with the caller's exponentials of those rows, or
+    M rows of fresh ones from ``generator`` (a chunk at a time: the [B, V] table of them never exists)."""
+    if randomness is not None:
+        exponentials = randomness.exponentials[rows]
+    else:
+        exponentials = draw_exponentials(
+            len(weights), weights.shape[-1], dtype=weights.dtype, device=weights.device, generator=generator
+        )
+    return race(weights, exponentials)
 
 
 def emit(draft_tokens: torch.Tensor, tau: torch.Tensor, last: torch.Tensor) -> VerifyOutput:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import Randomness, VerifyOutput, draw_exponentials, draw_uniforms, race, row_chunks
+from .base import Randomness, VerifyOutput, draw_uniforms, race_rows, row_chunks
 from .tree_inputs import SCHEMES, check_choice, node_mask, prepare_tree, require_draft
 
 # The sampled rules with a tree form here. Every function taking a rule checks it against these: the branches below
@@ -629,13 +629,7 @@ def _verify_sampled(
     every = torch.arange(batch, device=node.device)
     for part in row_chunks(batch, vocab):
         final = _final_rows(draft_probs, closed, every[part], node[part], normalize=False)
-        if randomness is not None:
-            exponentials = randomness.exponentials[part]
-        else:
-            exponentials = draw_exponentials(
-                len(final), vocab, dtype=final.dtype, device=final.device, generator=generator
-            )
-        last[part] = race(final, exponentials)
+        last[part] = race_rows(final, part, randomness, generator)
     return _emit_tree(draft_tokens, layout, on_path, last)
 
 

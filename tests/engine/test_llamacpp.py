@@ -39,13 +39,14 @@ from kits.tinygguf import save_gguf
 from blockspec import PromptLookup, SamplingParams, SpeculativeDecoder
 from blockspec.models import llamacpp
 from blockspec.models.llamacpp import MAX_ROWS, LlamaCppModel
+from blockspec.models.vocab_cut import VocabularyCut, cut_vocabulary, read_cut
 from blockspec.policy import AdaptiveLength, SVPolicy
 from blockspec.sampling import process
 from blockspec.verify import RULES
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "probes_in_a_temporary_cache")
 
 F16_ATOL = 5e-3  # |llama.cpp with its f16 KV cache - transformers| on rows under 64 tokens (module docstring)
 GREEDY = SamplingParams(temperature=0.0)
@@ -55,6 +56,7 @@ NEW_TOKENS = 30
 # The law test: V = 6 tokens, so the first LENGTH = 3 tokens have 216 outcomes; DRAFT_LEN = 2 drafts 2 tokens in the
 # first step, then what still fits (the step's last token is the target's own).
 LAW_VOCAB, LENGTH, DRAFT_LEN, LAW_PROMPT = 6, 3, 2, [1, 2, 3]
+LAW_CUT = 3  # a cut draft keeps tokens 0-2 and EOS (5): 3 and 4 never drafted; 3 in the prompt reads as 0
 ALPHA = 1e-4  # false-alarm probability of the chi-square test
 MIN_EXPECTED = 5.0  # Cochran's rule: outcomes expected fewer times share one pooled cell
 MIN_POWER = 0.99  # required power of the same test against the negative control, from its exact law
@@ -366,11 +368,18 @@ def test_the_length_policies_and_prompt_lookup_keep_the_greedy_output(files, pol
 # --- 3. the exact law at temperature 1 -----------------------------------------------------------------------------
 
 
-def adapter_tables(path: str) -> list[torch.Tensor]:
+def law_adapter(path: str, cut: bool = False) -> LlamaCppModel | VocabularyCut:
+    """The law pair's model on the adapter; ``cut``: its vocabulary cut to LAW_CUT tokens and EOS (``vocab_cut``)."""
+    if not cut:
+        return adapter(path, LAW_VOCAB)
+    copy = cut_vocabulary(Path(path), LAW_CUT)
+    return VocabularyCut(LlamaCppModel(copy, None, threads=1), *read_cut(copy), eos_token_ids=(LAW_VOCAB - 1,))
+
+
+def adapter_tables(model: LlamaCppModel | VocabularyCut) -> list[torch.Tensor]:
     """tables[L]: the ADAPTER's processed distributions [V**L, V] float64 (temperature 1) after LAW_PROMPT + each
     continuation of length L (lawkit.all_blocks order), L = 0..LENGTH-1: every context the first LENGTH tokens see.
     Each table is one batch, prefilled and scored by a one-token forward, as the engine scores."""
-    model = adapter(path, LAW_VOCAB)
     tables = []
     for length in range(LENGTH):
         contexts = [LAW_PROMPT + c for c in lawkit.all_blocks(LAW_VOCAB, length).tolist()]
@@ -436,16 +445,21 @@ def statistic_power(law: torch.Tensor, wrong_law: torch.Tensor) -> float:
     return lawkit.detection_power(pooled[possible], pooled_wrong[possible], SAMPLES, ALPHA)
 
 
-def test_law_of_the_first_tokens_through_llama_cpp_is_the_targets(law_files, sampled_rule, monkeypatch):
+@pytest.mark.parametrize("cut", [False, True], ids=["draft", "cut-draft"])
+def test_law_of_the_first_tokens_through_llama_cpp_is_the_targets(law_files, sampled_rule, cut, monkeypatch):
     """Chi-square of the joint law of the first 3 tokens (216 outcomes, pooled) of the engine on the llama.cpp pair
     against the exact law from the ADAPTER's own logits; the same test on an engine whose verifier sees each row's
     target distributions shifted by one position must fail it, with power >= MIN_POWER computed from its exact law.
+    ``cut``: the draft's vocabulary cut to LAW_CUT of its 6 tokens and EOS, so the draft proposes some tokens with
+    probability zero and reads one of the prompt's tokens as another.
 
     The tables are scored in other batch shapes than the engine's forwards (a few 1e-4 apart in the logits,
     docstring): a change of the law of that order, whose noncentrality N * sum (delta^2 / law) is ~1e-3 here,
     far below what the test can see."""
     target_path, draft_path = law_files
-    tables = lawkit.Tables(LAW_VOCAB, adapter_tables(target_path), adapter_tables(draft_path))
+    tables = lawkit.Tables(
+        LAW_VOCAB, adapter_tables(law_adapter(target_path)), adapter_tables(law_adapter(draft_path, cut))
+    )
     law = lawkit.target_law(tables, LENGTH)
     # the enumeration of the engine's steps is right: unshifted, it is the target's law
     assert lawkit.max_abs_error(engine_law(tables, sampled_rule, shift=False), law) < 1e-12
@@ -454,7 +468,7 @@ def test_law_of_the_first_tokens_through_llama_cpp_is_the_targets(law_files, sam
     assert power >= MIN_POWER, f"power {power:.4g} against the shifted verifier at N = {SAMPLES}"
 
     def decoder() -> SpeculativeDecoder:
-        target, draft = adapter(target_path, LAW_VOCAB), adapter(draft_path, LAW_VOCAB)
+        target, draft = adapter(target_path, LAW_VOCAB), law_adapter(draft_path, cut)
         return SpeculativeDecoder(target, draft, rule=sampled_rule, max_draft=DRAFT_LEN)
 
     counts, acceptance = sample(decoder())

@@ -27,6 +27,7 @@ import torch
 
 from ..defaults import LLAMACPP_QUANTS
 from .cache import cache_root
+from .vocab_cut import VocabularyCut, cut_vocabulary, read_cut
 
 log = logging.getLogger(__name__)
 
@@ -292,11 +293,18 @@ def requantize(path: Path, quant: str) -> Path:
 
 
 def load_llamacpp(
-    name_or_path: str, *, quant: str | None = None, progress: bool = True, threads: int | None = None
-) -> LlamaCppModel:
+    name_or_path: str,
+    *,
+    quant: str | None = None,
+    vocabulary: int | None = None,
+    progress: bool = True,
+    threads: int | None = None,
+) -> LlamaCppModel | VocabularyCut:
     """A bundled preset or a GGUF file on llama.cpp, with the tokenizer and end tokens the HF path gives it (the
     preset's tokenizer and EOS list; a GGUF file's tokenizer read by transformers), so both backends agree on
-    every token id. ``quant`` (one of QUANTS) runs a requantized copy (``requantize``)."""
+    every token id. ``quant`` (one of QUANTS) runs a requantized copy (``requantize``); ``vocabulary`` a copy whose
+    vocabulary is cut to that many tokens and their special tokens, as a model of the full vocabulary (a cheaper
+    draft: ``vocab_cut``)."""
     from .convert import load_preset_tokenizer, materialize
     from .presets import PRESETS
 
@@ -319,5 +327,11 @@ def load_llamacpp(
         )
     if quant is not None:
         path = requantize(Path(path), quant)
-    label = f"llama.cpp, {quant}" if quant else "llama.cpp"
-    return LlamaCppModel(path, tokenizer, name=f"{name_or_path} ({label})", eos_token_ids=eos, threads=threads)
+    label = ", ".join(["llama.cpp", *([quant] if quant else []), *([f"{vocabulary} tokens"] if vocabulary else [])])
+    if vocabulary is None:
+        return LlamaCppModel(path, tokenizer, name=f"{name_or_path} ({label})", eos_token_ids=eos, threads=threads)
+    cut = cut_vocabulary(Path(path), vocabulary)
+    kept, reads = read_cut(cut)
+    model = LlamaCppModel(cut, name=f"{name_or_path} ({label})", threads=threads)
+    eos = eos or tuple(int(kept[t]) for t in model.eos_token_ids)  # the GGUF's own, in the cut's ids
+    return VocabularyCut(model, kept, reads, eos_token_ids=eos, tokenizer=tokenizer)

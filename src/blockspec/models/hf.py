@@ -5,6 +5,10 @@ its longest; a prompt longer than the prefill budget is prefilled in chunks, eac
 through the cache. During its own forwards HFModel switches sdpa models to ``attention.grouped_sdpa``; between them
 the caller's model is as the caller left it (its own ``generate`` runs transformers' kernels).
 
+HFModel is a ``TreeLanguageModel``: ``forward_tree`` scores a drafted tree in one forward, each node at its depth's
+position under an ancestor mask (``slots.tree_mask``), and ``commit`` moves the accepted path's keys and values to
+the tree's first slots, so a tree step grows the cache by the path it keeps and never by the nodes it drops.
+
 ``load_model`` loads one by name: a bundled preset (`convert`), a GGUF file, a folder or a hub id.
 """
 
@@ -16,6 +20,7 @@ import json
 import logging
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
@@ -24,12 +29,12 @@ from transformers.cache_utils import Cache
 
 from ..defaults import BACKENDS, DTYPES, LLAMACPP_QUANTS, QUANTS
 from .attention import GROUPED_SDPA, unsupported_attention
-from .base import left_pad
+from .base import check_tree, left_pad, tree_path
 from .convert import load_preset
 from .identity import hub_snapshot
 from .presets import PRESETS
 from .quant import quantize
-from .slots import SlotCache, SlotLayer, slot_mask
+from .slots import SlotCache, SlotLayer, slot_mask, tree_mask
 
 if TYPE_CHECKING:
     from .llamacpp import LlamaCppModel
@@ -76,6 +81,7 @@ class HFModel:
         self.prefill_tokens = PREFILL_TOKENS
         self.on_prefill = on_prefill
         self._cache = SlotCache(self.num_layers, self.device)
+        self._tree: _Tree | None = None  # the last forward_tree's nodes, until commit keeps their path
 
     def __repr__(self) -> str:
         return f"HFModel({self.name}, {self.dtype}, {self.device})"
@@ -91,6 +97,7 @@ class HFModel:
         if self.max_length is not None and longest > self.max_length:
             raise ValueError(f"{self.name}: a prompt of {longest} tokens exceeds the context of {self.max_length}")
         self._cache.start([len(s) for s in sequences])
+        self._tree = None
         done, total = 0, sum(len(s) for s in sequences)
         for rows in prefill_groups([len(s) for s in sequences], self.prefill_tokens):
             tokens, valid = left_pad([sequences[b] for b in rows])
@@ -103,20 +110,55 @@ class HFModel:
             chunk = max(1, self.prefill_tokens // len(rows))
             for start in range(0, width, chunk):
                 end = min(start + chunk, width)
-                self._call(part, tokens[:, start:end], slot_pos[:, :end], positions[:, start:end], logits_to_keep=1)
+                mask = slot_mask(slot_pos[:, :end], end - start, self.dtype)
+                self._call(part, tokens[:, start:end], mask, positions[:, start:end], logits_to_keep=1)
                 done += int(valid[:, start:end].sum())
                 if self.on_prefill is not None:
                     self.on_prefill(done, total)
             self._cache.place(rows, part, slot_pos)
 
     def forward(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        self._no_tree_pending("forward")
         return self._run(tokens, valid, logits_to_keep=0)
 
     def rollback(self, lengths: torch.Tensor) -> None:
+        self._no_tree_pending("rollback")
         self._cache.rollback(lengths)
 
     def select(self, rows: torch.Tensor) -> None:
+        self._no_tree_pending("select")
         self._cache.select(rows)
+
+    # --- the TreeLanguageModel interface --------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward_tree(self, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        self._no_tree_pending("forward_tree")
+        tokens, parents, valid = (t.to(self.device) for t in (tokens, parents, valid))
+        ancestors = check_tree(tokens, parents, valid, len(self.lengths))  # [B, N, N]
+        batch, nodes = tokens.shape
+        depth = ancestors.sum(2)  # [B, N]: a node and its ancestors among the nodes, so 1 for a child of the root
+        positions = self.lengths[:, None] + depth - 1  # [B, N]
+        if self.max_length is not None and bool((positions[valid] >= self.max_length).any()):
+            raise ValueError(f"{self.name}: the tree outgrew the model's context of {self.max_length} tokens")
+        start = self._cache.extend_tree(nodes)
+        if nodes == 0:  # nothing to score: transformers' forward takes no empty input
+            logits = torch.zeros(batch, 0, self.vocab_size, dtype=self.dtype, device=self.device)
+        else:
+            mask = tree_mask(self._cache.slot_pos, ancestors, valid, self.dtype)
+            logits = self._call(self._cache.layers, tokens, mask, positions, logits_to_keep=0)
+        self._tree = _Tree(parents, valid, start)
+        return logits
+
+    def commit(self, path: torch.Tensor) -> None:
+        tree = self._tree
+        if tree is None:
+            raise RuntimeError(f"{self.name}: commit keeps a path of the last forward_tree, and none awaits it")
+        if isinstance(path, torch.Tensor):
+            path = path.to(self.device)
+        columns = tree_path(path, tree.parents, tree.valid)  # [B, L]
+        self._cache.keep_path(tree.start, columns)
+        self._tree = None
 
     # --- internals ------------------------------------------------------------------------------------------
 
@@ -125,7 +167,8 @@ class HFModel:
         positions, slot_pos = self._cache.extend(valid)  # [B, S], [B, T+S]
         if self.max_length is not None and bool((positions[valid] >= self.max_length).any()):
             raise ValueError(f"{self.name}: the sequence outgrew the model's context of {self.max_length} tokens")
-        logits = self._call(self._cache.layers, tokens, slot_pos, positions, logits_to_keep)
+        mask = slot_mask(slot_pos, tokens.shape[1], self.dtype)
+        logits = self._call(self._cache.layers, tokens, mask, positions, logits_to_keep)
         self._cache.commit(slot_pos, valid)
         return logits
 
@@ -134,21 +177,25 @@ class HFModel:
         self,
         layers: list[SlotLayer],
         tokens: torch.Tensor,
-        slot_pos: torch.Tensor,
+        mask: torch.Tensor,
         positions: torch.Tensor,
         logits_to_keep: int,
     ) -> torch.Tensor:
-        """The model's forward of ``tokens`` [B, S] at ``positions``, appended to ``layers``; ``slot_pos`` [B, T+S]
-        covers the cached slots and the new ones."""
+        """The model's forward of ``tokens`` [B, S] at ``positions``, appended to ``layers``, under the additive
+        ``mask`` [B, 1, S, T+S] over the cached slots and the new ones (``slot_mask``, ``tree_mask``)."""
         with self._own_settings():
             return self.model(
                 input_ids=tokens,
-                attention_mask=slot_mask(slot_pos, tokens.shape[1], self.dtype),
+                attention_mask=mask,
                 position_ids=positions.clamp(min=0),  # a hole's position is irrelevant: nobody attends to it
                 past_key_values=Cache(layers=[*layers]),  # a list of the base type transformers declares
                 use_cache=True,
                 logits_to_keep=logits_to_keep,
             ).logits
+
+    def _no_tree_pending(self, call: str) -> None:
+        if self._tree is not None:
+            raise RuntimeError(f"{self.name}: {call} after forward_tree; commit the tree's accepted path first")
 
     @contextlib.contextmanager
     def _own_settings(self) -> Iterator[None]:
@@ -167,6 +214,15 @@ class HFModel:
                 module.training = True
             for config in sdpa:
                 config._attn_implementation_internal = "sdpa"
+
+
+@dataclass(frozen=True)
+class _Tree:
+    """A tree forward awaiting its commit: its nodes' ``parents`` and ``valid`` [B, N], in slots from ``start``."""
+
+    parents: torch.Tensor
+    valid: torch.Tensor
+    start: int
 
 
 def prefill_groups(lengths: list[int], budget: int) -> list[list[int]]:

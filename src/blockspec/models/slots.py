@@ -5,6 +5,10 @@ needs per-row rollback, so each forward appends S slots to every row; each slot 
 in it, or -1 for a hole (a rolled-back token or padding). An explicit 4D attention mask (``slot_mask``) lets a token
 see exactly the earlier non-hole slots of its row, and explicit position ids keep every row's positions contiguous,
 so holes cost nothing but memory until an occasional compaction squeezes them out. Rolling back is a mask update.
+
+A drafted tree is appended the same way, N slots per row, under ``tree_mask`` (each node sees the cached tokens and
+its own ancestors); ``keep_path`` then moves each row's accepted path to the first of those slots and drops the
+rest, so a tree step leaves the cache as a plain forward of the path would.
 """
 
 from __future__ import annotations
@@ -62,6 +66,23 @@ class SlotCache:
         self.slot_pos = slot_pos
         self.lengths = self.lengths + valid.sum(1)
 
+    def extend_tree(self, nodes: int) -> int:
+        """Room for ``nodes`` slots per row after the cache's; returns the first of them. The forward that fills them
+        runs under ``tree_mask``; ``keep_path`` must follow it (until then ``slot_pos`` does not cover them)."""
+        self._make_room(nodes)
+        return self.slot_pos.shape[1]
+
+    def keep_path(self, start: int, columns: torch.Tensor) -> None:
+        """After a tree forward into the slots from ``start`` on: keep row b's nodes ``columns[b]`` [L] (offsets from
+        ``start``, root to leaf; -1 after the path) as its next tokens, in slots start .. start + L - 1, and drop the
+        others. A row whose path is shorter than L gets holes after it."""
+        kept = columns >= 0  # [B, L]
+        for layer in self.layers:
+            layer.gather(columns.clamp(min=0), start)  # a hole keeps some node's (finite) keys: nobody sees them
+        positions = self.lengths[:, None] + torch.arange(columns.shape[1], device=self.device)  # the path's, [B, L]
+        self.slot_pos = torch.cat([self.slot_pos, positions.masked_fill(~kept, -1)], dim=1)
+        self.lengths = self.lengths + kept.sum(1)
+
     def rollback(self, lengths: torch.Tensor) -> None:
         if bool((lengths > self.lengths).any()):
             raise ValueError(f"rollback can only shorten rows: {lengths.tolist()} > {self.lengths.tolist()}")
@@ -101,6 +122,21 @@ def slot_mask(slot_pos: torch.Tensor, new: int, dtype: torch.dtype) -> torch.Ten
     key = torch.arange(total, device=slot_pos.device)
     query = key[total - new :, None]  # [S, 1]
     visible = ((key <= query) & (slot_pos[:, None, :] >= 0)) | (key == query)  # [B, S, T+S]
+    mask = torch.zeros(visible.shape, dtype=dtype, device=slot_pos.device)
+    return mask.masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
+
+
+def tree_mask(slot_pos: torch.Tensor, ancestors: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype):
+    """Additive attention mask [B, 1, N, T+N] for N tree nodes appended after the cache's slots ``slot_pos`` [B, T].
+
+    Node i sees every cached slot that holds a token, and node j when ``ancestors`` [B, N, N] bool says j is i or
+    an ancestor of i and j is ``valid`` [B, N] (not a hole); every node also sees itself, so a hole's query row is
+    never all -inf (as in ``slot_mask``).
+    """
+    nodes = ancestors.shape[1]
+    cached = (slot_pos[:, None, :] >= 0).expand(-1, nodes, -1)  # [B, N, T]
+    own = torch.eye(nodes, dtype=torch.bool, device=slot_pos.device)
+    visible = torch.cat([cached, (ancestors & valid[:, None, :]) | own], dim=2)  # [B, N, T+N]
     mask = torch.zeros(visible.shape, dtype=dtype, device=slot_pos.device)
     return mask.masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
 
@@ -149,15 +185,16 @@ class SlotLayer(DynamicLayer):
             values[:, :, : self.used] = self.values[:, :, : self.used]
             self.keys, self.values = keys, values
 
-    def gather(self, order: torch.Tensor) -> None:
-        """Keep, per row b, the slots ``order[b]`` [T'] (in that order) as the first T' slots."""
+    def gather(self, order: torch.Tensor, start: int = 0) -> None:
+        """Keep, per row b, the slots ``start + order[b]`` [T'] (in that order) as slots start .. start + T' - 1; the
+        slots before ``start`` stay as they are."""
         if self.keys is None or self.values is None:
             return
         index = order[:, None, :, None].expand(-1, self.keys.shape[1], -1, self.keys.shape[3])
-        kept = order.shape[1]
-        self.keys[:, :, :kept] = self.keys[:, :, : self.used].gather(2, index)
-        self.values[:, :, :kept] = self.values[:, :, : self.used].gather(2, index)
-        self.used = kept
+        end = start + order.shape[1]
+        self.keys[:, :, start:end] = self.keys[:, :, start : self.used].gather(2, index)
+        self.values[:, :, start:end] = self.values[:, :, start : self.used].gather(2, index)
+        self.used = end
 
     def place(self, rows: torch.Tensor, part: SlotLayer, batch: int, slots: int) -> None:
         """Copy ``part``'s filled slots into rows ``rows`` (of ``batch``), right-aligned in the first ``slots``."""

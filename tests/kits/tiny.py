@@ -11,8 +11,17 @@ VOCAB = 48
 EOS = VOCAB - 1
 
 
-def tiny_model(*, family: str = "qwen2", layers: int = 2, seed: int = 0, vocab: int = VOCAB, sharpness: float = 1.0):
-    """A float32 causal LM with a small vocabulary; ``sharpness`` scales the output head (peakier laws)."""
+def tiny_model(
+    *,
+    family: str = "qwen2",
+    layers: int = 2,
+    seed: int = 0,
+    vocab: int = VOCAB,
+    sharpness: float = 1.0,
+    context: int = 256,
+):
+    """A float32 causal LM with a small vocabulary; ``sharpness`` scales the output head (peakier laws), ``context``
+    is its ``max_position_embeddings``."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     config_class, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[
@@ -25,7 +34,7 @@ def tiny_model(*, family: str = "qwen2", layers: int = 2, seed: int = 0, vocab: 
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=context,
         eos_token_id=vocab - 1,
         bos_token_id=0,
         pad_token_id=0,

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kits.tiny import tiny_model
+from kits.enginekit import reference_greedy
+from kits.tiny import perturbed, tiny_model
 
 from blockspec.models import hf
 from blockspec.models.base import TreeLanguageModel
 from blockspec.models.hf import HFModel
+from blockspec.verify import verify_tree_greedy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -259,6 +261,34 @@ def test_the_cache_holds_the_kept_tokens_and_one_steps_nodes_over_2000_tokens(de
         with torch.no_grad():
             fresh = model(torch.tensor([row + [5]], device=final.device)).logits[0, -1]
         assert_close(final[b, 0], fresh)
+
+
+def test_greedy_tree_steps_through_the_verifier_reproduce_plain_greedy_decoding(model):
+    """The layout docs/guide/library.md gives for a step: the token not yet cached as node 1, the drafted tree below
+    it (verifier node a = node a + 1), the logits as the verifier's target rows, and commit of node 1 then
+    ``accepted_nodes + 1``. Each tree holds a perturbed draft's greedy chain with a random sibling before every
+    chain node, so accepted paths skip nodes."""
+    draft = perturbed(model, scale=0.3, seed=1)
+    gen = torch.Generator().manual_seed(4)
+    prompt, length = [1, 2, 3, 4], 30
+    target = HFModel(model)
+    target.prefill([prompt[:-1]])
+    out, pending, steps = [], prompt[-1], 0
+    while len(out) < length:
+        tokens, parents = [pending], [0]
+        for token in reference_greedy(draft, prompt + out, 4, eos=None):
+            tokens += [int(torch.randint(1, 40, (), generator=gen)), token]
+            parents += [len(tokens) - 2, len(tokens) - 2]  # a sibling, then the chain's node, both under the last
+        tokens, parents = torch.tensor([tokens]), torch.tensor([parents])
+        logits = target.forward_tree(tokens, parents, torch.ones_like(tokens, dtype=torch.bool))
+        verdict = verify_tree_greedy(tokens[:, 1:], parents[:, 1:] - 1, None, logits.cpu().softmax(-1))
+        accepted = verdict.accepted_nodes
+        target.commit(torch.cat([torch.ones(1, 1, dtype=torch.long), torch.where(accepted >= 0, accepted + 1, -1)], 1))
+        emitted = verdict.tokens[0, : int(verdict.num_accepted[0]) + 1].tolist()
+        out, pending, steps = out + emitted, emitted[-1], steps + 1
+        assert target.lengths.tolist() == [len(prompt) + len(out) - 1]
+    assert out[:length] == reference_greedy(model, prompt, length, eos=None)
+    assert steps < length * 0.7  # paths were accepted, so nodes were skipped over
 
 
 # --- refusals ------------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from blockspec.policy.profiles import (
     latency_path,
     model_identity,
     profile_path,
+    run_name,
 )
 
 SAMPLING = {"temperature": 0.7, "top_k": 0, "top_p": 1.0}
@@ -135,6 +136,27 @@ def test_latency_profiles_are_apart_per_dtype_and_device(tmp_path):
         for device in ("cpu", "cuda:0")
     }
     assert len(paths) == 4
+
+
+def test_profiles_are_apart_per_backend_and_draft_quantization_and_unchanged_on_transformers(tmp_path):
+    """A profile made on llama.cpp with a q4_0 draft is found neither by llama.cpp with the draft as shipped nor by
+    transformers, and the other way round; on transformers with the draft as it is, the names are the models' as
+    typed, so the profiles saved before the backend was part of the key are still found."""
+    target, draft = fake_model(tmp_path / "t"), fake_model(tmp_path / "d")
+    runs = [("hf", None), ("hf", "int8"), ("llamacpp", None), ("llamacpp", "q4_0")]
+    keyed = {run: both_paths(run_name(target, run[0]), run_name(draft, *run)) for run in runs}
+    for paths in zip(*keyed.values()):  # the calibration paths, then the latency paths
+        assert len(set(paths)) == len(runs)
+    assert keyed["hf", None] == both_paths(target, draft)
+    assert run_name("qwen2.5-coder-0.5b", "llamacpp", "q4_0") == "qwen2.5-coder-0.5b (llama.cpp, q4_0)"
+
+
+def test_a_missing_profile_names_the_command_it_is_given():
+    command = "blockspec sv calibrate --target t --draft d --backend llamacpp --draft-quant q4_0"
+    with pytest.raises(FileNotFoundError, match=f"run `{command}` first$"):
+        calibration_file("t", "d", None, SAMPLING, command=command)
+    with pytest.raises(FileNotFoundError, match="run `blockspec sv profile` with the same models first$"):
+        latency_file("t", "d", None, "gguf", "cpu")
 
 
 def test_profile_names_fit_a_file_system_whatever_the_paths(tmp_path):

@@ -7,9 +7,13 @@ specific to, so two configurations never share a file:
   they lie. Other weights under the same name make another file, and the profile is measured again; a copy of the
   same weights (moved, touched, downloaded again) finds its profile;
 - the sampling settings exactly (``repr`` of each float), for the calibration profile;
-- the dtype ("gguf" on the llama.cpp backend) and the device, for the latency profile.
+- the dtype ("gguf" on the llama.cpp backend) and the device, for the latency profile;
+- what runs the models (``run_name``): the draft's name carries the backend and the quantization it ran with, the
+  target's the backend, so a profile measured on llama.cpp with a q4_0 draft is never found for transformers, nor
+  for llama.cpp with the draft as shipped. On transformers, unquantized, a name stays as typed.
 
-``calibration_file`` and ``latency_file`` find a profile or say which command makes it, naming the files saved for
+``calibration_file`` and ``latency_file`` find a profile or say which command makes it (the caller's exact
+command line, where it gives one), naming the files saved for
 the same model names under another digest (other weights, or a blockspec that told models apart otherwise) and
 a file an earlier blockspec saved under the models' base names, whose name told neither models of the same file
 name nor sampling values equal to 6 digits apart: pass one explicitly if it was measured for these models.
@@ -43,6 +47,16 @@ def sampling_key(sampling) -> dict:
     return {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
 
 
+def run_name(name: str, backend: str, quant: str | None = None) -> str:
+    """The name profiles know a model by: ``name`` as typed where transformers runs it as it is, else ``name`` with
+    what runs it, as the adapters name their models ("<name> (int8)", "<name> (llama.cpp)", "<name> (llama.cpp,
+    q4_0)"), so ``SVPolicy.from_cache`` on loaded models finds what the command line saved. The label enters the
+    file name and the digest (``model_identity`` keeps it): one backend or quantization never finds another's."""
+    if backend == "hf":
+        return f"{name} ({quant})" if quant else name
+    return f"{name} (llama.cpp, {quant})" if quant else f"{name} (llama.cpp)"
+
+
 def profile_path(target: str, draft: str, companion: str | None, sampling: dict) -> Path:
     """The calibration profile ``blockspec sv calibrate`` saves for these models and ``sampling_key``."""
     exact = {
@@ -61,27 +75,39 @@ def latency_path(target: str, draft: str, companion: str | None, dtype: str, dev
     return sv_dir() / f"latency-{_slug(target, draft, companion)}-{dtype}-{device.replace(':', '')}-{digest}.json"
 
 
-def calibration_file(target: str, draft: str, companion: str | None, sampling: dict, path=None) -> Path:
-    """``path``, else ``profile_path``'s; FileNotFoundError naming the command that makes it."""
+def calibration_file(
+    target: str, draft: str, companion: str | None, sampling: dict, path=None, command: str | None = None
+) -> Path:
+    """``path``, else ``profile_path``'s; FileNotFoundError naming the command that makes it: ``command`` (the
+    exact command line), else `blockspec sv calibrate` with the same models."""
     if path is not None:
-        return _require_file(path, "sv calibrate")
+        return _require_file(path, "calibrate", command)
     legacy = _legacy_slug(target, draft, companion) + "-T{temperature:g}-k{top_k}-p{top_p:g}".format(**sampling)
-    return _default_file(profile_path(target, draft, companion, sampling), f"calibration-{legacy}.json", "calibrate")
+    path = profile_path(target, draft, companion, sampling)
+    return _default_file(path, f"calibration-{legacy}.json", "calibrate", command)
 
 
-def latency_file(target: str, draft: str, companion: str | None, dtype: str, device: str, path=None) -> Path:
-    """``path``, else ``latency_path``'s; FileNotFoundError naming the command that makes it."""
+def latency_file(
+    target: str, draft: str, companion: str | None, dtype: str, device: str, path=None, command: str | None = None
+) -> Path:
+    """``path``, else ``latency_path``'s; FileNotFoundError naming the command that makes it: ``command`` (the
+    exact command line), else `blockspec sv profile` with the same models."""
     if path is not None:
-        return _require_file(path, "sv profile")
+        return _require_file(path, "profile", command)
     legacy = f"latency-{_legacy_slug(target, draft, companion)}-{dtype}-{device}.json"
-    return _default_file(latency_path(target, draft, companion, dtype, device), legacy, "profile")
+    return _default_file(latency_path(target, draft, companion, dtype, device), legacy, "profile", command)
 
 
-def _require_file(path, command: str) -> Path:
+def _require_file(path, subcommand: str, command: str | None) -> Path:
     """``path``, or FileNotFoundError naming the command that makes it."""
     if not Path(path).exists():
-        raise FileNotFoundError(f"{path} does not exist: run `blockspec {command}` with the same models first")
+        raise FileNotFoundError(f"{path} does not exist: run {_making(subcommand, command)} first")
     return Path(path)
+
+
+def _making(subcommand: str, command: str | None) -> str:
+    """The command that makes a profile, in backquotes: ``command`` as given, else the subcommand in words."""
+    return f"`{command}`" if command else f"`blockspec sv {subcommand}` with the same models"
 
 
 def model_identity(name: str | None) -> str:
@@ -115,7 +141,7 @@ def _legacy_slug(*names) -> str:
     return "-".join(re.sub(r"[^A-Za-z0-9.:-]+", "_", Path(str(n)).name).replace(":", "") for n in names)
 
 
-def _default_file(path: Path, legacy_name: str, command: str) -> Path:
+def _default_file(path: Path, legacy_name: str, subcommand: str, command: str | None) -> Path:
     """``path`` if it exists, else FileNotFoundError naming the command that makes it and the profiles saved for
     the same model names that a user may know to be right: under another digest, or an earlier blockspec's name."""
     if path.exists():
@@ -136,9 +162,10 @@ def _default_file(path: Path, legacy_name: str, command: str) -> Path:
             "name nor sampling values equal to 6 digits"
         )
     if found:
-        option = {"calibrate": "--sv-profile", "profile": "--latency"}[command]
+        option = {"calibrate": "--sv-profile", "profile": "--latency"}[subcommand]
+        again = f"`{command}`" if command else f"`blockspec sv {subcommand}` again"
         raise FileNotFoundError(
             f"{path} does not exist; {'; '.join(found)}: pass one with {option} if it was measured for these models, "
-            f"or run `blockspec sv {command}` again"
+            f"or run {again}"
         )
-    return _require_file(path, f"sv {command}")
+    return _require_file(path, subcommand, command)

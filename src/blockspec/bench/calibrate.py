@@ -30,7 +30,7 @@ class Recording:
     num_verified: torch.Tensor  # [N]
     accepted: torch.Tensor  # [N] tau under the token rule with all drafted tokens verified
     draft: torch.Tensor  # [N, K, len(DRAFT_FEATURES)]
-    companion: dict[str, torch.Tensor]  # rule -> [N, K, len(COMPANION_FEATURES)]
+    companion: dict[str, torch.Tensor]  # rule -> [N, K, len(COMPANION_FEATURES)]; empty: recorded without one
     labels: dict[str, torch.Tensor]  # rule -> [N, K] exact gains
 
     def positions(self, rows: torch.Tensor) -> torch.Tensor:
@@ -52,12 +52,12 @@ class Recording:
 
 
 class Recorder(FixedLength):
-    """A fixed-length policy that also records every step (used by ``record``)."""
+    """A fixed-length policy that also records every step (used by ``record``); with ``companion=False`` the draft's
+    features alone, for a decoder without a companion (llama.cpp runs none)."""
 
-    needs_companion = True
-
-    def __init__(self, max_draft: int):
+    def __init__(self, max_draft: int, *, companion: bool = True):
         super().__init__(max_draft)
+        self.needs_companion = companion
         self.rows: list[dict] = []
         self.offset = 0  # index of the current generate() call's first prompt (set by ``record``)
         self._pending: dict = {}
@@ -71,12 +71,13 @@ class Recorder(FixedLength):
         return True
 
     def lengths(self, draft_tokens, draft_probs, companion_probs, drafted):
-        probs = draft_distributions(draft_tokens, draft_probs, companion_probs.shape[-1])
         draft = torch.stack(self._draft[: draft_tokens.shape[1]], 1)
-        self._pending = {
-            "draft": draft,
-            "companion": {m: companion_features(draft_tokens, probs, companion_probs, m, draft) for m in SAMPLED_RULES},
-        }
+        self._pending = {"draft": draft, "companion": {}}
+        if companion_probs is not None:
+            probs = draft_distributions(draft_tokens, draft_probs, companion_probs.shape[-1])
+            self._pending["companion"] = {
+                m: companion_features(draft_tokens, probs, companion_probs, m, draft) for m in SAMPLED_RULES
+            }
         return drafted
 
     def observe(self, rows, draft_tokens, draft_probs, target_probs, verified, accepted) -> None:
@@ -105,7 +106,9 @@ class Recorder(FixedLength):
             num_verified=torch.tensor([r["num_verified"] for r in rows]),
             accepted=torch.tensor([r["accepted"] for r in rows]),
             draft=torch.stack([r["draft"] for r in rows]),
-            companion={m: torch.stack([r["companion"][m] for r in rows]) for m in SAMPLED_RULES},
+            companion={m: torch.stack([r["companion"][m] for r in rows]) for m in SAMPLED_RULES}
+            if self.needs_companion
+            else {},
             labels={m: torch.stack([r["labels"][m] for r in rows]) for m in SAMPLED_RULES},
         )
 
@@ -149,13 +152,15 @@ def fit_profile(
     held_out: float = 0.25,
     seed: int = 0,
 ) -> tuple[Profile, dict]:
-    """Fit every (rule, kind) predictor on the training prompts; returns the profile (refitted on all prompts)
-    and the held-out evaluation {rule: {kind: metrics}} plus calibration curves."""
+    """Fit every (rule, kind) predictor on the training prompts (the draft-only ones alone for a recording without
+    a companion); returns the profile (refitted on all prompts) and the held-out evaluation {rule: {kind:
+    metrics}} plus calibration curves."""
     train, test = split_prompts(recording, held_out, seed)
     report, predictors = {}, {}
+    kinds = ("draft", "companion") if recording.companion else ("draft",)
     for rule in SAMPLED_RULES:
         report[rule], predictors[rule] = {}, {}
-        for kind in ("draft", "companion"):
+        for kind in kinds:
             x, y = _flat(recording, kind, rule, train)
             fitted = Predictor.fit(feature_names(kind), x, y, monotone=MONOTONE[kind])
             if len(test):

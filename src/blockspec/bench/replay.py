@@ -70,8 +70,8 @@ def replay(
             lengths = [recording.num_verified[chosen].clamp(max=k) for chosen in rows]
             results[f"fixed K={k}"] = outcome(lengths, [k] * steps, False)
     for kind in ("draft", "companion"):
-        if kind == "companion" and latency.companion is None:
-            continue
+        if kind == "companion" and (latency.companion is None or not recording.companion):
+            continue  # measured or recorded without a companion (as on llama.cpp)
         policy = SVPolicy(profile, latency, rule=rule, max_draft=max_draft, kind=kind)
         lengths, drafted = zip(*(_sv_step(policy, recording, chosen, kind, rule) for chosen in rows))
         results[f"SV {kind}"] = outcome(lengths, drafted, kind == "companion")

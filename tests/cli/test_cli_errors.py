@@ -176,7 +176,8 @@ def test_ctrl_c_exits_130_with_one_line(monkeypatch, capsys):
         (["--backend", "llamacpp", "--target-quant", "int8"], "GGUF's own types"),
         (["--backend", "llamacpp", "--draft-quant", "int8"], "--draft-quant is one of auto, none, q4_0"),
         (["--backend", "hf", "--draft-quant", "q4_0"], "is llama.cpp's"),
-        (["--backend", "llamacpp", "--policy", "sv"], "--policy sv runs on --backend hf"),
+        (["--backend", "llamacpp", "--policy", "sv", "--sv-predictor", "companion"], "use --sv-predictor draft"),
+        (["--backend", "llamacpp", "--policy", "sv", "--companion", "prefix:8"], "runs on transformers only"),
     ],
 )
 def test_flags_the_chosen_backend_cannot_run_are_refused_before_loading_a_model(flags, message, loads, capsys):

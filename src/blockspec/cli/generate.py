@@ -48,7 +48,7 @@ class GenerateConfig:
     drafter: str = "model"  # one of DRAFTERS
     draft_quant: str = "auto"  # "auto", "none" or one of QUANTS
     target_quant: str = "none"
-    companion: str | None = None
+    companion: str | None = None  # None: SV's default on the backend (sv.resolve_companion)
     sv_predictor: str = "draft"
     sv_profile: Path | None = None
     latency: Path | None = None
@@ -184,17 +184,14 @@ def generate(config: GenerateConfig) -> int:
             raise ValueError(f"--drafter {config.drafter} needs --policy fixed or auto, and no --draft {NO_DRAFT}")
         if config.drafter == "lookup":  # no draft model: the lengths of lookup proposals adapt on their own
             config = replace(config, draft=None, policy="fixed")
-    if config.policy == "sv":  # SV's profiles are keyed by the companion they were made with: transformers only
-        if config.backend == "llamacpp":
-            raise ValueError("--policy sv runs on --backend hf: its profiles are made there (blockspec sv)")
-        config = replace(config, backend="hf")
     config = replace(config, backend=resolve_backend(config.backend, config.device, config.target, config.draft))
+    sv_run = config.policy == "sv"
+    quant = draft_quant_on(config.backend, config.draft_quant, sv=sv_run, target_quant=config.target_quant)
+    config = replace(config, draft_quant=quant)
+    if sv_run:  # the companion SV's profiles were made with: none on llama.cpp
+        config = replace(config, companion=sv.resolve_companion(config.companion, config.backend, config.sv_predictor))
     if config.backend == "hf":
-        if config.draft_quant in LLAMACPP_QUANTS:
-            raise ValueError(f"--draft-quant {config.draft_quant} is llama.cpp's: use --backend llamacpp, or int8 here")
         config = _resolve_arithmetic(config, device)
-    else:
-        config = _llamacpp_arithmetic(config)
     models = {}
     for role, name, quant in (
         ("target", config.target, config.target_quant),
@@ -284,26 +281,30 @@ def _resolve_arithmetic(config: GenerateConfig, device) -> GenerateConfig:
         return config
     arithmetic = choose_arithmetic(device)
     _status(f"arithmetic: {arithmetic.reason}")
-    # SV's latency and calibration profiles are measured on the unquantized draft
-    quant = arithmetic.draft_quant if config.policy != "sv" else None
     return replace(
         config,
         dtype=arithmetic.dtype if config.dtype == "auto" else config.dtype,
-        draft_quant=(quant or "none") if config.draft_quant == "auto" else config.draft_quant,
+        draft_quant=(arithmetic.draft_quant or "none") if config.draft_quant == "auto" else config.draft_quant,
     )
 
 
-def _llamacpp_arithmetic(config: GenerateConfig) -> GenerateConfig:
-    """``config`` on llama.cpp: the GGUF's own types, the draft in q4_0 for ``--draft-quant auto`` (a cheaper draft
-    pays on llama.cpp's kernels, docs/results.md); refuses what only transformers runs."""
-    if config.target_quant != "none" or config.draft_quant not in ("auto", "none", *LLAMACPP_QUANTS):
+def draft_quant_on(backend: str, draft_quant: str, *, sv: bool = False, target_quant: str = "none") -> str:
+    """``--draft-quant`` on the resolved ``backend``, refusing what that backend cannot run (``--target-quant`` too,
+    on llama.cpp, where the target runs the GGUF's own types). ``auto`` is q4_0 on llama.cpp (a cheaper draft pays on
+    llama.cpp's kernels, docs/results.md); on transformers it stays ``auto`` for the machine's probe
+    (``_resolve_arithmetic``), except under SV (``sv``, also what ``blockspec sv profile`` and ``sv calibrate``
+    resolve with), where it is ``none``: the draft as loaded, as those commands measure it unless told otherwise,
+    with no probe to run before a profile is found."""
+    if backend == "hf":
+        if draft_quant in LLAMACPP_QUANTS:
+            raise ValueError(f"--draft-quant {draft_quant} is llama.cpp's: use --backend llamacpp, or int8 here")
+        return "none" if sv and draft_quant == "auto" else draft_quant
+    if target_quant != "none" or draft_quant not in ("auto", "none", *LLAMACPP_QUANTS):
         raise ValueError(
             "on llama.cpp the target runs the GGUF's own types and --draft-quant is one of "
             f"{', '.join(('auto', 'none', *LLAMACPP_QUANTS))}"
         )
-    if config.draft_quant == "auto":
-        return replace(config, draft_quant=LLAMACPP_QUANTS[0])
-    return config
+    return LLAMACPP_QUANTS[0] if draft_quant == "auto" else draft_quant
 
 
 def _adaptive_policy(config: GenerateConfig, target, draft):

@@ -1,36 +1,54 @@
 """``blockspec sv profile`` and ``sv calibrate`` (``sv replay``: sv_replay.py), and the SV options of ``generate``.
 
 Profiles live by default in ``sv_dir()`` (``sv/`` in the model cache: ~/.cache/blockspec/sv unless
-``BLOCKSPEC_CACHE`` says otherwise), named after the models' identity (and the sampling, for the calibration
-profile: ``policy.profiles``), so ``generate --policy sv`` finds the ones measured for its configuration. A saved
-profile is replaced only with ``--force``.
+``BLOCKSPEC_CACHE`` says otherwise), named after the models' identity, the backend that ran them and the draft's
+quantization (and the sampling, for the calibration profile: ``policy.profiles``), so ``generate --policy sv``
+finds the ones measured for its configuration. The three commands resolve ``--backend`` and ``--draft-quant`` as
+``generate`` does (``Setup``). A saved profile is replaced only with ``--force``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-from ..defaults import COMPANION, DRAFT, DRAFT_LIMIT, DTYPES, SV_BATCH_SIZES, SV_PREDICTOR, TARGET
-from ..policy.profiles import latency_path, profile_path, sampling_key, sv_dir  # stdlib only: no torch
+from ..defaults import (
+    BACKENDS,
+    COMPANION,
+    DRAFT,
+    DRAFT_LIMIT,
+    DTYPES,
+    LLAMACPP_QUANTS,
+    QUANTS,
+    SV_BATCH_SIZES,
+    SV_PREDICTOR,
+    TARGET,
+)
+from ..policy.profiles import latency_path, profile_path, run_name, sampling_key, sv_dir  # stdlib only: no torch
 from . import sv_replay
-from .common import ALLOW_DOWNLOAD_HELP, DEVICE_HELP, int_at_least
+from .common import ALLOW_DOWNLOAD_HELP, BACKEND_HELP, DEVICE_HELP, int_at_least
 
-COMPANION_HELP = "prefix:K (the target's first K layers) or a model sharing the target's tokenizer"
+COMPANION_HELP = (
+    f"prefix:K (the target's first K layers) or a model sharing the target's tokenizer, on transformers only "
+    f"(default: {COMPANION} on transformers, none on llama.cpp)"
+)
 FORCE_HELP = "replace the profile already saved at the output path (without it, an existing one is kept)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options that name an SV configuration (shared by generate and sv calibrate)."""
-    parser.add_argument("--companion", default=COMPANION, help=f"SV companion: {COMPANION_HELP} (default: %(default)s)")
+    parser.add_argument("--companion", help=f"SV companion: {COMPANION_HELP}")
     parser.add_argument(
         "--sv-predictor",
         default=SV_PREDICTOR,
         choices=["companion", "draft"],
-        help="SV's acceptance features: the draft's alone, or with the companion's (default: %(default)s)",
+        help="SV's acceptance features: the draft's alone, or with the companion's (transformers only) "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--sv-profile",
@@ -59,7 +77,7 @@ def add_parser(sub) -> None:
         "and save the table.",
     )
     _model_arguments(profile)
-    profile.add_argument("--companion", default=COMPANION, help="(default: %(default)s); none: no companion")
+    profile.add_argument("--companion", help=f"{COMPANION_HELP}; none: no companion")
     profile.add_argument(
         "--batch-sizes", type=int_at_least(1), nargs="+", default=list(SV_BATCH_SIZES), help="(default: %(default)s)"
     )
@@ -117,19 +135,125 @@ def add_parser(sub) -> None:
 def _model_arguments(parser) -> None:
     parser.add_argument("--target", default=TARGET, help="(default: %(default)s)")
     parser.add_argument("--draft", default=DRAFT, help="(default: %(default)s)")
-    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="(default: %(default)s)")
+    parser.add_argument("--backend", default="auto", choices=["auto", *BACKENDS], help=BACKEND_HELP)
+    parser.add_argument(
+        "--draft-quant",
+        default="auto",
+        choices=["auto", "none", *QUANTS, *LLAMACPP_QUANTS],
+        help=f"the draft's quantization, as generate runs it: {', '.join(QUANTS)} on transformers, "
+        f"{', '.join(LLAMACPP_QUANTS)} on llama.cpp; auto: {LLAMACPP_QUANTS[0]} on llama.cpp, none on transformers "
+        "(default: %(default)s)",
+    )
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="on transformers (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help=f"{DEVICE_HELP} (default: %(default)s)")
     parser.add_argument("--allow-download", action="store_true", help=ALLOW_DOWNLOAD_HELP)
 
 
+@dataclass(frozen=True)
+class Setup:
+    """What SV's profiles are made for and found by, resolved before any model loads, the same way by ``generate
+    --policy sv``, ``sv profile`` and ``sv calibrate``: the models as typed, the backend that runs them, the draft's
+    quantization, the companion."""
+
+    target: str
+    draft: str
+    backend: str  # one of BACKENDS
+    draft_quant: str  # "none", or one of QUANTS (transformers) or LLAMACPP_QUANTS (llama.cpp)
+    companion: str | None  # None: none (always on llama.cpp)
+    dtype: str  # transformers' dtype; llama.cpp runs the GGUF's own types
+    device: str
+
+    @property
+    def quant(self) -> str | None:
+        """The draft's quantization as ``load_model`` takes it."""
+        return None if self.draft_quant == "none" else self.draft_quant
+
+    @property
+    def names(self) -> tuple[str, str]:
+        """(target, draft) as the profiles name them: with the backend, and the draft's quantization
+        (``profiles.run_name``)."""
+        return run_name(self.target, self.backend), run_name(self.draft, self.backend, self.quant)
+
+    def command(self, subcommand: str, sampling: dict | None = None, out: Path | None = None) -> str:
+        """The ``blockspec sv profile`` or ``sv calibrate`` command line that makes this configuration's profile
+        (for the calibration profile, of ``sampling_key`` ``sampling``), saved at ``out`` or where it is looked for."""
+        words = ["blockspec", "sv", subcommand, "--target", self.target, "--draft", self.draft]
+        words += ["--backend", self.backend, "--draft-quant", self.draft_quant]
+        if self.backend == "hf":  # llama.cpp runs neither a companion nor a dtype, and only on the CPU
+            words += ["--companion", self.companion or "none"]
+            if subcommand == "profile":
+                words += ["--dtype", self.dtype, "--device", self.device]
+        if sampling is not None:  # repr: the profile is specific to the exact values
+            words += ["--temperature", repr(float(sampling["temperature"])), "--top-k", str(sampling["top_k"])]
+            words += ["--top-p", repr(float(sampling["top_p"]))]
+        if out is not None:
+            words += ["--out", str(out)]
+        return shlex.join(words)
+
+
+def resolve_companion(companion: str | None, backend: str, predictor: str) -> str | None:
+    """The companion SV's profiles are made with and found by, from ``--companion`` (None where not given): by default
+    COMPANION on transformers; none on llama.cpp, which runs none (a ``prefix:K`` companion is the target's own
+    transformers layers); ``none``: none. Refuses, before any model loads, a companion on llama.cpp and the
+    companion predictor without one."""
+    if backend == "llamacpp":
+        if predictor == "companion":
+            raise ValueError(
+                "--sv-predictor companion runs a companion built from the target's transformers layers: on "
+                "--backend llamacpp use --sv-predictor draft (the default), or pass --backend hf"
+            )
+        if companion not in (None, "none"):
+            raise ValueError(
+                f"--companion {companion} runs on transformers only: on --backend llamacpp SV predicts from the "
+                "draft alone (leave --companion out), or pass --backend hf"
+            )
+        return None
+    if companion == "none":
+        if predictor == "companion":
+            raise ValueError("--sv-predictor companion needs a companion: leave out --companion none")
+        return None
+    return companion or COMPANION
+
+
+def _setup(args, predictor: str = SV_PREDICTOR) -> Setup:
+    """``sv profile``'s and ``sv calibrate``'s Setup; a device torch cannot use is refused here, before any load."""
+    from ..models.hf import resolve_backend, resolve_device
+    from .generate import draft_quant_on  # generate imports this module: imported when called
+
+    resolve_device(args.device)
+    backend = resolve_backend(args.backend, args.device, args.target, args.draft)
+    return Setup(
+        target=args.target,
+        draft=args.draft,
+        backend=backend,
+        draft_quant=draft_quant_on(backend, args.draft_quant, sv=True),
+        companion=resolve_companion(args.companion, backend, predictor),
+        dtype=args.dtype,
+        device=args.device,
+    )
+
+
 def build_policy(config, target, sampling):
-    """(SVPolicy, companion model or None) for ``blockspec generate --policy sv``: the profiles saved for the
-    model names the user typed (a quantized draft keeps its name)."""
+    """(SVPolicy, companion model or None) for ``blockspec generate --policy sv`` (``config``: its GenerateConfig,
+    backend, draft quantization and companion resolved): the profiles saved for this Setup; a missing one is an
+    error naming the exact command that makes it."""
     from ..models.companion import load_companion
     from ..policy import SVPolicy
+    from ..policy.latency import dtype_name
+    from ..policy.profiles import calibration_file, latency_file
     from ..verify import SAMPLED_RULES
 
-    companion_name = config.companion if config.sv_predictor == "companion" else None
+    setup = Setup(
+        config.target, config.draft, config.backend, config.draft_quant, config.companion, config.dtype, config.device
+    )
+    names, key = setup.names, sampling_key(sampling)
+    profile = calibration_file(
+        *names, setup.companion, key, config.sv_profile, command=setup.command("calibrate", key, config.sv_profile)
+    )
+    dtype, device = dtype_name(target.dtype), str(target.device)
+    latency = latency_file(
+        *names, setup.companion, dtype, device, config.latency, command=setup.command("profile", out=config.latency)
+    )
     # SV's predictors hold one closed form per sampled rule; greedy (or no --rule) takes the policy's default rule,
     # which gives the same accepted tokens at temperature 0
     rule = {"rule": config.rule} if config.rule in SAMPLED_RULES else {}
@@ -140,11 +264,12 @@ def build_policy(config, target, sampling):
         **rule,
         max_draft=config.resolved_max_draft,
         kind=config.sv_predictor,
-        companion=config.companion,
-        profile=config.sv_profile,
-        latency=config.latency,
-        names=(config.target, config.draft),
+        companion=setup.companion,
+        profile=profile,
+        latency=latency,
+        names=names,
     )
+    companion_name = setup.companion if config.sv_predictor == "companion" else None  # the draft predictor runs none
     companion = (
         load_companion(
             companion_name, target, dtype=config.dtype, device=config.device, allow_download=config.allow_download
@@ -158,21 +283,25 @@ def build_policy(config, target, sampling):
 def run_profile(args) -> int:
     from ..auto import measure_profile
     from ..models.companion import load_companion
-    from ..models.hf import load_model, resolve_device
+    from ..models.hf import load_model
+    from ..policy.latency import dtype_name
 
-    resolve_device(args.device)  # a device torch cannot use is refused before the models load
-    companion_name = None if args.companion == "none" else args.companion
+    setup = _setup(args)
     if args.out:
         check_output(args.out, args.force)
-    target = load_model(args.target, dtype=args.dtype, device=args.device, allow_download=args.allow_download)
-    # the default path names the device the target loaded on ("cuda:0" for cuda): known once the target is loaded
-    out = args.out or latency_path(args.target, args.draft, companion_name, args.dtype, str(target.device))
+    load = {"device": args.device, "allow_download": args.allow_download, "backend": setup.backend}
+    target = load_model(args.target, dtype=args.dtype, **load)
+    # the default path names the dtype ("gguf" on llama.cpp) and the device the target loaded on ("cuda:0" for
+    # cuda): known once the target is loaded
+    out = args.out or latency_path(*setup.names, setup.companion, dtype_name(target.dtype), str(target.device))
     if not args.out:
         check_output(out, args.force)
-    draft = load_model(args.draft, dtype=args.dtype, device=args.device, allow_download=args.allow_download)
+    draft = load_model(args.draft, dtype=args.dtype, quant=setup.quant, **load)
     companion = (
-        load_companion(companion_name, target, dtype=args.dtype, device=args.device, allow_download=args.allow_download)
-        if companion_name
+        load_companion(
+            setup.companion, target, dtype=args.dtype, device=args.device, allow_download=args.allow_download
+        )
+        if setup.companion
         else None
     )
     profile = measure_profile(
@@ -184,8 +313,9 @@ def run_profile(args) -> int:
         context=args.context,
         repeats=args.repeats,
     )
-    # the names the other commands look the profile up by: what the user typed
-    profile.meta.update(target=args.target, draft=args.draft, companion=companion_name)
+    # the names the other commands look the profile up by: what the user typed, with the backend and quantization
+    target_name, draft_name = setup.names
+    profile.meta.update(target=target_name, draft=draft_name, companion=setup.companion)
     profile.save(out)
     for name, table in (("target", profile.target), ("draft", profile.draft), ("companion", profile.companion)):
         if table is not None:
@@ -205,20 +335,27 @@ def run_calibrate(args) -> int:
     from ..engine import SpeculativeDecoder
     from ..models.chat import encode_prompt
     from ..models.companion import load_companion
-    from ..models.hf import load_model, resolve_device
+    from ..models.hf import load_model
     from ..sampling import SamplingParams
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)  # values checked before the models load
-    resolve_device(args.device)
-    out = args.out or profile_path(args.target, args.draft, args.companion, sampling_key(sampling))
+    setup = _setup(args, args.sv_predictor)
+    target_name, draft_name = setup.names
+    out = args.out or profile_path(target_name, draft_name, setup.companion, sampling_key(sampling))
     check_output(out, args.force)
-    target = load_model(args.target, dtype=args.dtype, device=args.device, allow_download=args.allow_download)
-    draft = load_model(args.draft, dtype=args.dtype, device=args.device, allow_download=args.allow_download)
-    companion = load_companion(
-        args.companion, target, dtype=args.dtype, device=args.device, allow_download=args.allow_download
+    load = {"device": args.device, "allow_download": args.allow_download, "backend": setup.backend}
+    target = load_model(args.target, dtype=args.dtype, **load)
+    draft = load_model(args.draft, dtype=args.dtype, quant=setup.quant, **load)
+    companion = (
+        load_companion(
+            setup.companion, target, dtype=args.dtype, device=args.device, allow_download=args.allow_download
+        )
+        if setup.companion
+        else None
     )
+    recorder = Recorder(args.max_draft, companion=companion is not None)
     decoder = SpeculativeDecoder(
-        target, draft, rule="token", max_draft=args.max_draft, policy=Recorder(args.max_draft), companion=companion
+        target, draft, rule="token", max_draft=args.max_draft, policy=recorder, companion=companion
     )
     prompts = load_prompts(args.dataset, args.prompts, seed=args.seed)
     ids = [encode_prompt(decoder.tokenizer, p.text, chat=True) for p in prompts]
@@ -228,12 +365,12 @@ def run_calibrate(args) -> int:
     if args.recording:
         recording.save(args.recording)
     profile, report = fit_profile(
-        recording, target=args.target, draft=args.draft, companion=args.companion, sampling=sampling_key(sampling)
+        recording, target=target_name, draft=draft_name, companion=setup.companion, sampling=sampling_key(sampling)
     )
     profile.metrics["calibration_prompts"] = [p.id for p in prompts]
     profile.save(out)
     plot = out.with_suffix(".png")
-    plot_calibration(report, plot, title=f"{args.target} / {args.draft} / companion {args.companion}")
+    plot_calibration(report, plot, title=f"{target_name} / {draft_name} / companion {setup.companion}")
     print(
         f"{'rule':<6} {'predictor':<10} {'held-out log-loss':>18} {'floor':>7} {'Brier':>8} {'mean pred':>10} "
         f"{'mean gain':>10}"

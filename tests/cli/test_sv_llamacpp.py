@@ -8,6 +8,7 @@ llama.cpp requires), so ``tokenizer_from_gguf`` hands the loaders ``tiny_tokeniz
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from dataclasses import dataclass, replace
@@ -65,7 +66,8 @@ def pair(tmp_path_factory, tokenizer_from_gguf) -> Pair:
         grid = ["--batch-sizes", "1", "2", "--tokens", "1", "2", "3", "4", "--context", "8", "--repeats", "1"]
         assert cli.main(["sv", "profile", *models, *grid]) == 0
         recorded = ["--dataset", "lm1b", "--prompts", "6", "--max-new-tokens", "24", "--max-draft", "3"]
-        assert cli.main(["sv", "calibrate", *models, *recorded, "--batch-size", "3", *GREEDY]) == 0
+        recording = ["--recording", str(root / "recording.pt")]
+        assert cli.main(["sv", "calibrate", *models, *recorded, "--batch-size", "3", *GREEDY, *recording]) == 0
     return found
 
 
@@ -107,6 +109,16 @@ def test_generate_with_sv_on_llama_cpp_gives_the_greedy_text_of_the_target(pair,
     drafted = re.search(r"([0-9.]+) drafted per step", err)
     assert drafted is not None and float(drafted[1]) > 0, f"SV verified no drafted token, so tested nothing: {err}"
     assert out == alone and len(alone.strip()) >= 8
+
+
+def test_replay_of_a_recording_without_a_companion_scores_the_draft_only_policy(pair, cache, tmp_path):
+    profiles = {kind: str(next((cache / "sv").glob(f"{kind}-*.json"))) for kind in ("calibration", "latency")}
+    out = tmp_path / "replay.json"
+    replay = ["sv", "replay", "--recording", str(cache / "recording.pt"), "--sv-profile", profiles["calibration"]]
+    replay += ["--latency", profiles["latency"], "--batch-sizes", "1", "2", "--steps", "10", "--out", str(out)]
+    assert cli.main(replay) == 0
+    policies = {row["policy"] for row in json.loads(out.read_text())}
+    assert policies == {"target-only", "fixed K=1", "fixed K=2", "SV draft", "oracle"}
 
 
 def test_the_library_finds_the_profiles_the_command_line_made(pair, cache):

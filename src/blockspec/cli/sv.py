@@ -282,7 +282,6 @@ def build_policy(config, target, sampling):
 
 def run_profile(args) -> int:
     from ..auto import measure_profile
-    from ..models.companion import load_companion
     from ..models.hf import load_model
     from ..policy.latency import dtype_name
 
@@ -297,13 +296,7 @@ def run_profile(args) -> int:
     if not args.out:
         check_output(out, args.force)
     draft = load_model(args.draft, dtype=args.dtype, quant=setup.quant, **load)
-    companion = (
-        load_companion(
-            setup.companion, target, dtype=args.dtype, device=args.device, allow_download=args.allow_download
-        )
-        if setup.companion
-        else None
-    )
+    companion = _companion(setup, target, args)
     profile = measure_profile(
         target,
         draft,
@@ -329,12 +322,22 @@ def run_profile(args) -> int:
     return 0
 
 
+def _companion(setup: Setup, target, args):
+    """The companion ``sv profile`` and ``sv calibrate`` measure with, or None."""
+    from ..models.companion import load_companion
+
+    if setup.companion is None:
+        return None
+    return load_companion(
+        setup.companion, target, dtype=args.dtype, device=args.device, allow_download=args.allow_download
+    )
+
+
 def run_calibrate(args) -> int:
     from ..bench.calibrate import Recorder, fit_profile, record
     from ..bench.datasets import load as load_prompts
     from ..engine import SpeculativeDecoder
     from ..models.chat import encode_prompt
-    from ..models.companion import load_companion
     from ..models.hf import load_model
     from ..sampling import SamplingParams
 
@@ -346,13 +349,7 @@ def run_calibrate(args) -> int:
     load = {"device": args.device, "allow_download": args.allow_download, "backend": setup.backend}
     target = load_model(args.target, dtype=args.dtype, **load)
     draft = load_model(args.draft, dtype=args.dtype, quant=setup.quant, **load)
-    companion = (
-        load_companion(
-            setup.companion, target, dtype=args.dtype, device=args.device, allow_download=args.allow_download
-        )
-        if setup.companion
-        else None
-    )
+    companion = _companion(setup, target, args)
     recorder = Recorder(args.max_draft, companion=companion is not None)
     decoder = SpeculativeDecoder(
         target, draft, rule="token", max_draft=args.max_draft, policy=recorder, companion=companion

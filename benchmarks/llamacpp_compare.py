@@ -5,6 +5,8 @@ Per prompt, in one interleaved round (batch 1, the same chat-formatted prompt an
   llamacpp-token/-block  blockspec, the 0.5B draft, fixed K, token / block verification, on llama.cpp
   llamacpp-auto      blockspec's default: block verification, length adapted to the measured step costs
   llamacpp-block-q4 / -auto-q4  the same with the draft requantized to q4_0 by llama.cpp (`--draft-quant q4_0`)
+  llamacpp-block-q4-cut / -auto-q4-cut  the q4_0 draft with its vocabulary cut to its first 32,768 ids and special
+                     tokens (`models.vocab_cut`: an output layer of 32,790 rows instead of 151,936)
   llamacpp-lookup    blockspec, prompt lookup alone (no draft model)
   hf-alone           blockspec's engine, target alone, on transformers (bfloat16 weights dequantized from the GGUF)
   hf-assisted        transformers' assisted generation with the same draft (its whole wall time: it reports no
@@ -44,12 +46,15 @@ ROWS = (
     "llamacpp-auto",
     "llamacpp-block-q4",
     "llamacpp-auto-q4",
+    "llamacpp-block-q4-cut",
+    "llamacpp-auto-q4-cut",
     "llamacpp-lookup",
     "llama.cpp-spec",
     "hf-alone",
     "hf-assisted",
 )
 BASELINE = "llamacpp-alone"
+VOCABULARY_CUT = 32768  # the cut draft's ids (plus its special tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,6 +92,7 @@ def run(args) -> None:
     tools = args.tools or Path(subprocess.check_output(["bash", "scripts/build_llamacpp_tools.sh"], text=True).strip())
     target, draft = load_llamacpp("qwen2.5-coder-1.5b"), load_llamacpp("qwen2.5-coder-0.5b")
     small = load_llamacpp("qwen2.5-coder-0.5b", quant="q4_0")
+    cut = load_llamacpp("qwen2.5-coder-0.5b", quant="q4_0", vocabulary=VOCABULARY_CUT)
     machine = {"cpu_flags": cpu_flags(), "threads": torch.get_num_threads()}
     args.out.mkdir(parents=True, exist_ok=True)
     records = (args.out / "records.jsonl").open("a")
@@ -111,6 +117,8 @@ def run(args) -> None:
         "llamacpp-auto": auto(draft),
         "llamacpp-block-q4": SpeculativeDecoder(target, small, rule="block", max_draft=args.max_draft),
         "llamacpp-auto-q4": auto(small),
+        "llamacpp-block-q4-cut": SpeculativeDecoder(target, cut, rule="block", max_draft=args.max_draft),
+        "llamacpp-auto-q4-cut": auto(cut),
         "llamacpp-lookup": SpeculativeDecoder(target, lookup=PromptLookup()),
     }
     if {"hf-alone", "hf-assisted"} & set(args.rows):
@@ -263,7 +271,7 @@ def report(records: list[dict]) -> None:
     for temperature in sorted({r["temperature"] for r in runs}):
         spec = [r for r in runs if r["row"] == "llama.cpp-spec" and r["temperature"] == temperature]
         own = {r["prompt"]: r["accepted_per_step"] for r in spec}
-        for row in ("llamacpp-block", "llamacpp-block-q4"):
+        for row in ("llamacpp-block", "llamacpp-block-q4", "llamacpp-block-q4-cut"):
             these = [r for r in runs if r["row"] == row and r["temperature"] == temperature and "expected_block" in r]
             if not these:
                 continue

@@ -38,6 +38,7 @@ from .slots import SlotCache, SlotLayer, slot_mask, tree_mask
 
 if TYPE_CHECKING:
     from .llamacpp import LlamaCppModel
+    from .vocab_cut import VocabularyCut
 
 log = logging.getLogger(__name__)
 
@@ -294,6 +295,7 @@ def load_model(
     allow_download: bool = ...,
     quant: str | None = ...,
     backend: Literal["hf"] = ...,
+    vocabulary: None = ...,
 ) -> HFModel: ...
 @overload
 def load_model(
@@ -305,7 +307,8 @@ def load_model(
     allow_download: bool = ...,
     quant: str | None = ...,
     backend: str,
-) -> HFModel | LlamaCppModel: ...
+    vocabulary: int | None = ...,
+) -> HFModel | LlamaCppModel | VocabularyCut: ...
 def load_model(
     name_or_path: str,
     *,
@@ -315,11 +318,13 @@ def load_model(
     allow_download: bool = False,
     quant: str | None = None,
     backend: str = "hf",
-) -> HFModel | LlamaCppModel:
+    vocabulary: int | None = None,
+) -> HFModel | LlamaCppModel | VocabularyCut:
     """Load a causal LM as an HFModel: a bundled preset name, a GGUF file, a local directory or a hub id; with
     ``backend="llamacpp"`` a preset or GGUF file as a ``llamacpp.LlamaCppModel`` instead (CPU only; the GGUF's own
-    quantization, so ``dtype`` does not apply; ``quant`` is one of LLAMACPP_QUANTS there, a requantized copy).
-    ``resolve_backend`` picks one.
+    quantization, so ``dtype`` does not apply; ``quant`` is one of LLAMACPP_QUANTS there, a requantized copy;
+    ``vocabulary`` runs a copy whose vocabulary is cut to that many ids and the special tokens, a cheaper draft:
+    ``vocab_cut``). ``resolve_backend`` picks one.
 
     Hub ids resolve from the local Hugging Face cache only: a name that is none of these is refused with the
     closest preset name, before any network access, unless ``allow_download=True`` lets a hub id be downloaded.
@@ -340,7 +345,9 @@ def load_model(
         from .llamacpp import load_llamacpp
 
         with _reading_gguf(None if name_or_path in PRESETS else name_or_path):
-            return load_llamacpp(name_or_path, quant=quant, progress=progress)
+            return load_llamacpp(name_or_path, quant=quant, vocabulary=vocabulary, progress=progress)
+    if vocabulary is not None:
+        raise ValueError("a cut vocabulary (vocabulary=...) runs on the llama.cpp backend only")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     torch_dtype, target_device = getattr(torch, dtype), resolve_device(device)

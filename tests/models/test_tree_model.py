@@ -291,6 +291,65 @@ def test_greedy_tree_steps_through_the_verifier_reproduce_plain_greedy_decoding(
     assert steps < length * 0.7  # paths were accepted, so nodes were skipped over
 
 
+# --- a tree grown level by level, as a drafter reads it -------------------------------------------------------------
+
+
+def split_columns(nodes: int, parts: int, gen: torch.Generator) -> list[slice]:
+    """The columns of a tree of ``nodes`` nodes, cut at random places into ``parts`` consecutive calls (some possibly
+    empty)."""
+    cuts = sorted(torch.randint(0, nodes + 1, (parts - 1,), generator=gen).tolist())
+    bounds = [0, *cuts, nodes]
+    return [slice(bounds[i], bounds[i + 1]) for i in range(parts)]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_tree_grown_by_several_forwards_is_the_tree_scored_at_once(model, seed):
+    """The same random trees (holes included), once in one forward_tree and once in 1-4 consecutive calls cut at
+    random columns (a call's parents point at the waiting nodes and its own); every node's logits, the committed path
+    and the next forward must agree, and each node still has the logits of its path run as a chain."""
+    gen = torch.Generator().manual_seed(10 + seed)
+    whole, grown = HFModel(model), HFModel(model)
+    whole.prefill(ROWS)
+    grown.prefill(ROWS)
+    for step in range(3):
+        tokens, parents, valid = random_trees(gen, len(ROWS), 12, holes=0.2)
+        expected = whole.forward_tree(tokens, parents, valid)
+        parts = split_columns(12, 1 + (seed + step) % 4, gen)
+        logits = torch.cat([grown.forward_tree(tokens[:, c], parents[:, c], valid[:, c]) for c in parts], dim=1)
+        assert grown.lengths.tolist() == whole.lengths.tolist()  # the nodes wait for commit
+        mask = valid.to(logits.device)
+        assert_close(logits[mask], expected[mask])
+        if step == 0:
+            assert_nodes_match_their_paths(model, ROWS, tokens, parents, valid, logits)
+        ends = [int(v.nonzero().flatten()[-1]) + 1 if v.any() else 0 for v in valid]
+        paths = padded([path_to(parents[b].tolist(), end) for b, end in enumerate(ends)])
+        whole.commit(paths)
+        grown.commit(paths)
+        assert grown.lengths.tolist() == whole.lengths.tolist()
+        after = torch.randint(1, 40, (len(ROWS), 2), generator=gen)
+        assert_close(forward(grown, after), forward(whole, after))
+
+
+def test_a_bad_level_is_refused_and_leaves_the_waiting_tree_as_it_was(model):
+    """A second call's parents count the waiting nodes: 3 nodes wait, so its node 1 is node 4 and may hang under any
+    of 0..3, not under 4 (itself) nor under a waiting hole."""
+    adapter = HFModel(model)
+    adapter.prefill([[1, 2, 3]])
+    first = (torch.tensor([[5, 6, 7]]), torch.tensor([[0, 0, 1]]), torch.tensor([[1, 0, 1]]).bool())
+    adapter.forward_tree(*first)
+    one = torch.tensor([[8]])
+    with pytest.raises(ValueError, match=r"parents\[0, 0\] = 4 \(node 4, after the 3 nodes waiting .*\[0, 4\)"):
+        adapter.forward_tree(one, torch.tensor([[4]]), torch.ones(1, 1, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"parents\[0, 0\] = 2 \(node 4, after the 3 nodes waiting .*\) is a hole"):
+        adapter.forward_tree(one, torch.tensor([[2]]), torch.ones(1, 1, dtype=torch.bool))
+    second = adapter.forward_tree(one, torch.tensor([[3]]), torch.ones(1, 1, dtype=torch.bool))
+    with torch.no_grad():  # node 4 hangs under node 3, under node 1: its path is 5, 7, 8
+        fresh = model(torch.tensor([[1, 2, 3, 5, 7, 8]], device=second.device)).logits[0, -1]
+    assert_close(second[0, 0], fresh)
+    adapter.commit(torch.tensor([[1, 3, 4]]))
+    assert adapter.lengths.tolist() == [6]
+
+
 # --- refusals ------------------------------------------------------------------------------------------------------
 
 TREE = (torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([[0, 0, 1, 3, 0]]), torch.tensor([[1, 1, 1, 1, 0]]).bool())
@@ -361,7 +420,7 @@ def test_committing_anything_but_one_path_is_refused_and_the_tree_still_waits(mo
     assert_close(final[0, 0], fresh)
 
 
-def test_a_tree_waiting_for_its_commit_refuses_every_other_call(model):
+def test_a_tree_waiting_for_its_commit_refuses_every_call_but_a_tree_forward(model):
     adapter = HFModel(model)
     adapter.prefill([[1, 2, 3]])
     with pytest.raises(RuntimeError, match="none awaits it"):
@@ -369,7 +428,6 @@ def test_a_tree_waiting_for_its_commit_refuses_every_other_call(model):
     adapter.forward_tree(*TREE)
     for call in (
         lambda: forward(adapter, torch.tensor([[4]])),
-        lambda: adapter.forward_tree(*TREE),
         lambda: adapter.rollback(torch.tensor([1], device=adapter.device)),
         lambda: adapter.select(torch.tensor([0], device=adapter.device)),
     ):

@@ -56,22 +56,26 @@ class TreeLanguageModel(LanguageModel, Protocol):
     cached tokens) and attends to the row's cached tokens, its ancestors and itself: its logits are those a plain
     ``forward`` of its root-to-node path would give.
 
-    ``forward_tree`` leaves ``lengths`` as it was: the nodes wait for ``commit``, which must come next (``forward``,
-    ``forward_tree``, ``rollback`` and ``select`` are refused until then; ``prefill`` starts afresh). ``commit``
-    keeps one root-to-node path per row (possibly empty) as if a plain ``forward`` had appended it, frees every
+    ``forward_tree`` leaves ``lengths`` as it was: the nodes wait for ``commit`` (``forward``, ``rollback`` and
+    ``select`` are refused until then; ``prefill`` starts afresh). Another ``forward_tree`` before the ``commit`` grows
+    the waiting tree, as a drafter that reads its tree level by level does: its nodes are numbered after the P nodes
+    waiting (node P + a is column a - 1 of its tensors), its parents lie in [0, P + a) (the root, a waiting node or
+    an earlier node of its own), and it returns the logits of its own nodes only. ``commit`` keeps one root-to-node
+    path per row (possibly empty) of all the waiting nodes as if a plain ``forward`` had appended it, frees every
     other node's cache, and adds the path's length to ``lengths``.
     """
 
     def forward_tree(self, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Append the N nodes of each row's tree (``tokens``, ``parents``, ``valid`` [B, N]) in one forward and
-        return their logits [B, N, vocab_size]. Raises ValueError for a parent that is not an earlier valid node or
-        the root."""
+        """Append the N nodes of each row's tree (``tokens``, ``parents``, ``valid`` [B, N]) in one forward, after
+        the nodes already waiting for a ``commit`` if any, and return their logits [B, N, vocab_size]. Raises
+        ValueError for a parent that is not an earlier valid node or the root (the waiting tree stays as it was)."""
         ...
 
     def commit(self, path: torch.Tensor) -> None:
-        """Keep each row's accepted path of the last ``forward_tree``, given either as the nodes at depth 1, 2, ...
-        [B, D] int64 (node numbers 1..N, then -1: the verifier's ``accepted_nodes``), or as the nodes kept
-        [B, N] bool. Raises ValueError unless each row's nodes form one path down from the root."""
+        """Keep each row's accepted path of the waiting tree (every ``forward_tree`` since the last commit), given
+        either as the nodes at depth 1, 2, ... [B, D] int64 (node numbers 1..N, then -1: the verifier's
+        ``accepted_nodes``), or as the nodes kept [B, N] bool. Raises ValueError unless each row's nodes form one
+        path down from the root."""
         ...
 
 
@@ -88,11 +92,18 @@ def left_pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, valid
 
 
-def check_tree(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, batch: int) -> torch.Tensor:
+def check_tree(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    valid: torch.Tensor,
+    batch: int,
+    waiting: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Checks a ``forward_tree``'s arguments (``TreeLanguageModel``) for a batch of ``batch`` rows and returns
-    ``ancestors`` [B, N, N] bool: [b, i, j] = node j + 1 is node i + 1 or one of its ancestors (holes: themselves
-    only). Raises ValueError for a misshapen argument or a node whose parent is not the root or an earlier valid
-    node."""
+    ``ancestors`` [B, P+N, P+N] bool over the P nodes ``waiting`` = (parents, valid) [B, P] (already checked; none
+    if None) and the N new ones: [b, i, j] = node j + 1 is node i + 1 or one of its ancestors (holes: themselves
+    only). Raises ValueError for a misshapen argument or a new node whose parent is not the root or an earlier
+    valid node."""
     for name, value, dtype in (
         ("tokens", tokens, torch.long),
         ("parents", parents, torch.long),
@@ -105,20 +116,28 @@ def check_tree(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor,
             f"tokens, parents and valid must all be [B, N] with B = {batch} rows, got {list(tokens.shape)}, "
             f"{list(parents.shape)} and {list(valid.shape)}"
         )
-    nodes = tokens.shape[1]
+    before = 0 if waiting is None else waiting[0].shape[1]  # P: node P + a is column a - 1 of the new tensors
+    if waiting is not None:
+        parents, valid = torch.cat([waiting[0], parents], dim=1), torch.cat([waiting[1], valid], dim=1)
+    nodes = parents.shape[1]
     column = torch.arange(nodes, device=parents.device)  # node a = column a - 1
     late = valid & ((parents < 0) | (parents > column))  # parent(a) must lie in [0, a)
     orphan = valid & ~late & ~valid.gather(1, (parents - 1).clamp(0, max(nodes - 1, 0)))
     orphan &= parents > 0
+    late, orphan = late[:, before:], orphan[:, before:]  # the waiting nodes were checked by their own call
     if bool((late | orphan).any()):  # one host sync for both checks
         b, i = (late | orphan).nonzero()[0].tolist()
-        parent = int(parents[b, i])
+        parent, node = int(parents[b, before + i]), before + i + 1
+        waiting_nodes = f", after the {before} nodes waiting for a commit" if before else ""
         if late[b, i]:
             raise ValueError(
-                f"parents[{b}, {i}] = {parent} (node {i + 1}) must lie in [0, {i + 1}): 0 is the root, the row's last "
-                "cached token, and node a's parent is an earlier node (column a - 1), so parents precede children"
+                f"parents[{b}, {i}] = {parent} (node {node}{waiting_nodes}) must lie in [0, {node}): 0 is the root, "
+                "the row's last cached token, and node a's parent is an earlier node (column a - 1), so parents "
+                "precede children"
             )
-        raise ValueError(f"parents[{b}, {i}] = {parent} (node {i + 1}) is a hole: a valid node's parent must be valid")
+        raise ValueError(
+            f"parents[{b}, {i}] = {parent} (node {node}{waiting_nodes}) is a hole: a valid node's parent must be valid"
+        )
     # One step up (a node's parent), or none; then the reach doubles with each boolean square: after k squarings
     # it spans 2**k steps, and a path among N nodes has at most N - 1. float32 counts of at most N paths are
     # exact (also in TF32 while N < 2048), and are thresholded back to 0/1 each time.

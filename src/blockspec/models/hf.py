@@ -5,9 +5,10 @@ its longest; a prompt longer than the prefill budget is prefilled in chunks, eac
 through the cache. During its own forwards HFModel switches sdpa models to ``attention.grouped_sdpa``; between them
 the caller's model is as the caller left it (its own ``generate`` runs transformers' kernels).
 
-HFModel is a ``TreeLanguageModel``: ``forward_tree`` scores a drafted tree in one forward, each node at its depth's
-position under an ancestor mask (``slots.tree_mask``), and ``commit`` moves the accepted path's keys and values to
-the tree's first slots, so a tree step grows the cache by the path it keeps and never by the nodes it drops.
+HFModel is a ``TreeLanguageModel``: ``forward_tree`` scores a drafted tree in one forward (or grows the waiting tree
+by a level), each node at its depth's position under an ancestor mask (``slots.tree_mask``), and ``commit`` moves
+the accepted path's keys and values to the tree's first slots, so a tree step grows the cache by the path it keeps
+and never by the nodes it drops.
 
 ``load_model`` loads one by name: a bundled preset (`convert`), a GGUF file, a folder or a hub id.
 """
@@ -82,7 +83,7 @@ class HFModel:
         self.prefill_tokens = PREFILL_TOKENS
         self.on_prefill = on_prefill
         self._cache = SlotCache(self.num_layers, self.device)
-        self._tree: _Tree | None = None  # the last forward_tree's nodes, until commit keeps their path
+        self._tree: _Tree | None = None  # the nodes of the forward_tree calls since the last commit
 
     def __repr__(self) -> str:
         return f"HFModel({self.name}, {self.dtype}, {self.device})"
@@ -134,19 +135,24 @@ class HFModel:
 
     @torch.no_grad()
     def forward_tree(self, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        self._no_tree_pending("forward_tree")
         tokens, parents, valid = (t.to(self.device) for t in (tokens, parents, valid))
-        ancestors = check_tree(tokens, parents, valid, len(self.lengths))  # [B, N, N]
+        tree = self._tree  # the nodes waiting for a commit, which this forward's nodes grow (None: a new tree)
+        waiting = 0 if tree is None else tree.parents.shape[1]
+        before = None if tree is None else (tree.parents, tree.valid)
+        ancestors = check_tree(tokens, parents, valid, len(self.lengths), before)  # [B, P+N, P+N]
         batch, nodes = tokens.shape
-        depth = ancestors.sum(2)  # [B, N]: a node and its ancestors among the nodes, so 1 for a child of the root
+        if tree is not None:
+            parents, valid = torch.cat([tree.parents, parents], dim=1), torch.cat([tree.valid, valid], dim=1)
+        # A node and its ancestors among all the tree's nodes, so 1 for a child of the root: [B, N] for the new ones
+        depth = ancestors[:, waiting:].sum(2)
         positions = self.lengths[:, None] + depth - 1  # [B, N]
-        if self.max_length is not None and bool((positions[valid] >= self.max_length).any()):
+        if self.max_length is not None and bool((positions[valid[:, waiting:]] >= self.max_length).any()):
             raise ValueError(f"{self.name}: the tree outgrew the model's context of {self.max_length} tokens")
-        start = self._cache.extend_tree(nodes)
+        start = self._cache.extend_tree(nodes, waiting)
         if nodes == 0:  # nothing to score: transformers' forward takes no empty input
             logits = torch.zeros(batch, 0, self.vocab_size, dtype=self.dtype, device=self.device)
-        else:
-            mask = tree_mask(self._cache.slot_pos, ancestors, valid, self.dtype)
+        else:  # the new nodes' queries over the cached slots, the waiting nodes and their own
+            mask = tree_mask(self._cache.slot_pos, ancestors, valid, self.dtype)[:, :, waiting:]
             logits = self._call(self._cache.layers, tokens, mask, positions, logits_to_keep=0)
         self._tree = _Tree(parents, valid, start)
         return logits
@@ -219,7 +225,8 @@ class HFModel:
 
 @dataclass(frozen=True)
 class _Tree:
-    """A tree forward awaiting its commit: its nodes' ``parents`` and ``valid`` [B, N], in slots from ``start``."""
+    """A tree awaiting its commit (one or several forwards): its nodes' ``parents`` and ``valid`` [B, N], in slots
+    from ``start``."""
 
     parents: torch.Tensor
     valid: torch.Tensor

@@ -7,8 +7,9 @@ see exactly the earlier non-hole slots of its row, and explicit position ids kee
 so holes cost nothing but memory until an occasional compaction squeezes them out. Rolling back is a mask update.
 
 A drafted tree is appended the same way, N slots per row, under ``tree_mask`` (each node sees the cached tokens and
-its own ancestors); ``keep_path`` then moves each row's accepted path to the first of those slots and drops the
-rest, so a tree step leaves the cache as a plain forward of the path would.
+its own ancestors), in one forward or level by level (each forward appends its nodes after the waiting ones);
+``keep_path`` then moves each row's accepted path to the first of those slots and drops the rest, so a tree step
+leaves the cache as a plain forward of the path would.
 """
 
 from __future__ import annotations
@@ -66,10 +67,16 @@ class SlotCache:
         self.slot_pos = slot_pos
         self.lengths = self.lengths + valid.sum(1)
 
-    def extend_tree(self, nodes: int) -> int:
-        """Room for ``nodes`` slots per row after the cache's; returns the first of them. The forward that fills them
-        runs under ``tree_mask``; ``keep_path`` must follow it (until then ``slot_pos`` does not cover them)."""
-        self._make_room(nodes)
+    def extend_tree(self, nodes: int, waiting: int = 0) -> int:
+        """Room for ``nodes`` slots per row after the cache's and the ``waiting`` slots of a tree already appended;
+        returns the first slot of the tree. The forward that fills them runs under ``tree_mask``; ``keep_path`` must
+        follow it (until then ``slot_pos`` does not cover them). A tree that grows only gets room: a compaction
+        would move the slots of its waiting nodes."""
+        if waiting:
+            for layer in self.layers:
+                layer.reserve(self.slot_pos.shape[1] + waiting + nodes)
+        else:
+            self._make_room(nodes)
         return self.slot_pos.shape[1]
 
     def keep_path(self, start: int, columns: torch.Tensor) -> None:

@@ -52,6 +52,27 @@ def check_decoder(rule: str, draft, policy, max_draft, lookup) -> None:
         )
 
 
+def tree_shape(tree, draft, policy, companion, lookup) -> tuple[int, ...] | None:
+    """``SpeculativeDecoder``'s ``tree`` as a tuple (children per node at each depth), None for chains; refused
+    without a draft model, and with what this step does not combine it with yet (length policies, SV, lookup)."""
+    if tree is None:
+        return None
+    if isinstance(tree, str | bytes) or not isinstance(tree, Sequence) or len(tree) == 0:
+        raise ValueError(f"tree must be a non-empty sequence of ints (children per node at each depth), got {tree!r}")
+    if not all(is_int(k) and k >= 1 for k in tree):
+        raise ValueError(f"tree must hold ints >= 1, the children of every node at each depth, e.g. (2, 1, 1); got {tree!r}")
+    if draft is None:
+        raise ValueError("a tree is drafted by a draft model: pass draft=... with tree=...")
+    if policy is not None or companion is not None:
+        raise ValueError(
+            "tree drafting has a static shape: it combines with no length policy yet (nor SV's companion); pass "
+            "tree=... without policy= and companion="
+        )
+    if lookup is not None:
+        raise ValueError("tree drafting does not combine with prompt lookup yet; pass tree=... without lookup=")
+    return tuple(int(k) for k in tree)
+
+
 def refuse_shared_adapters(*models: LanguageModel | None) -> None:
     """One adapter object in two roles would share one KV cache between them: each role's forwards would
     corrupt the other's. (The same transformers model wrapped in two adapters is fine: two caches.)"""

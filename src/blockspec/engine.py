@@ -4,6 +4,10 @@ Glossary: B rows still decoding, W the step's widest verified proposal, V the ta
 keeps its own tokens, random stream and cache positions, so rows accept different numbers of tokens each step
 and leave the batch when they finish. With no draft model and no prompt lookup the target decodes alone through
 the same loop (steps that propose nothing), so comparisons are fair.
+
+A tree step runs the same stages: its proposal carries each node's parent (W = N nodes), the target scores the
+pending token as node 1 and drafted node a as node a + 1 in one ``forward_tree``, a tree rule verifies it, and the
+caches commit the accepted path before they roll back.
 """
 
 from __future__ import annotations
@@ -17,15 +21,21 @@ import torch
 from . import checks
 from .batch import Batch
 from .defaults import MAX_DRAFT, RULE
-from .drafting import DraftProposer, LookupState, PromptLookup, Proposal
+from .drafting import DraftProposer, LookupState, PromptLookup, Proposal, Proposer, TreeProposer
+from .drafting.tree import SCHEME, tree_slots
 from .models.adapt import as_model
-from .models.base import check_shared_vocabulary, target_vocabulary
+from .models.base import TreeLanguageModel, check_shared_vocabulary, model_name, target_vocabulary
 from .outputs import GenerationResult, StepStats
 from .policy import FixedLength, LengthPolicy, SVPolicy
 from .sampling import SamplingParams, check_unsupported
 from .stopping import Stopper
-from .verify import Randomness, get_rule
+from .verify import Randomness, Rule, TreeVerifyOutput, VerifyOutput, get_rule
 from .verify.base import verified_mask
+from .verify.tree import verify_tree_block, verify_tree_greedy, verify_tree_token
+from .verify.tree_inputs import node_mask
+
+# The tree form of each rule in blockspec.verify.RULES (verify/tree.py)
+TREE_VERIFIERS = {"block": verify_tree_block, "token": verify_tree_token, "greedy": verify_tree_greedy}
 
 # on_step(stats, proposal, target_probs [B, W+1, V]): called after each step is committed, before the roll back
 StepObserver = Callable[[StepStats, Proposal, torch.Tensor], None]
@@ -40,6 +50,11 @@ class SpeculativeDecoder:
     Speculative Verification from saved profiles, or any ``blockspec.policy.LengthPolicy``. ``companion`` scores
     drafts for a policy that needs it. Models are ``LanguageModel`` adapters or transformers models, distinct
     objects (each keeps its own KV cache); the target's vocabulary is the one kept. docs/guide/library.md has it all.
+
+    ``tree``: draft a tree of this static shape instead of a chain, children per node at each depth ((2, 1, 1): two
+    children of the root, then a chain of one under each, 6 nodes, 3 levels; ``max_draft`` is then unused), with
+    siblings drawn without replacement and verified by the rule's tree form (``TREE_VERIFIERS``). Both models must
+    be ``TreeLanguageModel`` (HFModel is); no length policy, companion or lookup with it yet.
     """
 
     def __init__(
@@ -52,8 +67,10 @@ class SpeculativeDecoder:
         policy: LengthPolicy | str | None = None,
         companion=None,
         lookup: PromptLookup | None = None,
+        tree: tuple[int, ...] | None = None,
     ):
         checks.check_decoder(rule, draft, policy, max_draft, lookup)
+        self.tree = checks.tree_shape(tree, draft, policy, companion, lookup)
         self.target = as_model(target)
         self.draft = as_model(draft) if draft is not None else None
         self.companion = as_model(companion) if companion is not None and self.draft is not None else None
@@ -65,9 +82,18 @@ class SpeculativeDecoder:
         )
         # the widest step, what each step draws randomness for: the model's drafts or the longest lookup proposal
         self.max_draft = max(self.policy.max_draft if self.draft else 0, lookup.max_draft if lookup else 0)
+        deepest = self.max_draft
+        if self.tree is not None:  # one uniform per slot of the tree for drafting, and one per node for verifying
+            self.max_draft, deepest = len(tree_slots(self.tree)), len(self.tree)
+            for role, model in (("target", self.target), ("draft", self.draft)):
+                if not isinstance(model, TreeLanguageModel):
+                    raise ValueError(
+                        f"tree drafting needs a {role} that scores trees (blockspec.models.base.TreeLanguageModel, "
+                        f"as HFModel does); the {role} {model_name(model)} does not"
+                    )
         context = self.target.max_length
-        if context is not None and self.max_draft >= context:
-            raise ValueError(f"max_draft {self.max_draft} is not below the target's context of {context} tokens")
+        if context is not None and deepest >= context:
+            raise ValueError(f"max_draft {deepest} is not below the target's context of {context} tokens")
         if self.policy.needs_companion and companion is None:
             raise ValueError("this length policy needs a companion model (companion=...)")
         self.vocab = target_vocabulary(self.target)
@@ -106,6 +132,11 @@ class SpeculativeDecoder:
         """
         check_unsupported(options)
         checks.check_generate(max_new_tokens, self.rule, sampling, draft_sampling)
+        if self.tree is not None and draft_sampling is not None and draft_sampling.greedy:
+            raise ValueError(
+                "a tree drafted at temperature 0 (its children ranked, not drawn) is verified at temperature 0 only: "
+                "a sampled target needs a sampled draft_sampling"
+            )
         max_new_tokens = int(max_new_tokens)  # a NumPy integer is stored as Python's
         stop_strings = checks.stop_strings_of(stop_strings, self.tokenizer)
         sequences = checks.encode_prompts(prompts, self.tokenizer, self.vocab, chat)
@@ -120,7 +151,7 @@ class SpeculativeDecoder:
     def _decode(
         self,
         batch: Batch,
-        proposer: DraftProposer,
+        proposer: Proposer,
         stopper: Stopper,
         sampling: SamplingParams,
         on_tokens: Callable[[int, list[int]], None] | None,
@@ -144,22 +175,14 @@ class SpeculativeDecoder:
             # 2. propose: tokens [B, W], probs [B, W, V] or None (one-hot), verified [B]
             room = batch.remaining(max_new_tokens) - 1  # the step's last token is the target's own
             proposal = proposer.propose(batch.rows, contexts, room, None if draws is None else draws.drafting)
-            # 3. score: the target reads [pending, x_1..x_W], each row up to its own verified length
+            # 3. score: the target reads [pending, x_1..x_W] (a tree: pending, then the nodes), up to each row's own
             target_probs = self._score(contexts, proposal, sampling)  # [B, W+1, V]
             # 4. verify: out.tokens [B, W+1], out.num_accepted [B] (tau)
             width = proposal.tokens.shape[1]
             randomness = None if draws is None else Randomness(draws.verifying[:, :width], draws.exponentials)
-            verified = proposal.verified.to(device)
-            out = rule.verify(
-                proposal.tokens,
-                proposal.probs,
-                target_probs,
-                num_verified=verified,
-                randomness=randomness,
-                validate=False,
-            )
-            # 5. observe: the length policy and lookup learn from this step's outcome
-            proposer.observe(batch.rows, proposal, target_probs, out.num_accepted)
+            out = self._verify(rule, proposal, target_probs, randomness)
+            # 5. observe: the length policy and lookup learn from this step's outcome (a tree proposer: its path)
+            proposer.observe(batch.rows, proposal, target_probs, out)
             # 6. commit: each row keeps tau + 1 tokens, less what its end cuts
             emitted, finished = batch.commit(out.tokens, out.num_accepted, stopper, on_tokens)
             step = StepStats(
@@ -173,8 +196,9 @@ class SpeculativeDecoder:
             stats.append(step)
             if on_step is not None:
                 on_step(step, proposal, target_probs)
-            # 7. roll back: the caches keep the committed tokens less the pending one; finished rows leave
-            self._roll_back(batch, proposer, finished)
+            # 7. roll back: the caches keep the committed tokens less the pending one (a tree step's commit its
+            # accepted path first); finished rows leave
+            self._roll_back(batch, proposer, finished, out)
 
         texts = None
         if self.tokenizer is not None:
@@ -182,8 +206,12 @@ class SpeculativeDecoder:
         reasons = cast(list[str], batch.finish_reasons)  # the loop ends when every row has a reason to end
         return GenerationResult(batch.generated, texts, reasons, stats, time.perf_counter() - start, prefill_s)
 
-    def _proposer(self, rows: int, sampling: SamplingParams, draft_sampling: SamplingParams) -> DraftProposer:
-        """A fresh proposer for one call: the SV policy for this call's sampling, a reset policy, fresh lookup."""
+    def _proposer(self, rows: int, sampling: SamplingParams, draft_sampling: SamplingParams) -> Proposer:
+        """A fresh proposer for one call: the SV policy for this call's sampling, a reset policy, fresh lookup; or
+        the tree proposer."""
+        if self.tree is not None:
+            assert isinstance(self.target, TreeLanguageModel) and isinstance(self.draft, TreeLanguageModel)
+            return TreeProposer(self.target, self.draft, self.tree, draft_sampling, self.vocab)
         if self.sv:
             rule = "token" if self.rule == "token" else "block"
             self.policy = SVPolicy.from_cache(
@@ -196,16 +224,52 @@ class SpeculativeDecoder:
         )
 
     def _score(self, contexts: list[list[int]], proposal: Proposal, sampling: SamplingParams) -> torch.Tensor:
-        """The target's processed distributions [B, W+1, V] after the pending token and each drafted one."""
+        """The target's processed distributions [B, W+1, V] after the pending token and each drafted one (a tree:
+        after the pending token, then after each node, as the tree verifiers take them)."""
         device = self.target.device
         pending = torch.tensor([c[-1] for c in contexts], device=device)[:, None]  # [B, 1]
-        drafts = verified_mask(proposal.verified.to(device), proposal.tokens.shape[1])  # [B, W]
-        valid = torch.cat([torch.ones_like(pending, dtype=torch.bool), drafts], dim=1)
-        logits = self.target.forward(torch.cat([pending, proposal.tokens.to(device)], 1), valid)
+        tokens = torch.cat([pending, proposal.tokens.to(device)], 1)  # [B, W+1]
+        valid = torch.ones_like(pending, dtype=torch.bool)
+        if proposal.parents is None:
+            drafts = verified_mask(proposal.verified.to(device), proposal.tokens.shape[1])  # [B, W]
+            logits = self.target.forward(tokens, torch.cat([valid, drafts], dim=1))
+        else:  # the pending token is node 1 (under the root, the last cached token), drafted node a is node a + 1
+            assert isinstance(self.target, TreeLanguageModel)
+            nodes = node_mask(proposal.verified.to(device), proposal.tokens.shape[1])  # [B, N]
+            parents = torch.cat([torch.zeros_like(pending), proposal.parents.to(device) + 1], 1)  # [B, N+1]
+            logits = self.target.forward_tree(tokens, parents, torch.cat([valid, nodes], dim=1))
         return checks.probabilities(self.target, "target", logits, sampling, self.vocab)
 
-    def _roll_back(self, batch: Batch, proposer: DraftProposer, finished: list[int]) -> None:
+    def _verify(self, rule: Rule, proposal: Proposal, target_probs: torch.Tensor, randomness) -> VerifyOutput:
+        """The rule's verdict on a chain, or its tree form's on a tree (siblings drawn as ``SCHEME`` says)."""
+        verified = proposal.verified.to(target_probs.device)
+        if proposal.parents is None:
+            return rule.verify(
+                proposal.tokens,
+                proposal.probs,
+                target_probs,
+                num_verified=verified,
+                randomness=randomness,
+                validate=False,
+            )
+        return TREE_VERIFIERS[rule.name](
+            proposal.tokens,
+            proposal.parents,
+            proposal.probs,
+            target_probs,
+            scheme=SCHEME,
+            num_nodes=verified,
+            randomness=randomness,
+            validate=False,
+        )
+
+    def _roll_back(self, batch: Batch, proposer: Proposer, finished: list[int], out: VerifyOutput) -> None:
         lengths = batch.lengths()  # [B]
+        if isinstance(out, TreeVerifyOutput):  # the target keeps node 1 (the pending token), then the accepted path
+            assert isinstance(self.target, TreeLanguageModel)
+            path = out.accepted_nodes  # [B, D]: verifier nodes 1..N, -1 after
+            pending = torch.ones_like(path[:, :1])
+            self.target.commit(torch.cat([pending, torch.where(path >= 0, path + 1, -1)], 1).to(self.target.device))
         self.target.rollback(lengths.to(self.target.device))
         proposer.roll_back(lengths)
         if finished:

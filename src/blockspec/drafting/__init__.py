@@ -1,8 +1,10 @@
 """Who proposes the tokens a step verifies: the draft model one position at a time (``block``), prompt lookup
-(``lookup``), and the ``Proposer`` that combines them under a length policy (``proposer``)."""
+(``lookup``), the ``Proposer`` that combines them under a length policy (``proposer``), and the draft model's trees
+of a static shape, level by level (``tree``)."""
 
 from .block import PAD, draft_block
 from .lookup import LookupState, PromptLookup
 from .proposer import DraftProposer, Proposal, Proposer
+from .tree import TreeProposer
 
-__all__ = ["PAD", "DraftProposer", "LookupState", "PromptLookup", "Proposal", "Proposer", "draft_block"]
+__all__ = ["PAD", "DraftProposer", "LookupState", "PromptLookup", "Proposal", "Proposer", "TreeProposer", "draft_block"]

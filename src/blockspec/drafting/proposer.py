@@ -15,20 +15,23 @@ from ..checks import probabilities
 from ..models.base import LanguageModel, left_pad
 from ..policy import LengthPolicy
 from ..sampling import SamplingParams, sample
-from ..verify import draft_distributions
+from ..verify import VerifyOutput, draft_distributions
 from .block import PAD, draft_block
 from .lookup import LookupState
 
 
 @dataclass(frozen=True)
 class Proposal:
-    """The drafts one step verifies. Past ``verified[b]`` row b holds PAD, which nothing reads."""
+    """The drafts one step verifies: a chain per row, or a tree per row when ``parents`` is given (then W = N nodes in
+    verify/tree_inputs.py's layout, ``probs`` [B, N+1, V] with row a the law node a's children were drawn from, and
+    ``drafted`` the levels drafted). Past ``verified[b]`` row b holds PAD, which nothing reads."""
 
     tokens: torch.Tensor  # [B, W] int64
     probs: torch.Tensor | None  # [B, W, V] float32: the law each token was drawn from; None: one-hot at ``tokens``
     verified: torch.Tensor  # [B] int64 in [0, W]: drafted tokens row b verifies (0: a plain target step)
     looked_up: torch.Tensor  # [B] bool: row b's tokens are a prompt lookup proposal
     drafted: int  # positions the draft model drafted (a length policy may verify fewer)
+    parents: torch.Tensor | None = None  # [B, N] int64: a tree's parent of each node (0: the root); None: chains
 
 
 class Proposer(Protocol):
@@ -38,7 +41,7 @@ class Proposer(Protocol):
 
     def propose(self, rows: list[int], contexts: list[list[int]], room: torch.Tensor, uniforms) -> Proposal: ...
 
-    def observe(self, rows: list[int], proposal: Proposal, target_probs: torch.Tensor, accepted: torch.Tensor): ...
+    def observe(self, rows: list[int], proposal: Proposal, target_probs: torch.Tensor, out: VerifyOutput): ...
 
     def roll_back(self, lengths: torch.Tensor) -> None: ...
 
@@ -101,9 +104,10 @@ class DraftProposer:
             tokens, probs, verified = with_proposals(proposals, tokens, probs, verified)
         return Proposal(tokens, probs, verified, looked_up, drafted)
 
-    def observe(self, rows: list[int], proposal: Proposal, target_probs: torch.Tensor, accepted: torch.Tensor):
+    def observe(self, rows: list[int], proposal: Proposal, target_probs: torch.Tensor, out: VerifyOutput):
         """The policy learns from the model's drafts only (a lookup row's acceptance says nothing about them);
         a prompt's next lookup length follows what was accepted of this proposal."""
+        accepted = out.num_accepted  # [B]
         looked_up = proposal.looked_up.to(proposal.verified.device)
         model_rows = proposal.verified.masked_fill(looked_up, 0)
         self.policy.observe(rows, proposal.tokens, proposal.probs, target_probs, model_rows, accepted)

@@ -1,15 +1,17 @@
 """The engine's references: plain greedy decoding by transformers, the exact law of the engine's first tokens
-(``engine_law``), and a plausible engine bug (``off_by_one``)."""
+(``engine_law``; with tree drafts ``engine_tree_law``), and a plausible engine bug (``off_by_one``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
 
 import torch
 
-from blockspec.verify import accepted_length_law, final_distributions
+from blockspec.verify import accepted_length_law, final_distributions, tree_law
 
-from . import lawkit
+from . import lawkit, treekit
 from .tiny import EOS
 
 Table = Callable[[torch.Tensor], torch.Tensor]  # contexts [N, L] (continuations of the prompt) -> probs [N, V]
@@ -92,3 +94,82 @@ def engine_law(
 
     visit((), 1.0)
     return law
+
+
+@dataclass(frozen=True)
+class _After:
+    """``lawkit.Tables``' lookups (what treekit draws trees with) for contexts continuing ``prefix``."""
+
+    vocab: int
+    prefix: tuple[int, ...]
+    target: Table
+    draft: Table
+
+    def _context(self, context: torch.Tensor) -> torch.Tensor:
+        prefix = torch.tensor(self.prefix, dtype=torch.long).expand(len(context), -1)
+        return torch.cat([prefix, context], dim=1)
+
+    def target_at(self, context: torch.Tensor) -> torch.Tensor:
+        return self.target(self._context(context))
+
+    def draft_at(self, context: torch.Tensor) -> torch.Tensor:
+        return self.draft(self._context(context))
+
+
+def engine_tree_law(
+    vocab: int,
+    length: int,
+    shape: tuple[int, ...],
+    target: Table,
+    draft: Table,
+    rule: str,
+    *,
+    scheme: str = "distinct",
+    verified: Callable[[treekit.Trees], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The exact joint law [vocab] * length of the first ``length`` tokens of the engine drafting trees of ``shape``
+    (siblings without replacement, as ``blockspec.drafting.tree``), step by step as the engine runs them. After g
+    tokens a step drafts ``shape`` cut to its first min(D, length - 1 - g) levels (every tree, by
+    ``treekit.all_trees``) and verifies it through the rule's closed form ``tree_law``, told ``scheme`` and handed the
+    target rows ``verified(trees)`` [T, N+1, V] (default: the trees' own); depth 0 is a plain target step. With the
+    defaults this is the correct engine and must be the target's law. The law after an emitted prefix depends on the
+    prefix only (fresh randomness, caches in step), so it is computed once per prefix."""
+
+    @cache
+    def after(prefix: tuple[int, ...]) -> torch.Tensor:  # [vocab] * (length - len(prefix))
+        done = len(prefix)
+        out = torch.zeros([vocab] * (length - done), dtype=torch.float64)
+        if done == length:
+            return out.fill_(1.0)
+        depth = min(len(shape), length - 1 - done)
+        if depth == 0:
+            probs = target(torch.tensor([prefix], dtype=torch.long).reshape(1, done))[0]
+            for token, prob in enumerate(probs.tolist()):
+                if prob > 0:
+                    out[token] += prob * after(prefix + (token,))
+            return out
+        trees = treekit.all_trees(_After(vocab, prefix, target, draft), shape[:depth], "distinct")  # type: ignore[arg-type]
+        target_probs = trees.target_probs if verified is None else verified(trees)
+        law = tree_law(
+            trees.draft_tokens,
+            trees.parents,
+            trees.draft_probs,
+            target_probs,
+            rule=rule,
+            scheme=scheme,
+            num_nodes=trees.num_nodes,
+            validate=False,
+        )
+        mass = trees.prob[:, None, None] * law.node_law[..., None] * law.final  # [T, N+1, V]
+        node_depth, code = treekit.node_codes(trees, vocab)
+        live = torch.nn.functional.pad(torch.arange(1, code.shape[1]) <= trees.num_nodes[:, None], (1, 0), value=True)
+        for tau in range(depth + 1):
+            at = (node_depth == tau) & live
+            emitted = torch.zeros(vocab ** (tau + 1), dtype=torch.float64)  # (path, y) in base vocab
+            emitted.index_add_(0, (code[at][:, None] * vocab + torch.arange(vocab)).flatten(), mass[at].flatten())
+            for index in emitted.nonzero().flatten().tolist():
+                tokens = tuple(index // vocab**i % vocab for i in range(tau, -1, -1))
+                out[tokens] += emitted[index] * after(prefix + tokens)
+        return out
+
+    return after(())

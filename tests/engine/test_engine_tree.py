@@ -1,0 +1,199 @@
+"""Tree drafting in the engine (``SpeculativeDecoder(..., tree=shape)``): the output law is exactly the target's, greedy
+output is plain greedy decoding, and after every step both caches hold exactly the committed tokens they have read.
+
+The law test follows test_engine_sampling_law.py: SAMPLES rows of one prompt on a tiny model pair (V = 4 tokens), the
+JOINT law of the first LENGTH = 4 tokens (256 outcomes) against the target's own law computed by enumeration, Pearson's
+chi-square at ALPHA after pooling sparse outcomes. With LENGTH = 4 the first step drafts the whole tree (depth 3 for
+(2, 1, 1)), later steps what still fits. Each case has a NEGATIVE CONTROL, a subtly wrong engine made by instance-level
+patches, whose exact law (``enginekit.engine_tree_law``: every tree enumerated, the verifier's closed form) gives the
+test's power against it (>= MIN_POWER, asserted before sampling) and which must fail the same test at the same N.
+
+Figures (statistic vs threshold, power) are printed: run with ``pytest -s`` to see them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from kits import enginekit, lawkit, treekit
+from kits.enginekit import reference_greedy
+from kits.tiny import perturbed, tiny_model
+
+from blockspec import SamplingParams, SpeculativeDecoder, engine
+from blockspec.drafting import TreeProposer
+from blockspec.drafting.lookup import PromptLookup
+from blockspec.models.base import left_pad
+from blockspec.models.hf import HFModel
+from blockspec.policy import FixedLength
+from blockspec.sampling import process
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ALPHA = 1e-4  # false-alarm probability of each chi-square test
+MIN_EXPECTED = 5.0  # Cochran's rule: outcomes expected fewer times are pooled
+MIN_POWER = 0.99  # required power of the same test against each negative control (from its exact law)
+VOCAB, LENGTH, SAMPLES = 4, 4, 4000
+PROMPT = [1, 2, 3]
+ENUMERATION_TOLERANCE = 1e-12  # the correct engine's enumerated law vs the target's, both float64
+GREEDY = SamplingParams(temperature=0.0)
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]  # rows of different lengths
+
+
+def parent_rows(target_probs: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:
+    """target_probs [B, N+1, V] with every node's row replaced by its parent's (the root's stays): the verifier is
+    handed the target's law one token short of each node's path, a wrong node's row."""
+    live = torch.arange(1, parents.shape[1] + 1, device=parents.device) <= num_nodes[:, None]  # [B, N]
+    own = torch.arange(1, parents.shape[1] + 1, device=parents.device)  # padding keeps its own row
+    above = torch.nn.functional.pad(parents.clamp(min=0).where(live, own), (1, 0))  # [B, N+1]
+    return target_probs.gather(1, above[..., None].expand(-1, -1, target_probs.shape[-1]))
+
+
+@dataclass(frozen=True)
+class Case:
+    sampling: SamplingParams
+    shape: tuple[int, ...]
+    rule: str
+
+
+# The control of every case is ``parent_rows``. Telling the verifier the siblings were drawn i.i.d. is lossy too, but
+# on these models its joint-law error is 2e-4 to 2e-3 (power < 0.001 at this N): a control this test cannot see.
+CASES = {
+    "block": Case(SamplingParams(), (2, 1, 1), "block"),
+    "token": Case(SamplingParams(), (2, 1, 1), "token"),
+    # top-k 2 leaves a root with 3 slots one child short: every tree has a hole, renumbered away
+    "top_k_block": Case(SamplingParams(top_k=2), (3, 1), "block"),
+}
+CONTROL = "every node's target row replaced by its parent's"
+
+
+# --- exact laws from the models' processed tables ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def models(device):
+    target = tiny_model(vocab=VOCAB, sharpness=3.0)
+    draft = perturbed(target, scale=0.4, seed=1).to(device)
+    target = target.to(device)
+    return target, draft, logit_tables(target), logit_tables(draft)
+
+
+def logit_tables(model) -> list[torch.Tensor]:
+    """tables[L]: the model's last logits [V**L, V] float32 after PROMPT + each continuation of length L < LENGTH."""
+    tables = []
+    with torch.no_grad():
+        for length in range(LENGTH):
+            continuations = lawkit.all_blocks(VOCAB, length)
+            contexts = torch.cat([torch.tensor(PROMPT).expand(len(continuations), -1), continuations], dim=1)
+            tables.append(model(contexts.to(model.device)).logits[:, -1].float().cpu())
+    return tables
+
+
+def processed(logits: list[torch.Tensor], params: SamplingParams) -> list[torch.Tensor]:
+    out = []
+    for table in logits:
+        probs = process(table, params).double()
+        out.append(probs / probs.sum(-1, keepdim=True))
+    return out
+
+
+def lookup(table: list[torch.Tensor]):
+    """contexts [N, L] (continuations of PROMPT) -> rows [N, V] of a table list."""
+
+    def at(contexts: torch.Tensor) -> torch.Tensor:
+        weights = VOCAB ** torch.arange(contexts.shape[1] - 1, -1, -1)
+        return table[contexts.shape[1]][(contexts * weights).sum(-1)]
+
+    return at
+
+
+def tree_law(target, draft, case: Case, *, wrong: bool = False) -> torch.Tensor:
+    """The exact law of the engine's first LENGTH tokens, or of the control's (``wrong``)."""
+
+    def verified(trees: treekit.Trees) -> torch.Tensor:
+        return parent_rows(trees.target_probs, trees.parents, trees.num_nodes)
+
+    return enginekit.engine_tree_law(
+        VOCAB, LENGTH, case.shape, lookup(target), lookup(draft), case.rule, verified=verified if wrong else None
+    )
+
+
+# --- the engine, right and subtly wrong ---------------------------------------------------------------------------
+
+
+def wrong_engine(case: Case, monkeypatch) -> dict[str, int]:
+    """Patches the engine's tree verifier of ``case.rule`` (``engine.TREE_VERIFIERS``) into the control (CONTROL);
+    returns a call counter, so the test can check the patch was exercised."""
+    verify = engine.TREE_VERIFIERS[case.rule]
+    calls = {"tree": 0}
+
+    def wrongly(draft_tokens, parents, draft_probs, target_probs, *, num_nodes, **kwargs):
+        calls["tree"] += 1
+        target_probs = parent_rows(target_probs, parents, num_nodes)
+        return verify(draft_tokens, parents, draft_probs, target_probs, num_nodes=num_nodes, **kwargs)
+
+    monkeypatch.setitem(engine.TREE_VERIFIERS, case.rule, wrongly)
+    return calls
+
+
+def run(decoder: SpeculativeDecoder, case: Case):
+    result = decoder.generate(
+        [PROMPT] * SAMPLES, max_new_tokens=LENGTH, sampling=case.sampling, seed=0, stop_on_eos=False
+    )
+    return lawkit.joint_counts(result.sequences, VOCAB), result
+
+
+def pooled_test(counts: torch.Tensor, law: torch.Tensor) -> lawkit.ChiSquare:
+    groups = lawkit.sparse_cell_groups(law, SAMPLES, MIN_EXPECTED)
+    return lawkit.chi_square(lawkit.pool_cells(counts, groups), lawkit.pool_cells(law, groups), ALPHA)
+
+
+def statistic_power(law: torch.Tensor, wrong_law: torch.Tensor) -> float:
+    groups = lawkit.sparse_cell_groups(law, SAMPLES, MIN_EXPECTED)
+    pooled, pooled_wrong = lawkit.pool_cells(law, groups), lawkit.pool_cells(wrong_law, groups)
+    possible = pooled > 0
+    return lawkit.detection_power(pooled[possible], pooled_wrong[possible], SAMPLES, ALPHA)
+
+
+def describe(label: str, test: lawkit.ChiSquare) -> str:
+    line = (
+        f"{label}: chi2 = {test.statistic:.1f}, threshold {test.threshold:.1f} (dof {test.dof} after pooling, "
+        f"alpha {ALPHA:g}, N {SAMPLES}), {test.impossible} samples on zero-probability outcomes"
+    )
+    print(line)
+    return line
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_first_tokens_of_a_tree_decoder_follow_the_target_law(models, name, monkeypatch):
+    case = CASES[name]
+    target_model, draft_model, target_logits, draft_logits = models
+    target, draft = processed(target_logits, case.sampling), processed(draft_logits, case.sampling)
+    law = lawkit.target_law(lawkit.Tables(VOCAB, target, target), LENGTH)
+
+    # Exact, before sampling: the correct engine's steps give the target's law, and the control's law is far enough
+    # from it that this test at this N rejects it almost surely.
+    assert lawkit.max_abs_error(tree_law(target, draft, case), law) < ENUMERATION_TOLERANCE
+    wrong_law = tree_law(target, draft, case, wrong=True)
+    power = statistic_power(law, wrong_law)
+    assert power >= MIN_POWER, f"{name}: power {power:.3g} < {MIN_POWER} against the control"
+
+    decoder = SpeculativeDecoder(target_model, draft_model, rule=case.rule, tree=case.shape)
+    counts, result = run(decoder, case)
+    test = pooled_test(counts, law)
+    assert test.passed, describe(name, test)
+    describe(f"{name} (block efficiency {result.block_efficiency:.2f})", test)
+    accepted = [a for s in result.stats for a in s.accepted]
+    assert min(accepted) == 0 and max(accepted) == len(case.shape), "trees were not both accepted and rejected"
+
+    broken = SpeculativeDecoder(target_model, draft_model, rule=case.rule, tree=case.shape)
+    calls = wrong_engine(case, monkeypatch)
+    counts, _ = run(broken, case)
+    assert calls["tree"] > 0, "the control's patch was never exercised"
+    failed = pooled_test(counts, law)
+    message = describe(f"NEGATIVE CONTROL {name} [{CONTROL}]", failed)
+    print(f"    power {power:.6f}, max joint-law error {lawkit.max_abs_error(law, wrong_law):.3g}")
+    assert failed.statistic > failed.threshold, "the wrong engine PASSED the test that should catch it: " + message
+    own = pooled_test(counts, wrong_law)  # the failure is the predicted one
+    assert own.passed, describe(f"{name} control against its own exact law", own)

@@ -197,3 +197,124 @@ def test_first_tokens_of_a_tree_decoder_follow_the_target_law(models, name, monk
     assert failed.statistic > failed.threshold, "the wrong engine PASSED the test that should catch it: " + message
     own = pooled_test(counts, wrong_law)  # the failure is the predicted one
     assert own.passed, describe(f"{name} control against its own exact law", own)
+
+
+# --- greedy equivalence, caches, rows, refusals -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pair(device):
+    target = tiny_model(sharpness=5.0)
+    draft = perturbed(target, scale=0.3, seed=1)
+    return target.to(device), draft.to(device)
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 1), (3, 2), (1, 1, 1, 1)])
+def test_greedy_output_of_a_tree_decoder_equals_plain_greedy_decoding(pair, shape):
+    target, draft = pair
+    decoder = SpeculativeDecoder(target, draft, tree=shape)
+    result = decoder.generate(PROMPTS, max_new_tokens=24, sampling=GREEDY)
+    for b, prompt in enumerate(PROMPTS):
+        assert result.sequences[b] == reference_greedy(target, prompt, 24), f"row {b}"
+    assert 1.3 < result.block_efficiency < len(shape) + 1  # drafts were both accepted and rejected
+
+
+class CacheCheck:
+    """Wraps a decoder's roll back: after every step, each model's cache must hold exactly the committed tokens it
+    has read (the target: all but the pending one; the draft: at most those), so a forward of the tokens it has not
+    read gives the last logits of transformers' forward of the whole row. The check's own forward is rolled back."""
+
+    def __init__(self, decoder: SpeculativeDecoder, models: dict[str, torch.nn.Module], monkeypatch):
+        self.decoder, self.models, self.steps = decoder, models, 0
+        real = decoder._roll_back
+
+        def roll_back_and_check(batch, proposer, finished, out):
+            real(batch, proposer, finished, out)
+            self.check(batch.contexts())
+
+        monkeypatch.setattr(decoder, "_roll_back", roll_back_and_check)
+
+    def check(self, contexts: list[list[int]]) -> None:
+        self.steps += 1
+        if not contexts:  # every row has finished
+            return
+        committed = [len(c) - 1 for c in contexts]
+        assert self.decoder.target.lengths.tolist() == committed
+        for role, adapter in (("target", self.decoder.target), ("draft", self.decoder.draft)):
+            assert isinstance(adapter, HFModel)
+            seen = adapter.lengths.tolist()
+            assert all(n <= c for n, c in zip(seen, committed))
+            tokens, valid = left_pad([c[n:] for c, n in zip(contexts, seen)])
+            logits = adapter.forward(tokens.to(adapter.device), valid.to(adapter.device))[:, -1]
+            adapter.rollback(torch.tensor(seen, device=adapter.device))
+            with torch.no_grad():
+                for b, context in enumerate(contexts):
+                    fresh = self.models[role](torch.tensor([context], device=logits.device)).logits[0, -1]
+                    torch.testing.assert_close(logits[b], fresh, atol=1e-5, rtol=1e-5, msg=f"{role}, row {b}")
+
+
+def first_path(self, rows, proposal, target_probs, out):
+    """A broken ``TreeProposer.observe``: the draft keeps the path of first children (nodes 1, 3, 5 of a full
+    (2, 1, 1) tree) as deep as the accepted one, not the accepted path."""
+    if self.waiting:
+        path = out.accepted_nodes
+        first = torch.tensor([1, 3, 5], device=path.device)[: path.shape[1]]
+        self.accepted = torch.where(path >= 0, first, -1)
+
+
+# The broken run fails only if some accepted path left the first children: that it fails shows that paths did.
+@pytest.mark.parametrize("broken", [False, True], ids=["right", "keeps the first path"])
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams()], ids=["greedy", "sampled"])
+def test_after_every_tree_step_the_caches_hold_the_committed_tokens(pair, sampling, broken, monkeypatch):
+    target, draft = pair
+    decoder = SpeculativeDecoder(target, draft, tree=(2, 1, 1))
+    check = CacheCheck(decoder, {"target": target, "draft": draft}, monkeypatch)
+    if broken:
+        monkeypatch.setattr(TreeProposer, "observe", first_path)
+        with pytest.raises(AssertionError, match="draft"):
+            decoder.generate(PROMPTS, max_new_tokens=24, sampling=sampling, seed=0)
+        return
+    result = decoder.generate(PROMPTS, max_new_tokens=24, sampling=sampling, seed=0)
+    assert check.steps == len(result.stats) and result.block_efficiency > 1.3
+
+
+def test_a_row_does_not_depend_on_its_neighbours(pair):
+    target, draft = pair
+    decoder = SpeculativeDecoder(target, draft, tree=(2, 1, 1))
+    together = decoder.generate(PROMPTS, max_new_tokens=20, seed=[11, 12, 13, 14])
+    for b, prompt in enumerate(PROMPTS):
+        alone = decoder.generate([prompt], max_new_tokens=20, seed=[11 + b])
+        assert alone.sequences[0] == together.sequences[b]
+
+
+class ChainOnly:
+    """A LanguageModel that does not score trees: HFModel without forward_tree and commit."""
+
+    def __init__(self, model):
+        self._adapter = HFModel(model)
+
+    def __getattr__(self, name):
+        if name in ("forward_tree", "commit"):
+            raise AttributeError(name)
+        return getattr(self._adapter, name)
+
+
+def test_what_a_tree_needs_is_checked(pair):
+    target, draft = pair
+    for shape, message in [((), "non-empty"), ((2, 0), "ints >= 1"), ("21", "non-empty sequence"), ((2.0,), ">= 1")]:
+        with pytest.raises(ValueError, match=message):
+            SpeculativeDecoder(target, draft, tree=shape)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="drafted by a draft model"):
+        SpeculativeDecoder(target, tree=(2, 1))
+    with pytest.raises(ValueError, match="no length policy"):
+        SpeculativeDecoder(target, draft, tree=(2, 1), policy=FixedLength(3))
+    with pytest.raises(ValueError, match="no length policy"):
+        SpeculativeDecoder(target, draft, tree=(2, 1), policy="sv")
+    with pytest.raises(ValueError, match="prompt lookup"):
+        SpeculativeDecoder(target, draft, tree=(2, 1), lookup=PromptLookup())
+    for role, models in (("target", (ChainOnly(target), draft)), ("draft", (target, ChainOnly(draft)))):
+        with pytest.raises(ValueError, match=f"needs a {role} that scores trees"):
+            SpeculativeDecoder(*models, tree=(2, 1))
+    decoder = SpeculativeDecoder(target, draft, tree=(2, 1))
+    with pytest.raises(ValueError, match="temperature 0 only"):
+        decoder.generate(PROMPTS, max_new_tokens=4, draft_sampling=GREEDY)

@@ -60,7 +60,9 @@ def tree_shape(tree, draft, policy, companion, lookup) -> tuple[int, ...] | None
     if isinstance(tree, str | bytes) or not isinstance(tree, Sequence) or len(tree) == 0:
         raise ValueError(f"tree must be a non-empty sequence of ints (children per node at each depth), got {tree!r}")
     if not all(is_int(k) and k >= 1 for k in tree):
-        raise ValueError(f"tree must hold ints >= 1, the children of every node at each depth, e.g. (2, 1, 1); got {tree!r}")
+        raise ValueError(
+            f"tree must hold ints >= 1, the children of every node at each depth, e.g. (2, 1, 1); got {tree!r}"
+        )
     if draft is None:
         raise ValueError("a tree is drafted by a draft model: pass draft=... with tree=...")
     if policy is not None or companion is not None:

@@ -85,6 +85,7 @@ class SpeculativeDecoder:
         deepest = self.max_draft
         if self.tree is not None:  # one uniform per slot of the tree for drafting, and one per node for verifying
             self.max_draft, deepest = len(tree_slots(self.tree)), len(self.tree)
+            assert self.draft is not None  # checks.tree_shape refuses a tree without a draft model
             for role, model in (("target", self.target), ("draft", self.draft)):
                 if not isinstance(model, TreeLanguageModel):
                     raise ValueError(

@@ -14,7 +14,8 @@ Per prompt, in one interleaved round (batch 1, the same chat-formatted prompt an
   llama.cpp-spec     llama.cpp's own lossless speculative decoding (`llama-speculative-simple`: the draft drafts
                      greedily, the target samples every position and keeps a drafted token only if its own sample
                      equals it), same draft and K, decode time as it reports it
-and once per run `llama-bench`'s tg figure for the target (the reference the adapter's target alone is held to).
+and once per run `llama-bench`'s tg figure for the target (the reference the adapter's target alone is held to), on an
+empty context and after as many tokens as the median prompt (the depth at which the runs decode).
 Figures are tokens/s of the decode (prefill excluded everywhere: llama.cpp's programs report it so), their ratios to
 llamacpp-alone on the same prompt, and accepted tokens per step; the block rows also score every step's draft
 exactly under both rules (`bench.executor.ExpectedScores`): the paired analytic gain of block over token.
@@ -103,8 +104,6 @@ def run(args) -> None:
         records.flush()
         print(json.dumps({k: v for k, v in entry.items() if k not in machine}), flush=True)
 
-    record({"row": "llama-bench", **llama_bench(tools, target.path, machine["threads"])})
-
     def auto(model):
         policy = adaptive_policy(latency_probe(target, model, 1), 1, 8)
         record({"row": "policy", "draft": model.name, "speculates": policy is not None})
@@ -130,6 +129,9 @@ def run(args) -> None:
         )
         decoders["hf-alone"] = SpeculativeDecoder(hf_target)
     prompts = [(name, p) for name in args.datasets for p in datasets.load(name, n=args.prompts, seed=0)]
+    depth = int(statistics.median(len(encode_prompt(target.tokenizer, p.text, chat=True)) for _, p in prompts))
+    for at in (0, depth):
+        record({"row": "llama-bench", **llama_bench(tools, target.path, machine["threads"], at)})
     for temperature in args.temperatures:
         sampling = SamplingParams(temperature=temperature)
         for dataset, prompt in prompts:
@@ -167,11 +169,12 @@ def run(args) -> None:
     records.close()
 
 
-def llama_bench(tools: Path, model: Path, threads: int) -> dict:
-    """llama-bench's token generation (tg64, 3 repetitions) for ``model`` at ``threads``."""
+def llama_bench(tools: Path, model: Path, threads: int, depth: int) -> dict:
+    """llama-bench's token generation (tg64, 3 repetitions) for ``model`` at ``threads``, after ``depth`` tokens."""
     command = [str(tools / "llama-bench"), "-m", str(model), "-p", "0", "-n", "64", "-r", "3", "-t", str(threads)]
+    command += ["-d", str(depth)]
     (test,) = json.loads(subprocess.run([*command, "-o", "json"], capture_output=True, text=True, check=True).stdout)
-    return {"tok_s": test["avg_ts"], "tok_s_sd": test["stddev_ts"], "tokens": 64}
+    return {"tok_s": test["avg_ts"], "tok_s_sd": test["stddev_ts"], "tokens": 64, "depth": depth}
 
 
 def speculative_simple(tools: Path, target: Path, draft: Path, text: str, args, temperature: float) -> dict:
@@ -234,13 +237,14 @@ def report(records: list[dict]) -> None:
     runs = [r for r in records if "temperature" in r]
     flags = sorted({" ".join(r["cpu_flags"]) for r in records})
     print(f"Machine: CPU flags {'; '.join(flags)}; {records[0]['threads']} threads.\n")
-    bench = [r["tok_s"] for r in records if r["row"] == "llama-bench"]
     alone = {(r["temperature"], r["prompt"]): r["tok_s"] for r in runs if r["row"] == BASELINE}
     print("## target alone against llama-bench\n")
-    print("| llama-bench tg64 tok/s | blockspec target alone on llama.cpp, median tok/s | ratio |")
-    print("|---|---|---|")
+    print("| llama-bench tg64 after | tok/s | blockspec target alone on llama.cpp, median tok/s | ratio |")
+    print("|---|---|---|---|")
     median_alone = statistics.median(alone.values())
-    print(f"| {statistics.median(bench):.2f} | {median_alone:.2f} | {median_alone / statistics.median(bench):.3f}x |")
+    for bench in (r for r in records if r["row"] == "llama-bench"):
+        depth = bench.get("depth", 0)  # earlier runs measured on an empty context only
+        print(f"| {depth} tokens | {bench['tok_s']:.2f} | {median_alone:.2f} | {median_alone / bench['tok_s']:.3f}x |")
     groups = {
         "prompts grounded in their input (humaneval-edit, pydoc-qa)": ("humaneval-edit", "pydoc-qa"),
         "other prompts": None,

@@ -4,6 +4,7 @@ model outputs that are not finite. Each message names what to change."""
 from __future__ import annotations
 
 import operator
+import re
 import secrets
 import threading
 from collections.abc import Iterator, Mapping, Sequence, Set
@@ -11,6 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
+from .defaults import DRAFT_LIMIT
 from .models.base import LanguageModel, model_name
 from .models.chat import encode_prompt
 from .policy import FixedLength, LengthPolicy
@@ -57,12 +59,7 @@ def tree_shape(tree, draft, policy, companion, lookup) -> tuple[int, ...] | None
     without a draft model, and with what this step does not combine it with yet (length policies, SV, lookup)."""
     if tree is None:
         return None
-    if isinstance(tree, str | bytes) or not isinstance(tree, Sequence) or len(tree) == 0:
-        raise ValueError(f"tree must be a non-empty sequence of ints (children per node at each depth), got {tree!r}")
-    if not all(is_int(k) and k >= 1 for k in tree):
-        raise ValueError(
-            f"tree must hold ints >= 1, the children of every node at each depth, e.g. (2, 1, 1); got {tree!r}"
-        )
+    shape = tree_levels(tree)
     if draft is None:
         raise ValueError("a tree is drafted by a draft model: pass draft=... with tree=...")
     if policy is not None or companion is not None:
@@ -72,7 +69,49 @@ def tree_shape(tree, draft, policy, companion, lookup) -> tuple[int, ...] | None
         )
     if lookup is not None:
         raise ValueError("tree drafting does not combine with prompt lookup yet; pass tree=... without lookup=")
+    return shape
+
+
+def tree_levels(tree) -> tuple[int, ...]:
+    """A tree shape's own rules, whatever it is combined with: a non-empty sequence of ints >= 1, the children of
+    every node at each depth; returned as a tuple of Python ints. (The command line checks ``--tree`` with it.)"""
+    if isinstance(tree, str | bytes) or not isinstance(tree, Sequence) or len(tree) == 0:
+        raise ValueError(f"tree must be a non-empty sequence of ints (children per node at each depth), got {tree!r}")
+    if not all(is_int(k) and k >= 1 for k in tree):
+        raise ValueError(
+            f"tree must hold ints >= 1, the children of every node at each depth, e.g. (2, 1, 1); got {tree!r}"
+        )
     return tuple(int(k) for k in tree)
+
+
+def tree_nodes(shape: Sequence[int]) -> int:
+    """The drafted nodes of a full tree of ``shape`` (the root not counted): (2, 1, 1) -> 2 + 2 + 2 = 6. Counted,
+    not built, so that a huge shape costs nothing to refuse."""
+    nodes, level = 0, 1
+    for children in shape:
+        level *= children  # the nodes at this depth: every node above has ``children`` of them
+        nodes += level
+    return nodes
+
+
+def parse_tree(text: str) -> tuple[int, ...]:
+    """A tree shape as the command line and the bench's configuration names write it, the children per node at each
+    depth separated by commas: "2,1,1" -> (2, 1, 1). Held to ``tree_levels``'s rules, and to at most
+    ``DRAFT_LIMIT`` nodes, the bound of ``--max-draft``: every node is a token the target scores each step."""
+    parts = text.split(",")
+    if not all(re.fullmatch(r"-?[0-9]+", part) for part in parts):
+        raise ValueError(
+            f"a tree shape is the children per node at each depth, integers separated by commas (e.g. 2,1,1), "
+            f"got {text!r}"
+        )
+    shape = tree_levels(tuple(int(part) for part in parts))
+    nodes = tree_nodes(shape)
+    if nodes > DRAFT_LIMIT:
+        raise ValueError(
+            f"the tree {text} drafts {nodes} nodes per step, more than {DRAFT_LIMIT} (the bound of --max-draft: "
+            "every node is a token the target scores each step)"
+        )
+    return shape
 
 
 def refuse_shared_adapters(*models: LanguageModel | None) -> None:

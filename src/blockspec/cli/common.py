@@ -56,3 +56,14 @@ def rule_name(*, sampled: bool = False):
         return text
 
     return parse
+
+
+def tree_shape(text: str) -> tuple[int, ...]:
+    """An argparse type: a tree shape, children per node at each depth ("2,1,1"), by the library's rules
+    (``blockspec.checks.parse_tree``, which imports torch: read only when the flag is given)."""
+    from ..checks import parse_tree
+
+    try:
+        return parse_tree(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None

@@ -11,7 +11,15 @@ from pathlib import Path
 from .. import defaults
 from ..defaults import BACKENDS, DTYPES, LLAMACPP_QUANTS, QUANTS
 from . import sv
-from .common import ALLOW_DOWNLOAD_HELP, BACKEND_HELP, DEVICE_HELP, NO_CHAT_HELP, int_at_least, rule_name
+from .common import (
+    ALLOW_DOWNLOAD_HELP,
+    BACKEND_HELP,
+    DEVICE_HELP,
+    NO_CHAT_HELP,
+    int_at_least,
+    rule_name,
+    tree_shape,
+)
 from .progress import PrefillProgress, Streamer, watch_prefill
 
 DRAFTERS = ("model", "lookup", "lookup+model")
@@ -21,6 +29,7 @@ EXAMPLES = """examples:
   blockspec generate "Write a Python function that reverses a string."
   blockspec generate --rule token --max-draft 8 --temperature 0 "def fib(n):"
   blockspec generate --target smollm2-135m --draft none --max-new-tokens 32 "Hello"
+  blockspec generate --tree 2,1,1 --temperature 0 "def fib(n):"   # a tree of 6 drafted tokens per step
   blockspec sv profile && blockspec sv calibrate    # once per models and machine, then:
   blockspec generate --policy sv --max-draft 8 "first prompt" "second prompt"   # Speculative Verification
   blockspec models          # bundled presets: installed or not, cache state
@@ -54,6 +63,9 @@ class GenerateConfig:
     latency: Path | None = None
     allow_download: bool = False
     backend: str = "auto"  # "auto" or one of BACKENDS
+    # a tree drafted each step, children per node at each depth; None: a chain. Its shape is fixed: it replaces the
+    # length policy (auto and fixed both draft it as given) and runs on transformers only.
+    tree: tuple[int, ...] | None = None
 
     @property
     def resolved_max_draft(self) -> int:
@@ -99,14 +111,23 @@ def add_parser(sub) -> None:
         "--policy",
         default="auto",
         choices=["auto", "fixed", "sv"],
-        help="draft length: measured best per step, --max-draft every step, or Speculative Verification "
-        "(default: %(default)s)",
+        help="draft length: measured best per step, --max-draft every step, or Speculative Verification; with "
+        "--tree, auto and fixed both draft the tree as given (default: %(default)s)",
     )
     gen.add_argument(
         "--max-draft",
         type=int_at_least(1, defaults.DRAFT_LIMIT),
         help=f"K, tokens drafted per step (fixed), or the most a step drafts (default: {defaults.MAX_DRAFT}; "
         f"auto: {defaults.ADAPTIVE_MAX_DRAFT})",
+    )
+    gen.add_argument(
+        "--tree",
+        type=tree_shape,
+        metavar="SHAPE",
+        help="draft a tree instead of a chain, the same shape every step: children per node at each depth, e.g. "
+        "2,1,1 (two children of the root, then one under each, twice: 6 drafted tokens); at most "
+        f"{defaults.DRAFT_LIMIT} nodes, on transformers only; --policy auto and fixed both draft it as given, "
+        "--max-draft does not apply (default: a chain)",
     )
     gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default: %(default)s)")
     gen.add_argument(
@@ -177,6 +198,8 @@ def generate(config: GenerateConfig) -> int:
             refuse_model_code(folder)
     if not RULES[config.rule].sampled and not sampling.greedy:
         raise ValueError(f"--rule {config.rule} needs --temperature 0; to sample use one of {', '.join(SAMPLED_RULES)}")
+    if config.tree is not None:
+        _refuse_with_tree(config)
     if config.policy == "sv" and config.draft is None:
         raise ValueError(f"--policy sv needs a draft model (--draft {NO_DRAFT} decodes with the target alone)")
     if config.drafter != "model":
@@ -184,7 +207,16 @@ def generate(config: GenerateConfig) -> int:
             raise ValueError(f"--drafter {config.drafter} needs --policy fixed or auto, and no --draft {NO_DRAFT}")
         if config.drafter == "lookup":  # no draft model: the lengths of lookup proposals adapt on their own
             config = replace(config, draft=None, policy="fixed")
-    config = replace(config, backend=resolve_backend(config.backend, config.device, config.target, config.draft))
+    backend = resolve_backend(config.backend, config.device, config.target, config.draft)
+    if config.tree is not None and backend == "llamacpp":
+        if config.backend == "llamacpp":
+            raise ValueError(
+                "--tree runs on transformers only: the llama.cpp adapter scores no trees (no forward over a tree of "
+                "tokens); pass --backend hf"
+            )
+        _status("backend: transformers (hf), not llama.cpp: the llama.cpp adapter scores no trees (--tree)")
+        backend = "hf"
+    config = replace(config, backend=backend)
     sv_run = config.policy == "sv"
     quant = draft_quant_on(config.backend, config.draft_quant, sv=sv_run, target_quant=config.target_quant)
     config = replace(config, draft_quant=quant)
@@ -215,7 +247,7 @@ def generate(config: GenerateConfig) -> int:
     policy, companion = None, None
     if config.policy == "sv":
         policy, companion = sv.build_policy(config, target, sampling)
-    elif config.policy == "auto" and draft is not None:
+    elif config.policy == "auto" and draft is not None and config.tree is None:
         policy = _adaptive_policy(config, target, draft)
         if policy is None:
             draft = None
@@ -247,8 +279,12 @@ def generate(config: GenerateConfig) -> int:
         for i, text in enumerate(result.texts):
             print(f"--- prompt {i}\n{text}")
     mode = decoder.rule if decoder.draft is not None or decoder.lookup is not None else "target alone"
+    if decoder.tree is not None:  # what the engine drafts: its nodes are the widest step (max_draft)
+        shape = f"tree {','.join(map(str, decoder.tree))} ({decoder.max_draft} nodes)"
+    else:
+        shape = f"{config.policy} K={decoder.max_draft}"
     print(
-        f"[{mode}, {config.policy} K={decoder.max_draft}, {_drafted_per_step(result)} drafted per step] "
+        f"[{mode}, {shape}, {_drafted_per_step(result)} drafted per step] "
         f"{result.new_tokens} tokens in {result.wall_time:.1f} s = {result.tokens_per_second:.2f} tokens/s; "
         f"acceptance length (1 + accepted/steps) {result.block_efficiency:.2f}; "
         f"acceptance rate (accepted/drafted) {result.acceptance_rate:.2f}",
@@ -269,7 +305,33 @@ def _decoder(config: GenerateConfig, target, draft, *, policy, companion, lookup
         policy=policy,
         companion=companion,
         lookup=lookup,
+        tree=config.tree,
     )
+
+
+def _refuse_with_tree(config: GenerateConfig) -> None:
+    """What ``--tree`` does not combine with, refused before any model loads (the engine refuses the same, after)."""
+    from ..checks import tree_nodes
+
+    assert config.tree is not None
+    if config.draft is None:
+        raise ValueError(
+            f"--tree needs a draft model, which drafts the tree (--draft {NO_DRAFT} decodes with the target alone)"
+        )
+    if config.drafter != "model":
+        raise ValueError(
+            f"--tree does not combine with --drafter {config.drafter} yet: the draft model drafts the tree"
+        )
+    if config.policy == "sv":
+        raise ValueError(
+            "--tree does not combine with --policy sv: a tree's shape is fixed, SV chooses the length of a chain; "
+            "--policy auto or fixed both draft the tree as given"
+        )
+    if config.max_draft is not None:
+        raise ValueError(
+            f"--max-draft does not apply with --tree: the shape sets what a step drafts "
+            f"({','.join(map(str, config.tree))}: {tree_nodes(config.tree)} nodes)"
+        )
 
 
 def _resolve_arithmetic(config: GenerateConfig, device) -> GenerateConfig:

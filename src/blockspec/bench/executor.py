@@ -30,6 +30,13 @@ AUTO_DRAFT = ("auto", "lookup+model")  # draft with the model auto.choose_arithm
 NO_DRAFT = ("target-only", "lookup", "hf-lookup")
 
 
+def tree_of(name: str) -> tuple[int, ...]:
+    """The shape of the tree configuration ``name`` ("tree-2,1,1" -> (2, 1, 1)), by the library's rules."""
+    from ..checks import parse_tree
+
+    return parse_tree(name.removeprefix(rec.TREE))
+
+
 def draft_quant_of(name: str, arithmetic) -> str | None:
     """How the draft of configuration ``name`` is quantized, given the machine's ``auto.Arithmetic``."""
     if name == "block-int8":
@@ -98,6 +105,8 @@ class Executor:
             meta["prompt_lookup"] = dict(LOOKUP)
         if item.config not in NO_DRAFT:
             meta["draft_quant"] = draft_quant_of(item.config, self.arithmetic)
+        if rec.is_tree(item.config):
+            meta["tree"] = list(tree_of(item.config))
         return rec.Record(
             dataset=item.dataset,
             prompt_id=item.prompt_id,
@@ -120,6 +129,8 @@ class Executor:
         draft = None if item.config in NO_DRAFT else self.drafts[draft_quant_of(item.config, self.arithmetic)]
         if item.config == "target-only":
             return SpeculativeDecoder(self.target)
+        if rec.is_tree(item.config):  # the library's default rule, in its tree form
+            return SpeculativeDecoder(self.target, draft, tree=tree_of(item.config))
         if item.config in rec.FIXED_CONFIGS:
             rule = item.config.removesuffix("-int8")
             return SpeculativeDecoder(self.target, draft, rule=rule, max_draft=item.max_draft)

@@ -37,15 +37,35 @@ CONFIGS = ("target-only", "token", "block", "hf-assisted", "auto")  # the defaul
 KNOWN_CONFIGS = (
     ("target-only", "token", "block", "block-int8", "hf-assisted", "hf-lookup") + ADAPTIVE_CONFIGS + SV_CONFIGS
 )
+# A tree configuration is named after its shape, the children per node at each depth: "tree-2,1,1" drafts that
+# tree every step with the draft model, verified by the block rule's tree form (transformers only). Its records'
+# max_draft is the tree's node count, their verified count nodes, drafted the levels drafted (a draft forward each)
+# and accepted the depth of the accepted path.
+TREE = "tree-"
+
+
+def is_tree(name: str) -> bool:
+    """Whether ``name`` is a tree configuration (``TREE`` and a shape)."""
+    return name.startswith(TREE)
+
+
+def tree_config(shape) -> str:
+    """The configuration name of a tree ``shape``: (2, 1, 1) -> "tree-2,1,1"."""
+    return TREE + ",".join(str(k) for k in shape)
+
+
+def is_known(name: str) -> bool:
+    """Whether the report knows configuration ``name``: one of ``KNOWN_CONFIGS``, or a tree's."""
+    return name in KNOWN_CONFIGS or is_tree(name)
 
 
 @dataclass(frozen=True)
 class Record:
     dataset: str  # prompt set name, e.g. "gsm8k"
     prompt_id: str  # stable id of the prompt within its set, e.g. "gsm8k/0042" (a batch: its first prompt)
-    config: str  # one of KNOWN_CONFIGS
+    config: str  # one of KNOWN_CONFIGS, or a tree's (TREE and its shape: "tree-2,1,1")
     # K (0 for target-only, lookup and hf-lookup; hf-assisted: the assistant's own schedule; SV, auto and
-    # lookup+model: the most the model drafts)
+    # lookup+model: the most the model drafts; a tree: its nodes)
     max_draft: int
     temperature: float
     batch_size: int

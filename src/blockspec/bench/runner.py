@@ -20,7 +20,7 @@ from .. import defaults, machine
 from ..files import write_atomic
 from . import provenance
 from . import records as rec
-from .executor import AUTO_DRAFT, NO_DRAFT, Executor, draft_quant_of
+from .executor import AUTO_DRAFT, NO_DRAFT, Executor, draft_quant_of, tree_of
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class BenchConfig:
     prompts_per_dataset: int = 2
     max_drafts: tuple[int, ...] = (4, 8)  # K: the most tokens a step drafts, one run per value where fixed
     temperatures: tuple[float, ...] = (1.0,)
-    configs: tuple[str, ...] = rec.CONFIGS  # any of rec.KNOWN_CONFIGS
+    configs: tuple[str, ...] = rec.CONFIGS  # any of rec.KNOWN_CONFIGS, and trees ("tree-2,1,1": rec.TREE)
     max_new_tokens: int = 64
     seed: int = 0
     chat: bool = True
@@ -58,9 +58,16 @@ class BenchConfig:
     backend: str = "hf"
 
     def __post_init__(self):
-        unknown = sorted(set(self.configs) - set(rec.KNOWN_CONFIGS))
+        unknown = sorted(name for name in self.configs if not rec.is_known(name))
         if unknown:
-            raise ValueError(f"unknown bench configurations {unknown}: choose from {list(rec.KNOWN_CONFIGS)}")
+            raise ValueError(
+                f"unknown bench configurations {unknown}: choose from {list(rec.KNOWN_CONFIGS)}, or a tree "
+                f"({rec.TREE}SHAPE, e.g. {rec.TREE}2,1,1)"
+            )
+        for name in filter(rec.is_tree, self.configs):
+            written = rec.tree_config(tree_of(name))  # ValueError for a shape the library refuses
+            if written != name:  # one name per shape, so that its records share one key
+                raise ValueError(f"write the bench configuration {name!r} as {written!r}")
         if not self.batch_sizes or not all(isinstance(b, int) and b >= 1 for b in self.batch_sizes):
             raise ValueError(f"batch sizes must be ints >= 1, got {self.batch_sizes}")
         if max(self.batch_sizes) > self.prompts_per_dataset:
@@ -157,6 +164,10 @@ def max_drafts_of(config: BenchConfig, name: str) -> tuple[int, ...]:
     defaults (their most), none (0) otherwise."""
     if name in rec.FIXED_CONFIGS:
         return config.max_drafts
+    if rec.is_tree(name):  # its nodes: what it drafts each step
+        from ..checks import tree_nodes
+
+        return (tree_nodes(tree_of(name)),)
     if name in rec.SV_CONFIGS or name in AUTO_DRAFT:
         return (max(config.max_drafts),)
     return (0,)
@@ -439,7 +450,8 @@ def llamacpp_arithmetic(config: BenchConfig):
     from ..auto import Arithmetic
     from ..defaults import LLAMACPP_QUANTS
 
-    only_hf = sorted(set(config.configs) & {*rec.HF_CONFIGS, "block-int8", *rec.SV_CONFIGS})
+    trees = filter(rec.is_tree, config.configs)  # the llama.cpp adapter scores no trees
+    only_hf = sorted(set(config.configs) & {*rec.HF_CONFIGS, "block-int8", *rec.SV_CONFIGS, *trees})
     if only_hf or config.target_quant is not None:
         raise ValueError(
             f"{', '.join(only_hf) or '--target-quant'} run on transformers only: leave them out with --backend llamacpp"

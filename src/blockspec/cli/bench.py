@@ -7,9 +7,17 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 from .. import defaults
-from ..bench.records import CONFIGS, KNOWN_CONFIGS
+from ..bench.records import CONFIGS, KNOWN_CONFIGS, TREE, is_tree, tree_config
 from ..defaults import BACKENDS, DTYPES, QUANTS
-from .common import ALLOW_DOWNLOAD_HELP, DEVICE_HELP, NO_CHAT_HELP, TIME_BUDGET_HELP, int_at_least, positive_float
+from .common import (
+    ALLOW_DOWNLOAD_HELP,
+    DEVICE_HELP,
+    NO_CHAT_HELP,
+    TIME_BUDGET_HELP,
+    int_at_least,
+    positive_float,
+    tree_shape,
+)
 
 PRESETS = ("quick", "paper", "sv", "align")  # blockspec.bench.runner.PRESETS, which imports torch
 # `blockspec align` takes one target temperature and one K: the BenchConfig fields its flags set
@@ -19,6 +27,7 @@ EXAMPLES = """examples:
   blockspec bench                        # the quick preset
   blockspec bench --preset paper --time-budget 3600   # run again to resume
   blockspec bench --datasets gsm8k --max-draft 2 4 --prompts 5 --out results/mine
+  blockspec bench --configs target-only block tree-2,1,1 tree-3,1 --max-draft 4   # trees beside a chain
   blockspec sv profile && blockspec sv calibrate      # once, then the SV grid (hours; resumable):
   blockspec bench --preset sv --out results/bench-sv"""
 
@@ -58,10 +67,11 @@ def add_parser(sub) -> None:
     bench.add_argument(
         "--configs",
         nargs="+",
-        choices=KNOWN_CONFIGS,
+        type=config_name,
         metavar="CONFIG",
-        help=f"configurations to run, any of {', '.join(KNOWN_CONFIGS)} (default: the preset's; quick and paper: "
-        f"{' '.join(CONFIGS)})",
+        help=f"configurations to run, any of {', '.join(KNOWN_CONFIGS)}, or {TREE}SHAPE, a tree of that shape "
+        f"drafted each step (children per node at each depth, e.g. {TREE}2,1,1; transformers only) (default: the "
+        f"preset's; quick and paper: {' '.join(CONFIGS)})",
     )
     bench.add_argument("--batch-sizes", type=int_at_least(1), nargs="+", help="prompts decoded together per run")
     bench.add_argument("--companion", help="SV companion (default: the same as `blockspec sv`)")
@@ -81,7 +91,7 @@ def add_parser(sub) -> None:
     bench.add_argument(
         "--backend",
         choices=["auto", *BACKENDS],
-        help="llamacpp, hf or auto (default: hf; transformers' baselines and SV need it)",
+        help="llamacpp, hf or auto (default: hf; transformers' baselines, SV and trees need it)",
     )
     bench.add_argument("--out", type=Path, help="output directory for records, report and plots")
     bench.add_argument("--allow-download", action="store_true", default=None, help=ALLOW_DOWNLOAD_HELP)
@@ -93,6 +103,15 @@ def add_parser(sub) -> None:
         help="rerun the runs recorded as failed (default: keep them)",
     )
     bench.set_defaults(run=run)
+
+
+def config_name(text: str) -> str:
+    """An argparse type: a name in KNOWN_CONFIGS, or a tree's (TREE and a shape, written as the records name it)."""
+    if text in KNOWN_CONFIGS:
+        return text
+    if is_tree(text):
+        return tree_config(tree_shape(text.removeprefix(TREE)))
+    raise argparse.ArgumentTypeError(f"must be one of {', '.join(KNOWN_CONFIGS)}, or {TREE}SHAPE, got {text!r}")
 
 
 def bench_config(args):

@@ -13,7 +13,8 @@ from ..records import Record
 from .stats import Estimate, ReportConfig, bootstrap
 from .units import by_cell, by_unit, is_timed, ratio, strata_of
 
-# configurations only the batch table shows (it lists every configuration; the paper table compares token and block)
+# configurations only the batch table shows (it lists every configuration; the paper table compares token and block),
+# with the trees (batch_table_only)
 BATCH_TABLE_ONLY = records_io.SV_CONFIGS + records_io.ADAPTIVE_CONFIGS + ("block-int8",)
 BATCH_CONVENTION = (
     "Batch table, all datasets pooled: a unit is a batch of B consecutive prompts decoded in one generate call "
@@ -24,9 +25,17 @@ BATCH_CONVENTION = (
     "K and x transformers are tok/s ratios on the batches both (all) configurations ran, the best fixed K (*) "
     "being the token or block K with the highest tok/s, re-selected in every resample; rejected = 1 - accepted / "
     "verified drafted tokens; verified (drafted) / emitted = verified (drafted) draft tokens per new token; BE = "
-    "1 + accepted per row-step; {conf:.0f}% percentile bootstrap CIs over batches, stratified by dataset (given "
-    "once every dataset has 2 batches), {n_boot} resamples, seed {seed}"
+    "1 + accepted per row-step, the tokens per target forward; a tree-SHAPE row drafts that tree each step "
+    "(children per node at each depth): its K is the tree's nodes, verified counts nodes and drafted its levels "
+    "(a draft forward each, as a chain's drafted tokens are); "
+    "{conf:.0f}% percentile bootstrap CIs over batches, stratified by dataset (given once every dataset has 2 "
+    "batches), {n_boot} resamples, seed {seed}"
 )
+
+
+def batch_table_only(name: str) -> bool:
+    """Whether only the batch table shows configuration ``name``: ``BATCH_TABLE_ONLY``, and every tree."""
+    return name in BATCH_TABLE_ONLY or records_io.is_tree(name)
 
 
 @dataclass(frozen=True)
@@ -77,7 +86,7 @@ def _columns(cell: dict, units: list, decode: bool = True) -> dict[str, np.ndarr
 def batch_rows(records: list[Record], config: ReportConfig) -> list[BatchRow]:
     """The batch table: every configuration at every (temperature, batch size), pooled over datasets."""
     cells = {key: by_unit(found) for key, found in by_cell(records).items()}  # (config, T, K, B) -> unit -> record
-    order = {name: i for i, name in enumerate(records_io.KNOWN_CONFIGS)}
+    order = {name: i for i, name in enumerate(records_io.KNOWN_CONFIGS)}  # then the trees, by name
     rows = []
     for temperature, batch_size in sorted({(t, b) for (_, t, _, b) in cells}):
         here = {(c, k): cell for (c, t, k, b), cell in cells.items() if (t, b) == (temperature, batch_size)}
@@ -98,7 +107,9 @@ def batch_rows(records: list[Record], config: ReportConfig) -> list[BatchRow]:
             rates = {key: _decode_rate(cell[u] for u in fixed_units) for key, cell in fixed.items()}
             known = {key: rate for key, rate in rates.items() if rate is not None}
             best = max(known, key=lambda key: known[key], default=None)
-        for (name, k), cell in sorted(here.items(), key=lambda item: (order[item[0][0]], item[0][1])):
+        for (name, k), cell in sorted(
+            here.items(), key=lambda item: (order.get(item[0][0], len(order)), item[0][0], item[0][1])
+        ):
             units = sorted(cell)
             columns = _columns(cell, units)
             timed = [u for u in units if is_timed(cell[u])]

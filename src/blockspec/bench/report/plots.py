@@ -131,6 +131,8 @@ def plot_batch(report: Report, path: Path) -> Path:
                 fmt = {"token": "o--", "block": "s-", "block-int8": "s:"}[name]
                 color = FIXED_COLORS[ks.index(k) % len(FIXED_COLORS)]
                 label = f"{name} K={k}"
+            elif records_io.is_tree(name):  # the shape is in the name; K is its nodes
+                fmt, color, label = "h-", "C9", f"{name} ({k} nodes)"
             else:
                 (fmt, color), label = style[name], name + (f" (K<={k})" if k else "")
             xs, ys = zip(*line)

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 from .. import records as records_io
 from ..records import Record
-from .batch import BATCH_TABLE_ONLY, BatchRow, batch_rows
+from .batch import BatchRow, batch_rows, batch_table_only
 from .paired import CONVENTION, AcceptedHistogram, BaselineRow, Row, baseline_rows, histograms, spec_row, unpaired
 from .stats import ReportConfig
 from .units import ALL, MAX_OTHERS_CORES, by_cell, is_timed
@@ -54,7 +54,7 @@ def build_report(records: list[Record], config: ReportConfig = ReportConfig()) -
     Raises ValueError for records of more than one machine kind or thread count, or of more than one build
     (``_one_build``).
     """
-    known = [r for r in records if r.config in records_io.KNOWN_CONFIGS]
+    known = [r for r in records if records_io.is_known(r.config)]
     if len(known) < len(records):
         log.warning("%d records with an unknown config are ignored", len(records) - len(known))
     machine = _one_machine(known)
@@ -63,7 +63,7 @@ def build_report(records: list[Record], config: ReportConfig = ReportConfig()) -
     n_records, known = len(known), [r for r in known if r.ok and r.draft_temperature is None]
     batch = (
         tuple(batch_rows(known, config))
-        if unpaired(by_cell(known)) or any(r.batch_size > 1 or r.config in BATCH_TABLE_ONLY for r in known)
+        if unpaired(by_cell(known)) or any(r.batch_size > 1 or batch_table_only(r.config) for r in known)
         else ()
     )
     paper = [r for r in known if r.batch_size == 1 and r.config not in records_io.SV_CONFIGS]

@@ -243,3 +243,44 @@ def test_where_speculation_cannot_pay_auto_decodes_alone_and_lookup_model_looks_
     assert len(records) == 4 and all(r.ok for r in records)
     assert all(k == 0 for r in records if r.config == "auto" for k in r.verified)
     assert any(k > 0 for r in records if r.config == "lookup+model" for k in r.verified)
+
+
+def test_a_tree_is_planned_once_per_prompt_at_its_node_count():
+    config = runner.BenchConfig(configs=("block", "tree-2,1,1", "tree-3"), max_drafts=(2, 4))
+    runs = runner.plan(config, {"a": [("a/0", [1])]})
+    assert [(r.config, r.max_draft) for r in runs] == [("block", 2), ("block", 4), ("tree-2,1,1", 6), ("tree-3", 3)]
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [("tree-2,0", "ints >= 1"), ("tree-x", "integers separated by commas"), ("tree-02,1", "as 'tree-2,1'")],
+)
+def test_a_tree_configuration_the_library_refuses_or_written_otherwise_is_refused(name, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        runner.BenchConfig(configs=("block", name))
+
+
+def test_a_tree_configuration_runs_beside_the_chains_and_the_batch_table_shows_it(tiny_config, tmp_path):
+    """Its records name the shape and count nodes; the batch table lists it with its nodes as K, its BE (tokens
+    per target forward), verified nodes per new token and speedup over target-only, and the report renders it."""
+    from blockspec.bench.report import build_report, render
+
+    config = replace(tiny_config, out=tmp_path, configs=("target-only", "block", "tree-2,1,1"), max_drafts=(2,))
+    records = list(rec.read(runner.run(replace(config, temperatures=(0.0, 1.0)), progress=False)))
+    trees = [r for r in records if r.config == "tree-2,1,1"]
+    assert len(records) == 2 * 2 * 3 and all(r.ok for r in records) and len(trees) == 4
+    for record in trees:
+        assert record.max_draft == 6 and record.meta["tree"] == [2, 1, 1] and record.meta["draft_quant"] is None
+        assert all(0 <= a <= 3 for a in record.accepted) and max(record.verified) > 3  # a depth, and nodes
+        assert max(record.drafted) == 3  # levels: a draft forward each
+    report = build_report(records)
+    rows = {(row.config, row.temperature): row for row in report.batch}
+    assert {name for name, _ in rows} == {"target-only", "block", "tree-2,1,1"}
+    for temperature in (0.0, 1.0):
+        row = rows[("tree-2,1,1", temperature)]
+        assert row.max_draft == 6 and row.speedup_vs_target is not None
+        assert row.block_efficiency is not None and 1 <= row.block_efficiency <= 4
+        assert row.verified_per_emitted is not None and row.drafted_per_emitted is not None
+    written = render(report, tmp_path / "report")
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "| tree-2,1,1 " in text and "tokens_per_s_vs_batch.png" in {p.name for p in written}

@@ -1,0 +1,136 @@
+"""`generate --tree` and the bench's tree configurations on the command line: the shape is parsed and every
+combination a tree cannot run is refused before a model loads; end to end, a greedy tree decodes the target's text."""
+
+from __future__ import annotations
+
+import pytest
+from kits.tiny import save_tiny
+
+from blockspec import cli
+from blockspec.models import hf
+
+pytestmark = pytest.mark.usefixtures("probes_in_a_temporary_cache")
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return save_tiny(root / "target"), save_tiny(root / "draft", noise=0.3)
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """Replaces load_model: records each call's keywords, then stops the command (these tests forbid a load or
+    only observe how it was asked for)."""
+    calls = []
+
+    def fake_load_model(name, **kwargs):
+        calls.append((name, kwargs))
+        raise ValueError("stopped before decoding")
+
+    monkeypatch.setattr(hf, "load_model", fake_load_model)
+    return calls
+
+
+def error_line(capsys) -> str:
+    """stderr, which must be exactly one line: the error and the --debug hint."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1 and err.startswith("blockspec: error: "), err
+    return err
+
+
+def test_the_tree_is_parsed_into_its_shape_and_a_chain_is_the_default():
+    parse = cli.build_parser().parse_args
+    assert parse(["generate", "--tree", "2,1,1", "hi"]).tree == (2, 1, 1)
+    assert parse(["generate", "--tree", "3", "hi"]).tree == (3,)
+    assert parse(["generate", "hi"]).tree is None
+    assert parse(["bench", "--configs", "block", "tree-2,1,1"]).configs == ["block", "tree-2,1,1"]
+
+
+@pytest.mark.parametrize(
+    "shape, message",
+    [
+        ("2;1", "integers separated by commas (e.g. 2,1,1), got '2;1'"),
+        ("2,,1", "integers separated by commas"),
+        ("2, 1", "integers separated by commas"),
+        ("two", "integers separated by commas"),
+        ("2,0,1", "ints >= 1"),
+        ("-1,2", "ints >= 1"),
+        ("8,8", "drafts 72 nodes per step, more than 64"),  # 8 + 64
+        ("1000,1000,1000,1000", "more than 64"),  # counted, not built
+    ],
+)
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_a_bad_shape_is_refused_by_the_parser_before_loading_a_model(shape, message, command, loads, capsys):
+    argv = ["generate", f"--tree={shape}", "hello"] if command == "generate" else ["bench", "--configs", f"tree-{shape}"]
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and loads == []
+    assert err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--draft", "none"], "--tree needs a draft model"),
+        (["--policy", "sv"], "--tree does not combine with --policy sv"),
+        (["--drafter", "lookup"], "--tree does not combine with --drafter lookup"),
+        (["--drafter", "lookup+model"], "--tree does not combine with --drafter lookup+model"),
+        (["--max-draft", "4"], "--max-draft does not apply with --tree: the shape sets what a step drafts (2,1,1: 6"),
+        (["--backend", "llamacpp"], "--tree runs on transformers only: the llama.cpp adapter scores no trees"),
+    ],
+)
+def test_what_a_tree_does_not_combine_with_is_refused_before_loading_a_model(flags, message, loads, capsys):
+    assert cli.main(["generate", "--tree", "2,1,1", *flags, "hello"]) == 2
+    assert message in error_line(capsys) and loads == []
+
+
+def test_backend_auto_runs_a_tree_on_transformers_and_says_so(loads, monkeypatch, capsys):
+    """Where auto would pick llama.cpp (a preset on the CPU with llama-cpp-python installed), a tree loads its
+    models on transformers, and stderr says why, before the first load."""
+    monkeypatch.setattr(
+        hf, "resolve_backend", lambda backend, device, *names: "llamacpp" if backend == "auto" else backend
+    )
+    flags = ["--dtype", "float32", "--draft-quant", "none", "hello"]  # no arithmetic probe
+    assert cli.main(["generate", "--tree", "2,1,1", *flags]) == 2
+    err = capsys.readouterr().err
+    assert "backend: transformers (hf), not llama.cpp: the llama.cpp adapter scores no trees (--tree)" in err
+    assert [kwargs["backend"] for _, kwargs in loads] == ["hf"]
+    loads.clear()
+    assert cli.main(["generate", *flags]) == 2  # a chain keeps what auto picks
+    assert [kwargs["backend"] for _, kwargs in loads] == ["llamacpp"]
+    assert "scores no trees" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("policy", ["auto", "fixed"])
+def test_generate_with_a_greedy_tree_gives_the_greedy_text_of_the_target(tiny_pair, policy, capsys):
+    """--policy auto (the default) drafts the tree as given, as fixed does: no latency probe, no fallback to the
+    target alone; the last stderr line names the tree and its nodes."""
+    target, draft = tiny_pair
+    common = ["--target", target, "--dtype", "float32", "--max-new-tokens", "12", "--temperature", "0", "--no-chat"]
+    tree = ["--draft", draft, "--draft-quant", "none", "--tree", "2,1,1", "--policy", policy]
+    assert cli.main(["generate", *common, *tree, "abc de"]) == 0
+    spec = capsys.readouterr()
+    assert cli.main(["generate", *common, "--draft", "none", "abc de"]) == 0
+    plain = capsys.readouterr()
+    assert spec.out == plain.out and spec.out.strip()
+    assert "step latency" not in spec.err and "speculation cannot pay" not in spec.err
+    last = spec.err.splitlines()[-1]
+    assert last.startswith("[block, tree 2,1,1 (6 nodes), ") and "acceptance length" in last, last
+    drafted = float(last.split(", ")[2].split()[0])  # nodes verified per step: more than a chain of 3 would
+    assert 3 < drafted <= 6, last
+
+
+def test_generate_samples_from_a_tree(tiny_pair, capsys):
+    target, draft = tiny_pair
+    argv = ["--target", target, "--draft", draft, "--dtype", "float32", "--draft-quant", "none", "--no-chat"]
+    assert cli.main(["generate", *argv, "--tree", "3,1", "--max-new-tokens", "8", "--seed", "0", "ab"]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() and "[block, tree 3,1 (6 nodes), " in out.err.splitlines()[-1]
+
+
+def test_bench_on_llamacpp_refuses_tree_configurations_before_loading_a_model(tmp_path, loads, capsys):
+    out = str(tmp_path / "bench")
+    assert cli.main(["bench", "--backend", "llamacpp", "--configs", "target-only", "tree-2,1,1", "--out", out]) == 2
+    assert "tree-2,1,1 run on transformers only" in error_line(capsys) and loads == []

@@ -62,7 +62,8 @@ def test_the_tree_is_parsed_into_its_shape_and_a_chain_is_the_default():
 )
 @pytest.mark.parametrize("command", ["generate", "bench"])
 def test_a_bad_shape_is_refused_by_the_parser_before_loading_a_model(shape, message, command, loads, capsys):
-    argv = ["generate", f"--tree={shape}", "hello"] if command == "generate" else ["bench", "--configs", f"tree-{shape}"]
+    # --tree=SHAPE: argparse reads a value starting with "-" after a space as another option
+    argv = ["generate", f"--tree={shape}", "hello"] if command == "generate" else ["bench", f"--configs=tree-{shape}"]
     with pytest.raises(SystemExit) as exit_:
         cli.main(argv)
     err = capsys.readouterr().err

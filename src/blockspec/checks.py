@@ -74,14 +74,22 @@ def tree_shape(tree, draft, policy, companion, lookup) -> tuple[int, ...] | None
 
 def tree_levels(tree) -> tuple[int, ...]:
     """A tree shape's own rules, whatever it is combined with: a non-empty sequence of ints >= 1, the children of
-    every node at each depth; returned as a tuple of Python ints. (The command line checks ``--tree`` with it.)"""
+    every node at each depth, of at most DRAFT_LIMIT nodes (``tree_nodes``); returned as a tuple of Python ints.
+    (The command line checks ``--tree`` with it.)"""
     if isinstance(tree, str | bytes) or not isinstance(tree, Sequence) or len(tree) == 0:
         raise ValueError(f"tree must be a non-empty sequence of ints (children per node at each depth), got {tree!r}")
     if not all(is_int(k) and k >= 1 for k in tree):
         raise ValueError(
             f"tree must hold ints >= 1, the children of every node at each depth, e.g. (2, 1, 1); got {tree!r}"
         )
-    return tuple(int(k) for k in tree)
+    shape = tuple(int(k) for k in tree)
+    nodes = tree_nodes(shape)
+    if nodes > DRAFT_LIMIT:
+        raise ValueError(
+            f"the tree {','.join(map(str, shape))} drafts {nodes} nodes per step, more than {DRAFT_LIMIT} (the bound "
+            "of --max-draft: every node is a token the target scores each step)"
+        )
+    return shape
 
 
 def tree_nodes(shape: Sequence[int]) -> int:
@@ -96,22 +104,14 @@ def tree_nodes(shape: Sequence[int]) -> int:
 
 def parse_tree(text: str) -> tuple[int, ...]:
     """A tree shape as the command line and the bench's configuration names write it, the children per node at each
-    depth separated by commas: "2,1,1" -> (2, 1, 1). Held to ``tree_levels``'s rules, and to at most
-    ``DRAFT_LIMIT`` nodes, the bound of ``--max-draft``: every node is a token the target scores each step."""
+    depth separated by commas: "2,1,1" -> (2, 1, 1), held to ``tree_levels``'s rules."""
     parts = text.split(",")
     if not all(re.fullmatch(r"-?[0-9]+", part) for part in parts):
         raise ValueError(
             f"a tree shape is the children per node at each depth, integers separated by commas (e.g. 2,1,1), "
             f"got {text!r}"
         )
-    shape = tree_levels(tuple(int(part) for part in parts))
-    nodes = tree_nodes(shape)
-    if nodes > DRAFT_LIMIT:
-        raise ValueError(
-            f"the tree {text} drafts {nodes} nodes per step, more than {DRAFT_LIMIT} (the bound of --max-draft: "
-            "every node is a token the target scores each step)"
-        )
-    return shape
+    return tree_levels(tuple(int(part) for part in parts))
 
 
 def refuse_shared_adapters(*models: LanguageModel | None) -> None:

@@ -301,7 +301,13 @@ class ChainOnly:
 
 def test_what_a_tree_needs_is_checked(pair):
     target, draft = pair
-    for shape, message in [((), "non-empty"), ((2, 0), "ints >= 1"), ("21", "non-empty sequence"), ((2.0,), ">= 1")]:
+    for shape, message in [
+        ((), "non-empty"),
+        ((2, 0), "ints >= 1"),
+        ("21", "non-empty sequence"),
+        ((2.0,), ">= 1"),
+        ((1000, 1000, 1000), "more than 64"),  # counted, not built
+    ]:
         with pytest.raises(ValueError, match=message):
             SpeculativeDecoder(target, draft, tree=shape)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="drafted by a draft model"):

@@ -20,7 +20,7 @@ import os
 import secrets
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -292,6 +292,24 @@ def requantize(path: Path, quant: str) -> Path:
     return out
 
 
+@overload
+def load_llamacpp(
+    name_or_path: str,
+    *,
+    quant: str | None = ...,
+    vocabulary: None = ...,
+    progress: bool = ...,
+    threads: int | None = ...,
+) -> LlamaCppModel: ...
+@overload
+def load_llamacpp(
+    name_or_path: str,
+    *,
+    quant: str | None = ...,
+    vocabulary: int | None = ...,
+    progress: bool = ...,
+    threads: int | None = ...,
+) -> LlamaCppModel | VocabularyCut: ...
 def load_llamacpp(
     name_or_path: str,
     *,

@@ -43,6 +43,7 @@ MIN_POWER = 0.99  # required power of the same test against each negative contro
 # SAMPLES: every control is already rejected with power >= 0.99999 at N = 3000 (from the exact laws); N = 4000
 # leaves a margin and keeps the file near 45 s on one thread (two 4000-row generate calls per test).
 VOCAB, LENGTH, DRAFT_LEN, SAMPLES = 6, 3, 2, 4000
+POOLED = lawkit.PooledChiSquare(SAMPLES, ALPHA, MIN_EXPECTED)
 PROMPT = [1, 2, 3]
 SUPPORT_MARGIN = 1e-4  # top-k / top-p cuts this far from a tie (forwards differ by ~1e-6 in the last bits)
 ENUMERATION_TOLERANCE = 1e-12  # the correct engine's enumerated law vs the target's, both float64
@@ -255,29 +256,6 @@ def run(decoder: SpeculativeDecoder, case: Case, seed: int):
     return lawkit.joint_counts(result.sequences, VOCAB), result
 
 
-def pooled_test(counts: torch.Tensor, law: torch.Tensor) -> lawkit.ChiSquare:
-    groups = lawkit.sparse_cell_groups(law, SAMPLES, MIN_EXPECTED)
-    return lawkit.chi_square(lawkit.pool_cells(counts, groups), lawkit.pool_cells(law, groups), ALPHA)
-
-
-def statistic_power(law: torch.Tensor, wrong_law: torch.Tensor) -> float:
-    """Power of the pooled statistic alone against ``wrong_law`` (samples on impossible outcomes, which also fail
-    the test, are not counted): noncentral chi-square over the possible pooled cells (lawkit.detection_power)."""
-    groups = lawkit.sparse_cell_groups(law, SAMPLES, MIN_EXPECTED)
-    pooled, pooled_wrong = lawkit.pool_cells(law, groups), lawkit.pool_cells(wrong_law, groups)
-    possible = pooled > 0
-    return lawkit.detection_power(pooled[possible], pooled_wrong[possible], SAMPLES, ALPHA)
-
-
-def describe(label: str, test: lawkit.ChiSquare) -> str:
-    line = (
-        f"{label}: chi2 = {test.statistic:.1f}, threshold {test.threshold:.1f} (dof {test.dof} after pooling, "
-        f"alpha {ALPHA:g}, N {SAMPLES}), {test.impossible} samples on zero-probability outcomes"
-    )
-    print(line)
-    return line
-
-
 @pytest.mark.parametrize("rule", SAMPLED_RULES)
 @pytest.mark.parametrize("name", CASES)
 def test_first_tokens_follow_the_processed_target_law(models, name, rule, monkeypatch):
@@ -302,23 +280,23 @@ def test_first_tokens_follow_the_processed_target_law(models, name, rule, monkey
         processed(draft_logits, control.draft_reported) if control.draft_reported else draft,
         rule,
     )
-    power = statistic_power(law, wrong_law)
+    power = POOLED.power(law, wrong_law)
     error = lawkit.max_abs_error(law, wrong_law)
     assert power >= MIN_POWER, f"{name} {rule}: power {power:.3g} < {MIN_POWER} against the control"
 
     decoder = SpeculativeDecoder(target_model, draft_model, rule=rule, max_draft=DRAFT_LEN)
     counts, result = run(decoder, case, seed=0)
-    test = pooled_test(counts, law)
-    assert test.passed, describe(f"{name} {rule}", test)
-    describe(f"{name} {rule} (acceptance rate {result.acceptance_rate:.2f})", test)
+    test = POOLED.test(counts, law)
+    assert test.passed, POOLED.describe(f"{name} {rule}", test)
+    POOLED.describe(f"{name} {rule} (acceptance rate {result.acceptance_rate:.2f})", test)
     assert 0.05 < result.acceptance_rate < 0.95, "the drafts were not both accepted and rejected"
 
     broken = SpeculativeDecoder(target_model, draft_model, rule=rule, max_draft=DRAFT_LEN)
     calls = wrong_engine(control, monkeypatch)
     counts, _ = run(broken, case, seed=0)
     assert calls["target"] + calls["draft"] > 0, "the control's patch was never exercised"
-    failed = pooled_test(counts, law)
-    message = describe(f"NEGATIVE CONTROL {name} {rule} [{control.description}]", failed)
+    failed = POOLED.test(counts, law)
+    message = POOLED.describe(f"NEGATIVE CONTROL {name} {rule} [{control.description}]", failed)
     print(
         f"    power {power:.6f}, max joint-law error {error:.3g}, statistic / threshold "
         f"{failed.statistic / failed.threshold:.2f}"
@@ -326,5 +304,5 @@ def test_first_tokens_follow_the_processed_target_law(models, name, rule, monkey
     assert failed.statistic > failed.threshold, "the wrong engine PASSED the test that should catch it: " + message
     # The failure is the predicted one: the control's samples follow its own exact law (so the power above is the
     # power against what it actually does).
-    own = pooled_test(counts, wrong_law)
-    assert own.passed, describe(f"{name} {rule} control against its own exact law", own)
+    own = POOLED.test(counts, wrong_law)
+    assert own.passed, POOLED.describe(f"{name} {rule} control against its own exact law", own)

@@ -35,6 +35,7 @@ ALPHA = 1e-4  # false-alarm probability of each chi-square test
 MIN_EXPECTED = 5.0  # Cochran's rule: outcomes expected fewer times are pooled
 MIN_POWER = 0.99  # required power of the same test against each negative control (from its exact law)
 VOCAB, LENGTH, SAMPLES = 4, 4, 4000
+POOLED = lawkit.PooledChiSquare(SAMPLES, ALPHA, MIN_EXPECTED)
 PROMPT = [1, 2, 3]
 ENUMERATION_TOLERANCE = 1e-12  # the correct engine's enumerated law vs the target's, both float64
 GREEDY = SamplingParams(temperature=0.0)
@@ -144,27 +145,6 @@ def run(decoder: SpeculativeDecoder, case: Case):
     return lawkit.joint_counts(result.sequences, VOCAB), result
 
 
-def pooled_test(counts: torch.Tensor, law: torch.Tensor) -> lawkit.ChiSquare:
-    groups = lawkit.sparse_cell_groups(law, SAMPLES, MIN_EXPECTED)
-    return lawkit.chi_square(lawkit.pool_cells(counts, groups), lawkit.pool_cells(law, groups), ALPHA)
-
-
-def statistic_power(law: torch.Tensor, wrong_law: torch.Tensor) -> float:
-    groups = lawkit.sparse_cell_groups(law, SAMPLES, MIN_EXPECTED)
-    pooled, pooled_wrong = lawkit.pool_cells(law, groups), lawkit.pool_cells(wrong_law, groups)
-    possible = pooled > 0
-    return lawkit.detection_power(pooled[possible], pooled_wrong[possible], SAMPLES, ALPHA)
-
-
-def describe(label: str, test: lawkit.ChiSquare) -> str:
-    line = (
-        f"{label}: chi2 = {test.statistic:.1f}, threshold {test.threshold:.1f} (dof {test.dof} after pooling, "
-        f"alpha {ALPHA:g}, N {SAMPLES}), {test.impossible} samples on zero-probability outcomes"
-    )
-    print(line)
-    return line
-
-
 @pytest.mark.parametrize("name", CASES)
 def test_first_tokens_of_a_tree_decoder_follow_the_target_law(models, name, monkeypatch):
     case = CASES[name]
@@ -176,14 +156,14 @@ def test_first_tokens_of_a_tree_decoder_follow_the_target_law(models, name, monk
     # from it that this test at this N rejects it almost surely.
     assert lawkit.max_abs_error(tree_law(target, draft, case), law) < ENUMERATION_TOLERANCE
     wrong_law = tree_law(target, draft, case, wrong=True)
-    power = statistic_power(law, wrong_law)
+    power = POOLED.power(law, wrong_law)
     assert power >= MIN_POWER, f"{name}: power {power:.3g} < {MIN_POWER} against the control"
 
     decoder = SpeculativeDecoder(target_model, draft_model, rule=case.rule, tree=case.shape)
     counts, result = run(decoder, case)
-    test = pooled_test(counts, law)
-    assert test.passed, describe(name, test)
-    describe(f"{name} (block efficiency {result.block_efficiency:.2f})", test)
+    test = POOLED.test(counts, law)
+    assert test.passed, POOLED.describe(name, test)
+    POOLED.describe(f"{name} (block efficiency {result.block_efficiency:.2f})", test)
     accepted = [a for s in result.stats for a in s.accepted]
     assert min(accepted) == 0 and max(accepted) == len(case.shape), "trees were not both accepted and rejected"
 
@@ -191,12 +171,12 @@ def test_first_tokens_of_a_tree_decoder_follow_the_target_law(models, name, monk
     calls = wrong_engine(case, monkeypatch)
     counts, _ = run(broken, case)
     assert calls["tree"] > 0, "the control's patch was never exercised"
-    failed = pooled_test(counts, law)
-    message = describe(f"NEGATIVE CONTROL {name} [{CONTROL}]", failed)
+    failed = POOLED.test(counts, law)
+    message = POOLED.describe(f"NEGATIVE CONTROL {name} [{CONTROL}]", failed)
     print(f"    power {power:.6f}, max joint-law error {lawkit.max_abs_error(law, wrong_law):.3g}")
     assert failed.statistic > failed.threshold, "the wrong engine PASSED the test that should catch it: " + message
-    own = pooled_test(counts, wrong_law)  # the failure is the predicted one
-    assert own.passed, describe(f"{name} control against its own exact law", own)
+    own = POOLED.test(counts, wrong_law)  # the failure is the predicted one
+    assert own.passed, POOLED.describe(f"{name} control against its own exact law", own)
 
 
 # --- greedy equivalence, caches, rows, refusals -------------------------------------------------------------------

@@ -66,6 +66,7 @@ MIN_POWER = 0.99  # required power of the same test against the negative control
 # times its logits, a bug of the adapter rather than of the engine (1.15 times: 0.03; the contract tests above see
 # that one, at 0.25 from transformers' logits).
 SAMPLES = 4096
+POOLED = lawkit.PooledChiSquare(SAMPLES, ALPHA, MIN_EXPECTED)
 
 
 @dataclass(frozen=True)
@@ -432,19 +433,6 @@ def sample(decoder: SpeculativeDecoder) -> tuple[torch.Tensor, float]:
     return counts, accepted / verified
 
 
-def pooled_test(counts: torch.Tensor, law: torch.Tensor) -> lawkit.ChiSquare:
-    groups = lawkit.sparse_cell_groups(law, SAMPLES, MIN_EXPECTED)
-    return lawkit.chi_square(lawkit.pool_cells(counts, groups), lawkit.pool_cells(law, groups), ALPHA)
-
-
-def statistic_power(law: torch.Tensor, wrong_law: torch.Tensor) -> float:
-    """Power of the pooled statistic against samples from ``wrong_law`` (noncentral chi-square, lawkit)."""
-    groups = lawkit.sparse_cell_groups(law, SAMPLES, MIN_EXPECTED)
-    pooled, pooled_wrong = lawkit.pool_cells(law, groups), lawkit.pool_cells(wrong_law, groups)
-    possible = pooled > 0
-    return lawkit.detection_power(pooled[possible], pooled_wrong[possible], SAMPLES, ALPHA)
-
-
 @pytest.mark.parametrize("cut", [False, True], ids=["draft", "cut-draft"])
 def test_law_of_the_first_tokens_through_llama_cpp_is_the_targets(law_files, sampled_rule, cut, monkeypatch):
     """Chi-square of the joint law of the first 3 tokens (216 outcomes, pooled) of the engine on the llama.cpp pair
@@ -464,7 +452,7 @@ def test_law_of_the_first_tokens_through_llama_cpp_is_the_targets(law_files, sam
     # the enumeration of the engine's steps is right: unshifted, it is the target's law
     assert lawkit.max_abs_error(engine_law(tables, sampled_rule, shift=False), law) < 1e-12
     wrong_law = engine_law(tables, sampled_rule, shift=True)
-    power = statistic_power(law, wrong_law)
+    power = POOLED.power(law, wrong_law)
     assert power >= MIN_POWER, f"power {power:.4g} against the shifted verifier at N = {SAMPLES}"
 
     def decoder() -> SpeculativeDecoder:
@@ -472,17 +460,17 @@ def test_law_of_the_first_tokens_through_llama_cpp_is_the_targets(law_files, sam
         return SpeculativeDecoder(target, draft, rule=sampled_rule, max_draft=DRAFT_LEN)
 
     counts, acceptance = sample(decoder())
-    test = pooled_test(counts, law)
+    test = POOLED.test(counts, law)
     assert test.passed, f"{sampled_rule}: {test}"
     assert 0.05 < acceptance < 0.95, f"acceptance rate {acceptance:.2f}: drafts must be both accepted and rejected"
 
     rule = RULES[sampled_rule]
     monkeypatch.setitem(RULES, sampled_rule, replace(rule, verify=shifted_within_rows(rule.verify)))
     counts, _ = sample(decoder())
-    broken = pooled_test(counts, law)
+    broken = POOLED.test(counts, law)
     assert broken.statistic > broken.threshold, f"the shifted verifier PASSED: {broken} (power {power:.4g})"
     # the failure is the predicted one: the control's samples follow its own exact law
-    own = pooled_test(counts, wrong_law)
+    own = POOLED.test(counts, wrong_law)
     assert own.passed, f"the shifted verifier against its own exact law: {own}"
     print(  # with pytest -s
         f"{sampled_rule}: chi2 {test.statistic:.1f}, threshold {test.threshold:.1f} (dof {test.dof} after pooling), "

@@ -250,6 +250,37 @@ def detection_power(law: torch.Tensor, wrong_law: torch.Tensor, samples: int, al
     return float(ncx2.sf(chi2.ppf(1 - alpha, dof), dof, noncentrality))
 
 
+@dataclass(frozen=True)
+class PooledChiSquare:
+    """The engine law tests' chi-square: ``samples`` draws, cells of ``law`` expected fewer than ``min_expected``
+    times pooled (``sparse_cell_groups``), false-alarm probability ``alpha``."""
+
+    samples: int
+    alpha: float
+    min_expected: float = 5.0
+
+    def test(self, counts: torch.Tensor, law: torch.Tensor) -> ChiSquare:
+        groups = sparse_cell_groups(law, self.samples, self.min_expected)
+        return chi_square(pool_cells(counts, groups), pool_cells(law, groups), self.alpha)
+
+    def power(self, law: torch.Tensor, wrong_law: torch.Tensor) -> float:
+        """Power of the pooled statistic alone against samples from ``wrong_law`` (samples on impossible outcomes,
+        which also fail the test, are not counted): noncentral chi-square over the possible pooled cells."""
+        groups = sparse_cell_groups(law, self.samples, self.min_expected)
+        pooled, pooled_wrong = pool_cells(law, groups), pool_cells(wrong_law, groups)
+        possible = pooled > 0
+        return detection_power(pooled[possible], pooled_wrong[possible], self.samples, self.alpha)
+
+    def describe(self, label: str, test: ChiSquare) -> str:
+        """One line on ``test``, printed (pytest -s) and returned for an assertion's message."""
+        line = (
+            f"{label}: chi2 = {test.statistic:.1f}, threshold {test.threshold:.1f} (dof {test.dof} after pooling, "
+            f"alpha {self.alpha:g}, N {self.samples}), {test.impossible} samples on zero-probability outcomes"
+        )
+        print(line)
+        return line
+
+
 def max_abs_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max())
 

@@ -127,29 +127,12 @@ def models(device):
     target = tiny_model(vocab=VOCAB, sharpness=3.0)
     draft = perturbed(target, scale=0.4, seed=1).to(device)
     target = target.to(device)
-    return target, draft, logit_tables(target), logit_tables(draft)
-
-
-def logit_tables(model) -> list[torch.Tensor]:
-    """tables[L]: the model's last logits [V**L, V] float32 (on the CPU) after PROMPT + each of the V**L continuations
-    of length L (mixed radix order, as lawkit.all_blocks), for L = 0..LENGTH-1: every context the first LENGTH
-    tokens see. The model runs on its own device: on CUDA the tables are CUDA's arithmetic, as the engine's are."""
-    tables = []
-    with torch.no_grad():
-        for length in range(LENGTH):
-            continuations = lawkit.all_blocks(VOCAB, length)
-            contexts = torch.cat([torch.tensor(PROMPT).expand(len(continuations), -1), continuations], dim=1)
-            tables.append(model(contexts.to(model.device)).logits[:, -1].float().cpu())
-    return tables
-
-
-def processed(logits: list[torch.Tensor], params: SamplingParams) -> list[torch.Tensor]:
-    """The processed distributions the engine samples from (float32 by ``process``), as float64 rows summing to 1."""
-    out = []
-    for table in logits:
-        probs = process(table, params).double()
-        out.append(probs / probs.sum(-1, keepdim=True))
-    return out
+    return (
+        target,
+        draft,
+        lawkit.logit_tables(target, PROMPT, VOCAB, LENGTH),
+        lawkit.logit_tables(draft, PROMPT, VOCAB, LENGTH),
+    )
 
 
 def assert_stable_support(logits: list[torch.Tensor], params: SamplingParams) -> None:
@@ -263,8 +246,8 @@ def test_first_tokens_follow_the_processed_target_law(models, name, rule, monkey
     target_model, draft_model, target_logits, draft_logits = models
     for logits, params in ((target_logits, case.sampling), (draft_logits, case.draft)):
         assert_stable_support(logits, params)
-    target = processed(target_logits, case.sampling)
-    draft = processed(draft_logits, case.draft)
+    target = lawkit.processed(target_logits, case.sampling)
+    draft = lawkit.processed(draft_logits, case.draft)
     law = lawkit.target_law(lawkit.Tables(VOCAB, target, target), LENGTH)
     if rule == "block":
         gain = first_step_accepted(target, draft, "block") - first_step_accepted(target, draft, "token")
@@ -275,9 +258,9 @@ def test_first_tokens_follow_the_processed_target_law(models, name, rule, monkey
     assert lawkit.max_abs_error(engine_law(target, draft, draft, rule), law) < ENUMERATION_TOLERANCE
     control = case.control
     wrong_law = engine_law(
-        processed(target_logits, control.target) if control.target else target,
+        lawkit.processed(target_logits, control.target) if control.target else target,
         draft,
-        processed(draft_logits, control.draft_reported) if control.draft_reported else draft,
+        lawkit.processed(draft_logits, control.draft_reported) if control.draft_reported else draft,
         rule,
     )
     power = POOLED.power(law, wrong_law)

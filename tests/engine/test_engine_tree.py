@@ -27,7 +27,6 @@ from blockspec.drafting.lookup import PromptLookup
 from blockspec.models.base import left_pad
 from blockspec.models.hf import HFModel
 from blockspec.policy import FixedLength
-from blockspec.sampling import process
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -77,26 +76,12 @@ def models(device):
     target = tiny_model(vocab=VOCAB, sharpness=3.0)
     draft = perturbed(target, scale=0.4, seed=1).to(device)
     target = target.to(device)
-    return target, draft, logit_tables(target), logit_tables(draft)
-
-
-def logit_tables(model) -> list[torch.Tensor]:
-    """tables[L]: the model's last logits [V**L, V] float32 after PROMPT + each continuation of length L < LENGTH."""
-    tables = []
-    with torch.no_grad():
-        for length in range(LENGTH):
-            continuations = lawkit.all_blocks(VOCAB, length)
-            contexts = torch.cat([torch.tensor(PROMPT).expand(len(continuations), -1), continuations], dim=1)
-            tables.append(model(contexts.to(model.device)).logits[:, -1].float().cpu())
-    return tables
-
-
-def processed(logits: list[torch.Tensor], params: SamplingParams) -> list[torch.Tensor]:
-    out = []
-    for table in logits:
-        probs = process(table, params).double()
-        out.append(probs / probs.sum(-1, keepdim=True))
-    return out
+    return (
+        target,
+        draft,
+        lawkit.logit_tables(target, PROMPT, VOCAB, LENGTH),
+        lawkit.logit_tables(draft, PROMPT, VOCAB, LENGTH),
+    )
 
 
 def lookup(table: list[torch.Tensor]):
@@ -149,7 +134,7 @@ def run(decoder: SpeculativeDecoder, case: Case):
 def test_first_tokens_of_a_tree_decoder_follow_the_target_law(models, name, monkeypatch):
     case = CASES[name]
     target_model, draft_model, target_logits, draft_logits = models
-    target, draft = processed(target_logits, case.sampling), processed(draft_logits, case.sampling)
+    target, draft = lawkit.processed(target_logits, case.sampling), lawkit.processed(draft_logits, case.sampling)
     law = lawkit.target_law(lawkit.Tables(VOCAB, target, target), LENGTH)
 
     # Exact, before sampling: the correct engine's steps give the target's law, and the control's law is far enough

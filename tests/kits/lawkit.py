@@ -281,6 +281,32 @@ class PooledChiSquare:
         return line
 
 
+def logit_tables(model, prompt: list[int], vocab: int, length: int) -> list[torch.Tensor]:
+    """tables[L]: a transformers model's last logits [V**L, V] float32 (on the CPU) after ``prompt`` + each of the V**L
+    continuations of length L (mixed radix order, as ``all_blocks``), for L = 0..length-1: every context the first
+    ``length`` tokens see. The model runs on its own device: on CUDA the tables are CUDA's arithmetic, as the
+    engine's are."""
+    tables = []
+    with torch.no_grad():
+        for width in range(length):
+            continuations = all_blocks(vocab, width)
+            contexts = torch.cat([torch.tensor(prompt).expand(len(continuations), -1), continuations], dim=1)
+            tables.append(model(contexts.to(model.device)).logits[:, -1].float().cpu())
+    return tables
+
+
+def processed(logits: list[torch.Tensor], params) -> list[torch.Tensor]:
+    """The processed distributions the engine samples from (float32 by ``sampling.process``, under ``params``), as
+    float64 rows summing to 1."""
+    from blockspec.sampling import process
+
+    out = []
+    for table in logits:
+        probs = process(table, params).double()
+        out.append(probs / probs.sum(-1, keepdim=True))
+    return out
+
+
 def max_abs_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max())
 

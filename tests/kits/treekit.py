@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from blockspec.drafting.tree import tree_slots
 from blockspec.verify.tree_inputs import SCHEMES
 
 from . import lawkit
@@ -48,19 +49,6 @@ class Trees:
 TreeStep = Callable[[Trees], tuple[torch.Tensor, torch.Tensor]]
 
 
-def slot_parents(shape: tuple[int, ...]) -> list[int]:
-    """parent slot of slots 1..S (list index s - 1), breadth first; slot 0 is the root."""
-    parents, level = [], [0]
-    for children in shape:
-        next_level = []
-        for parent in level:
-            for _ in range(children):
-                parents.append(parent)
-                next_level.append(len(parents))
-        level = next_level
-    return parents
-
-
 def slot_paths(parents: list[int]) -> list[list[int]]:
     """The slots on the path root..s, root excluded, for s = 0..S."""
     paths = [[]]
@@ -77,7 +65,7 @@ def _draw_slots(tables: lawkit.Tables, shape, scheme: str, choose, count: int, p
     parent's draft, q_at [T'] -> bool: ``stop`` gives it no children (decided before they are drawn: a stopping
     rule), ``prune`` drops it and its subtree from what the verifier sees (after it was drawn: lossy)."""
     assert scheme in SCHEMES
-    parents = slot_parents(shape)
+    parents = tree_slots(shape)
     paths = slot_paths(parents)
     tokens = torch.zeros(count, 0, dtype=torch.long)
     drawn = torch.zeros(count, 0, dtype=torch.bool)  # the drafter drew the slot

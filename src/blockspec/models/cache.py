@@ -16,6 +16,7 @@ Standard library only: `blockspec models` reads the cache without torch or trans
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -74,6 +75,15 @@ def dtype_name(dtype: Any) -> str:
 
 
 # ------------------------------------------------------------------------------------------- the GGUF file
+
+
+def derived_gguf(source: Path, kind: str) -> Path:
+    """Where a GGUF made from ``source`` by llama.cpp's tools or blockspec goes (``kind``: "q4_0", "vocab32768"):
+    ``llamacpp/`` in the model cache, named after the source's path, size and mtime, so a changed source makes
+    another copy."""
+    stat = source.stat()
+    identity = hashlib.sha256(f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_root() / "llamacpp" / f"{source.stem}-{identity}.{kind}.gguf"
 
 
 def _gguf_marker(gguf: Path) -> Path:

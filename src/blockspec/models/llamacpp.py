@@ -14,7 +14,6 @@ not used).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
 import secrets
@@ -26,7 +25,7 @@ import numpy as np
 import torch
 
 from ..defaults import LLAMACPP_QUANTS
-from .cache import cache_root
+from .cache import derived_gguf
 from .vocab_cut import VocabularyCut, cut_vocabulary, read_cut
 
 log = logging.getLogger(__name__)
@@ -271,9 +270,7 @@ def requantize(path: Path, quant: str) -> Path:
 
     if quant not in QUANTS:
         raise ValueError(f"llama.cpp quantization must be one of {tuple(QUANTS)}, got {quant!r}")
-    stat = path.stat()
-    identity = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = cache_root() / "llamacpp" / f"{path.stem}-{identity}.{quant}.gguf"
+    out = derived_gguf(path, quant)
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,6 @@ in rare tokens, which a cut draft can neither read nor propose), so nothing cuts
 
 from __future__ import annotations
 
-import hashlib
 import os
 import secrets
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cache import cache_root
+from .cache import derived_gguf
 
 _SPECIAL_ID = ("bos", "eos", "eot", "eom", "unknown", "padding", "sep", "cls", "mask")  # tokenizer.ggml.<x>_token_id
 _TOKEN_IDS = {f"tokenizer.ggml.{name}_token_id" for name in _SPECIAL_ID}
@@ -73,9 +72,7 @@ def cut_vocabulary(path: Path, keep: int) -> Path:
 
     from ..files import TEMPORARY_SUFFIX
 
-    stat = path.stat()
-    identity = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = cache_root() / "llamacpp" / f"{path.stem}-{identity}.vocab{keep}.gguf"
+    out = derived_gguf(path, f"vocab{keep}")
     if out.is_file() and ids_file(out).is_file():
         return out
     reader = gguf.GGUFReader(path)

@@ -272,5 +272,6 @@ def test_the_latency_profile_times_every_verification_width(llm, tmp_path):
     measured.save(tmp_path / "latency.json")
     loaded = LatencyProfile.load(tmp_path / "latency.json")
     assert (loaded.target.batch_sizes, loaded.target.tokens) == ((1, 2), (1, 2, 3))
+    assert (loaded.draft.batch_sizes, loaded.draft.tokens) == ((1, 2), (1, 2, 3))  # the first forward per width
     assert all(seconds > 0 for row in loaded.target.seconds + loaded.draft.seconds for seconds in row)
     assert (loaded.meta["target"], loaded.meta["context"], loaded.meta["repeats"]) == ("target", 8, 4)

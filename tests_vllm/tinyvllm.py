@@ -338,7 +338,7 @@ def sv_profiles(directory: Path, drafting: float, prior: float, llm) -> tuple[st
     }
     latency = LatencyProfile(
         steps,
-        LatencyTable((1, 64), (1,), ((drafting,), (drafting,))),
+        LatencyTable((1, 64), (1, 2, 3), ((drafting,) * 3, (drafting,) * 3)),
         None,
         dict.fromkeys(META_FIELDS, "tiny") | served,
     )

@@ -228,6 +228,42 @@ def test_whole_drafts_price_one_draft_forward_without_drafting_and_the_whole_bud
     assert whole.keep_drafting_given(unsure) and whole.draft_next(2, torch.zeros(1, dtype=torch.float64))
 
 
+def whole_drafts_latency(first_forward: tuple[float, float, float]) -> LatencyProfile:
+    """A verified token costs the target 0.1 s; the draft's first forward over 1, 2, 3 tokens: ``first_forward``."""
+    return LatencyProfile(
+        target=LatencyTable((1,), (1, 2, 3), ((1.0, 1.1, 1.2),)),
+        draft=LatencyTable((1,), (1, 2, 3), (first_forward,)),
+        companion=None,
+        meta={},
+    )
+
+
+def test_whole_drafts_charge_each_width_the_first_draft_forward_it_causes_in_the_next_step():
+    """vLLM's drafter reads in its first forward every token the step scored, so a width w costs the next step a
+    draft forward over 1 + w tokens a row. With that forward at 0.5 s whatever it reads, drafting pays (as above);
+    at 1.5 s over 2 or 3 tokens it does not: (1 + 0.5 + 0.5) / (1.5 + 0.5 + 1.2) < 1 / (0.5 + 1.0). Priced at one
+    one-token forward, it would draft."""
+    flat = hand_profile(prior=[0.5, 0.5])
+    cheap = SVPolicy(flat, whole_drafts_latency((0.5, 0.5, 0.5)), rule="block", max_draft=2, whole_drafts=True)
+    dear = SVPolicy(flat, whole_drafts_latency((0.5, 1.5, 1.5)), rule="block", max_draft=2, whole_drafts=True)
+    assert [dear.step_seconds(1, 1)(w) for w in (0, 1, 2)] == pytest.approx([1.5, 3.1, 3.2])
+    assert cheap.draft_budget(1, 1) == 2
+    assert dear.draft_budget(1, 1) == 0
+
+
+@pytest.mark.parametrize(("first_forward", "lengths"), [((0.5, 0.5, 0.5), [2]), ((0.5, 2.5, 4.5), [0])])
+def test_whole_drafts_verify_a_token_while_it_pays_for_the_next_steps_wider_draft_forward(first_forward, lengths):
+    """A request's verified drafts widen the next step's first draft forward too: at 2 s a token more (against the
+    target's 0.1 s) its first position's gain (0.731) no longer pays at the step's goodput, 1 / 2 s. The budget's
+    second forward (0.5 s) is sunk. Without whole drafts only the target's 0.1 s weighs, and both are verified."""
+    latency = whole_drafts_latency(first_forward)
+    features = torch.tensor([[[1.0, 0.0, 0.0, 0.0, 0.0], [1.0, math.log(2), 0.0, 0.0, 0.0]]])
+    for whole, expected in ((True, lengths), (False, [2])):
+        policy = SVPolicy(hand_profile(), latency, rule="block", max_draft=2, ragged=True, whole_drafts=whole)
+        policy.draft_budget(1, 1)
+        assert policy.lengths_given(features, torch.tensor([2])).tolist() == expected, whole
+
+
 def test_draft_next_guesses_position_i_from_the_prefix_drafted_and_position_i_minus_1():
     """Before its forward, position 2's gain is predicted with position 1's draft features, log 2 and the drafted
     prefix's log-probability log q_1(x_1): an unlikely x_1 stops drafting, a likely one does not."""

@@ -33,7 +33,7 @@ def write_profiles(directory, meta: dict | None = None, **changes) -> tuple[str,
     )
     latency = LatencyProfile(
         LatencyTable((1, 16), (1, 2, 3), ((1.0, 1.2, 1.4), (2.0, 2.4, 2.8))),
-        LatencyTable((1, 16), (1,), ((0.1,), (0.2,))),
+        LatencyTable((1, 16), (1, 2, 3), ((0.1, 0.15, 0.2), (0.2, 0.3, 0.4))),
         None,
         dict.fromkeys(META_FIELDS, "tiny") | (meta or {}),
     )
@@ -93,6 +93,11 @@ def test_profiles_sv_decides_with_are_put_in_place(tmp_path):
         ("an infinite draft table", {"draft": table(math.inf)}, "finite and >= 0"),
         ("a negative draft table", {"draft": table(-0.1)}, "finite and >= 0"),
         ("a target table without drafts", {"target": table(1.0)}, "no width with drafts"),
+        (
+            "a draft table of one width (an earlier profile's average draft forward)",
+            {"draft": table(0.1)},
+            "first forward up to 1 tokens a request, but that forward reads every token the target scored, up to 3",
+        ),
     ],
 )
 def test_profiles_sv_cannot_decide_with_are_refused_where_vllm_starts(tmp_path, broken, change, message):

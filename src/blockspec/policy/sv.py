@@ -74,11 +74,13 @@ class SVPolicy:
         """``kind`` is "draft" (draft-only features, no companion: the default) or "companion" (draft + companion
         features; needs ``companion=`` in the decoder). With ``ragged`` each row pays for its own verified tokens
         (``ragged_stopping_lengths``: a flattened batch, as vLLM's) instead of the batch padded to its widest row.
-        With ``whole_drafts`` the engine drafts the whole budget in one call (``draft_next`` and ``keep_drafting``
-        always go on), running the draft's first forward even when the budget is 0 (vLLM does, to keep the draft's
-        cache): a step costs at least one draft forward, and all the positions drafted are paid before any is
-        verified. ``memory``: the weight the gain history keeps at each step; ``rate``: the online calibration's
-        step size (``observe``); ``carry_over``: see ``reset``."""
+        With ``whole_drafts`` the engine drafts as vLLM's drafter does: the whole budget in one call (``draft_next``
+        and ``keep_drafting`` always go on), all the positions drafted paid before any is verified, and a first
+        draft forward every step, even when the budget is 0, that reads every token the previous step scored. A
+        width w is then charged the first draft forward it causes in the next step, over 1 + w tokens a row (the
+        latency profile's draft table up to K + 1 tokens), and ``catch_up`` is not read. ``memory``: the weight the
+        gain history keeps at each step; ``rate``: the online calibration's step size (``observe``); ``carry_over``:
+        see ``reset``."""
         if kind not in ("draft", "companion"):
             raise ValueError(f"kind must be 'draft' or 'companion', got {kind!r}")
         if kind == "companion" and latency.companion is None:
@@ -145,12 +147,11 @@ class SVPolicy:
         def seconds(width: int) -> float:
             latency = self.latency
             scoring = latency.scoring(batch, max(width, sampled), catch_up) if self.needs_companion else 0.0
-            forwards = (self.max_draft if width else 1) if self.whole_drafts else max(width, drafted)
-            return (
-                latency.drafting(batch, forwards, catch_up, companion=False)
-                + scoring
-                + latency.target(batch, 1 + width)
-            )
+            if self.whole_drafts:  # the next step's first draft forward reads the 1 + width tokens scored now
+                drafting = latency.drafting(batch, self.max_draft if width else 1, 1 + width, companion=False)
+            else:
+                drafting = latency.drafting(batch, max(width, drafted), catch_up, companion=False)
+            return drafting + scoring + latency.target(batch, 1 + width)
 
         return seconds
 
@@ -227,22 +228,30 @@ class SVPolicy:
         self.history = self.memory * self.history + (1 - self.memory) * now
         # Drafting (and the companion's scoring) up to position i is paid by the time x_i is decided on; the
         # sunk seconds are those of i positions, never of how far drafting went (which depends on x_i), unless the
-        # engine drafts whole budgets, whose length does not depend on the tokens.
-        batch, catch_up, budget = self._batch, self._catch_up, features.shape[1]
+        # engine drafts whole budgets (vLLM), whose length does not depend on the tokens: then the budget's later
+        # forwards are sunk and its first, in the next step, reads the 1 + width tokens a row scores now.
+        batch, catch_up, budget, latency = self._batch, self._catch_up, features.shape[1], self.latency
+        if self.whole_drafts:
+            sunk = latency.drafting(batch, budget, 1, self.needs_companion) - latency.draft(batch, 1)
 
-        def paid(position: int) -> float:
-            return self.latency.drafting(
-                batch, budget if self.whole_drafts else position, catch_up, self.needs_companion
-            )
+            def paid(position: int) -> float:
+                return sunk
+
+            def seconds(width: float) -> float:
+                return latency.target(batch, 1 + width) + latency.draft(batch, 1 + width)
+
+        else:
+
+            def paid(position: int) -> float:
+                return latency.drafting(batch, position, catch_up, self.needs_companion)
+
+            def seconds(width: float) -> float:
+                return latency.target(batch, 1 + width)
 
         if self.ragged:
-
-            def per_row(tokens: int) -> float:
-                return self.latency.target(batch, 1 + tokens / batch)
-
-            lengths = ragged_stopping_lengths(gains, drafted, per_row, paid=paid)
+            lengths = ragged_stopping_lengths(gains, drafted, lambda tokens: seconds(tokens / batch), paid=paid)
         else:
-            lengths = stopping_lengths(gains, drafted, lambda width: self.latency.target(batch, 1 + width), paid=paid)
+            lengths = stopping_lengths(gains, drafted, seconds, paid=paid)
         return lengths.to(drafted.device)
 
     def expected(self) -> torch.Tensor:

@@ -6,10 +6,11 @@ Run it in vLLM's environment, with the models, dtype and thread settings vLLM wi
 offline engine with the target, the draft drafting K tokens a step and blockspec's plugin, and for each batch
 size B decodes B requests while every request's drafts are cut to w tokens, w = 0..K (a cut that ignores the
 drafts: a stopping rule, exact). It times the target's forward (``execute_model``) over the steps where all B
-requests decode w + 1 tokens each, and the drafting (``propose_draft_token_ids``) over the steps that drafted
-K tokens for B requests. The profile's target table is seconds(B, w + 1); its draft table the seconds of one
-draft forward at B (the drafting's, divided by K): vLLM runs the draft's first forward whether or not it
-drafts, so a step's drafting costs about K of them.
+requests decode w + 1 tokens each, and the drafting (``propose_draft_token_ids``) that follows them. The profile's
+target table is seconds(B, w + 1). vLLM's drafting reads in its first forward every token the step scored (w + 1
+a request), then drafts K - 1 more tokens one forward each: D(w) = F(B, w + 1) + (K - 1) F(B, 1), so with
+F(B, 1) = D(0) / K the draft table is F(B, n) = D(n - 1) - (K - 1) D(0) / K, n = 1..K + 1, the forward a
+width causes in the next step, which SV charges it (it runs whether or not the next step drafts).
 """
 
 from __future__ import annotations
@@ -74,15 +75,15 @@ def times(worker) -> dict:
 
 
 def measure(llm, batch_sizes, max_draft: int, context: int, repeats: int, log=print) -> tuple[dict, dict]:
-    """{B: [seconds(B, w + 1) for w = 0..K]} of the target, {B: seconds of one draft forward}: medians over at
-    least ``repeats`` steps each, after one warm-up step."""
+    """{B: [seconds(B, w + 1) for w = 0..K]} of the target, {B: [F(B, n) for n = 1..K + 1]} of the draft's first
+    forward (the module's docstring): medians over at least ``repeats`` steps each, after one warm-up step."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     llm.collective_rpc(timing)
     target, draft = {}, {}
     for batch in batch_sizes:
-        target[batch] = []
+        target[batch], drafting = [], []  # drafting[w]: seconds of the drafting after steps verifying w a request
         vocab = llm.llm_engine.model_config.get_vocab_size()
         prompts = [
             TokensPrompt(prompt_token_ids=[2 + (7 * request + i) % min(vocab - 2, 4096) for i in range(context)])
@@ -107,17 +108,15 @@ def measure(llm, batch_sizes, max_draft: int, context: int, repeats: int, log=pr
                     "each were seen: is vLLM's batch limit (max_num_seqs) below the batch size?"
                 )
             target[batch].append(round(statistics.median(steps), 6))
-            if width == max_draft:
-                drafting = [
-                    seconds
-                    for requests, drafted, seconds in timed["draft"]
-                    if requests == batch and drafted == max_draft
-                ][1:]
-                draft[batch] = round(statistics.median(drafting) / max_draft, 6)
+            drafted = [seconds for requests, k, seconds in timed["draft"] if requests == batch and k == max_draft]
+            drafting.append(statistics.median(drafted[1:]))
             log(
-                f"B={batch} w={width}: target {target[batch][-1] * 1e3:.1f} ms over {len(steps)} steps"
-                + (f", one draft forward {draft[batch] * 1e3:.1f} ms" if width == max_draft else "")
+                f"B={batch} w={width}: target {target[batch][-1] * 1e3:.1f} ms over {len(steps)} steps, "
+                f"drafting {drafting[width] * 1e3:.1f} ms"
             )
+        later = (max_draft - 1) * drafting[0] / max_draft  # the K - 1 one-token forwards after the first
+        # a forward takes no less than nothing, whatever the timing noise
+        draft[batch] = [round(max(seconds - later, 0.0), 6) for seconds in drafting]
     llm.collective_rpc(verify, args=(None,))
     return target, draft
 
@@ -158,7 +157,7 @@ def profile(
     }
     return LatencyProfile(
         LatencyTable(sizes, tuple(range(1, max_draft + 2)), tuple(tuple(target[b]) for b in sizes)),
-        LatencyTable(sizes, (1,), tuple((draft[b],) for b in sizes)),
+        LatencyTable(sizes, tuple(range(1, max_draft + 2)), tuple(tuple(draft[b]) for b in sizes)),
         None,
         meta,
     )

@@ -67,6 +67,12 @@ def checked_profiles(paths: tuple[str, str], rule: str) -> tuple[Profile, Latenc
             raise ValueError(f"its target table must be > 0 seconds everywhere, got {latency.target.seconds}")
         if max(latency.target.tokens) < 2:
             raise ValueError("its target table has no width with drafts (tokens per request up to 1)")
+        if max(latency.draft.tokens) < max(latency.target.tokens):
+            raise ValueError(
+                f"its draft table times the draft's first forward up to {max(latency.draft.tokens)} tokens a "
+                f"request, but that forward reads every token the target scored, up to {max(latency.target.tokens)}: "
+                "measure it again with this blockspec's python -m blockspec.vllm.profile"
+            )
     except (OSError, ValueError, TypeError) as error:
         raise ValueError(f"{SV_SWITCH}: latency profile {latency_path}: {error}") from None
     try:

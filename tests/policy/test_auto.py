@@ -114,6 +114,26 @@ def test_adaptive_length_follows_the_acceptance_it_observes():
     assert unchanged.acceptance == 0.8
 
 
+def test_adaptive_length_drafts_again_after_a_bad_patch():
+    """Steps that draft nothing teach nothing, so the acceptance drifts back towards the prior on them (by 1 - memory
+    a step): after drafts that were never accepted, the policy decodes alone for a few steps, then drafts again, and
+    learns from what that step verifies. Without the drift it would decode alone for the rest of the call."""
+    costs = [100, 130, 160, 190, 220, 250, 280, 310, 340]
+    policy = AdaptiveLength(profile(costs, draft_ms=20), max_draft=8, prior=0.8, memory=0.5)
+    for _ in range(8):
+        observe(policy, agree=False, width=policy.best_length(1))
+    low = policy.acceptance  # 0.8 / 2**8
+    idle = 0
+    while policy.draft_budget(1, 1) == 0:
+        idle += 1
+        assert idle < 10, policy.acceptance
+    # the first K > 0 comes once 0.8 - (0.8 - low) / 2**idle reaches the break-even acceptance, which lies in
+    # (0, 0.8): after 1 to 9 idle steps
+    assert 1 <= idle and policy.acceptance == pytest.approx(0.8 - (0.8 - low) / 2**idle)
+    hopeless = AdaptiveLength(profile(LINEAR_VERIFICATION, draft_ms=2), max_draft=8, prior=0.8)
+    assert [hopeless.draft_budget(1, 1) for _ in range(20)] == [0] * 20  # the drift never passes the prior
+
+
 @pytest.mark.slow  # a subprocess or thousands of rows: the full suite runs it
 @pytest.mark.parametrize("rule", SAMPLED_RULES)
 def test_law_of_the_first_tokens_is_the_targets_under_adaptive_length(rule, monkeypatch):

@@ -83,7 +83,8 @@ class AdaptiveLength(FixedLength):
         least as many), and costs the draft's forwards (the first catching up on the ``catch_up`` tokens the draft
         has not read) and the target's forward over K + 1 tokens, from ``latency``. Where even the prior cannot
         pay for a draft (a machine on which a multi-token forward costs nearly as much per token as a plain step),
-        it is 0 from the first step and stays 0: the caller can say so."""
+        it is 0 from the first step and stays 0 (``draft_budget``'s drift never passes the prior): the caller can
+        say so."""
         emitted = list(itertools.accumulate(self.acceptance**i for i in range(self.max_draft + 1)))  # O(K)
         goodput = [
             emitted[k]
@@ -93,7 +94,13 @@ class AdaptiveLength(FixedLength):
         return max(range(len(goodput)), key=goodput.__getitem__)
 
     def draft_budget(self, batch: int, catch_up: int) -> int:
-        return self.best_length(batch, catch_up)
+        """``best_length``; a step that drafts nothing verifies nothing to learn from, so there the acceptance drifts
+        back towards the prior (by 1 - ``memory``): after a bad patch the policy drafts again to see whether it
+        ended, rather than decoding alone for the rest of the call."""
+        length = self.best_length(batch, catch_up)
+        if length == 0:
+            self.acceptance = self.memory * self.acceptance + (1 - self.memory) * self.prior
+        return length
 
     def observe(self, rows, draft_tokens, draft_probs, target_probs, verified, accepted) -> None:
         """``acceptance`` follows, with weight 1 - ``memory`` per step, the exact acceptance probability

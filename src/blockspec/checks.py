@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .defaults import DRAFT_LIMIT
+from .defaults import DRAFT_LIMIT, PATHS_DRAWN
 from .models.base import LanguageModel, model_name
 from .models.chat import encode_prompt
 from .policy import FixedLength, LengthPolicy
@@ -54,22 +54,54 @@ def check_decoder(rule: str, draft, policy, max_draft, lookup) -> None:
         )
 
 
-def tree_shape(tree, draft, policy, companion, lookup) -> tuple[int, ...] | None:
-    """``SpeculativeDecoder``'s ``tree`` as a tuple (children per node at each depth), None for chains; refused
-    without a draft model, and with what this step does not combine it with yet (length policies, SV, lookup)."""
-    if tree is None:
-        return None
-    shape = tree_levels(tree)
+# How a step's k paths may be drawn (verify/multipath.py): the first tokens without replacement, or k i.i.d. paths
+PATH_DRAWINGS = ("distinct", "iid")
+
+
+def draft_shape(tree, paths, paths_drawn, max_draft, draft, policy, companion, lookup) -> tuple[int, ...] | None:
+    """The slots a ``SpeculativeDecoder`` drafts each step, as a tree shape (children per node at each depth): its
+    ``tree`` as a tuple, or (k, 1, .., 1) for ``paths`` = k paths of ``max_draft`` tokens (``path_layout``); None for
+    chains. Refused without a draft model, and with what this step does not combine it with yet (length policies, SV,
+    lookup)."""
+    if paths is None:
+        if paths_drawn != PATHS_DRAWN:
+            raise ValueError(f"paths_drawn={paths_drawn!r} says how paths=... are drawn: pass paths too")
+        if tree is None:
+            return None
+        shape, what = tree_levels(tree), "tree"
+    else:
+        if tree is not None:
+            raise ValueError("tree and paths both shape a step's draft: pass one of them")
+        shape, what = path_layout(paths, max_draft, paths_drawn), "paths"
+    drafting = "a tree is" if what == "tree" else "paths are"
     if draft is None:
-        raise ValueError("a tree is drafted by a draft model: pass draft=... with tree=...")
+        raise ValueError(f"{drafting} drafted by a draft model: pass draft=... with {what}=...")
     if policy is not None or companion is not None:
         raise ValueError(
-            "tree drafting has a static shape: it combines with no length policy yet (nor SV's companion); pass "
-            "tree=... without policy= and companion="
+            f"{drafting} drafted with a static shape: it combines with no length policy yet (nor SV's companion); "
+            f"pass {what}=... without policy= and companion="
         )
     if lookup is not None:
-        raise ValueError("tree drafting does not combine with prompt lookup yet; pass tree=... without lookup=")
+        raise ValueError(f"{drafting} not drafted with prompt lookup yet; pass {what}=... without lookup=")
     return shape
+
+
+def path_layout(paths, length, drawn) -> tuple[int, ...]:
+    """The slots of ``paths`` paths of ``length`` tokens as a tree shape, (k, 1, .., 1): the root's k children, then
+    one child under each, down to depth ``length``. ``drawn`` (one of ``PATH_DRAWINGS``) and the node count, at most
+    DRAFT_LIMIT, are checked here too. (The command line checks ``--paths`` with it.)"""
+    if not (is_int(paths) and paths >= 1):
+        raise ValueError(f"paths must be an int >= 1, the paths drafted per step, got {paths!r}")
+    if not (is_int(length) and length >= 1):
+        raise ValueError(f"the length of a path (max_draft) must be an int >= 1, got {length!r}")
+    if drawn not in PATH_DRAWINGS:
+        raise ValueError(f"paths_drawn must be one of {PATH_DRAWINGS}, got {drawn!r}")
+    if paths * length > DRAFT_LIMIT:
+        raise ValueError(
+            f"{paths} paths of {length} tokens draft up to {paths * length} nodes per step, more than {DRAFT_LIMIT} "
+            "(the bound of --max-draft: every node is a token the target scores each step)"
+        )
+    return (int(paths),) + (1,) * (int(length) - 1)
 
 
 def tree_levels(tree) -> tuple[int, ...]:

@@ -12,6 +12,10 @@ BACKENDS = ("llamacpp", "hf")  # who runs a model: llama.cpp on the GGUF as it i
 RULE = "block"  # the verification rule: optimal in expected accepted tokens (Sun et al.)
 MAX_DRAFT = 4  # tokens a step drafts per row under a fixed length (and the most SV drafts)
 DRAFT_LIMIT = 64  # the most --max-draft accepts: a longer draft costs more than any acceptance pays back
+# How paths=k / --paths k draws its paths: the first tokens without replacement ("distinct"; "iid": k independent
+# paths). Distinct first tokens never spend a path on a copy: more accepted tokens per step than i.i.d. paths, by far
+# where the draft is far from the target, and about as many where it is close (docs/algorithms.md)
+PATHS_DRAWN = "distinct"
 ADAPTIVE_MAX_DRAFT = 8  # the most a step drafts when the length adapts to measured latency (AdaptiveLength)
 COMPANION = "prefix:8"  # SV's companion: the target's own first 8 layers (shared weights)
 SV_PREDICTOR = "draft"  # SV's features: draft-only (no companion forward)

@@ -20,8 +20,8 @@ import torch
 
 from . import checks
 from .batch import Batch
-from .defaults import MAX_DRAFT, RULE
-from .drafting import DraftProposer, LookupState, PromptLookup, Proposal, Proposer, TreeProposer
+from .defaults import MAX_DRAFT, PATHS_DRAWN, RULE
+from .drafting import DraftProposer, LookupState, PathProposer, PromptLookup, Proposal, Proposer, TreeProposer
 from .drafting.tree import SCHEME, tree_slots
 from .models.adapt import as_model
 from .models.base import TreeLanguageModel, check_shared_vocabulary, model_name, target_vocabulary
@@ -31,6 +31,7 @@ from .sampling import SamplingParams, check_unsupported
 from .stopping import Stopper
 from .verify import Randomness, Rule, TreeVerifyOutput, VerifyOutput, get_rule
 from .verify.base import verified_mask
+from .verify.multipath import TREE_SCHEME
 from .verify.tree import verify_tree_block, verify_tree_greedy, verify_tree_token
 from .verify.tree_inputs import node_mask
 
@@ -55,6 +56,12 @@ class SpeculativeDecoder:
     children of the root, then a chain of one under each, 6 nodes, 3 levels; ``max_draft`` is then unused), with
     siblings drawn without replacement and verified by the rule's tree form (``TREE_VERIFIERS``). Both models must
     be ``TreeLanguageModel`` (HFModel is); no length policy, companion or lookup with it yet.
+
+    ``paths``: draft k paths of ``max_draft`` tokens each step instead of one chain, verified jointly by the rule's
+    tree form on their prefix tree (verify/multipath.py), with what ``tree`` needs and refuses (one or the other).
+    ``paths_drawn``: "distinct" (the default: the first tokens without replacement, each path then going on alone,
+    which is the tree (k, 1, .., 1)) or "iid" (k independent paths, merged into their prefix tree as they are drawn,
+    so agreeing paths cost the target fewer nodes; at temperature 0 they are all the draft's greedy chain).
     """
 
     def __init__(
@@ -68,9 +75,13 @@ class SpeculativeDecoder:
         companion=None,
         lookup: PromptLookup | None = None,
         tree: tuple[int, ...] | None = None,
+        paths: int | None = None,
+        paths_drawn: str = PATHS_DRAWN,
     ):
         checks.check_decoder(rule, draft, policy, max_draft, lookup)
-        self.tree = checks.tree_shape(tree, draft, policy, companion, lookup)
+        # the slots drafted each step as a tree shape: the tree's, or the paths' (k, 1, .., 1); None: a chain
+        self.tree = checks.draft_shape(tree, paths, paths_drawn, max_draft, draft, policy, companion, lookup)
+        self.paths, self.paths_drawn = (None, None) if paths is None else (int(paths), paths_drawn)
         self.target = as_model(target)
         self.draft = as_model(draft) if draft is not None else None
         self.companion = as_model(companion) if companion is not None and self.draft is not None else None
@@ -85,12 +96,13 @@ class SpeculativeDecoder:
         deepest = self.max_draft
         if self.tree is not None:  # one uniform per slot of the tree for drafting, and one per node for verifying
             self.max_draft, deepest = len(tree_slots(self.tree)), len(self.tree)
-            assert self.draft is not None  # checks.tree_shape refuses a tree without a draft model
+            assert self.draft is not None  # checks.draft_shape refuses a tree without a draft model
             for role, model in (("target", self.target), ("draft", self.draft)):
                 if not isinstance(model, TreeLanguageModel):
                     raise ValueError(
-                        f"tree drafting needs a {role} that scores trees (blockspec.models.base.TreeLanguageModel, "
-                        f"as HFModel does); the {role} {model_name(model)} does not"
+                        f"{'drafting paths' if self.paths else 'tree drafting'} needs a {role} that scores trees "
+                        f"(blockspec.models.base.TreeLanguageModel, as HFModel does); the {role} {model_name(model)} "
+                        "does not"
                     )
         context = self.target.max_length
         if context is not None and deepest >= context:
@@ -135,7 +147,7 @@ class SpeculativeDecoder:
         checks.check_generate(max_new_tokens, self.rule, sampling, draft_sampling)
         if self.tree is not None and draft_sampling is not None and draft_sampling.greedy:
             raise ValueError(
-                "a tree drafted at temperature 0 (its children ranked, not drawn) is verified at temperature 0 only: "
+                "a tree or paths drafted at temperature 0 (ranked, not drawn) are verified at temperature 0 only: "
                 "a sampled target needs a sampled draft_sampling"
             )
         max_new_tokens = int(max_new_tokens)  # a NumPy integer is stored as Python's
@@ -209,10 +221,11 @@ class SpeculativeDecoder:
 
     def _proposer(self, rows: int, sampling: SamplingParams, draft_sampling: SamplingParams) -> Proposer:
         """A fresh proposer for one call: the SV policy for this call's sampling, a reset policy, fresh lookup; or
-        the tree proposer."""
+        the tree proposer (i.i.d. paths: the path proposer, which merges them as it draws them)."""
         if self.tree is not None:
             assert isinstance(self.target, TreeLanguageModel) and isinstance(self.draft, TreeLanguageModel)
-            return TreeProposer(self.target, self.draft, self.tree, draft_sampling, self.vocab)
+            drafter = PathProposer if self.paths_drawn == "iid" else TreeProposer
+            return drafter(self.target, self.draft, self.tree, draft_sampling, self.vocab)
         if self.sv:
             rule = "token" if self.rule == "token" else "block"
             self.policy = SVPolicy.from_cache(
@@ -242,7 +255,8 @@ class SpeculativeDecoder:
         return checks.probabilities(self.target, "target", logits, sampling, self.vocab)
 
     def _verify(self, rule: Rule, proposal: Proposal, target_probs: torch.Tensor, randomness) -> VerifyOutput:
-        """The rule's verdict on a chain, or its tree form's on a tree (siblings drawn as ``SCHEME`` says)."""
+        """The rule's verdict on a chain, or its tree form's on a tree: siblings drawn as ``SCHEME`` says, or i.i.d.
+        paths' prefix tree, verified as multipath.py verifies it (``TREE_SCHEME``)."""
         verified = proposal.verified.to(target_probs.device)
         if proposal.parents is None:
             return rule.verify(
@@ -258,7 +272,7 @@ class SpeculativeDecoder:
             proposal.parents,
             proposal.probs,
             target_probs,
-            scheme=SCHEME,
+            scheme=TREE_SCHEME if self.paths_drawn == "iid" else SCHEME,
             num_nodes=verified,
             randomness=randomness,
             validate=False,

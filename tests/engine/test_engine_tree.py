@@ -18,13 +18,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 from kits import enginekit, lawkit, treekit
-from kits.enginekit import reference_greedy
+from kits.enginekit import CacheCheck, reference_greedy
 from kits.tiny import perturbed, tiny_model
 
 from blockspec import SamplingParams, SpeculativeDecoder, engine
 from blockspec.drafting import TreeProposer
 from blockspec.drafting.lookup import PromptLookup
-from blockspec.models.base import left_pad
 from blockspec.models.hf import HFModel
 from blockspec.policy import FixedLength
 
@@ -84,16 +83,6 @@ def models(device):
     )
 
 
-def lookup(table: list[torch.Tensor]):
-    """contexts [N, L] (continuations of PROMPT) -> rows [N, V] of a table list."""
-
-    def at(contexts: torch.Tensor) -> torch.Tensor:
-        weights = VOCAB ** torch.arange(contexts.shape[1] - 1, -1, -1)
-        return table[contexts.shape[1]][(contexts * weights).sum(-1)]
-
-    return at
-
-
 def tree_law(target, draft, case: Case, *, wrong: bool = False) -> torch.Tensor:
     """The exact law of the engine's first LENGTH tokens, or of the control's (``wrong``)."""
 
@@ -101,7 +90,14 @@ def tree_law(target, draft, case: Case, *, wrong: bool = False) -> torch.Tensor:
         return parent_rows(trees.target_probs, trees.parents, trees.num_nodes)
 
     return enginekit.engine_tree_law(
-        VOCAB, LENGTH, case.shape, lookup(target), lookup(draft), case.rule, verified=verified if wrong else None
+        VOCAB,
+        LENGTH,
+        len(case.shape),
+        enginekit.tree_drafts(case.shape),
+        enginekit.table_lookup(target, VOCAB),
+        enginekit.table_lookup(draft, VOCAB),
+        case.rule,
+        verified=verified if wrong else None,
     )
 
 
@@ -182,40 +178,6 @@ def test_greedy_output_of_a_tree_decoder_equals_plain_greedy_decoding(pair, shap
     for b, prompt in enumerate(PROMPTS):
         assert result.sequences[b] == reference_greedy(target, prompt, 24), f"row {b}"
     assert 1.3 < result.block_efficiency < len(shape) + 1  # drafts were both accepted and rejected
-
-
-class CacheCheck:
-    """Wraps a decoder's roll back: after every step, each model's cache must hold exactly the committed tokens it
-    has read (the target: all but the pending one; the draft: at most those), so a forward of the tokens it has not
-    read gives the last logits of transformers' forward of the whole row. The check's own forward is rolled back."""
-
-    def __init__(self, decoder: SpeculativeDecoder, models: dict[str, torch.nn.Module], monkeypatch):
-        self.decoder, self.models, self.steps = decoder, models, 0
-        real = decoder._roll_back
-
-        def roll_back_and_check(batch, proposer, finished, out):
-            real(batch, proposer, finished, out)
-            self.check(batch.contexts())
-
-        monkeypatch.setattr(decoder, "_roll_back", roll_back_and_check)
-
-    def check(self, contexts: list[list[int]]) -> None:
-        self.steps += 1
-        if not contexts:  # every row has finished
-            return
-        committed = [len(c) - 1 for c in contexts]
-        assert self.decoder.target.lengths.tolist() == committed
-        for role, adapter in (("target", self.decoder.target), ("draft", self.decoder.draft)):
-            assert isinstance(adapter, HFModel)
-            seen = adapter.lengths.tolist()
-            assert all(n <= c for n, c in zip(seen, committed))
-            tokens, valid = left_pad([c[n:] for c, n in zip(contexts, seen)])
-            logits = adapter.forward(tokens.to(adapter.device), valid.to(adapter.device))[:, -1]
-            adapter.rollback(torch.tensor(seen, device=adapter.device))
-            with torch.no_grad():
-                for b, context in enumerate(contexts):
-                    fresh = self.models[role](torch.tensor([context], device=logits.device)).logits[0, -1]
-                    torch.testing.assert_close(logits[b], fresh, atol=1e-5, rtol=1e-5, msg=f"{role}, row {b}")
 
 
 def first_path(self, rows, proposal, target_probs, out):

@@ -1,17 +1,21 @@
 """The engine's references: plain greedy decoding by transformers, the exact law of the engine's first tokens
-(``engine_law``; with tree drafts ``engine_tree_law``), and a plausible engine bug (``off_by_one``)."""
+(``engine_law``; with tree or multi-path drafts ``engine_tree_law``), a check of the caches after every step
+(``CacheCheck``), and a plausible engine bug (``off_by_one``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import cache
 
 import torch
 
+from blockspec import SpeculativeDecoder
+from blockspec.models.base import left_pad
+from blockspec.models.hf import HFModel
 from blockspec.verify import accepted_length_law, final_distributions, tree_law
+from blockspec.verify.multipath import paths_to_tree
 
-from . import lawkit, treekit
+from . import lawkit, multipathkit, treekit
 from .tiny import EOS
 
 Table = Callable[[torch.Tensor], torch.Tensor]  # contexts [N, L] (continuations of the prompt) -> probs [N, V]
@@ -96,30 +100,54 @@ def engine_law(
     return law
 
 
-@dataclass(frozen=True)
-class _After:
-    """``lawkit.Tables``' lookups (what treekit draws trees with) for contexts continuing ``prefix``."""
+def table_lookup(table: list[torch.Tensor], vocab: int) -> Table:
+    """A ``Table`` from ``table[L]`` [V**L, V], the rows after each continuation of length L in mixed radix order
+    (``lawkit.logit_tables``, ``lawkit.processed``)."""
 
-    vocab: int
-    prefix: tuple[int, ...]
-    target: Table
-    draft: Table
+    def at(contexts: torch.Tensor) -> torch.Tensor:
+        weights = vocab ** torch.arange(contexts.shape[1] - 1, -1, -1)
+        return table[contexts.shape[1]][(contexts * weights).sum(-1)]
 
-    def _context(self, context: torch.Tensor) -> torch.Tensor:
-        prefix = torch.tensor(self.prefix, dtype=torch.long).expand(len(context), -1)
-        return torch.cat([prefix, context], dim=1)
+    return at
 
-    def target_at(self, context: torch.Tensor) -> torch.Tensor:
-        return self.target(self._context(context))
 
-    def draft_at(self, context: torch.Tensor) -> torch.Tensor:
-        return self.draft(self._context(context))
+def _tables_after(vocab: int, prefix: tuple[int, ...], depth: int, target: Table, draft: Table) -> lawkit.Tables:
+    """The ``lawkit.Tables`` (what treekit and multipathkit draw from) of contexts continuing ``prefix`` by up to
+    ``depth`` tokens."""
+
+    def rows(table: Table) -> list[torch.Tensor]:
+        contexts = [lawkit.all_blocks(vocab, width) for width in range(depth + 1)]
+        start = torch.tensor(prefix, dtype=torch.long).reshape(1, len(prefix))
+        return [table(torch.cat([start.expand(len(c), -1), c], 1)) for c in contexts]
+
+    return lawkit.Tables(vocab, rows(target), rows(draft))
+
+
+# (tables, levels) -> every tree a step drafts down to ``levels`` levels, with the probability it is drafted
+Drafts = Callable[[lawkit.Tables, int], treekit.Trees]
+
+
+def tree_drafts(shape: tuple[int, ...]) -> Drafts:
+    """The engine's trees of ``shape`` (siblings without replacement, as ``blockspec.drafting.tree``), cut to the
+    levels a step drafts."""
+    return lambda tables, levels: treekit.all_trees(tables, shape[:levels], "distinct")
+
+
+def path_drafts(paths: int, scheme: str) -> Drafts:
+    """The prefix trees of ``paths`` paths drawn under ``scheme`` (multipathkit), as long as a step drafts them."""
+
+    def drafts(tables: lawkit.Tables, levels: int) -> treekit.Trees:
+        drawn = multipathkit.all_paths(tables, paths, levels, scheme)
+        return multipathkit.as_trees(paths_to_tree(*drawn.inputs, num_paths=drawn.num_paths), drawn.prob)
+
+    return drafts
 
 
 def engine_tree_law(
     vocab: int,
     length: int,
-    shape: tuple[int, ...],
+    levels: int,
+    drafts: Drafts,
     target: Table,
     draft: Table,
     rule: str,
@@ -127,13 +155,13 @@ def engine_tree_law(
     scheme: str = "distinct",
     verified: Callable[[treekit.Trees], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """The exact joint law [vocab] * length of the first ``length`` tokens of the engine drafting trees of ``shape``
-    (siblings without replacement, as ``blockspec.drafting.tree``), step by step as the engine runs them. After g
-    tokens a step drafts ``shape`` cut to its first min(D, length - 1 - g) levels (every tree, by
-    ``treekit.all_trees``) and verifies it through the rule's closed form ``tree_law``, told ``scheme`` and handed the
-    target rows ``verified(trees)`` [T, N+1, V] (default: the trees' own); depth 0 is a plain target step. With the
-    defaults this is the correct engine and must be the target's law. The law after an emitted prefix depends on the
-    prefix only (fresh randomness, caches in step), so it is computed once per prefix."""
+    """The exact joint law [vocab] * length of the first ``length`` tokens of the engine drafting trees of ``levels``
+    levels (``drafts``: ``tree_drafts`` or ``path_drafts``), step by step as the engine runs them. After g tokens a
+    step drafts every tree of ``drafts`` cut to min(levels, length - 1 - g) levels and verifies it through the rule's
+    closed form ``tree_law``, told ``scheme`` and handed the target rows ``verified(trees)`` [T, N+1, V] (default: the
+    trees' own); depth 0 is a plain target step. With the defaults this is the correct engine and must be the target's
+    law. The law after an emitted prefix depends on the prefix only (fresh randomness, caches in step), so it is
+    computed once per prefix."""
 
     @cache
     def after(prefix: tuple[int, ...]) -> torch.Tensor:  # [vocab] * (length - len(prefix))
@@ -141,14 +169,14 @@ def engine_tree_law(
         out = torch.zeros([vocab] * (length - done), dtype=torch.float64)
         if done == length:
             return out.fill_(1.0)
-        depth = min(len(shape), length - 1 - done)
+        depth = min(levels, length - 1 - done)
         if depth == 0:
             probs = target(torch.tensor([prefix], dtype=torch.long).reshape(1, done))[0]
             for token, prob in enumerate(probs.tolist()):
                 if prob > 0:
                     out[token] += prob * after(prefix + (token,))
             return out
-        trees = treekit.all_trees(_After(vocab, prefix, target, draft), shape[:depth], "distinct")  # type: ignore[arg-type]
+        trees = drafts(_tables_after(vocab, prefix, depth, target, draft), depth)
         target_probs = trees.target_probs if verified is None else verified(trees)
         law = tree_law(
             trees.draft_tokens,
@@ -173,3 +201,37 @@ def engine_tree_law(
         return out
 
     return after(())
+
+
+class CacheCheck:
+    """Wraps a decoder's roll back: after every step, each model's cache must hold exactly the committed tokens it
+    has read (the target: all but the pending one; the draft: at most those), so a forward of the tokens it has not
+    read gives the last logits of transformers' forward of the whole row. The check's own forward is rolled back."""
+
+    def __init__(self, decoder: SpeculativeDecoder, models: dict[str, torch.nn.Module], monkeypatch):
+        self.decoder, self.models, self.steps = decoder, models, 0
+        real = decoder._roll_back
+
+        def roll_back_and_check(batch, proposer, finished, out):
+            real(batch, proposer, finished, out)
+            self.check(batch.contexts())
+
+        monkeypatch.setattr(decoder, "_roll_back", roll_back_and_check)
+
+    def check(self, contexts: list[list[int]]) -> None:
+        self.steps += 1
+        if not contexts:  # every row has finished
+            return
+        committed = [len(c) - 1 for c in contexts]
+        assert self.decoder.target.lengths.tolist() == committed
+        for role, adapter in (("target", self.decoder.target), ("draft", self.decoder.draft)):
+            assert isinstance(adapter, HFModel)
+            seen = adapter.lengths.tolist()
+            assert all(n <= c for n, c in zip(seen, committed))
+            tokens, valid = left_pad([c[n:] for c, n in zip(contexts, seen)])
+            logits = adapter.forward(tokens.to(adapter.device), valid.to(adapter.device))[:, -1]
+            adapter.rollback(torch.tensor(seen, device=adapter.device))
+            with torch.no_grad():
+                for b, context in enumerate(contexts):
+                    fresh = self.models[role](torch.tensor([context], device=logits.device)).logits[0, -1]
+                    torch.testing.assert_close(logits[b], fresh, atol=1e-5, rtol=1e-5, msg=f"{role}, row {b}")

@@ -95,22 +95,16 @@ class TreeProposer:
         tokens = torch.full((batch, slots), PAD, dtype=torch.long, device=device)  # [B, S]: slot s in column s - 1
         drawn = torch.zeros(batch, slots, dtype=torch.bool, device=device)  # [B, S]
         read = torch.zeros(batch, slots, dtype=torch.bool, device=device)  # [B, S]
+        # [B, S]: each slot's parent slot, per row (the shape's own here; merged paths redirect theirs, paths.py)
+        parents = torch.tensor(self.parent_of, device=device).expand(batch, -1).clone()
         laws = torch.zeros(batch, slots + 1, self.vocab, device=device)  # [B, S+1, V]: the draft's law after slot s
         for level in range(levels):
             # The draft's law after each node at this depth (the root: after what it has not read), if the row
-            # drafts the depth below; then that depth's slots, the children of each node in order.
-            laws[:, self.levels[level]] = self._read(level, contexts, tokens, drawn, read, depth)
-            for parent in self.levels[level]:
-                left = laws[:, parent].clone()  # [B, V]: the parent's law less its children drawn so far
-                grows = depth > level if parent == 0 else read[:, parent - 1]
-                for slot in (s for s in self.levels[level + 1] if self.parent_of[s - 1] == parent):
-                    live = grows & (left.sum(-1) > 0)  # no more children once the draft's support is used up
-                    token = left.argmax(-1) if uniforms is None else sample(left, uniforms[:, slot - 1])
-                    tokens[:, slot - 1] = token.masked_fill(~live, PAD)
-                    drawn[:, slot - 1] = live
-                    left.scatter_(1, token[:, None], 0.0)  # without replacement (a row not drawing ignores it)
+            # drafts the depth below; then that depth's slots.
+            laws[:, self.levels[level]] = self._read(level, contexts, tokens, drawn, read, parents, depth)
+            self._draw(level, laws, tokens, drawn, read, parents, depth, uniforms)
         self.read, self.waiting = read, levels > 1
-        return self._as_tree(tokens, drawn, laws, levels)
+        return self._as_tree(tokens, drawn, parents, laws, levels)
 
     def observe(self, rows: list[int], proposal: Proposal, target_probs: torch.Tensor, out: VerifyOutput) -> None:
         """Learns the accepted path (``out.accepted_nodes``), which ``roll_back`` keeps in the draft's cache."""
@@ -138,7 +132,20 @@ class TreeProposer:
         at positions len - 1 .. len - 1 + d; the draft reads d - 1 of them after it."""
         return min(room_in(self.target, context) - 1, room_in(self.draft, context))
 
-    def _read(self, level, contexts, tokens, drawn, read, depth) -> torch.Tensor:
+    def _draw(self, level, laws, tokens, drawn, read, parents, depth, uniforms) -> None:
+        """Draws the slots at depth ``level`` + 1 into ``tokens`` and ``drawn`` [B, S]: the children of each node at
+        depth ``level`` in order, each from the node's law ``laws`` [B, S+1, V] less its children drawn before it."""
+        for parent in self.levels[level]:
+            left = laws[:, parent].clone()  # [B, V]: the parent's law less its children drawn so far
+            grows = depth > level if parent == 0 else read[:, parent - 1]
+            for slot in (s for s in self.levels[level + 1] if self.parent_of[s - 1] == parent):
+                live = grows & (left.sum(-1) > 0)  # no more children once the draft's support is used up
+                token = left.argmax(-1) if uniforms is None else sample(left, uniforms[:, slot - 1])
+                tokens[:, slot - 1] = token.masked_fill(~live, PAD)
+                drawn[:, slot - 1] = live
+                left.scatter_(1, token[:, None], 0.0)  # without replacement (a row not drawing ignores it)
+
+    def _read(self, level, contexts, tokens, drawn, read, parents, depth) -> torch.Tensor:
         """The draft's law [B, n, V] after the n nodes at depth ``level``: one forward, which reads only the rows that
         draft below it (``depth`` [B] > level); it marks the slots read in ``read`` [B, S]."""
         device = self.target.device
@@ -151,13 +158,12 @@ class TreeProposer:
             at = torch.tensor(self.levels[level], device=device) - 1  # their columns
             valid = drawn[:, at] & drafting[:, None]
             read[:, at] = valid
-            parents = torch.tensor([self.parent_of[s - 1] for s in self.levels[level]]).expand(len(valid), -1)
             logits = self.draft.forward_tree(
-                tokens[:, at].to(self.draft.device), parents.to(self.draft.device), valid.to(self.draft.device)
+                tokens[:, at].to(self.draft.device), parents[:, at].to(self.draft.device), valid.to(self.draft.device)
             )
         return probabilities(self.draft, "draft", logits.to(device), self.law, self.vocab)
 
-    def _as_tree(self, tokens, drawn, laws, levels: int) -> Proposal:
+    def _as_tree(self, tokens, drawn, parents, laws, levels: int) -> Proposal:
         """The drawn slots as the verifiers' tree: nodes 1..N in slot order (parents before children), padding after
         each row's ``num_nodes``; ``probs`` [B, N+1, V] row a = the law node a's children were drawn from (None at
         temperature 0; a leaf's row is never read)."""
@@ -167,7 +173,7 @@ class TreeProposer:
         order = (~drawn).long().argsort(dim=1, stable=True)[:, :width]  # [B, N]: drawn columns first, in slot order
         live = torch.arange(width, device=drawn.device) < num_nodes[:, None]  # [B, N]
         node_of = drawn.long().cumsum(1) * drawn  # [B, S]: the node number of each drawn slot
-        parent_slot = torch.tensor(self.parent_of, device=drawn.device)[order]  # [B, N]
+        parent_slot = parents.gather(1, order)  # [B, N]
         parents = torch.where(parent_slot > 0, node_of.gather(1, (parent_slot - 1).clamp(min=0)), 0)
         self.node_slots = torch.where(live, order + 1, -1)
         probs = None

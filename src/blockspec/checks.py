@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .defaults import DRAFT_LIMIT, PATHS_DRAWN
+from .defaults import DRAFT_LIMIT, PATH_DRAWINGS, PATHS_DRAWN
 from .models.base import LanguageModel, model_name
 from .models.chat import encode_prompt
 from .policy import FixedLength, LengthPolicy
@@ -52,10 +52,6 @@ def check_decoder(rule: str, draft, policy, max_draft, lookup) -> None:
             f"the length policy was built for the {built_for} rule but rule={rule!r}: its predicted gains would be "
             "those of another rule"
         )
-
-
-# How a step's k paths may be drawn (verify/multipath.py): the first tokens without replacement, or k i.i.d. paths
-PATH_DRAWINGS = ("distinct", "iid")
 
 
 def draft_shape(tree, paths, paths_drawn, max_draft, draft, policy, companion, lookup) -> tuple[int, ...] | None:

@@ -16,6 +16,7 @@ DRAFT_LIMIT = 64  # the most --max-draft accepts: a longer draft costs more than
 # paths). Distinct first tokens never spend a path on a copy: more accepted tokens per step than i.i.d. paths, by far
 # where the draft is far from the target, and about as many where it is close (docs/algorithms.md)
 PATHS_DRAWN = "distinct"
+PATH_DRAWINGS = ("distinct", "iid")
 ADAPTIVE_MAX_DRAFT = 8  # the most a step drafts when the length adapts to measured latency (AdaptiveLength)
 COMPANION = "prefix:8"  # SV's companion: the target's own first 8 layers (shared weights)
 SV_PREDICTOR = "draft"  # SV's features: draft-only (no companion forward)

@@ -284,3 +284,52 @@ def test_a_tree_configuration_runs_beside_the_chains_and_the_batch_table_shows_i
     written = render(report, tmp_path / "report")
     text = (tmp_path / "report" / "report.md").read_text()
     assert "| tree-2,1,1 " in text and "tokens_per_s_vs_batch.png" in {p.name for p in written}
+
+
+def test_paths_are_planned_at_every_k_as_their_length():
+    config = runner.BenchConfig(configs=("block", "paths-3", "paths-iid-2"), max_drafts=(2, 4))
+    runs = runner.plan(config, {"a": [("a/0", [1])]})
+    assert [(r.config, r.max_draft) for r in runs] == [
+        ("block", 2),
+        ("block", 4),
+        ("paths-3", 2),
+        ("paths-3", 4),
+        ("paths-iid-2", 2),
+        ("paths-iid-2", 4),
+    ]
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("paths-0", "K >= 1"),
+        ("paths-x", "paths-K (K paths per step"),
+        ("paths-distinct-3", "paths-iid-K"),
+        ("paths-03", "as 'paths-3'"),
+        ("paths-iid-17", "68 nodes per step, more than 64"),  # 17 paths of 4 tokens
+    ],
+)
+def test_a_paths_configuration_the_library_refuses_or_written_otherwise_is_refused(name, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        runner.BenchConfig(configs=("block", name), max_drafts=(2, 4))
+
+
+def test_paths_configurations_run_beside_the_chains_and_the_batch_table_shows_them(tiny_config, tmp_path):
+    """Their records keep the paths, their length and drawing in meta, and verified counts nodes (at most k * K); the
+    batch table lists them at K."""
+    from blockspec.bench.report import build_report, render
+
+    configs = ("target-only", "block", "paths-2", "paths-iid-3")
+    records = list(rec.read(runner.run(replace(tiny_config, out=tmp_path, configs=configs), progress=False)))
+    assert len(records) == 2 * (1 + 2 + 2 + 2) and all(r.ok for r in records)
+    for name, paths, drawn in (("paths-2", 2, "distinct"), ("paths-iid-3", 3, "iid")):
+        found = [r for r in records if r.config == name]
+        assert sorted(r.max_draft for r in found) == [2, 2, 3, 3]
+        for record in found:
+            assert record.meta["paths"] == {"paths": paths, "length": record.max_draft, "drawn": drawn}
+            assert max(record.drafted) == record.max_draft and max(record.verified) <= paths * record.max_draft
+            assert all(0 <= a <= record.max_draft for a in record.accepted)
+    report = build_report(records)
+    assert {(row.config, row.max_draft) for row in report.batch} >= {("paths-2", 2), ("paths-iid-3", 3)}
+    render(report, tmp_path / "report")
+    assert "| paths-iid-3 " in (tmp_path / "report" / "report.md").read_text()

@@ -107,6 +107,9 @@ class Executor:
             meta["draft_quant"] = draft_quant_of(item.config, self.arithmetic)
         if rec.is_tree(item.config):
             meta["tree"] = list(tree_of(item.config))
+        if rec.is_paths(item.config):
+            paths, drawn = rec.paths_of(item.config)
+            meta["paths"] = {"paths": paths, "length": item.max_draft, "drawn": drawn}
         return rec.Record(
             dataset=item.dataset,
             prompt_id=item.prompt_id,
@@ -131,6 +134,9 @@ class Executor:
             return SpeculativeDecoder(self.target)
         if rec.is_tree(item.config):  # the library's default rule, in its tree form
             return SpeculativeDecoder(self.target, draft, tree=tree_of(item.config))
+        if rec.is_paths(item.config):  # the same rule, on the tree the paths form
+            paths, drawn = rec.paths_of(item.config)
+            return SpeculativeDecoder(self.target, draft, paths=paths, max_draft=item.max_draft, paths_drawn=drawn)
         if item.config in rec.FIXED_CONFIGS:
             rule = item.config.removesuffix("-int8")
             return SpeculativeDecoder(self.target, draft, rule=rule, max_draft=item.max_draft)

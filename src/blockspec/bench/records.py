@@ -18,6 +18,7 @@ import gzip
 import json
 import logging
 import os
+import re
 import zlib
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -54,18 +55,48 @@ def tree_config(shape) -> str:
     return TREE + ",".join(str(k) for k in shape)
 
 
+# A paths configuration drafts k paths per step with the draft model, of each of the bench's K tokens: "paths-3"
+# three paths whose first tokens are distinct, "paths-iid-3" three i.i.d. paths merged where they agree; verified by
+# the block rule's tree form (transformers only). Its records' max_draft is the paths' length K, their verified
+# count nodes (fewer than k * K where i.i.d. paths merge), drafted the levels drafted; meta["paths"] holds
+# {"paths": k, "length": K, "drawn": "distinct" or "iid"}.
+PATHS = "paths-"
+
+
+def is_paths(name: str) -> bool:
+    """Whether ``name`` is a paths configuration (``PATHS``, then ``iid-`` or nothing, then k)."""
+    return name.startswith(PATHS)
+
+
+def paths_of(name: str) -> tuple[int, str]:
+    """The paths per step and how they are drawn of the paths configuration ``name``: "paths-3" -> (3, "distinct"),
+    "paths-iid-3" -> (3, "iid"); ValueError for another name."""
+    found = re.fullmatch(re.escape(PATHS) + r"(iid-)?([0-9]+)", name)
+    if found is None or int(found[2]) < 1:
+        raise ValueError(
+            f"a paths configuration is {PATHS}K (K paths per step, first tokens distinct) or {PATHS}iid-K "
+            f"(K i.i.d. paths), with K >= 1, e.g. {PATHS}3; got {name!r}"
+        )
+    return int(found[2]), "iid" if found[1] else "distinct"
+
+
+def paths_config(paths: int, drawn: str) -> str:
+    """The configuration name of ``paths`` paths drawn ``drawn``: (3, "distinct") -> "paths-3"."""
+    return PATHS + ("iid-" if drawn == "iid" else "") + str(paths)
+
+
 def is_known(name: str) -> bool:
-    """Whether the report knows configuration ``name``: one of ``KNOWN_CONFIGS``, or a tree's."""
-    return name in KNOWN_CONFIGS or is_tree(name)
+    """Whether the report knows configuration ``name``: one of ``KNOWN_CONFIGS``, a tree's or a paths one."""
+    return name in KNOWN_CONFIGS or is_tree(name) or is_paths(name)
 
 
 @dataclass(frozen=True)
 class Record:
     dataset: str  # prompt set name, e.g. "gsm8k"
     prompt_id: str  # stable id of the prompt within its set, e.g. "gsm8k/0042" (a batch: its first prompt)
-    config: str  # one of KNOWN_CONFIGS, or a tree's (TREE and its shape: "tree-2,1,1")
+    config: str  # one of KNOWN_CONFIGS, a tree's (TREE and its shape: "tree-2,1,1") or paths' ("paths-3")
     # K (0 for target-only, lookup and hf-lookup; hf-assisted: the assistant's own schedule; SV, auto and
-    # lookup+model: the most the model drafts; a tree: its nodes)
+    # lookup+model: the most the model drafts; a tree: its nodes; paths: their length)
     max_draft: int
     temperature: float
     batch_size: int

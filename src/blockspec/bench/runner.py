@@ -36,7 +36,8 @@ class BenchConfig:
     prompts_per_dataset: int = 2
     max_drafts: tuple[int, ...] = (4, 8)  # K: the most tokens a step drafts, one run per value where fixed
     temperatures: tuple[float, ...] = (1.0,)
-    configs: tuple[str, ...] = rec.CONFIGS  # any of rec.KNOWN_CONFIGS, and trees ("tree-2,1,1": rec.TREE)
+    # any of rec.KNOWN_CONFIGS, trees ("tree-2,1,1": rec.TREE) and paths ("paths-3", "paths-iid-3": rec.PATHS)
+    configs: tuple[str, ...] = rec.CONFIGS
     max_new_tokens: int = 64
     seed: int = 0
     chat: bool = True
@@ -61,13 +62,21 @@ class BenchConfig:
         unknown = sorted(name for name in self.configs if not rec.is_known(name))
         if unknown:
             raise ValueError(
-                f"unknown bench configurations {unknown}: choose from {list(rec.KNOWN_CONFIGS)}, or a tree "
-                f"({rec.TREE}SHAPE, e.g. {rec.TREE}2,1,1)"
+                f"unknown bench configurations {unknown}: choose from {list(rec.KNOWN_CONFIGS)}, a tree "
+                f"({rec.TREE}SHAPE, e.g. {rec.TREE}2,1,1) or paths ({rec.PATHS}K or {rec.PATHS}iid-K)"
             )
         for name in filter(rec.is_tree, self.configs):
             written = rec.tree_config(tree_of(name))  # ValueError for a shape the library refuses
             if written != name:  # one name per shape, so that its records share one key
                 raise ValueError(f"write the bench configuration {name!r} as {written!r}")
+        from ..checks import path_layout
+
+        for name in filter(rec.is_paths, self.configs):
+            paths, drawn = rec.paths_of(name)
+            if rec.paths_config(paths, drawn) != name:  # one name per configuration (paths-03 is paths-3)
+                raise ValueError(f"write the bench configuration {name!r} as {rec.paths_config(paths, drawn)!r}")
+            for length in self.max_drafts:  # ValueError for more nodes than a step may draft
+                path_layout(paths, length, drawn)
         if not self.batch_sizes or not all(isinstance(b, int) and b >= 1 for b in self.batch_sizes):
             raise ValueError(f"batch sizes must be ints >= 1, got {self.batch_sizes}")
         if max(self.batch_sizes) > self.prompts_per_dataset:
@@ -162,7 +171,7 @@ class Run:
 def max_drafts_of(config: BenchConfig, name: str) -> tuple[int, ...]:
     """The K values a configuration runs at: every K for fixed-K SD, the largest for SV and the model-drafting
     defaults (their most), none (0) otherwise."""
-    if name in rec.FIXED_CONFIGS:
+    if name in rec.FIXED_CONFIGS or rec.is_paths(name):  # paths: their length
         return config.max_drafts
     if rec.is_tree(name):  # its nodes: what it drafts each step
         from ..checks import tree_nodes
@@ -450,7 +459,7 @@ def llamacpp_arithmetic(config: BenchConfig):
     from ..auto import Arithmetic
     from ..defaults import LLAMACPP_QUANTS
 
-    trees = filter(rec.is_tree, config.configs)  # the llama.cpp adapter scores no trees
+    trees = [name for name in config.configs if rec.is_tree(name) or rec.is_paths(name)]  # llama.cpp scores no trees
     only_hf = sorted(set(config.configs) & {*rec.HF_CONFIGS, "block-int8", *rec.SV_CONFIGS, *trees})
     if only_hf or config.target_quant is not None:
         raise ValueError(

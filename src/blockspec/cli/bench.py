@@ -7,7 +7,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 from .. import defaults
-from ..bench.records import CONFIGS, KNOWN_CONFIGS, TREE, is_tree, tree_config
+from ..bench.records import CONFIGS, KNOWN_CONFIGS, PATHS, TREE, is_paths, is_tree, paths_config, paths_of, tree_config
 from ..defaults import BACKENDS, DTYPES, QUANTS
 from .common import (
     ALLOW_DOWNLOAD_HELP,
@@ -28,6 +28,7 @@ EXAMPLES = """examples:
   blockspec bench --preset paper --time-budget 3600   # run again to resume
   blockspec bench --datasets gsm8k --max-draft 2 4 --prompts 5 --out results/mine
   blockspec bench --configs target-only block tree-2,1,1 tree-3,1 --max-draft 4   # trees beside a chain
+  blockspec bench --configs block paths-3 paths-iid-3 --max-draft 4   # 3 paths of 4 tokens beside a chain of 4
   blockspec sv profile && blockspec sv calibrate      # once, then the SV grid (hours; resumable):
   blockspec bench --preset sv --out results/bench-sv"""
 
@@ -69,9 +70,11 @@ def add_parser(sub) -> None:
         nargs="+",
         type=config_name,
         metavar="CONFIG",
-        help=f"configurations to run, any of {', '.join(KNOWN_CONFIGS)}, or {TREE}SHAPE, a tree of that shape "
-        f"drafted each step (children per node at each depth, e.g. {TREE}2,1,1; transformers only) (default: the "
-        f"preset's; quick and paper: {' '.join(CONFIGS)})",
+        help=f"configurations to run, any of {', '.join(KNOWN_CONFIGS)}; {TREE}SHAPE, a tree of that shape "
+        f"drafted each step (children per node at each depth, e.g. {TREE}2,1,1); {PATHS}K, K paths of each "
+        f"--max-draft tokens drafted each step, first tokens distinct, or {PATHS}iid-K, K i.i.d. paths merged where "
+        f"they agree (trees and paths: transformers only) (default: the preset's; quick and paper: "
+        f"{' '.join(CONFIGS)})",
     )
     bench.add_argument("--batch-sizes", type=int_at_least(1), nargs="+", help="prompts decoded together per run")
     bench.add_argument("--companion", help="SV companion (default: the same as `blockspec sv`)")
@@ -106,12 +109,20 @@ def add_parser(sub) -> None:
 
 
 def config_name(text: str) -> str:
-    """An argparse type: a name in KNOWN_CONFIGS, or a tree's (TREE and a shape, written as the records name it)."""
+    """An argparse type: a name in KNOWN_CONFIGS, a tree's (TREE and a shape) or paths' (PATHS, then iid- or not,
+    then k), written as the records name it."""
     if text in KNOWN_CONFIGS:
         return text
     if is_tree(text):
         return tree_config(tree_shape(text.removeprefix(TREE)))
-    raise argparse.ArgumentTypeError(f"must be one of {', '.join(KNOWN_CONFIGS)}, or {TREE}SHAPE, got {text!r}")
+    if is_paths(text):
+        try:
+            return paths_config(*paths_of(text))
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    raise argparse.ArgumentTypeError(
+        f"must be one of {', '.join(KNOWN_CONFIGS)}, {TREE}SHAPE, {PATHS}K or {PATHS}iid-K, got {text!r}"
+    )
 
 
 def bench_config(args):

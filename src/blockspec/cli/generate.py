@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from .. import defaults
-from ..defaults import BACKENDS, DTYPES, LLAMACPP_QUANTS, QUANTS
+from ..defaults import BACKENDS, DTYPES, LLAMACPP_QUANTS, PATH_DRAWINGS, QUANTS
 from . import sv
 from .common import (
     ALLOW_DOWNLOAD_HELP,
@@ -30,6 +30,7 @@ EXAMPLES = """examples:
   blockspec generate --rule token --max-draft 8 --temperature 0 "def fib(n):"
   blockspec generate --target smollm2-135m --draft none --max-new-tokens 32 "Hello"
   blockspec generate --tree 2,1,1 --temperature 0 "def fib(n):"   # a tree of 6 drafted tokens per step
+  blockspec generate --paths 3 --max-draft 4 "def fib(n):"   # 3 paths of 4 drafted tokens per step
   blockspec sv profile && blockspec sv calibrate    # once per models and machine, then:
   blockspec generate --policy sv --max-draft 8 "first prompt" "second prompt"   # Speculative Verification
   blockspec models          # bundled presets: installed or not, cache state
@@ -66,13 +67,18 @@ class GenerateConfig:
     # a tree drafted each step, children per node at each depth; None: a chain. Its shape is fixed: it replaces the
     # length policy (auto and fixed both draft it as given) and runs on transformers only.
     tree: tuple[int, ...] | None = None
+    # k paths of max_draft tokens drafted each step (None: one chain), drawn as paths_drawn says; as a tree, their
+    # length is fixed (resolved_max_draft), on transformers only
+    paths: int | None = None
+    paths_drawn: str = defaults.PATHS_DRAWN
 
     @property
     def resolved_max_draft(self) -> int:
-        """--max-draft, or the policy's default: the most a step drafts under auto, the length under fixed and sv."""
+        """--max-draft, or the policy's default: the most a step drafts under auto, the length under fixed and sv
+        (and of every path with --paths, whose length does not adapt)."""
         if self.max_draft is not None:
             return self.max_draft
-        return defaults.ADAPTIVE_MAX_DRAFT if self.policy == "auto" else defaults.MAX_DRAFT
+        return defaults.ADAPTIVE_MAX_DRAFT if self.policy == "auto" and self.paths is None else defaults.MAX_DRAFT
 
 
 def add_parser(sub) -> None:
@@ -112,13 +118,13 @@ def add_parser(sub) -> None:
         default="auto",
         choices=["auto", "fixed", "sv"],
         help="draft length: measured best per step, --max-draft every step, or Speculative Verification; with "
-        "--tree, auto and fixed both draft the tree as given (default: %(default)s)",
+        "--tree or --paths, auto and fixed both draft them as given (default: %(default)s)",
     )
     gen.add_argument(
         "--max-draft",
         type=int_at_least(1, defaults.DRAFT_LIMIT),
-        help=f"K, tokens drafted per step (fixed), or the most a step drafts (default: {defaults.MAX_DRAFT}; "
-        f"auto: {defaults.ADAPTIVE_MAX_DRAFT})",
+        help=f"K, tokens drafted per step (fixed), or the most a step drafts; with --paths, the tokens of each path "
+        f"(default: {defaults.MAX_DRAFT}; auto without --paths: {defaults.ADAPTIVE_MAX_DRAFT})",
     )
     gen.add_argument(
         "--tree",
@@ -128,6 +134,22 @@ def add_parser(sub) -> None:
         "2,1,1 (two children of the root, then one under each, twice: 6 drafted tokens); at most "
         f"{defaults.DRAFT_LIMIT} nodes, on transformers only; --policy auto and fixed both draft it as given, "
         "--max-draft does not apply (default: a chain)",
+    )
+    gen.add_argument(
+        "--paths",
+        type=int_at_least(1, defaults.DRAFT_LIMIT),
+        metavar="K",
+        help="draft K paths of --max-draft tokens each step instead of one chain, verified jointly (the rule's tree "
+        f"form on the tree the paths form); at most {defaults.DRAFT_LIMIT} tokens in all, on transformers only; "
+        "--policy auto and fixed both draft them as given (default: a chain)",
+    )
+    gen.add_argument(
+        "--paths-drawn",
+        default=defaults.PATHS_DRAWN,
+        choices=PATH_DRAWINGS,
+        help="how --paths are drawn: distinct, their first tokens without replacement, each path then on its own; "
+        "iid, independent paths, merged where they agree (fewer tokens to score; at temperature 0 all are the "
+        "draft's greedy chain) (default: %(default)s)",
     )
     gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default: %(default)s)")
     gen.add_argument(
@@ -198,8 +220,7 @@ def generate(config: GenerateConfig) -> int:
             refuse_model_code(folder)
     if not RULES[config.rule].sampled and not sampling.greedy:
         raise ValueError(f"--rule {config.rule} needs --temperature 0; to sample use one of {', '.join(SAMPLED_RULES)}")
-    if config.tree is not None:
-        _refuse_with_tree(config)
+    flag = _refuse_with_shape(config)
     if config.policy == "sv" and config.draft is None:
         raise ValueError(f"--policy sv needs a draft model (--draft {NO_DRAFT} decodes with the target alone)")
     if config.drafter != "model":
@@ -208,13 +229,13 @@ def generate(config: GenerateConfig) -> int:
         if config.drafter == "lookup":  # no draft model: the lengths of lookup proposals adapt on their own
             config = replace(config, draft=None, policy="fixed")
     backend = resolve_backend(config.backend, config.device, config.target, config.draft)
-    if config.tree is not None and backend == "llamacpp":
+    if flag is not None and backend == "llamacpp":
         if config.backend == "llamacpp":
             raise ValueError(
-                "--tree runs on transformers only: the llama.cpp adapter scores no trees (no forward over a tree of "
+                f"{flag} runs on transformers only: the llama.cpp adapter scores no trees (no forward over a tree of "
                 "tokens); pass --backend hf"
             )
-        _status("backend: transformers (hf), not llama.cpp: the llama.cpp adapter scores no trees (--tree)")
+        _status(f"backend: transformers (hf), not llama.cpp: the llama.cpp adapter scores no trees ({flag})")
         backend = "hf"
     config = replace(config, backend=backend)
     sv_run = config.policy == "sv"
@@ -247,7 +268,7 @@ def generate(config: GenerateConfig) -> int:
     policy, companion = None, None
     if config.policy == "sv":
         policy, companion = sv.build_policy(config, target, sampling)
-    elif config.policy == "auto" and draft is not None and config.tree is None:
+    elif config.policy == "auto" and draft is not None and flag is None:
         policy = _adaptive_policy(config, target, draft)
         if policy is None:
             draft = None
@@ -279,7 +300,10 @@ def generate(config: GenerateConfig) -> int:
         for i, text in enumerate(result.texts):
             print(f"--- prompt {i}\n{text}")
     mode = decoder.rule if decoder.draft is not None or decoder.lookup is not None else "target alone"
-    if decoder.tree is not None:  # what the engine drafts: its nodes are the widest step (max_draft)
+    if decoder.paths is not None:  # what the engine drafts: at most max_draft nodes (fewer where i.i.d. paths merge)
+        assert decoder.tree is not None  # the paths' slots, one level per token of a path
+        shape = f"{decoder.paths} paths of {len(decoder.tree)} ({decoder.paths_drawn}, {decoder.max_draft} nodes)"
+    elif decoder.tree is not None:  # what the engine drafts: its nodes are the widest step (max_draft)
         shape = f"tree {','.join(map(str, decoder.tree))} ({decoder.max_draft} nodes)"
     else:
         shape = f"{config.policy} K={decoder.max_draft}"
@@ -306,32 +330,42 @@ def _decoder(config: GenerateConfig, target, draft, *, policy, companion, lookup
         companion=companion,
         lookup=lookup,
         tree=config.tree,
+        paths=config.paths,
+        paths_drawn=config.paths_drawn,
     )
 
 
-def _refuse_with_tree(config: GenerateConfig) -> None:
-    """What ``--tree`` does not combine with, refused before any model loads (the engine refuses the same, after)."""
-    from ..checks import tree_nodes
+def _refuse_with_shape(config: GenerateConfig) -> str | None:
+    """What ``--tree`` and ``--paths`` do not combine with, refused before any model loads (the engine refuses the
+    same, after); returns the flag given, None for a chain."""
+    from ..checks import path_layout, tree_nodes
 
-    assert config.tree is not None
+    if config.paths is None and config.paths_drawn != defaults.PATHS_DRAWN:
+        raise ValueError(f"--paths-drawn {config.paths_drawn} says how --paths are drawn: pass --paths too")
+    if config.tree is None and config.paths is None:
+        return None
+    if config.tree is not None and config.paths is not None:
+        raise ValueError("--tree and --paths both shape a step's draft: pass one of them")
+    flag, what = ("--tree", "the tree") if config.tree is not None else ("--paths", "the paths")
     if config.draft is None:
         raise ValueError(
-            f"--tree needs a draft model, which drafts the tree (--draft {NO_DRAFT} decodes with the target alone)"
+            f"{flag} needs a draft model, which drafts {what} (--draft {NO_DRAFT} decodes with the target alone)"
         )
     if config.drafter != "model":
-        raise ValueError(
-            f"--tree does not combine with --drafter {config.drafter} yet: the draft model drafts the tree"
-        )
+        raise ValueError(f"{flag} does not combine with --drafter {config.drafter} yet: the draft model drafts {what}")
     if config.policy == "sv":
         raise ValueError(
-            "--tree does not combine with --policy sv: a tree's shape is fixed, SV chooses the length of a chain; "
-            "--policy auto or fixed both draft the tree as given"
+            f"{flag} does not combine with --policy sv: {flag} drafts a fixed shape, SV chooses the length of a "
+            "chain; --policy auto or fixed both draft it as given"
         )
-    if config.max_draft is not None:
+    if config.tree is not None and config.max_draft is not None:
         raise ValueError(
             f"--max-draft does not apply with --tree: the shape sets what a step drafts "
             f"({','.join(map(str, config.tree))}: {tree_nodes(config.tree)} nodes)"
         )
+    if config.paths is not None:  # at most DRAFT_LIMIT nodes
+        path_layout(config.paths, config.resolved_max_draft, config.paths_drawn)
+    return flag
 
 
 def _resolve_arithmetic(config: GenerateConfig, device) -> GenerateConfig:

@@ -14,7 +14,7 @@ from .stats import Estimate, ReportConfig, bootstrap
 from .units import by_cell, by_unit, is_timed, ratio, strata_of
 
 # configurations only the batch table shows (it lists every configuration; the paper table compares token and block),
-# with the trees (batch_table_only)
+# with the trees and paths (batch_table_only)
 BATCH_TABLE_ONLY = records_io.SV_CONFIGS + records_io.ADAPTIVE_CONFIGS + ("block-int8",)
 BATCH_CONVENTION = (
     "Batch table, all datasets pooled: a unit is a batch of B consecutive prompts decoded in one generate call "
@@ -27,15 +27,16 @@ BATCH_CONVENTION = (
     "verified drafted tokens; verified (drafted) / emitted = verified (drafted) draft tokens per new token; BE = "
     "1 + accepted per row-step, the tokens per target forward; a tree-SHAPE row drafts that tree each step "
     "(children per node at each depth): its K is the tree's nodes, verified counts nodes and drafted its levels "
-    "(a draft forward each, as a chain's drafted tokens are); "
+    "(a draft forward each, as a chain's drafted tokens are); a paths-k (paths-iid-k) row drafts k paths of K "
+    "tokens each step, first tokens distinct (i.i.d. paths, merged where they agree), verified counts nodes; "
     "{conf:.0f}% percentile bootstrap CIs over batches, stratified by dataset (given once every dataset has 2 "
     "batches), {n_boot} resamples, seed {seed}"
 )
 
 
 def batch_table_only(name: str) -> bool:
-    """Whether only the batch table shows configuration ``name``: ``BATCH_TABLE_ONLY``, and every tree."""
-    return name in BATCH_TABLE_ONLY or records_io.is_tree(name)
+    """Whether only the batch table shows configuration ``name``: ``BATCH_TABLE_ONLY``, every tree and paths."""
+    return name in BATCH_TABLE_ONLY or records_io.is_tree(name) or records_io.is_paths(name)
 
 
 @dataclass(frozen=True)

@@ -133,6 +133,8 @@ def plot_batch(report: Report, path: Path) -> Path:
                 label = f"{name} K={k}"
             elif records_io.is_tree(name):  # the shape is in the name; K is its nodes
                 fmt, color, label = "h-", "C9", f"{name} ({k} nodes)"
+            elif records_io.is_paths(name):  # k is in the name; K is each path's length
+                fmt, color, label = "p-", "C8", f"{name} K={k}"
             else:
                 (fmt, color), label = style[name], name + (f" (K<={k})" if k else "")
             xs, ys = zip(*line)

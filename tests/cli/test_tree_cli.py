@@ -1,5 +1,6 @@
-"""`generate --tree` and the bench's tree configurations on the command line: the shape is parsed and every
-combination a tree cannot run is refused before a model loads; end to end, a greedy tree decodes the target's text."""
+"""`generate --tree` / `--paths` and the bench's tree and paths configurations on the command line: the shape is parsed
+and every combination a tree or paths cannot run is refused before a model loads; end to end, greedy trees and paths
+decode the target's text."""
 
 from __future__ import annotations
 
@@ -104,23 +105,32 @@ def test_backend_auto_runs_a_tree_on_transformers_and_says_so(loads, monkeypatch
     assert "scores no trees" not in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("policy", ["auto", "fixed"])
-def test_generate_with_a_greedy_tree_gives_the_greedy_text_of_the_target(tiny_pair, policy, capsys):
-    """--policy auto (the default) drafts the tree as given, as fixed does: no latency probe, no fallback to the
-    target alone; the last stderr line names the tree and its nodes."""
+@pytest.mark.parametrize(
+    "flags, summary, most",
+    [
+        (["--tree", "2,1,1", "--policy", "auto"], "tree 2,1,1 (6 nodes)", 6),
+        (["--tree", "2,1,1", "--policy", "fixed"], "tree 2,1,1 (6 nodes)", 6),
+        (["--paths", "3"], "3 paths of 4 (distinct, 12 nodes)", 12),  # --max-draft 4: not auto's 8
+        (["--paths", "3", "--paths-drawn", "iid"], "3 paths of 4 (iid, 12 nodes)", 4),  # merged: one greedy chain
+    ],
+)
+def test_generate_with_a_greedy_tree_or_paths_gives_the_greedy_text_of_the_target(
+    tiny_pair, flags, summary, most, capsys
+):
+    """--policy auto (the default) drafts the tree or paths as given, as fixed does: no latency probe, no fallback to
+    the target alone; the last stderr line names the tree or the paths and their nodes."""
     target, draft = tiny_pair
     common = ["--target", target, "--dtype", "float32", "--max-new-tokens", "12", "--temperature", "0", "--no-chat"]
-    tree = ["--draft", draft, "--draft-quant", "none", "--tree", "2,1,1", "--policy", policy]
-    assert cli.main(["generate", *common, *tree, "abc de"]) == 0
+    assert cli.main(["generate", *common, "--draft", draft, "--draft-quant", "none", *flags, "abc de"]) == 0
     spec = capsys.readouterr()
     assert cli.main(["generate", *common, "--draft", "none", "abc de"]) == 0
     plain = capsys.readouterr()
     assert spec.out == plain.out and spec.out.strip()
     assert "step latency" not in spec.err and "speculation cannot pay" not in spec.err
     last = spec.err.splitlines()[-1]
-    assert last.startswith("[block, tree 2,1,1 (6 nodes), ") and "acceptance length" in last, last
-    drafted = float(last.split(", ")[2].split()[0])  # nodes verified per step: more than a chain of 3 would
-    assert 3 < drafted <= 6, last
+    assert last.startswith(f"[block, {summary}, ") and "acceptance length" in last, last
+    drafted = float(last.split("), ")[1].split()[0])  # nodes verified per step: more than a chain of depth would
+    assert most / 2 < drafted <= most, last
 
 
 def test_generate_samples_from_a_tree(tiny_pair, capsys):
@@ -135,3 +145,77 @@ def test_bench_on_llamacpp_refuses_tree_configurations_before_loading_a_model(tm
     out = str(tmp_path / "bench")
     assert cli.main(["bench", "--backend", "llamacpp", "--configs", "target-only", "tree-2,1,1", "--out", out]) == 2
     assert "tree-2,1,1 run on transformers only" in error_line(capsys) and loads == []
+
+
+# --- paths ----------------------------------------------------------------------------------------------------
+
+
+def test_the_paths_and_their_drawing_are_parsed_and_a_chain_is_the_default():
+    parse = cli.build_parser().parse_args
+    args = parse(["generate", "--paths", "3", "--paths-drawn", "iid", "hi"])
+    assert (args.paths, args.paths_drawn) == (3, "iid")
+    args = parse(["generate", "hi"])
+    assert (args.paths, args.paths_drawn) == (None, "distinct")
+    assert parse(["bench", "--configs", "paths-3", "paths-iid-2"]).configs == ["paths-3", "paths-iid-2"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "--paths", "0", "hi"], ">= 1"),
+        (["generate", "--paths", "2", "--paths-drawn", "sorted", "hi"], "invalid choice: 'sorted'"),
+        (["bench", "--configs", "paths-iid"], "a paths configuration is paths-K"),
+        (["bench", "--configs", "paths-0"], "K >= 1"),
+    ],
+)
+def test_bad_paths_are_refused_by_the_parser_before_loading_a_model(argv, message, loads, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and loads == [] and message in err, err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--draft", "none"], "--paths needs a draft model"),
+        (["--policy", "sv"], "--paths does not combine with --policy sv"),
+        (["--drafter", "lookup"], "--paths does not combine with --drafter lookup"),
+        (["--tree", "2,1"], "--tree and --paths both shape a step's draft"),
+        (["--max-draft", "8", "--paths", "9"], "9 paths of 8 tokens draft up to 72 nodes per step, more than 64"),
+        (["--backend", "llamacpp"], "--paths runs on transformers only: the llama.cpp adapter scores no trees"),
+    ],
+)
+def test_what_paths_do_not_combine_with_is_refused_before_loading_a_model(flags, message, loads, capsys):
+    assert cli.main(["generate", "--paths", "3", *flags, "hello"]) == 2
+    assert message in error_line(capsys) and loads == []
+
+
+def test_a_drawing_without_paths_is_refused_before_loading_a_model(loads, capsys):
+    assert cli.main(["generate", "--paths-drawn", "iid", "hello"]) == 2
+    assert "--paths-drawn iid says how --paths are drawn: pass --paths too" in error_line(capsys) and loads == []
+
+
+def test_backend_auto_runs_paths_on_transformers_and_says_so(loads, monkeypatch, capsys):
+    monkeypatch.setattr(
+        hf, "resolve_backend", lambda backend, device, *names: "llamacpp" if backend == "auto" else backend
+    )
+    flags = ["--dtype", "float32", "--draft-quant", "none", "hello"]  # no arithmetic probe
+    assert cli.main(["generate", "--paths", "2", *flags]) == 2
+    assert "not llama.cpp: the llama.cpp adapter scores no trees (--paths)" in capsys.readouterr().err
+    assert [kwargs["backend"] for _, kwargs in loads] == ["hf"]
+
+
+def test_generate_samples_from_iid_paths(tiny_pair, capsys):
+    target, draft = tiny_pair
+    argv = ["--target", target, "--draft", draft, "--dtype", "float32", "--draft-quant", "none", "--no-chat"]
+    paths = ["--paths", "2", "--max-draft", "3", "--paths-drawn", "iid"]
+    assert cli.main(["generate", *argv, *paths, "--max-new-tokens", "8", "--seed", "0", "ab"]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() and "[block, 2 paths of 3 (iid, 6 nodes), " in out.err.splitlines()[-1]
+
+
+def test_bench_on_llamacpp_refuses_paths_configurations_before_loading_a_model(tmp_path, loads, capsys):
+    out = str(tmp_path / "bench")
+    assert cli.main(["bench", "--backend", "llamacpp", "--configs", "target-only", "paths-iid-2", "--out", out]) == 2
+    assert "paths-iid-2 run on transformers only" in error_line(capsys) and loads == []

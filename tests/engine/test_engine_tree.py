@@ -152,12 +152,7 @@ def test_first_tokens_of_a_tree_decoder_follow_the_target_law(models, name, monk
     calls = wrong_engine(case, monkeypatch)
     counts, _ = run(broken, case)
     assert calls["tree"] > 0, "the control's patch was never exercised"
-    failed = POOLED.test(counts, law)
-    message = POOLED.describe(f"NEGATIVE CONTROL {name} [{CONTROL}]", failed)
-    print(f"    power {power:.6f}, max joint-law error {lawkit.max_abs_error(law, wrong_law):.3g}")
-    assert failed.statistic > failed.threshold, "the wrong engine PASSED the test that should catch it: " + message
-    own = POOLED.test(counts, wrong_law)  # the failure is the predicted one
-    assert own.passed, POOLED.describe(f"{name} control against its own exact law", own)
+    POOLED.check_control(f"{name} [{CONTROL}]", counts, law, wrong_law)
 
 
 # --- greedy equivalence, caches, rows, refusals -------------------------------------------------------------------

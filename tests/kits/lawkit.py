@@ -271,6 +271,20 @@ class PooledChiSquare:
         possible = pooled > 0
         return detection_power(pooled[possible], pooled_wrong[possible], self.samples, self.alpha)
 
+    def check_control(self, label: str, counts: torch.Tensor, law: torch.Tensor, wrong_law: torch.Tensor) -> None:
+        """Asserts that a negative control's ``counts`` fail the test against the exact ``law`` and pass it against
+        the control's own exact ``wrong_law``: the failure is the predicted one, so ``power(law, wrong_law)`` is the
+        power against what the control actually does. Prints the figures (pytest -s)."""
+        failed = self.test(counts, law)
+        message = self.describe(f"NEGATIVE CONTROL {label}", failed)
+        print(
+            f"    power {self.power(law, wrong_law):.6f}, max joint-law error {max_abs_error(law, wrong_law):.3g}, "
+            f"statistic / threshold {failed.statistic / failed.threshold:.2f}"
+        )
+        assert failed.statistic > failed.threshold, "the wrong engine PASSED the test that should catch it: " + message
+        own = self.test(counts, wrong_law)
+        assert own.passed, self.describe(f"{label}: the control against its own exact law", own)
+
     def describe(self, label: str, test: ChiSquare) -> str:
         """One line on ``test``, printed (pytest -s) and returned for an assertion's message."""
         line = (

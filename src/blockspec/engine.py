@@ -5,9 +5,9 @@ keeps its own tokens, random stream and cache positions, so rows accept differen
 and leave the batch when they finish. With no draft model and no prompt lookup the target decodes alone through
 the same loop (steps that propose nothing), so comparisons are fair.
 
-A tree step runs the same stages: its proposal carries each node's parent (W = N nodes), the target scores the
-pending token as node 1 and drafted node a as node a + 1 in one ``forward_tree``, a tree rule verifies it, and the
-caches commit the accepted path before they roll back.
+A tree step (a static tree, or several paths: ``paths=k``) runs the same stages: its proposal carries each node's
+parent (W = N nodes), the target scores the pending token as node 1 and drafted node a as node a + 1 in one
+``forward_tree``, a tree rule verifies it, and the caches commit the accepted path before they roll back.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ children; its S slots are numbered breadth first (slot 0 is the root, the row's 
 drawn in, so every level is a run of consecutive slots. Row b drafts the slots down to its own ``depth[b]`` (its room,
 at most D); a node gets fewer children when the draft's support (after top-k / top-p) runs out, and a slot not drawn
 is a hole with its whole subtree. The drawn slots, renumbered 1..N in slot order, are the step's tree in
-verify/tree_inputs.py's layout (node a = column a - 1, parents first, padding after ``num_nodes``).
+verify/tree_inputs.py's layout (node a = column a - 1, parents first, padding after ``num_nodes``). Each level is
+drawn by one method (``_draw``), into per-row tensors: paths.py draws i.i.d. paths in the slots of (k, 1, .., 1) there,
+choosing each slot's parent per row.
 
 Siblings are drawn without replacement (``SCHEME = "distinct"``): child j of a node is drawn from the node's draft
 distribution less its children 1..j-1, by inversion of the row's own uniform for that slot. The verifier is handed

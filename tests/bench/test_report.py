@@ -417,14 +417,16 @@ def batch_record(
 
 
 def batch_records(rng: np.random.Generator) -> list[Record]:
-    """target-only, token K=2, block K=2 and K=4, sv-block (K <= 4) on 3 batches of 4 prompts of 2 datasets.
+    """target-only, token K=2, block K=2 and K=4, 3 i.i.d. paths of 3 tokens (paths-iid-3) and sv-block (K <= 4)
+    on 3 batches of 4 prompts of 2 datasets.
     Block K=2 decodes fastest but has the longest prefill: counting prefill would make token K=2 the best."""
     speeds = {
         ("target-only", 0): 10.0,
         ("token", 2): 14.0,
         ("block", 2): 15.0,
         ("block", 4): 13.0,
-        ("sv-block", 4): 16.0,
+        ("paths-iid-3", 3): 12.0,
+        ("sv-block", 4): 16.0,  # last: a test takes the last record for an sv-block one
     }
     out = []
     for dataset in ("a", "b"):
@@ -458,7 +460,14 @@ def test_batch_table_arithmetic_best_fixed_and_sv_over_it():
     report = build_report(records, ReportConfig(n_boot=300))
     assert report.rows == () and report.baselines == ()  # the token-vs-block tables are batch 1 only
     rows = {(r.config, r.max_draft): r for r in report.batch}
-    assert set(rows) == {("target-only", 0), ("token", 2), ("block", 2), ("block", 4), ("sv-block", 4)}
+    assert set(rows) == {
+        ("target-only", 0),
+        ("token", 2),
+        ("block", 2),
+        ("block", 4),
+        ("sv-block", 4),
+        ("paths-iid-3", 3),
+    }
 
     def of(config, k):
         return [r for r in records if (r.config, r.max_draft) == (config, k)]
@@ -484,7 +493,9 @@ def test_batch_table_arithmetic_best_fixed_and_sv_over_it():
     assert sv.block_efficiency == pytest.approx(1 + accepted / (6 * 32))
     target = rows[("target-only", 0)]
     assert target.rejected is None and value(target.verified_per_emitted) == 0 and target.speedup_vs_target is None
-    assert all(r.speedup_vs_best_fixed is None for key, r in rows.items() if key[0] != "sv-block")
+    # a tree or paths row is compared with the best chain too
+    assert value(rows[("paths-iid-3", 3)].speedup_vs_best_fixed) == pytest.approx(rate("paths-iid-3", 3) / rate(*best))
+    assert all(r.speedup_vs_best_fixed is None for key, r in rows.items() if key[0] not in ("sv-block", "paths-iid-3"))
     table = format_table(report)
     assert "## batch sizes and Speculative Verification" in table and f"| {best[0]} * " in table
     data = json.loads(json.dumps(summary(report)))

@@ -51,7 +51,7 @@ class BatchRow:
     tokens_per_s: Estimate | None
     speedup_vs_target: Estimate | None  # None for target-only itself or when target-only is missing
     best_fixed: bool  # the token / block K with the highest tok/s at this (temperature, batch size)
-    speedup_vs_best_fixed: Estimate | None  # for the SV configurations
+    speedup_vs_best_fixed: Estimate | None  # for the SV, tree and paths configurations
     # over transformers' counterpart (hf-lookup for lookup and lookup+model, else hf-assisted), whole wall times
     speedup_vs_hf: Estimate | None
     rejected: Estimate | None  # 1 - accepted / verified (None when nothing was verified)
@@ -128,7 +128,9 @@ def batch_rows(records: list[Record], config: ReportConfig) -> list[BatchRow]:
                     else _paired_speedup(cell, [target], config, decode=steps),
                     best_fixed=(name, k) == best,
                     speedup_vs_best_fixed=(
-                        _paired_speedup(cell, list(fixed.values()), config) if name in records_io.SV_CONFIGS else None
+                        _paired_speedup(cell, list(fixed.values()), config)
+                        if name in records_io.SV_CONFIGS or records_io.is_tree(name) or records_io.is_paths(name)
+                        else None
                     ),
                     speedup_vs_hf=(
                         None

@@ -50,6 +50,11 @@ VOCAB = 151936  # the bundled pair's: the synthetic trees timed for the overhead
 DATASETS = ("gsm8k", "translation", "humaneval", "sharegpt", "summarize", "lm1b")  # the paper preset's
 
 
+def quant_name(text: str) -> str | None:
+    """--target-quant / --draft-quant: "none" for an unquantized model."""
+    return None if text == "none" else text
+
+
 def tree_shapes(max_depth: int, max_nodes: int) -> list[tuple[int, ...]]:
     """Every shape of depth 1..max_depth with at most WIDTHS children per node, widths not growing with depth
     (the wide levels are the likely ones), and at most max_nodes nodes."""
@@ -359,8 +364,8 @@ def main() -> None:
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--target-quant", default="int8")
-    parser.add_argument("--draft-quant", default="int8")
+    parser.add_argument("--target-quant", default="int8", type=quant_name, help="int8, or none")
+    parser.add_argument("--draft-quant", default="int8", type=quant_name, help="int8, or none")
     parser.add_argument("--datasets", nargs="+", default=list(DATASETS))
     parser.add_argument("--prompts", type=int, default=4, help="per dataset")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.0])

@@ -128,8 +128,13 @@ def test_the_library_finds_the_profiles_the_command_line_made(pair, cache):
 
     target = hf.load_model(pair.target, backend="llamacpp")
     draft = hf.load_model(pair.draft, backend="llamacpp")
-    policy = SVPolicy.from_cache(target, draft, sampling=SamplingParams(temperature=0.0), companion=None)
+    greedy = SamplingParams(temperature=0.0)
+    policy = SVPolicy.from_cache(target, draft, sampling=greedy, companion=None)
     assert policy.latency.meta["draft"] == f"{pair.draft} (llama.cpp)"
+    # by default it looks for no companion on llama.cpp, as the command line does; one named there is refused
+    assert SVPolicy.from_cache(target, draft, sampling=greedy).latency.meta == policy.latency.meta
+    with pytest.raises(ValueError, match="runs on the target's transformers layers: on llama.cpp"):
+        SVPolicy.from_cache(target, draft, sampling=greedy, companion="prefix:8")
 
 
 @pytest.mark.parametrize(

@@ -106,7 +106,7 @@ class SVPolicy:
         rule: str = "block",
         max_draft: int = MAX_DRAFT,
         kind: str = SV_PREDICTOR,
-        companion: str | None = COMPANION,
+        companion: str | None = "auto",
         profile: Path | None = None,
         latency: Path | None = None,
         names: tuple[str, str] | None = None,
@@ -115,9 +115,20 @@ class SVPolicy:
         """The policy for these loaded models and ``sampling``, from the profiles ``blockspec sv profile`` and
         ``blockspec sv calibrate`` saved for them (found by the models' names, dtype and device, as the command
         line finds them; ``names`` = (target, draft) overrides the names, ``profile`` and ``latency`` the files).
-        ``companion`` names the companion the profiles were made with (``--companion``). A missing or mismatched
-        profile raises an error naming the command that makes it. ``options``: ``memory``, ``rate``,
-        ``carry_over``."""
+        ``companion`` names the companion the profiles were made with (``--companion``); "auto", as the command line
+        does, is COMPANION on transformers and none on llama.cpp, whose target runs no companion (a ``prefix:K``
+        companion is the target's own transformers layers). A missing or mismatched profile raises an error naming
+        the command that makes it. ``options``: ``memory``, ``rate``, ``carry_over``."""
+        from ..models.llamacpp import LlamaCppModel
+
+        on_llamacpp = isinstance(target, LlamaCppModel)
+        if companion == "auto":
+            companion = None if on_llamacpp else COMPANION
+        elif companion is not None and on_llamacpp:
+            raise ValueError(
+                f"companion {companion!r} runs on the target's transformers layers: on llama.cpp SV's profiles are "
+                "made without one (leave companion out, or pass companion=None)"
+            )
         target_name, draft_name = names or (model_name(target), model_name(draft))
         calibration, _ = load_calibration(target_name, draft_name, companion, sampling, profile)
         timing, _ = load_latency(target_name, draft_name, companion, dtype_name(target.dtype), target.device, latency)

@@ -153,7 +153,8 @@ class SVPolicy:
         """Predicted seconds of a step at this batch size that drafts, scores and verifies ``width`` tokens, when
         the draft has ``catch_up`` tokens to read first, has already run the forwards of ``drafted`` positions
         and sampled ``sampled`` tokens: those forwards are paid whatever the width, and the companion scores
-        every token sampled, so a narrower width saves neither."""
+        every token sampled, so a narrower width saves neither. With ``whole_drafts`` (vLLM) a step drafts the whole
+        budget or nothing, and its first draft forward is the next step's, over 1 + ``width`` tokens a row."""
 
         def seconds(width: int) -> float:
             latency = self.latency

@@ -19,7 +19,7 @@ from kits.tiny import exact_law_of_first_tokens, perturbed, save_tiny, tiny_mode
 from blockspec import SamplingParams, SpeculativeDecoder, auto, cli
 from blockspec.models.hf import HFModel, load_model
 from blockspec.models.quant import quantize
-from blockspec.policy import AdaptiveLength, latency
+from blockspec.policy import AdaptiveLength, LatencyTable, latency
 from blockspec.verify import RULES, SAMPLED_RULES
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -119,12 +119,18 @@ def test_adaptive_length_drafts_again_after_a_bad_patch():
     a step): after drafts that were never accepted, the policy decodes alone for a few steps, then drafts again, and
     learns from what that step verifies. Without the drift it would decode alone for the rest of the call."""
     costs = [100, 130, 160, 190, 220, 250, 280, 310, 340]
-    policy = AdaptiveLength(profile(costs, draft_ms=20), max_draft=8, prior=0.8, memory=0.5)
+    # the draft's forward costs 20 ms over 1 token, 30 over 2, 100 over 4 and 35 ms more for each further token
+    growing = latency.LatencyProfile(
+        profile(costs, draft_ms=20).target, LatencyTable((1,), (1, 2, 4), ((0.020, 0.030, 0.100),)), None, meta={}
+    )
+    policy = AdaptiveLength(growing, max_draft=8, prior=0.8, memory=0.5)
     for _ in range(8):
         observe(policy, agree=False, width=policy.best_length(1))
     low = policy.acceptance  # 0.8 / 2**8
     idle = 0
-    while policy.draft_budget(1, 1) == 0:
+    # each idle step leaves the draft one more token to catch up on, as the proposer counts them: a cost paid once
+    # by the step that drafts again, which must not keep it from drafting
+    while policy.draft_budget(1, catch_up=1 + idle) == 0:
         idle += 1
         assert idle < 10, policy.acceptance
     # the first K > 0 comes once 0.8 - (0.8 - low) / 2**idle reaches the break-even acceptance, which lies in

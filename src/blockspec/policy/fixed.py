@@ -94,10 +94,13 @@ class AdaptiveLength(FixedLength):
         return max(range(len(goodput)), key=goodput.__getitem__)
 
     def draft_budget(self, batch: int, catch_up: int) -> int:
-        """``best_length``; a step that drafts nothing verifies nothing to learn from, so there the acceptance drifts
-        back towards the prior (by 1 - ``memory``): after a bad patch the policy drafts again to see whether it
-        ended, rather than decoding alone for the rest of the call."""
-        length = self.best_length(batch, catch_up)
+        """``best_length``, with the draft's first forward priced as while drafting goes on: at most 2 tokens to
+        catch up on (1 after a rejection, 2 after a fully accepted step). After steps without drafts the draft has
+        more to read, a cost paid once by the step that drafts again; priced as every step's, it would grow with
+        each idle step until drafting never paid again. A step that drafts nothing verifies nothing to learn from,
+        so there the acceptance drifts back towards the prior (by 1 - ``memory``): after a bad patch the policy
+        drafts again to see whether it ended, rather than decoding alone for the rest of the call."""
+        length = self.best_length(batch, min(catch_up, 2))
         if length == 0:
             self.acceptance = self.memory * self.acceptance + (1 - self.memory) * self.prior
         return length

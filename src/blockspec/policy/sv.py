@@ -170,7 +170,8 @@ class SVPolicy:
     def draft_budget(self, batch: int, catch_up: int) -> int:
         """Decision 1, before drafting: from the recent history of predicted gains per position and the latency
         table, whether speculating pays at all at this batch size (``max_draft`` if so, else 0), with the draft's
-        first forward priced at the ``catch_up`` tokens it must read (more after steps that did not draft)."""
+        first forward priced at the ``catch_up`` tokens it must read (more after steps that did not draft; with
+        ``whole_drafts``, the next step's over the 1 + width tokens scored, ``step_seconds``)."""
         self._batch, self._catch_up, self._draft_features, self._predicted = batch, catch_up, [], {}
         seconds = self.step_seconds(batch, catch_up)
         emitted = torch.cat([torch.ones(1, dtype=torch.float64), 1 + self.history.cumsum(0)])

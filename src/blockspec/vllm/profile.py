@@ -108,8 +108,13 @@ def measure(llm, batch_sizes, max_draft: int, context: int, repeats: int, log=pr
                     "each were seen: is vLLM's batch limit (max_num_seqs) below the batch size?"
                 )
             target[batch].append(round(statistics.median(steps), 6))
-            drafted = [seconds for requests, k, seconds in timed["draft"] if requests == batch and k == max_draft]
-            drafting.append(statistics.median(drafted[1:]))
+            drafted = [seconds for requests, k, seconds in timed["draft"] if requests == batch and k == max_draft][1:]
+            if not drafted:
+                raise RuntimeError(
+                    f"no drafting of {batch} requests and {max_draft} drafts each was timed after the first: did vLLM "
+                    "draft (its speculative config)?"
+                )
+            drafting.append(statistics.median(drafted))
             log(
                 f"B={batch} w={width}: target {target[batch][-1] * 1e3:.1f} ms over {len(steps)} steps, "
                 f"drafting {drafting[width] * 1e3:.1f} ms"

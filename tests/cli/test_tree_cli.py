@@ -133,12 +133,19 @@ def test_generate_with_a_greedy_tree_or_paths_gives_the_greedy_text_of_the_targe
     assert most / 2 < drafted <= most, last
 
 
-def test_generate_samples_from_a_tree(tiny_pair, capsys):
+@pytest.mark.parametrize(
+    "flags, summary",
+    [
+        (["--tree", "3,1"], "tree 3,1 (6 nodes)"),
+        (["--paths", "2", "--max-draft", "3", "--paths-drawn", "iid"], "2 paths of 3 (iid, 6 nodes)"),
+    ],
+)
+def test_generate_samples_from_a_tree_or_paths(tiny_pair, flags, summary, capsys):
     target, draft = tiny_pair
     argv = ["--target", target, "--draft", draft, "--dtype", "float32", "--draft-quant", "none", "--no-chat"]
-    assert cli.main(["generate", *argv, "--tree", "3,1", "--max-new-tokens", "8", "--seed", "0", "ab"]) == 0
+    assert cli.main(["generate", *argv, *flags, "--max-new-tokens", "8", "--seed", "0", "ab"]) == 0
     out = capsys.readouterr()
-    assert out.out.strip() and "[block, tree 3,1 (6 nodes), " in out.err.splitlines()[-1]
+    assert out.out.strip() and f"[block, {summary}, " in out.err.splitlines()[-1]
 
 
 def test_bench_on_llamacpp_refuses_tree_configurations_before_loading_a_model(tmp_path, loads, capsys):
@@ -204,15 +211,6 @@ def test_backend_auto_runs_paths_on_transformers_and_says_so(loads, monkeypatch,
     assert cli.main(["generate", "--paths", "2", *flags]) == 2
     assert "not llama.cpp: the llama.cpp adapter scores no trees (--paths)" in capsys.readouterr().err
     assert [kwargs["backend"] for _, kwargs in loads] == ["hf"]
-
-
-def test_generate_samples_from_iid_paths(tiny_pair, capsys):
-    target, draft = tiny_pair
-    argv = ["--target", target, "--draft", draft, "--dtype", "float32", "--draft-quant", "none", "--no-chat"]
-    paths = ["--paths", "2", "--max-draft", "3", "--paths-drawn", "iid"]
-    assert cli.main(["generate", *argv, *paths, "--max-new-tokens", "8", "--seed", "0", "ab"]) == 0
-    out = capsys.readouterr()
-    assert out.out.strip() and "[block, 2 paths of 3 (iid, 6 nodes), " in out.err.splitlines()[-1]
 
 
 def test_bench_on_llamacpp_refuses_paths_configurations_before_loading_a_model(tmp_path, loads, capsys):

@@ -21,13 +21,6 @@ GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
 
 
-@pytest.fixture(scope="module")
-def pair(device):
-    target = tiny_model(sharpness=5.0)
-    draft = perturbed(target, scale=0.3, seed=1)
-    return target.to(device), draft.to(device)
-
-
 @pytest.mark.parametrize("rule", [*RULES, None])  # None: the target alone
 @pytest.mark.parametrize("max_draft", [1, 3, 5])
 def test_greedy_output_equals_plain_greedy_decoding(pair, rule, max_draft):

@@ -129,13 +129,6 @@ def test_first_tokens_of_a_paths_decoder_follow_the_target_law(tables, name, mon
 # --- greedy equivalence, rows, caches, refusals -------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def pair(device):
-    target = tiny_model(sharpness=5.0)
-    draft = perturbed(target, scale=0.3, seed=1)
-    return target.to(device), draft.to(device)
-
-
 @pytest.mark.parametrize("drawn", DRAWINGS)
 def test_greedy_output_of_a_paths_decoder_equals_plain_greedy_decoding(pair, drawn):
     target, draft = pair

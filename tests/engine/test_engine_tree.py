@@ -158,13 +158,6 @@ def test_first_tokens_of_a_tree_decoder_follow_the_target_law(models, name, monk
 # --- greedy equivalence, caches, rows, refusals -------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def pair(device):
-    target = tiny_model(sharpness=5.0)
-    draft = perturbed(target, scale=0.3, seed=1)
-    return target.to(device), draft.to(device)
-
-
 @pytest.mark.parametrize("shape", [(2, 1, 1), (3, 2), (1, 1, 1, 1)])
 def test_greedy_output_of_a_tree_decoder_equals_plain_greedy_decoding(pair, shape):
     target, draft = pair

@@ -15,6 +15,7 @@ from blockspec.policy.features import DRAFT_FEATURES
 from blockspec.policy.latency import META_FIELDS, LatencyProfile
 from blockspec.policy.predictor import Predictor, Profile
 from blockspec.vllm import sv_hook
+from blockspec.vllm.profile import first_forward_seconds
 from blockspec.vllm.state import STATE
 from blockspec.vllm.switches import SV_SWITCH, SWITCH
 
@@ -157,3 +158,12 @@ def test_a_latency_profile_of_the_served_engine_is_used(tmp_path, monkeypatch):
     sv_hook.use_sv(write_profiles(tmp_path, meta=SERVED))
     policy = sv_hook.sv_policy(runner(str(tmp_path / "models" / "target"), "models/draft"))
     assert policy.max_draft == 2 and STATE.sv_policy is policy
+
+
+@pytest.mark.parametrize("max_draft", [1, 2, 4])
+def test_the_first_draft_forward_is_recovered_from_the_drafting_timed_after_each_width(max_draft):
+    """vLLM's drafting after a step that verified w drafts a request is one forward over 1 + w tokens, then K - 1
+    over one: with F(n) = 0.03 + 0.01 n, D(w) = F(1 + w) + (K - 1) F(1), and the profile gives back F(1..K + 1)."""
+    forward = [0.03 + 0.01 * n for n in range(1, max_draft + 2)]
+    drafting = [forward[w] + (max_draft - 1) * forward[0] for w in range(max_draft + 1)]
+    assert first_forward_seconds(drafting, max_draft) == pytest.approx(forward)

@@ -119,11 +119,17 @@ def measure(llm, batch_sizes, max_draft: int, context: int, repeats: int, log=pr
                 f"B={batch} w={width}: target {target[batch][-1] * 1e3:.1f} ms over {len(steps)} steps, "
                 f"drafting {drafting[width] * 1e3:.1f} ms"
             )
-        later = (max_draft - 1) * drafting[0] / max_draft  # the K - 1 one-token forwards after the first
-        # a forward takes no less than nothing, whatever the timing noise
-        draft[batch] = [round(max(seconds - later, 0.0), 6) for seconds in drafting]
+        draft[batch] = first_forward_seconds(drafting, max_draft)
     llm.collective_rpc(verify, args=(None,))
     return target, draft
+
+
+def first_forward_seconds(drafting: list[float], max_draft: int) -> list[float]:
+    """The draft's first forward F(B, n), n = 1..K + 1, from the drafting D(w) timed after steps that verified
+    w = 0..K drafts a request (the module's docstring): D(w) - (K - 1) D(0) / K, with F(B, 1) = D(0) / K."""
+    later = (max_draft - 1) * drafting[0] / max_draft  # the K - 1 one-token forwards after the first
+    # a forward takes no less than nothing, whatever the timing noise
+    return [round(max(seconds - later, 0.0), 6) for seconds in drafting]
 
 
 def profile(

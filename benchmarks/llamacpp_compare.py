@@ -83,7 +83,7 @@ def run(args) -> None:
     import torch
 
     from blockspec import PromptLookup, SamplingParams, SpeculativeDecoder
-    from blockspec.auto import adaptive_policy, latency_probe
+    from blockspec.auto import adaptive_policy, latency_probe, lookup_latency
     from blockspec.bench import datasets
     from blockspec.bench.executor import ExpectedScores
     from blockspec.machine import cpu_flags
@@ -118,7 +118,7 @@ def run(args) -> None:
         "llamacpp-auto-q4": auto(small),
         "llamacpp-block-q4-cut": SpeculativeDecoder(target, cut, rule="block", max_draft=args.max_draft),
         "llamacpp-auto-q4-cut": auto(cut),
-        "llamacpp-lookup": SpeculativeDecoder(target, lookup=PromptLookup()),
+        "llamacpp-lookup": SpeculativeDecoder(target, lookup=PromptLookup(costs=lookup_latency(target, 1))),
     }
     if {"hf-alone", "hf-assisted"} & set(args.rows):
         from blockspec.bench.executor import run_assisted

@@ -26,12 +26,12 @@ from pathlib import Path
 import torch
 
 from . import machine
-from .defaults import ADAPTIVE_MAX_DRAFT, SV_BATCH_SIZES
+from .defaults import ADAPTIVE_MAX_DRAFT, LOOKUP_MAX_DRAFT, SV_BATCH_SIZES
 from .files import write_atomic
 from .models.base import model_name
 from .models.cache import cache_root
 from .policy import AdaptiveLength, LatencyTable
-from .policy.latency import DRAFT_TOKENS, LatencyProfile, dtype_name
+from .policy.latency import DRAFT_TOKENS, LatencyProfile, dtype_name, table_dict, table_from_dict
 from .policy.profiles import latency_path, sv_dir
 from .sampling import SamplingParams, process, sample
 
@@ -201,6 +201,26 @@ def latency_probe(target, draft, batch: int, *, refresh: bool = False):
     return profile
 
 
+def lookup_latency(target, batch: int, max_draft: int = LOOKUP_MAX_DRAFT, *, refresh: bool = False) -> LatencyTable:
+    """The target's step latency over 1..``max_draft`` + 1 tokens at batch sizes 1 and ``batch``: what
+    ``PromptLookup(costs=...)`` chooses its proposal lengths by. Measured once (2 rounds after a warm-up, seconds on
+    a CPU) and cached as ``latency_probe`` caches its profiles, per target, dtype, device, thread count, batch size
+    and width."""
+    name = latency_path(target.name, None, None, dtype_name(target.dtype), str(target.device)).name
+    path = sv_dir() / f"lookup-b{batch}-t{torch.get_num_threads()}-w{max_draft + 1}-{name}"
+    if path.is_file() and not refresh:
+        try:
+            return table_from_dict(json.loads(path.read_text()), path)
+        except (OSError, ValueError) as error:
+            log.warning("measuring again: %s", error)
+    log.info("measuring step latency of %s at batch %d for prompt lookup (once per machine)", target.name, batch)
+    tokens = tuple(range(1, max_draft + 2))  # every width: llama.cpp's matmuls take rows in fours (latency_probe)
+    models = {"target": (target, tokens)}
+    table = time_forwards(models, tuple(sorted({1, batch})), context=128, repeats=2, progress=False)["target"]
+    _cache(path, lambda: write_atomic(path, json.dumps(table_dict(table)) + "\n"), "prompt lookup latency probe")
+    return table
+
+
 def measure_profile(
     target,
     draft,
@@ -219,11 +239,34 @@ def measure_profile(
     the machine's drift is shared by all of them. Token ids are random (seeded), which costs the same as text.
     Each model's batch is replaced by an empty one at the end, so its next prefill starts clean.
     """
-    from tqdm.auto import tqdm
-
     models = {"target": (target, tokens), "draft": (draft, DRAFT_TOKENS)}
     if companion is not None:
         models["companion"] = (companion, tokens)
+    tables = time_forwards(models, batch_sizes, context, repeats, progress)
+    meta = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "target": model_name(target),
+        "draft": model_name(draft),
+        "companion": None if companion is None else model_name(companion),
+        "dtype": dtype_name(getattr(target, "dtype", None)),
+        "device": str(target.device),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "context": context,
+        "repeats": repeats,
+    }
+    return LatencyProfile(tables["target"], tables["draft"], tables.get("companion"), meta)
+
+
+def time_forwards(
+    models: dict[str, tuple], batch_sizes: tuple[int, ...], context: int, repeats: int, progress: bool
+) -> dict[str, LatencyTable]:
+    """``models``: name -> (model, tokens per row): each model's ``step_seconds`` over every (batch size, tokens)
+    as ``measure_profile`` says (the one named "draft" samples from its last position), one table per name."""
+    from tqdm.auto import tqdm
+
     vocab = min(model.vocab_size for model, _ in models.values())
     generator = torch.Generator().manual_seed(0)
     seconds = {name: [] for name in models}  # name -> rows over batch_sizes
@@ -248,24 +291,9 @@ def measure_profile(
                 seconds[name].append(tuple(round(statistics.median(times[name, n][1:]), 6) for n in grid))
     for model, _ in models.values():
         model.prefill([])  # frees the last batch
-    tables = {
+    return {
         name: LatencyTable(tuple(batch_sizes), tuple(grid), tuple(seconds[name])) for name, (_, grid) in models.items()
     }
-    meta = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "target": model_name(target),
-        "draft": model_name(draft),
-        "companion": None if companion is None else model_name(companion),
-        "dtype": dtype_name(getattr(target, "dtype", None)),
-        "device": str(target.device),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "machine": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "context": context,
-        "repeats": repeats,
-    }
-    return LatencyProfile(tables["target"], tables["draft"], tables.get("companion"), meta)
 
 
 def step_seconds(model, step: torch.Tensor, last_only: bool) -> float:

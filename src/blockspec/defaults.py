@@ -17,6 +17,7 @@ DRAFT_LIMIT = 64  # the most --max-draft accepts: a longer draft costs more than
 # where the draft is far from the target, and about as many where it is close (docs/algorithms.md)
 PATHS_DRAWN = "distinct"
 PATH_DRAWINGS = ("distinct", "iid")
+LOOKUP_MAX_DRAFT = 32  # the most tokens one prompt lookup proposal holds (PromptLookup.max_draft)
 ADAPTIVE_MAX_DRAFT = 8  # the most a step drafts when the length adapts to measured latency (AdaptiveLength)
 COMPANION = "prefix:8"  # SV's companion: the target's own first 8 layers (shared weights)
 SV_PREDICTOR = "draft"  # SV's features: draft-only (no companion forward)

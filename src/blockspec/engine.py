@@ -12,6 +12,7 @@ parent (W = N nodes), the target scores the pending token as node 1 and drafted 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import cast
@@ -34,6 +35,8 @@ from .verify.base import verified_mask
 from .verify.multipath import TREE_SCHEME
 from .verify.tree import verify_tree_block, verify_tree_greedy, verify_tree_token
 from .verify.tree_inputs import node_mask
+
+log = logging.getLogger(__name__)
 
 # The tree form of each rule in blockspec.verify.RULES (verify/tree.py)
 TREE_VERIFIERS = {"block": verify_tree_block, "token": verify_tree_token, "greedy": verify_tree_greedy}
@@ -87,6 +90,11 @@ class SpeculativeDecoder:
         self.companion = as_model(companion) if companion is not None and self.draft is not None else None
         checks.refuse_shared_adapters(self.target, self.draft, self.companion)
         self.rule, self.lookup = rule, lookup
+        if lookup is not None and lookup.costs is None and torch.device(self.target.device).type == "cpu":
+            log.warning(
+                "prompt lookup without costs proposes every match whole, which a CPU's wider forwards can make slower "
+                "than the target alone: pass PromptLookup(costs=blockspec.auto.lookup_latency(target, batch_size))"
+            )
         self.sv = policy == "sv"  # resolved per call: an SV calibration is specific to the call's sampling
         self.policy: LengthPolicy = (
             policy if isinstance(policy, LengthPolicy) else FixedLength(max_draft if self.draft is not None else 0)

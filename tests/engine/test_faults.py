@@ -178,8 +178,8 @@ def test_numpy_integers_are_accepted_wherever_python_ints_are(pair):
     )
     assert numpy.sequences == python.sequences
     assert type(SamplingParams(top_k=np.int16(3)).top_k) is int
-    lookup = PromptLookup(max_draft=np.int64(4), initial_len=np.uint8(2))  # pyright: ignore[reportArgumentType]
-    assert lookup == PromptLookup(max_draft=4, initial_len=2)
+    lookup = PromptLookup(max_draft=np.int64(4), max_ngram=np.uint8(2))  # pyright: ignore[reportArgumentType]
+    assert lookup == PromptLookup(max_draft=4, max_ngram=2)
     with pytest.raises(ValueError, match="max_draft must be an int >= 0, got 2.5"):
         FixedLength(2.5)  # pyright: ignore[reportArgumentType]
 

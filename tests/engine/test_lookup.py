@@ -1,4 +1,4 @@
-"""Prompt lookup drafting: golden tests of the matcher and of the adaptive length, greedy equivalence and the exact
+"""Prompt lookup drafting: golden tests of the matcher and of the cost-aware length, greedy equivalence and the exact
 law at temperature 1 (with negative controls) for lookup alone and lookup mixed with a draft model, per-prompt
 state in batches whose rows finish early, and clear errors."""
 
@@ -15,10 +15,12 @@ from kits.tiny import exact_law_of_first_tokens, perturbed, tiny_model
 
 from blockspec import PromptLookup, SamplingParams, SpeculativeDecoder
 from blockspec.bench.executor import ExpectedScores
+from blockspec.defaults import LOOKUP_MAX_DRAFT
 from blockspec.drafting import LookupState
 from blockspec.drafting import proposer as proposer_module
+from blockspec.drafting.lookup import Odds, ngram_class
 from blockspec.models.hf import HFModel
-from blockspec.policy import AdaptiveLength, FixedLength, SVPolicy
+from blockspec.policy import AdaptiveLength, FixedLength, LatencyTable, SVPolicy
 from blockspec.verify import RULES, SAMPLED_RULES
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # thousands of tiny rows: faster on one thread
@@ -43,49 +45,50 @@ def pair():
 # --- the matcher -----------------------------------------------------------------------------------------------
 
 
-def reference_match(context: list[int], max_ngram: int, min_ngram: int, length: int) -> list[int]:
+def reference_match(context: list[int], max_ngram: int, min_ngram: int, length: int) -> tuple[int, list[int]]:
     """The rule, written plainly: longest n first, then the occurrence ending latest before the last token."""
     for n in range(max_ngram, min_ngram - 1, -1):
         for start in range(len(context) - n - 1, -1, -1):  # the occurrence ends at start + n - 1 <= len - 2
             if n <= len(context) - 1 and context[start : start + n] == context[len(context) - n :]:
-                return context[start + n : start + n + length]
-    return []
+                tokens = context[start + n : start + n + length]
+                return (n, tokens) if tokens else (0, [])
+    return 0, []
 
 
 def test_the_most_recent_occurrence_wins():
-    assert PromptLookup(max_ngram=1).match([1, 7, 1, 8, 1], 5) == [8, 1]
-    assert PromptLookup().match([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 10) == [7, 5, 1, 2, 3]
+    assert PromptLookup(max_ngram=1).match([1, 7, 1, 8, 1], 5) == (1, [8, 1])
+    assert PromptLookup().match([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 10) == (3, [7, 5, 1, 2, 3])
 
 
 def test_the_longest_ngram_wins_over_a_more_recent_shorter_one():
     context = [2, 3, 4, 9, 3, 5, 2, 3]  # [2, 3] occurs at 0; [3] alone more recently at 4
-    assert PromptLookup(max_ngram=2).match(context, 3) == [4, 9, 3]
-    assert PromptLookup(max_ngram=1).match(context, 3) == [5, 2, 3]
+    assert PromptLookup(max_ngram=2).match(context, 3) == (2, [4, 9, 3])
+    assert PromptLookup(max_ngram=1).match(context, 3) == (1, [5, 2, 3])
 
 
 def test_no_match_gives_an_empty_proposal():
-    assert PromptLookup().match([1, 2, 3], 4) == []
-    assert PromptLookup(min_ngram=2).match([5, 1, 6, 1], 4) == []  # only the 1-gram [1] occurs before
-    assert PromptLookup().match([7], 4) == []
+    assert PromptLookup().match([1, 2, 3], 4) == (0, [])
+    assert PromptLookup(min_ngram=2).match([5, 1, 6, 1], 4) == (0, [])  # only the 1-gram [1] occurs before
+    assert PromptLookup().match([7], 4) == (0, [])
 
 
 def test_the_proposal_is_cut_at_the_context_end_and_at_the_allowed_length():
     lookup = PromptLookup()
-    assert lookup.match([1, 2, 1], 5) == [2, 1]  # what follows the occurrence runs to the context's end
-    assert lookup.match([1, 2, 3, 4, 1], 2) == [2, 3]
-    assert lookup.match([1, 2, 3, 4, 1], 0) == []
+    assert lookup.match([1, 2, 1], 5) == (1, [2, 1])  # what follows the occurrence runs to the context's end
+    assert lookup.match([1, 2, 3, 4, 1], 2) == (1, [2, 3])
+    assert lookup.match([1, 2, 3, 4, 1], 0) == (0, [])
 
 
 def test_the_suffix_does_not_match_itself():
-    assert PromptLookup().match([4, 5], 3) == []
-    assert PromptLookup().match([4, 4], 3) == [4]  # the first 4 is an earlier occurrence of the last one
-    assert PromptLookup().match([6, 6, 6], 3) == [6]  # [6, 6] at 0 ends before the last token: one token follows
+    assert PromptLookup().match([4, 5], 3) == (0, [])
+    assert PromptLookup().match([4, 4], 3) == (1, [4])  # the first 4 is an earlier occurrence of the last one
+    assert PromptLookup().match([6, 6, 6], 3) == (2, [6])  # [6, 6] at 0 ends before the last token: one follows
 
 
 def test_a_byte_match_straddling_two_tokens_is_not_an_occurrence():
     # little-endian bytes: 0x01000000 = 00 00 00 01 and 2 = 02 00 00 00 contain 0x201's bytes 01 02 00 00
-    assert PromptLookup().match([0x01000000, 2, 9, 0x201], 3) == []
-    assert PromptLookup().match([0x201, 5, 0x01000000, 2, 9, 0x201], 3) == [5, 0x01000000, 2]
+    assert PromptLookup().match([0x01000000, 2, 9, 0x201], 3) == (0, [])
+    assert PromptLookup().match([0x201, 5, 0x01000000, 2, 9, 0x201], 3) == (1, [5, 0x01000000, 2])
 
 
 def test_the_matcher_agrees_with_a_plain_reference_on_random_contexts():
@@ -93,36 +96,82 @@ def test_the_matcher_agrees_with_a_plain_reference_on_random_contexts():
     for trial in range(400):
         vocab = rng.choice([2, 3, 5, 40])
         context = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
-        max_ngram = rng.randint(1, 4)
+        max_ngram = rng.randint(1, 13)
         min_ngram, length = rng.randint(1, max_ngram), rng.randint(0, 6)
         lookup = PromptLookup(max_ngram=max_ngram, min_ngram=min_ngram, max_draft=10)
         assert lookup.match(context, length) == reference_match(context, max_ngram, min_ngram, length), trial
     long = [rng.randrange(150_000) for _ in range(4000)]  # a 4k context with one planted repeat
     long[1000:1003] = long[-3:]
-    assert PromptLookup().match(long, 10) == long[1003:1013]
+    assert PromptLookup().match(long, 10) == (3, long[1003:1013])
 
 
-# --- the adaptive length ---------------------------------------------------------------------------------------
+# --- the cost-aware length -------------------------------------------------------------------------------------
 
 
-def test_the_allowed_length_grows_after_full_acceptance_and_shrinks_to_the_first_rejection():
-    lookup = PromptLookup(max_draft=7, initial_len=4, grow=2)
-    assert lookup.next_length(4, 4, 4) == 6
-    assert lookup.next_length(6, 6, 6) == 7  # capped at max_draft
-    assert lookup.next_length(6, 2, 2) == 7  # a proposal cut short (context end, limit) and fully accepted grows too
-    assert lookup.next_length(6, 5, 2) == 3
-    assert lookup.next_length(6, 5, 0) == 1
+def table(*ms: float, batch: int = 1) -> LatencyTable:
+    """A latency table at one batch size: ``ms[w - 1]`` milliseconds for a forward over w tokens."""
+    return LatencyTable((batch,), tuple(range(1, len(ms) + 1)), (tuple(m / 1e3 for m in ms),))
 
 
-def test_the_state_is_per_prompt_and_only_proposals_move_it():
-    state = LookupState(PromptLookup(initial_len=3, max_draft=6), prompts=3)
-    contexts = [[1, 2, 3, 4, 5, 1], [9, 8], [7, 6, 5, 4, 7]]
-    assert state.propose([0, 1, 2], contexts, [10, 10, 1]) == [[2, 3, 4], [], [6]]  # min(allowed, limit)
-    state.observe([0, 1, 2], [3, 0, 1], [3, 0, 0])  # prompt 1 proposed nothing: it keeps its length
-    assert state.allowed == [5, 3, 1]
-    state.observe([2, 0], [1, 5], [1, 1])  # prompt 1 left the batch: rows 0, 1 are now prompts 2, 0
-    assert state.allowed == [2, 3, 3]
-    assert state.propose([2, 0], [contexts[2], contexts[0]], [10, 10]) == [[6, 5, 4], [2, 3]]
+def best_rate_length(first: float, then: float, available: int, cost) -> int:
+    """The documented choice, written plainly: argmax over k of E(k) / cost(k + 1), the shortest on a tie."""
+    rates = [(1 + sum(first * then**j for j in range(k))) / cost(k + 1) for k in range(available + 1)]
+    return max(range(available + 1), key=lambda k: (rates[k], -k))
+
+
+def test_the_length_is_the_most_tokens_per_second():
+    steep = table(26, 50, 66, 77, 94, 109, 126, 130, 138)  # one of this machine kind's llama.cpp probes, ms
+    assert PromptLookup(costs=steep).length(0.99, 0.99, 8, rows=1) == 8  # a sure copy pays in full
+    assert PromptLookup(costs=steep).length(0.5, 0.9, 8, rows=1) == 0  # an unsure first token does not pay
+    assert PromptLookup().length(0.01, 0.01, 5, rows=1) == 5  # no costs: every width costs one step
+    dip = table(10, 30, 40, 30, 50)  # 3 drafted tokens cost less than 2 or 1 (a forward over 4 tokens is cheap)
+    assert PromptLookup(costs=dip).length(0.9, 0.9, 4, rows=1) == 3
+    rng = random.Random(0)
+    for _ in range(300):
+        ms = sorted(rng.uniform(5, 100) for _ in range(9))
+        first, then, available = rng.random(), rng.random(), rng.randint(0, 8)
+        lookup = PromptLookup(costs=table(*ms))
+        expected = best_rate_length(first, then, available, lambda w, ms=ms: ms[w - 1])
+        assert lookup.length(first, then, available, rows=1) == expected, (ms, first, then, available)
+
+
+def test_the_costs_are_read_at_the_steps_batch_size():
+    costs = LatencyTable((1, 8), (1, 2), ((0.010, 0.011), (0.010, 0.030)))  # at 8 rows, a wider forward is dear
+    assert PromptLookup(costs=costs).length(0.6, 0.6, 1, rows=1) == 1
+    assert PromptLookup(costs=costs).length(0.6, 0.6, 1, rows=8) == 0
+
+
+def test_the_odds_start_at_the_prior_and_count_first_and_later_tokens():
+    odds = Odds(3, weight=2.0)
+    assert odds.rates() == (0.75, 0.75)  # n / (n + 1)
+    odds.observe(proposed=5, accepted=3)  # first accepted; 2 later ones accepted, the 4th rejected
+    assert odds.rates() == pytest.approx((2.5 / 3, 3.5 / 5))
+    odds.observe(proposed=4, accepted=4)  # all accepted: 3 later ones, none rejected
+    assert odds.rates() == pytest.approx((3.5 / 4, 6.5 / 8))
+    odds.observe(proposed=2, accepted=0)  # the first rejected: nothing is known of the later ones
+    assert odds.rates() == pytest.approx((3.5 / 5, 6.5 / 8))
+    assert [ngram_class(n) for n in (1, 2, 3, 4, 5, 8, 9, 40)] == [1, 2, 3, 4, 5, 5, 9, 9]
+
+
+def test_the_odds_are_per_prompt_and_match_length_and_only_proposals_move_them():
+    # flat costs up to 2 drafted tokens, then dear: a prompt proposes 2 tokens while its odds pay for them
+    state = LookupState(PromptLookup(costs=table(10, 10, 10, 1000)), prompts=3)
+    contexts = [[1, 2, 3, 4, 5, 1, 2], [9, 8], [7, 6, 5, 4, 7]]
+    assert state.propose([0, 1, 2], contexts, [10, 10, 1]) == [[3, 4], [], [6]]  # at most limit[b] tokens
+    state.observe([0, 1, 2], [2, 0, 1], [0, 0, 1])
+    assert state.odds[0][2].rates() == pytest.approx((4 / 3 / 3, 2 / 3))  # prompt 0 matched 2 tokens: class 2
+    assert state.odds[1] == {} and state.odds[2][1].rates() == pytest.approx((2 / 3, 0.5))
+    state.observe([2, 0], [1, 2], [1, 2])  # prompt 1 left the batch: rows 0, 1 are now prompts 2, 0
+    assert state.odds[2][1].rates() == pytest.approx((3 / 4, 0.5)) and state.odds[0][2].rates() == pytest.approx(
+        (7 / 3 / 4, 7 / 3 / 3)
+    )
+    # steep costs and a bad record: prompt 0 stops proposing for matches of 2 tokens, but not of 3
+    state = LookupState(PromptLookup(costs=table(10, 14, 17, 40)), prompts=1)
+    assert state.propose([0], [[1, 2, 3, 9, 2, 3]], [5]) == [[9, 2]]
+    for _ in range(3):
+        state.observe([0], [2], [0])
+    assert state.propose([0], [[1, 2, 3, 9, 2, 3]], [5]) == [[]]
+    assert state.propose([0], [[1, 2, 3, 9, 1, 2, 3]], [5]) == [[9, 1]]
 
 
 @pytest.mark.parametrize(
@@ -131,10 +180,11 @@ def test_the_state_is_per_prompt_and_only_proposals_move_it():
         (dict(max_ngram=0), "max_ngram must be an int >= 1"),
         (dict(min_ngram=0), "min_ngram must be an int >= 1"),
         (dict(max_draft=2.0), "max_draft must be an int >= 1"),
-        (dict(initial_len=True), "initial_len must be an int >= 1"),
-        (dict(grow=0), "grow must be an int >= 1"),
+        (dict(max_ngram=True), "max_ngram must be an int >= 1"),
         (dict(min_ngram=3, max_ngram=2), "min_ngram \\(3\\) must not exceed max_ngram \\(2\\)"),
-        (dict(initial_len=5, max_draft=4), "initial_len \\(5\\) must not exceed max_draft \\(4\\)"),
+        (dict(prior_weight=0), "prior_weight must be a number > 0"),
+        (dict(prior_weight=float("nan")), "prior_weight must be a number > 0"),
+        (dict(costs={1: 0.01}), "costs must be a LatencyTable or None, got dict"),
     ],
 )
 def test_bad_settings_get_clear_errors(settings, message):
@@ -195,24 +245,27 @@ def model_rows_kept(with_proposals, vocab: int):
 
 
 @pytest.mark.parametrize("rule", SAMPLED_RULES)
-@pytest.mark.parametrize("mode", ["lookup", "lookup+model", "lookup+adaptive"])
+@pytest.mark.parametrize("mode", ["lookup", "lookup+costs", "lookup+model", "lookup+adaptive"])
 def test_law_of_the_first_tokens_is_the_targets(mode, rule, monkeypatch):
     """Chi-square of the joint law of the first 3 tokens (6**3 outcomes) against the exact target law, for two
     prompts in one batch: one whose last 2-gram occurred before (lookup proposes [1, 1] at the first step, each
     token with target probability about 1/2), one with no match at the first step (a model draft, or a plain
     target step without a draft model); later steps look up in some rows and not in others. The same test on
     engines that verify lookup rows against a smoothed law, or against the model's rows of a mixed step, fails.
-    "lookup+adaptive": the model rows' lengths come from AdaptiveLength, which learns from earlier steps."""
+    "lookup+adaptive": the model rows' lengths come from AdaptiveLength, which learns from earlier steps;
+    "lookup+costs": the lookup rows' lengths come from step costs and what their earlier proposals met (one token
+    at the prior odds, none after a rejection: ``replay`` checks every step)."""
     vocab, length, samples = 6, 3, 3000
     target = tiny_model(vocab=vocab, sharpness=5.0)
-    draft = perturbed(target, scale=0.6, seed=1) if mode != "lookup" else None
+    draft = perturbed(target, scale=0.6, seed=1) if mode in ("lookup+model", "lookup+adaptive") else None
     prompts = [[1, 3, 1, 1, 3], [1, 2, 3]]
     laws = [exact_law_of_first_tokens(target, p, length) for p in prompts]
     policy = None
     if mode == "lookup+adaptive":  # latency under which the prior's K is 1 and what the steps teach moves it
         policy = AdaptiveLength(profile([100, 150, 200, 250, 300], draft_ms=10), max_draft=4, memory=0.5)
     first_k = policy.best_length(2 * samples) if policy else 2
-    decoder = SpeculativeDecoder(target, draft, rule=rule, max_draft=2, policy=policy, lookup=PromptLookup())
+    lookup = PromptLookup(costs=table(10, 14.5, 21) if mode == "lookup+costs" else None)
+    decoder = SpeculativeDecoder(target, draft, rule=rule, max_draft=2, policy=policy, lookup=lookup)
 
     def tests():
         result = decoder.generate(
@@ -233,6 +286,9 @@ def test_law_of_the_first_tokens_is_the_targets(mode, rule, monkeypatch):
         assert 0 < first_k < 4 and policy.best_length(2 * samples) != first_k  # it learnt from the model rows
     used = lookup_steps(result)
     assert len(used) > samples and any(a == k for k, a in used) and any(a < k for k, a in used)
+    if mode == "lookup+costs":
+        assert set(first.verified[:samples]) == {1}
+        replay(result, [p for p in prompts for _ in range(samples)], lookup, length, None)
 
     controls = [smoothed] + ([model_rows_kept] if draft is not None else [])
     for control in controls:
@@ -244,42 +300,64 @@ def test_law_of_the_first_tokens_is_the_targets(mode, rule, monkeypatch):
 
 def replay(result, prompts, settings: PromptLookup, max_new_tokens: int, model_len: int | None):
     """Replays, prompt by prompt, what the engine should have proposed at every step from the documented rules
-    (each prompt's own allowed length) and checks each row step's lookup flag and verified length against it."""
-    allowed = [settings.initial_len] * len(prompts)
+    (each prompt's own counts per match-length class, the length of most tokens per second) and checks each row
+    step's lookup flag and verified length against it."""
+    counts = [{} for _ in prompts]  # prompt -> class -> [first accepted, first tried, later accepted, later tried]
     generated = [0] * len(prompts)
     for step in result.stats:
         for b, i in enumerate(step.rows):
             context = prompts[i] + result.sequences[i][: generated[i]]
             limit = max_new_tokens - generated[i] - 1
-            proposal = settings.match(context, min(allowed[i], limit))
+            n, match = settings.match(context, min(settings.max_draft, limit))
+            proposal = []
+            if match:
+                cls = max(c for c in (1, 2, 3, 4, 5, 9) if c <= n)
+                prior = cls / (cls + 1) * settings.prior_weight
+                first_hits, first_tries, then_hits, then_tries = counts[i].setdefault(
+                    cls, [prior, settings.prior_weight, prior, settings.prior_weight]
+                )
+                rows = len(step.rows)
+                cost = (lambda w: 1.0) if settings.costs is None else (lambda w, rows=rows: settings.costs(rows, w))
+                k = best_rate_length(first_hits / first_tries, then_hits / then_tries, len(match), cost)
+                proposal = match[:k]
             assert step.lookup[b] == bool(proposal), (i, context)
             if proposal:
                 assert step.verified[b] == len(proposal)
-                allowed[i] = settings.next_length(allowed[i], len(proposal), step.accepted[b])
+                tau, record = step.accepted[b], counts[i][cls]
+                record[0] += tau > 0
+                record[1] += 1
+                if tau > 0:
+                    record[2] += tau - 1
+                    record[3] += tau - 1 + (tau < len(proposal))
             else:
                 assert step.verified[b] == (min(model_len, limit) if model_len else 0)
             generated[i] += step.emitted[b]
     assert generated == [len(s) for s in result.sequences]
 
 
+@pytest.mark.parametrize("sampling", [SamplingParams(), GREEDY], ids=["T=1", "T=0"])
 @pytest.mark.parametrize("mode", ["lookup", "lookup+model"])
-def test_each_prompt_keeps_its_own_adaptive_length_while_rows_finish(pair, mode):
+def test_each_prompt_keeps_its_own_odds_while_rows_finish(pair, mode, sampling):
     """Rows of different lengths, with and without matches, some ending at an EOS mid-way (so batch rows and
-    prompts stop lining up), others at max_new_tokens; sampled, so proposals are accepted and rejected at random."""
+    prompts stop lining up), others at max_new_tokens; step costs under which the lengths follow the match lengths
+    and what each prompt's proposals met (sampled, the tiny target rejects them; greedy, it accepts some)."""
     target, draft = pair
     plain = [reference_greedy(target, p, 40, eos=None) for p in PROMPTS]
     eos = plain[1][9]
-    settings = PromptLookup(initial_len=2, max_draft=6)
+    costs = LatencyTable((1, 10), tuple(range(1, 8)), ((10, 13, 15, 17, 19, 21, 23), (10, 14, 17, 20, 23, 26, 29)))
+    settings = PromptLookup(max_draft=6, costs=costs)
     decoder = SpeculativeDecoder(
         target, draft if mode == "lookup+model" else None, rule="block", max_draft=3, lookup=settings
     )
     decoder.target.eos_token_ids = (eos,)
-    result = decoder.generate(PROMPTS * 2, max_new_tokens=40, seed=0)
+    result = decoder.generate(PROMPTS * 2, max_new_tokens=40, sampling=sampling, seed=0)
     assert "eos" in result.finish_reasons and "length" in result.finish_reasons
     assert len(result.stats[-1].rows) < len(PROMPTS) * 2
-    assert len({k for k, _ in lookup_steps(result)}) >= 2  # the allowed lengths moved
+    assert len({k for k, _ in lookup_steps(result)}) >= 3  # the lengths moved
+    if sampling.greedy:
+        assert any(a > 0 for _, a in lookup_steps(result))
     replay(result, PROMPTS * 2, settings, 40, 3 if mode == "lookup+model" else None)
-    again = decoder.generate(PROMPTS * 2, max_new_tokens=40, seed=0)  # fresh lengths per call: the same steps
+    again = decoder.generate(PROMPTS * 2, max_new_tokens=40, sampling=sampling, seed=0)  # fresh odds per call
     assert [s.verified for s in again.stats] == [s.verified for s in result.stats]
 
 
@@ -287,7 +365,7 @@ def test_the_draft_catches_up_on_tokens_committed_by_lookup_steps(pair):
     """The target's own weights as the draft: every model draft must be accepted in full, which holds only if the
     draft's cache read the tokens that lookup steps committed while it skipped them."""
     target, _ = pair
-    decoder = SpeculativeDecoder(target, HFModel(target), rule="block", max_draft=3, lookup=PromptLookup(initial_len=1))
+    decoder = SpeculativeDecoder(target, HFModel(target), rule="block", max_draft=3, lookup=PromptLookup(max_draft=1))
     result = decoder.generate(PROMPTS, max_new_tokens=30, sampling=GREEDY, stop_on_eos=False)
     assert result.sequences == [reference_greedy(target, p, 30, eos=None) for p in PROMPTS]
     looked_up, caught_up = set(), False
@@ -362,7 +440,7 @@ def test_bad_decoder_arguments_get_clear_errors(pair):
         SpeculativeDecoder(target, draft, policy="sv", lookup=PromptLookup())
     with pytest.raises(TypeError, match="lacks some of the hooks of blockspec.policy.LengthPolicy"):
         SpeculativeDecoder(target, draft, policy=object())
-    assert SpeculativeDecoder(target, draft, policy=FixedLength(3), lookup=PromptLookup()).max_draft == 10
+    assert SpeculativeDecoder(target, draft, policy=FixedLength(3), lookup=PromptLookup()).max_draft == LOOKUP_MAX_DRAFT
     with pytest.raises(ValueError, match="a length policy needs a draft model"):
         SpeculativeDecoder(target, None, policy=FixedLength(3), lookup=PromptLookup())
     with pytest.raises(TypeError, match="lookup must be a PromptLookup"):
@@ -370,4 +448,4 @@ def test_bad_decoder_arguments_get_clear_errors(pair):
     with pytest.raises(ValueError, match="max_draft must be an int >= 1"):
         SpeculativeDecoder(target, draft, lookup=PromptLookup(max_draft=0))
     with pytest.raises(ValueError, match="is not below the target's context"):
-        SpeculativeDecoder(target, None, lookup=PromptLookup(max_draft=256, initial_len=1))
+        SpeculativeDecoder(target, None, lookup=PromptLookup(max_draft=256))

@@ -244,6 +244,23 @@ def test_a_read_only_cache_serves_the_probes_measured_and_says_they_cannot_be_ke
     assert not list(read_only_cache.rglob("*.json"))
 
 
+def test_the_lookup_probe_measures_every_width_once_and_measures_a_broken_file_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path))
+    target = HFModel(tiny_model(), name="tiny-target")
+    timed = []
+    real = auto.time_forwards
+    monkeypatch.setattr(
+        auto, "time_forwards", lambda models, *a, **kw: timed.append(models["target"][1]) or real(models, *a, **kw)
+    )
+    table = auto.lookup_latency(target, 3, max_draft=5)
+    assert timed == [(1, 2, 3, 4, 5, 6)] and table.batch_sizes == (1, 3) and table.tokens == (1, 2, 3, 4, 5, 6)
+    assert auto.lookup_latency(target, 3, max_draft=5) == table and len(timed) == 1  # read from the cache
+    auto.lookup_latency(target, 3, max_draft=7)  # another width, another file
+    (cached,) = [p for p in (tmp_path / "sv").glob("lookup-b3-*-w6-*")]
+    cached.write_text('{"tokens": [1]}')
+    assert auto.lookup_latency(target, 3, max_draft=5).tokens == (1, 2, 3, 4, 5, 6) and len(timed) == 3
+
+
 def test_generate_with_its_defaults_runs_from_a_read_only_cache(read_only_cache, tmp_path, monkeypatch, probe_load):
     """Every model is there: the probes that cannot be cached are measured for this run, not an error."""
     monkeypatch.setattr(auto, "_measure", lambda: {"bfloat16": {"1": 2.0}, "float32": {"1": 1.0}})

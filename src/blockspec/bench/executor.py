@@ -125,7 +125,7 @@ class Executor:
         )
 
     def _decoder(self, item: Run):
-        from ..auto import adaptive_policy, latency_probe
+        from ..auto import adaptive_policy, latency_probe, lookup_latency
         from ..drafting import PromptLookup
         from ..engine import SpeculativeDecoder
 
@@ -143,7 +143,7 @@ class Executor:
         if item.config in rec.ADAPTIVE_CONFIGS:  # as `blockspec generate` decides, with a fresh policy per run
             probe = None if draft is None else latency_probe(self.target, draft, item.batch_size)
             policy = None if probe is None else adaptive_policy(probe, item.batch_size, item.max_draft)
-            lookup = PromptLookup() if item.config != "auto" else None
+            lookup = None if item.config == "auto" else PromptLookup(costs=lookup_latency(self.target, item.batch_size))
             draft = draft if policy is not None else None  # lookup alone where the model's drafts cannot pay
             return SpeculativeDecoder(self.target, draft, policy=policy, lookup=lookup)  # neither: the target alone
         assert self.sv is not None, f"{item.config} is not a configuration of this bench"

@@ -272,7 +272,12 @@ def generate(config: GenerateConfig) -> int:
         policy = _adaptive_policy(config, target, draft)
         if policy is None:
             draft = None
-    lookup = PromptLookup() if config.drafter != "model" else None
+    lookup = None
+    if config.drafter != "model":
+        from ..auto import lookup_latency
+
+        _status("step latency of the target for prompt lookup (measured on the first run, then cached)")
+        lookup = PromptLookup(costs=lookup_latency(target, len(config.prompts)))
     decoder = _decoder(config, target, draft, policy=policy, companion=companion, lookup=lookup)
     if decoder.tokenizer is None:
         raise ValueError(f"{config.target} has no tokenizer: the CLI needs one to read and print text")

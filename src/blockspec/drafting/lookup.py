@@ -5,101 +5,182 @@ that followed the same n tokens last time, and the target verifies them like any
 
 Glossary:
     context     a row's prompt and the tokens generated so far (committed tokens only)
-    suffix      the context's last n tokens, n from ``max_ngram`` down to ``min_ngram``
+    suffix      the context's last n tokens, n from ``min_ngram`` up to ``max_ngram``
     occurrence  an earlier place where the suffix's n tokens appear, ending before the context's last token
                 (so at least one token follows it, and the suffix does not match itself)
-    proposal    the at most ``length`` tokens after the most recent occurrence of the longest n that occurs
-                (fewer at the context's end; empty if no n occurs)
-    allowed     a prompt's current proposal length, adapted from what the target accepted of its last proposal
-    limit       the most tokens a row may draft this step (room before max_new_tokens and in the models'
-                contexts), as for a model draft
+    match       the longest n whose suffix occurs, and the tokens after its most recent occurrence (at most the
+                step's ``limit``; fewer at the context's end; none if no n occurs)
+    limit       the most tokens a row may draft this step: ``max_draft``, the room before max_new_tokens and in the
+                models' contexts, as for a model draft
+    proposal    the first k tokens of the match, k chosen by the match's odds and the target's step costs (below)
 
-Why it stays lossless: docs/algorithms.md ("Prompt lookup proposes").
+How many tokens to propose. A long match is a copy under way and a one-token match is mostly chance, so each prompt
+keeps, per match length (1, 2, 3, 4, 5-8, 9 and more: ``ngram_class``), how often its proposals were accepted:
+``first``, the chance the first token is accepted, and ``then``, the chance each later one is, given the one
+before it was. Both start at the prior n / (n + 1) with ``prior_weight`` proposals' worth of weight, then count
+what the target accepted. A proposal of k tokens is then expected to commit E(k) = 1 + first (1 + then + .. +
+then^(k-1)) tokens, and its step costs the target's forward over k + 1 tokens (``costs``): the proposal is the k
+in 0..len(match) with the most tokens per second, E(k) / cost(k + 1), where k = 0 (no proposal) commits 1 token in
+cost(1). Where no length pays, the row decodes alone (or drafts with the model); its counts for that length class
+stay as they were, so its odds change only where it proposes.
+
+Why it stays lossless: a proposal and its length depend on the committed context and on earlier steps' outcomes
+only, never on this step's target distributions (docs/algorithms.md, "Prompt lookup proposes").
 """
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..defaults import LOOKUP_MAX_DRAFT
+from ..policy.base import LatencyTable
 from ..sampling import is_int
 
 _TOKEN = struct.calcsize("<I")  # bytes per token id in the searched encoding (ids are < 2**32)
+NGRAM_CLASSES = (1, 2, 3, 4, 5, 9)  # a match of n tokens counts in the last class <= n (5: 5-8, 9: 9 and more)
+
+
+def ngram_class(n: int) -> int:
+    """The class whose acceptance counts a match of ``n`` tokens: n up to 4, then 5 (5-8) and 9 (9 and more)."""
+    return max(c for c in NGRAM_CLASSES if c <= n)
 
 
 @dataclass(frozen=True)
 class PromptLookup:
-    """Prompt lookup settings; ``SpeculativeDecoder(..., lookup=PromptLookup())`` drafts with it.
+    """Prompt lookup settings; ``SpeculativeDecoder(..., lookup=PromptLookup(costs=...))`` drafts with it.
 
-    Adaptive length, per prompt: the first proposal holds at most ``initial_len`` tokens; after a proposal of
-    k tokens of which the target accepted tau, the next may hold ``allowed + grow`` tokens (at most ``max_draft``)
-    if tau == k, else tau + 1 (at least 1): the first rejected position is worth one more try, not more.
+    ``costs``: the target's forward seconds over (rows, tokens per row) on this machine
+    (``blockspec.auto.lookup_latency`` measures them; ``LatencyTable``); the proposal length is chosen from them
+    (module docstring). None prices every width as one step, as on an accelerator that is not yet busy: every match
+    is proposed whole, which on a CPU, where a wider forward costs more, can be slower than the target alone.
     """
 
-    max_ngram: int = 3  # the longest suffix looked up
+    max_ngram: int = 12  # the longest suffix looked up
     min_ngram: int = 1  # the shortest: below it, no proposal
-    max_draft: int = 10  # the most tokens one proposal holds
-    initial_len: int = 4  # a prompt's allowed proposal length before any of its proposals was verified
-    grow: int = 2  # added to the allowed length after a fully accepted proposal
+    max_draft: int = LOOKUP_MAX_DRAFT  # the most tokens one proposal holds
+    costs: LatencyTable | None = None
+    prior_weight: float = 2.0  # the proposals' worth of weight each length class's prior odds start with
 
     def __post_init__(self):
-        for name in ("max_ngram", "min_ngram", "max_draft", "initial_len", "grow"):
+        for name in ("max_ngram", "min_ngram", "max_draft"):
             value = getattr(self, name)
             if not (is_int(value) and value >= 1):
                 raise ValueError(f"PromptLookup.{name} must be an int >= 1, got {value!r}")
             object.__setattr__(self, name, int(value))  # a NumPy integer is stored as Python's
         if self.min_ngram > self.max_ngram:
             raise ValueError(f"PromptLookup.min_ngram ({self.min_ngram}) must not exceed max_ngram ({self.max_ngram})")
-        if self.initial_len > self.max_draft:
-            raise ValueError(
-                f"PromptLookup.initial_len ({self.initial_len}) must not exceed max_draft ({self.max_draft})"
-            )
+        weight = self.prior_weight
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not (0 < weight < math.inf):
+            raise ValueError(f"PromptLookup.prior_weight must be a number > 0, got {weight!r}")
+        if self.costs is not None and not isinstance(self.costs, LatencyTable):
+            raise ValueError(f"PromptLookup.costs must be a LatencyTable or None, got {type(self.costs).__name__}")
 
-    def match(self, context: Sequence[int], length: int) -> list[int]:
-        """The proposal for ``context`` (see the module's glossary): at most ``length`` tokens, [] if none.
+    def match(self, context: Sequence[int], length: int) -> tuple[int, list[int]]:
+        """The match for ``context`` (see the module's glossary): (n, at most ``length`` tokens), (0, []) if none.
 
-        Each n is one search in C over the context's bytes (4 per token), from the end: about 50 us for a
-        context of 4000 tokens, most of it encoding the context; a Python loop over the tokens is slower.
+        Whether the suffix of n tokens occurs is monotone in n (the suffix of n - 1 tokens occurs where the longer
+        one ends), so the longest n is found by bisection. Each try is one search in C over the context's bytes
+        (4 per token), from the end: about 50 us for a context of 4000 tokens, most of it encoding the context.
         """
         if length <= 0 or len(context) < 2:
-            return []
+            return 0, []
         data = struct.pack(f"<{len(context)}I", *context)
-        # The occurrence must end before the last token: at most len - 1 tokens before it, and n <= len - 1.
-        end = len(data) - _TOKEN
-        for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
-            suffix = data[len(data) - n * _TOKEN :]
-            start = data.rfind(suffix, 0, end)
-            while start >= 0 and start % _TOKEN:  # a byte match straddling token boundaries: look further left
-                start = data.rfind(suffix, 0, start + len(suffix) - 1)
+        low, high = self.min_ngram, min(self.max_ngram, len(context) - 1)  # n <= len - 1: one token must follow
+        found = self._occurrence(data, low) if low <= high else -1
+        if found < 0:
+            return 0, []
+        while low < high:  # the suffix of ``low`` tokens occurs, at ``found``; none longer than ``high`` does
+            middle = (low + high + 1) // 2
+            start = self._occurrence(data, middle)
             if start >= 0:
-                follow = start // _TOKEN + n  # the first token after the occurrence
-                return list(context[follow : follow + length])
-        return []
+                low, found = middle, start
+            else:
+                high = middle - 1
+        follow = found + low  # the first token after the occurrence
+        return low, list(context[follow : follow + length])
 
-    def next_length(self, allowed: int, proposed: int, accepted: int) -> int:
-        """A prompt's allowed length after a proposal of ``proposed`` tokens of which ``accepted`` were accepted."""
-        if accepted == proposed:
-            return min(allowed + self.grow, self.max_draft)
-        return accepted + 1  # the first rejected position, and at least 1
+    @staticmethod
+    def _occurrence(data: bytes, n: int) -> int:
+        """The token index where the most recent occurrence of the last ``n`` tokens of ``data`` starts, or -1."""
+        suffix = data[len(data) - n * _TOKEN :]
+        end = len(data) - _TOKEN  # the occurrence must end before the last token
+        start = data.rfind(suffix, 0, end)
+        while start >= 0 and start % _TOKEN:  # a byte match straddling token boundaries: look further left
+            start = data.rfind(suffix, 0, start + len(suffix) - 1)
+        return start // _TOKEN if start >= 0 else -1
+
+    def length(self, first: float, then: float, available: int, rows: int) -> int:
+        """The proposal length k in 0..``available`` with the most tokens per second at ``rows`` rows: E(k) /
+        cost(k + 1), E(k) = 1 + first (1 + then + .. + then^(k-1)) (module docstring); the shortest on a tie."""
+        costs = self.costs
+        cost = (lambda width: 1.0) if costs is None else (lambda width: costs(rows, width))
+        best, best_rate = 0, 1.0 / cost(1)
+        expected, accept_next = 1.0, first
+        for k in range(1, available + 1):
+            expected += accept_next
+            accept_next *= then
+            rate = expected / cost(k + 1)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
+
+class Odds:
+    """One prompt's acceptance counts for one match-length class: (accepted, tried) of first tokens and of later
+    ones, each starting at the prior n / (n + 1) with ``weight`` tries."""
+
+    def __init__(self, n: int, weight: float):
+        prior = n / (n + 1)
+        self.first, self.first_tries = prior * weight, weight
+        self.then, self.then_tries = prior * weight, weight
+
+    def rates(self) -> tuple[float, float]:
+        return self.first / self.first_tries, self.then / self.then_tries
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """A proposal of ``proposed`` tokens of which the target accepted the first ``accepted``."""
+        self.first += accepted > 0
+        self.first_tries += 1
+        if accepted > 0:  # tokens 2..accepted were accepted, and token accepted + 1 rejected if it was proposed
+            self.then += accepted - 1
+            self.then_tries += accepted - 1 + (accepted < proposed)
 
 
 class LookupState:
-    """One ``generate`` call's prompt lookup: each prompt's allowed length, indexed by prompt (rows leave the
-    batch as they finish; the caller passes each batch row's prompt index)."""
+    """One ``generate`` call's prompt lookup: each prompt's ``Odds`` per match-length class, indexed by prompt
+    (rows leave the batch as they finish; the caller passes each batch row's prompt index)."""
 
     def __init__(self, settings: PromptLookup, prompts: int):
         self.settings = settings
-        self.allowed = [settings.initial_len] * prompts
+        self.odds: list[dict[int, Odds]] = [{} for _ in range(prompts)]
+        self.matched: dict[int, int] = {}  # prompt -> the class of its last step's proposal (until observed)
 
     def propose(
         self, prompts: Sequence[int], contexts: Sequence[Sequence[int]], limit: Sequence[int]
     ) -> list[list[int]]:
-        """One proposal per batch row (prompt ``prompts[b]``), at most min(its allowed length, ``limit[b]``)."""
-        return [self.settings.match(c, min(self.allowed[i], n)) for i, c, n in zip(prompts, contexts, limit)]
+        """One proposal per batch row (prompt ``prompts[b]``), at most ``limit[b]`` tokens (module docstring)."""
+        settings, proposals = self.settings, []
+        self.matched = {}
+        for i, context, room in zip(prompts, contexts, limit):
+            n, tokens = settings.match(context, min(settings.max_draft, room))
+            if tokens:
+                odds = self._odds(i, ngram_class(n))
+                tokens = tokens[: settings.length(*odds.rates(), len(tokens), len(contexts))]
+                if tokens:
+                    self.matched[i] = ngram_class(n)
+            proposals.append(tokens)
+        return proposals
 
     def observe(self, prompts: Sequence[int], proposed: Sequence[int], accepted: Sequence[int]) -> None:
-        """Adapt the allowed length of each prompt that verified a proposal (``proposed[b]`` > 0 tokens)."""
+        """Count each verified proposal (``proposed[b]`` > 0 tokens) in its prompt's odds for its match length."""
         for i, k, tau in zip(prompts, proposed, accepted):
             if k > 0:
-                self.allowed[i] = self.settings.next_length(self.allowed[i], k, tau)
+                self._odds(i, self.matched[i]).observe(k, tau)
+
+    def _odds(self, prompt: int, n: int) -> Odds:
+        if n not in self.odds[prompt]:
+            self.odds[prompt][n] = Odds(n, self.settings.prior_weight)
+        return self.odds[prompt][n]

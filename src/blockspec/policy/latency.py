@@ -83,7 +83,7 @@ class LatencyProfile:
                 raise ValueError(f"latency profile was measured for {field} {self.meta[field]}, not {value}: {_RERUN}")
 
     def save(self, path) -> None:
-        tables = {name: _table_dict(getattr(self, name)) for name in ("target", "draft", "companion")}
+        tables = {name: table_dict(getattr(self, name)) for name in ("target", "draft", "companion")}
         text = json.dumps({"schema": SCHEMA, "meta": self.meta, **tables}, indent=1)
         # One line per list of numbers (an axis, a table row) rather than one per number. A JSON string never
         # holds a raw newline, so only lists spread over lines by indent= match.
@@ -98,8 +98,8 @@ class LatencyProfile:
             raise ValueError(f"{path}: latency profile schema {schema}, this blockspec reads schema {SCHEMA}: {_RERUN}")
         _require(data, ("meta", "target", "draft", "companion"), path)
         _require(data["meta"], META_FIELDS, f"{path} meta")
-        tables = {name: _table(data[name], f"{path} {name}") for name in ("target", "draft")}
-        companion = None if data["companion"] is None else _table(data["companion"], f"{path} companion")
+        tables = {name: table_from_dict(data[name], f"{path} {name}") for name in ("target", "draft")}
+        companion = None if data["companion"] is None else table_from_dict(data["companion"], f"{path} companion")
         return cls(**tables, companion=companion, meta=data["meta"])
 
 
@@ -107,7 +107,7 @@ def dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")  # torch.bfloat16 and "bfloat16" alike -> "bfloat16"
 
 
-def _table_dict(table: LatencyTable | None) -> dict | None:
+def table_dict(table: LatencyTable | None) -> dict | None:
     if table is None:
         return None
     return {
@@ -117,7 +117,7 @@ def _table_dict(table: LatencyTable | None) -> dict | None:
     }
 
 
-def _table(data: dict, where) -> LatencyTable:
+def table_from_dict(data: dict, where) -> LatencyTable:
     _require(data, ("batch_sizes", "tokens", "seconds"), where)
     return LatencyTable(tuple(data["batch_sizes"]), tuple(data["tokens"]), tuple(tuple(row) for row in data["seconds"]))
 

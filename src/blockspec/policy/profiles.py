@@ -69,8 +69,9 @@ def profile_path(target: str, draft: str, companion: str | None, sampling: dict)
     return sv_dir() / f"calibration-{_slug(target, draft, companion)}-{readable}-{digest}.json"
 
 
-def latency_path(target: str, draft: str, companion: str | None, dtype: str, device: str) -> Path:
-    """The latency profile ``blockspec sv profile`` saves for these models, dtype and device."""
+def latency_path(target: str, draft: str | None, companion: str | None, dtype: str, device: str) -> Path:
+    """The latency profile ``blockspec sv profile`` saves for these models, dtype and device (the target's alone
+    with no draft: ``auto.lookup_latency``'s name)."""
     digest = _digest(target, draft, companion, {"dtype": dtype, "device": device})
     return sv_dir() / f"latency-{_slug(target, draft, companion)}-{dtype}-{device.replace(':', '')}-{digest}.json"
 
@@ -125,7 +126,7 @@ def model_identity(name: str | None) -> str:
     return fingerprint(name) or name
 
 
-def _digest(target: str, draft: str, companion: str | None, extra: dict) -> str:
+def _digest(target: str, draft: str | None, companion: str | None, extra: dict) -> str:
     identity = [model_identity(target), model_identity(draft), model_identity(companion), extra]
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:_DIGEST]
 

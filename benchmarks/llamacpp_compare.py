@@ -14,6 +14,10 @@ Per prompt, in one interleaved round (batch 1, the same chat-formatted prompt an
   llama.cpp-spec     llama.cpp's own lossless speculative decoding (`llama-speculative-simple`: the draft drafts
                      greedily, the target samples every position and keeps a drafted token only if its own sample
                      equals it), same draft and K, decode time as it reports it
+  llama.cpp-ngram    llama.cpp's own prompt lookup, the same program with no draft model (`--spec-type ngram-simple`:
+                     drafts of up to NGRAM_DRAFT tokens that followed the last earlier occurrence of the context's
+                     last NGRAM tokens, kept as llama.cpp-spec keeps drafts), decode time as it reports it (it may
+                     decode past the max new tokens: its last step keeps all it accepted)
 and once per run `llama-bench`'s tg figure for the target (the reference the adapter's target alone is held to), on an
 empty context and after as many tokens as the median prompt (the depth at which the runs decode).
 Figures are tokens/s of the decode (prefill excluded everywhere: llama.cpp's programs report it so), their ratios to
@@ -51,11 +55,13 @@ ROWS = (
     "llamacpp-auto-q4-cut",
     "llamacpp-lookup",
     "llama.cpp-spec",
+    "llama.cpp-ngram",
     "hf-alone",
     "hf-assisted",
 )
 BASELINE = "llamacpp-alone"
 VOCABULARY_CUT = 32768  # the cut draft's ids (plus its special tokens)
+NGRAM, NGRAM_DRAFT = 12, 48  # llama.cpp-ngram's lookup n-gram and longest draft (llama.cpp's ngram-simple defaults)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,10 +144,11 @@ def run(args) -> None:
             ids = encode_prompt(target.tokenizer, prompt.text, chat=True)
             for row in args.rows:
                 base = {"row": row, "dataset": dataset, "prompt": prompt.id, "temperature": temperature, "K": 0}
-                if row == "llama.cpp-spec":
+                if row in ("llama.cpp-spec", "llama.cpp-ngram"):
                     text = target.tokenizer.decode(ids)
-                    measured = speculative_simple(tools, target.path, draft.path, text, args, temperature)
-                    record({**base, "K": args.max_draft, **measured})
+                    model = draft.path if row == "llama.cpp-spec" else None
+                    measured = speculative_simple(tools, target.path, model, text, args, temperature)
+                    record({**base, "K": args.max_draft if model else NGRAM_DRAFT, **measured})
                     continue
                 if row == "hf-assisted":
                     done = run_assisted(hf_target, hf_draft, ids, sampling, args.max_new_tokens, seed=0)
@@ -177,17 +184,22 @@ def llama_bench(tools: Path, model: Path, threads: int, depth: int) -> dict:
     return {"tok_s": test["avg_ts"], "tok_s_sd": test["stddev_ts"], "tokens": 64, "depth": depth}
 
 
-def speculative_simple(tools: Path, target: Path, draft: Path, text: str, args, temperature: float) -> dict:
+def speculative_simple(tools: Path, target: Path, draft: Path | None, text: str, args, temperature: float) -> dict:
     """One run of llama.cpp's own speculative decoding: the draft drafts K tokens each step (no confidence cut-off),
-    the target verifies them with its sampler at the plain law (no top-k, top-p or min-p); its reported decode speed
-    and acceptance."""
+    or with no draft its n-gram lookup proposes (llama.cpp-ngram's settings); the target verifies them with its
+    sampler at the plain law (no top-k, top-p or min-p); its reported decode speed and acceptance."""
     import torch
 
+    if draft is not None:
+        spec = ["-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", str(args.max_draft)]
+        spec += ["--spec-draft-n-min", "0", "--spec-draft-p-min", "0"]
+    else:
+        spec = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(NGRAM)]
+        spec += ["--spec-ngram-simple-size-m", str(NGRAM_DRAFT)]
     command = [
         str(tools / "llama-speculative-simple"),
-        *("-m", str(target), "-md", str(draft), "-p", text, "-n", str(args.max_new_tokens)),
-        *("--spec-type", "draft-simple", "--spec-draft-n-max", str(args.max_draft)),
-        *("--spec-draft-n-min", "0", "--spec-draft-p-min", "0"),
+        *("-m", str(target), "-p", text, "-n", str(args.max_new_tokens)),
+        *spec,
         *("--temp", str(temperature), "--top-k", "0", "--top-p", "1", "--min-p", "0"),
         *("--seed", "0", "-c", "4096", "-t", str(torch.get_num_threads())),
     ]

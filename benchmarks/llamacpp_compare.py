@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     run_parser.add_argument("--prompts", type=int, default=2, help="per dataset")
     run_parser.add_argument("--max-new-tokens", type=int, default=128)
     run_parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    run_parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run per seed at T > 0")
     # K = 3: a verification of 4 tokens, the width llama.cpp's repacked matmuls run cheapest per token
     run_parser.add_argument("--max-draft", type=int, default=3, help="K of the fixed rows and of llama.cpp's")
     run_parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
@@ -138,20 +139,22 @@ def run(args) -> None:
     depth = int(statistics.median(len(encode_prompt(target.tokenizer, p.text, chat=True)) for _, p in prompts))
     for at in (0, depth):
         record({"row": "llama-bench", **llama_bench(tools, target.path, machine["threads"], at)})
-    for temperature in args.temperatures:
+    runs = [(t, seed) for t in args.temperatures for seed in (args.seeds if t > 0 else [0])]  # greedy: one run
+    for temperature, seed in runs:
         sampling = SamplingParams(temperature=temperature)
         for dataset, prompt in prompts:
             ids = encode_prompt(target.tokenizer, prompt.text, chat=True)
             for row in args.rows:
                 base = {"row": row, "dataset": dataset, "prompt": prompt.id, "temperature": temperature, "K": 0}
+                base["seed"] = seed
                 if row in ("llama.cpp-spec", "llama.cpp-ngram"):
                     text = target.tokenizer.decode(ids)
                     model = draft.path if row == "llama.cpp-spec" else None
-                    measured = speculative_simple(tools, target.path, model, text, args, temperature)
+                    measured = speculative_simple(tools, target.path, model, text, args, temperature, seed)
                     record({**base, "K": args.max_draft if model else NGRAM_DRAFT, **measured})
                     continue
                 if row == "hf-assisted":
-                    done = run_assisted(hf_target, hf_draft, ids, sampling, args.max_new_tokens, seed=0)
+                    done = run_assisted(hf_target, hf_draft, ids, sampling, args.max_new_tokens, seed=seed)
                     tokens = done["new_tokens"]
                     unknown = {"accepted_per_step": None, "drafted_per_step": None}  # transformers does not say
                     record({**base, "tokens": tokens, "tok_s": tokens / done["wall_time"], **unknown})
@@ -159,7 +162,7 @@ def run(args) -> None:
                 decoder = decoders[row]
                 scores = ExpectedScores() if row.startswith("llamacpp-block") else None
                 result = decoder.generate(
-                    [ids], max_new_tokens=args.max_new_tokens, sampling=sampling, seed=0, on_step=scores
+                    [ids], max_new_tokens=args.max_new_tokens, sampling=sampling, seed=seed, on_step=scores
                 )
                 decode_s = result.wall_time - result.prefill_s - (scores.seconds if scores else 0.0)
                 entry = {
@@ -184,7 +187,9 @@ def llama_bench(tools: Path, model: Path, threads: int, depth: int) -> dict:
     return {"tok_s": test["avg_ts"], "tok_s_sd": test["stddev_ts"], "tokens": 64, "depth": depth}
 
 
-def speculative_simple(tools: Path, target: Path, draft: Path | None, text: str, args, temperature: float) -> dict:
+def speculative_simple(
+    tools: Path, target: Path, draft: Path | None, text: str, args, temperature: float, seed: int
+) -> dict:
     """One run of llama.cpp's own speculative decoding: the draft drafts K tokens each step (no confidence cut-off),
     or with no draft its n-gram lookup proposes (llama.cpp-ngram's settings); the target verifies them with its
     sampler at the plain law (no top-k, top-p or min-p); its reported decode speed and acceptance."""
@@ -201,7 +206,7 @@ def speculative_simple(tools: Path, target: Path, draft: Path | None, text: str,
         *("-m", str(target), "-p", text, "-n", str(args.max_new_tokens)),
         *spec,
         *("--temp", str(temperature), "--top-k", "0", "--top-p", "1", "--min-p", "0"),
-        *("--seed", "0", "-c", "4096", "-t", str(torch.get_num_threads())),
+        *("--seed", str(seed), "-c", "4096", "-t", str(torch.get_num_threads())),
     ]
     log = subprocess.run(command, capture_output=True, text=True, check=True, timeout=900).stderr
     found = {
@@ -234,7 +239,7 @@ def load(out: Path) -> list[dict]:
 
 
 def interval(values: list[float], rounds: int = 2000) -> str:
-    """The median and a 95 % bootstrap interval over prompts (seeded: the report is reproducible)."""
+    """The median and a 95 % bootstrap interval over runs: prompts, and seeds at T > 0 (the report is reproducible)."""
     if len(values) < 3:
         return f"{statistics.median(values):.3f}x"
     rng = random.Random(0)
@@ -243,13 +248,18 @@ def interval(values: list[float], rounds: int = 2000) -> str:
     return f"{statistics.median(values):.3f}x [{low:.3f}, {high:.3f}]"
 
 
+def run_key(record: dict) -> tuple:
+    """What pairs a run with the target alone's: temperature, prompt and seed (0 in records that name none)."""
+    return record["temperature"], record["prompt"], record.get("seed", 0)
+
+
 def report(records: list[dict]) -> None:
     """The tables: the target alone against llama-bench; per temperature and prompt group, every row against the
     target alone on the same prompts; block against token verification on the same drafts."""
     runs = [r for r in records if "temperature" in r]
     flags = sorted({" ".join(r["cpu_flags"]) for r in records})
     print(f"Machine: CPU flags {'; '.join(flags)}; {records[0]['threads']} threads.\n")
-    alone = {(r["temperature"], r["prompt"]): r["tok_s"] for r in runs if r["row"] == BASELINE}
+    alone = {run_key(r): r["tok_s"] for r in runs if r["row"] == BASELINE}
     print("## target alone against llama-bench\n")
     print("| llama-bench tg64 after | tok/s | blockspec target alone on llama.cpp, median tok/s | ratio |")
     print("|---|---|---|---|")
@@ -272,7 +282,7 @@ def report(records: list[dict]) -> None:
                 these = [r for r in chosen if r["row"] == row]
                 if not these:
                     continue
-                ratios = [r["tok_s"] / alone[temperature, r["prompt"]] for r in these]
+                ratios = [r["tok_s"] / alone[run_key(r)] for r in these]
                 print(
                     f"| {temperature:g} | {group} | {row} | {these[0]['K']} | {len(these)} | "
                     f"{statistics.median(r['tok_s'] for r in these):.2f} | {interval(ratios)} | "
@@ -286,7 +296,7 @@ def report(records: list[dict]) -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for temperature in sorted({r["temperature"] for r in runs}):
         spec = [r for r in runs if r["row"] == "llama.cpp-spec" and r["temperature"] == temperature]
-        own = {r["prompt"]: r["accepted_per_step"] for r in spec}
+        own = {run_key(r): r["accepted_per_step"] for r in spec}
         for row in ("llamacpp-block", "llamacpp-block-q4", "llamacpp-block-q4-cut"):
             these = [r for r in runs if r["row"] == row and r["temperature"] == temperature and "expected_block" in r]
             if not these:
@@ -294,7 +304,7 @@ def report(records: list[dict]) -> None:
             token = statistics.fmean(r["expected_token"] for r in these)
             block = statistics.fmean(r["expected_block"] for r in these)
             measured = statistics.fmean(r["accepted_per_step"] for r in these)
-            theirs = statistics.fmean(own[r["prompt"]] for r in these if r["prompt"] in own) if own else float("nan")
+            theirs = statistics.fmean(own[run_key(r)] for r in these if run_key(r) in own) if own else float("nan")
             print(
                 f"| {temperature:g} | {row} | {len(these)} | {token:.3f} | {block:.3f} | {block / token - 1:+.1%} | "
                 f"{measured:.2f} | {theirs:.2f} | {measured / theirs:.2f}x |"

@@ -28,6 +28,9 @@ forward and logits processing), interpolated linearly between the token counts m
 name the target and draft arithmetic. The target's tree forward is costed as a causal forward over as many
 tokens (an ancestor mask changes only the attention's mask, not its size).
 
+The acceptance and the prediction are the library's (``blockspec.policy.shapes``, which ``AdaptiveShape`` chooses each
+step's shape by in the engine, from alpha learnt online instead).
+
 Intervals: 95 % percentile bootstrap over the prompts (2000 resamples, seed 0), the best chain re-chosen in every
 resample. Prints the tables; the last stdout line is the JSON also saved to --out.
 """
@@ -44,8 +47,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-WIDTHS = 4  # alpha_k is measured for k = 1..WIDTHS candidates per node
-ELEMENTS = 1 << 22  # positions x draws x support per batch of exact evaluations (memory: about 100 x this in bytes)
+from blockspec.policy.shapes import (
+    WIDTHS,
+    candidate_acceptance,
+    expected_accepted,
+    level_sizes,
+    ranked_acceptance,
+    step_cost,
+    tree_nodes,
+    tree_shapes,
+)
+
 VOCAB = 151936  # the bundled pair's: the synthetic trees timed for the overhead span it
 DATASETS = ("gsm8k", "translation", "humaneval", "sharegpt", "summarize", "lm1b")  # the paper preset's
 
@@ -53,32 +65,6 @@ DATASETS = ("gsm8k", "translation", "humaneval", "sharegpt", "summarize", "lm1b"
 def quant_name(text: str) -> str | None:
     """--target-quant / --draft-quant: "none" for an unquantized model."""
     return None if text == "none" else text
-
-
-def tree_shapes(max_depth: int, max_nodes: int) -> list[tuple[int, ...]]:
-    """Every shape of depth 1..max_depth with at most WIDTHS children per node, widths not growing with depth
-    (the wide levels are the likely ones), and at most max_nodes nodes."""
-    found = []
-
-    def grow(shape: tuple[int, ...]) -> None:
-        for k in range(1, (shape[-1] if shape else WIDTHS) + 1):
-            longer = shape + (k,)
-            if nodes(longer) <= max_nodes:
-                found.append(longer)
-                if len(longer) < max_depth:
-                    grow(longer)
-
-    grow(())
-    return sorted(found, key=lambda s: (len(s), nodes(s), s))
-
-
-def level_sizes(shape: tuple[int, ...]) -> list[int]:
-    """Nodes at depth 1..d."""
-    return [int(np.prod(shape[: j + 1])) for j in range(len(shape))]
-
-
-def nodes(shape: tuple[int, ...]) -> int:
-    return sum(level_sizes(shape))
 
 
 # --- acceptance, offline --------------------------------------------------------------------------------------
@@ -121,52 +107,10 @@ def acceptance(
     from blockspec.sampling import SamplingParams, process
 
     if temperature == 0:
-        best = target_logits.argmax(-1, keepdim=True)  # [L, 1]
-        hits = draft_logits.topk(WIDTHS, dim=-1).indices == best  # [L, WIDTHS]
-        return hits.cumsum(-1).clamp(max=1).double(), torch.zeros(len(best), 2, dtype=torch.float64)
+        return ranked_acceptance(target_logits, draft_logits), torch.zeros(len(target_logits), 2, dtype=torch.float64)
     params = SamplingParams(temperature=temperature)
-    p, q = process(target_logits, params).double(), process(draft_logits, params).double()
-    order = (p + q).argsort(dim=-1, descending=True)
-    p, q = p.gather(-1, order), q.gather(-1, order)
-    # the support of position t: the fewest most likely tokens leaving out less than `rest` of P_t and of Q_t
-    needed = (((p.cumsum(-1) < 1 - rest) | (q.cumsum(-1) < 1 - rest)).sum(-1) + 1).clamp(max=p.shape[-1])  # [L]
-    alpha, left = torch.empty(len(p), WIDTHS, dtype=torch.float64), torch.empty(len(p), 2, dtype=torch.float64)
-    start = 0
-    while start < len(p):  # positions in chunks of at most ELEMENTS draws x support
-        size = int(needed[start])
-        end = start + 1
-        while end < len(p) and (end + 1 - start) * draws * max(size, int(needed[end])) <= ELEMENTS:
-            size, end = max(size, int(needed[end])), end + 1
-        alpha[start:end], left[start:end] = star_acceptance(p[start:end, :size], q[start:end, :size], draws, generator)
-        start = end
-    alpha[:, 0] = torch.minimum(p, q).sum(-1)  # k = 1 in closed form, on the whole vocabulary
-    return alpha, left
-
-
-def star_acceptance(p: torch.Tensor, q: torch.Tensor, draws: int, generator: torch.Generator):
-    """alpha [L, WIDTHS] and the mass left out [L, 2] of distributions [L, M] cut to their support, the rest
-    lumped into one more token."""
-    from blockspec.verify.tree import expected_accepted_tree
-
-    left = torch.stack([1 - p.sum(-1), 1 - q.sum(-1)], -1).clamp(min=0)
-    p, q = torch.cat([p, left[:, :1]], -1), torch.cat([q, left[:, 1:]], -1)
-    p, q = p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True)
-    positions, size = p.shape
-    # k candidates without replacement = the k largest of log Q + Gumbel noise (sequential sampling's law)
-    uniforms = torch.rand(positions, draws, size, generator=generator, dtype=torch.float64).clamp(min=1e-300)
-    candidates = (q.log()[:, None] - (-uniforms.log()).log()).topk(WIDTHS, dim=-1).indices  # [L, R, WIDTHS]
-    rows = positions * draws
-    tokens, parents = candidates.reshape(rows, WIDTHS), torch.zeros(rows, WIDTHS, dtype=torch.long)
-    target_probs = p[:, None, None].expand(positions, draws, WIDTHS + 1, size).reshape(rows, WIDTHS + 1, size)
-    draft_probs = q[:, None, None].expand(positions, draws, WIDTHS + 1, size).reshape(rows, WIDTHS + 1, size)
-    positive = (q > 0).sum(-1).repeat_interleave(draws)  # fewer positive tokens than k: all of them are drawn
-    alpha = torch.empty(positions, WIDTHS, dtype=torch.float64)
-    for k in range(1, WIDTHS + 1):
-        accepted = expected_accepted_tree(
-            tokens, parents, draft_probs, target_probs, rule="token", scheme="distinct", num_nodes=positive.clamp(max=k)
-        )
-        alpha[:, k - 1] = accepted.reshape(positions, draws).mean(-1)
-    return alpha, left
+    p, q = process(target_logits, params), process(draft_logits, params)
+    return candidate_acceptance(p, q, draws=draws, rest=rest, generator=generator)
 
 
 def measure_acceptance(args) -> list[dict]:
@@ -284,15 +228,13 @@ def overhead_ms(shape: tuple[int, ...], vocab: int, repeats: int, generator: tor
 
 
 def step_sums(alpha: np.ndarray, shape: tuple[int, ...]) -> tuple[float, int]:
-    """(sum over start positions t of E(t), number of start positions) for one sequence's alpha [L, WIDTHS]."""
+    """(sum over start positions t of E(t), number of start positions) for one sequence's alpha [L, WIDTHS]: the
+    library's ``expected_accepted`` of a step starting at t, level i reading alpha at t + i."""
     positions = len(alpha) - len(shape) + 1
     if positions <= 0:
         return 0.0, 0
-    run, total = np.ones(positions), np.zeros(positions)
-    for i, k in enumerate(shape):
-        run = run * alpha[i : i + positions, k - 1]
-        total += run
-    return float(total.sum()), positions
+    windows = np.stack([alpha[i : i + positions] for i in range(len(shape))], 1)  # [positions, d, WIDTHS]
+    return float(expected_accepted(torch.from_numpy(windows), shape).sum()), positions
 
 
 def predict(sequences: list[dict], shapes, cost_target, cost_draft, overhead: dict, resamples: int) -> dict:
@@ -303,16 +245,14 @@ def predict(sequences: list[dict], shapes, cost_target, cost_draft, overhead: di
     picks = np.random.default_rng(0).integers(len(sequences), size=(resamples, len(sequences)))
     weights = np.vstack([np.ones(len(sequences))] + [np.bincount(p, minlength=len(sequences)) for p in picks])
     be = 1 + (weights @ sums) / np.maximum(weights @ counts, 1)  # [1 + R, shapes]; row 0: the prompts as measured
-    forwards = np.array(
-        [cost_target(nodes(s) + 1) + cost_draft(1) + sum(cost_draft(n) for n in level_sizes(s)[:-1]) for s in shapes]
-    )
+    forwards = np.array([step_cost(s, cost_target, cost_draft) for s in shapes])
     extra = np.array([overhead[s] for s in shapes])
     plain, chains = cost_target(1), np.array([max(s) == 1 for s in shapes])
     rows = [
         {
             "shape": list(s),
             "depth": len(s),
-            "nodes": nodes(s),
+            "nodes": tree_nodes(s),
             "be": round(float(be[0, j]), 4),
             "forward_ms": round(float(forwards[j]), 1),
             "overhead_ms": round(float(extra[j]), 2),

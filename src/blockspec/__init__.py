@@ -16,6 +16,7 @@ _EXPORTS = {
     "StepStats": "outputs",
     "PromptLookup": "drafting",
     "AdaptiveLength": "policy",
+    "AdaptiveShape": "policy",
     "FixedLength": "policy",
     "LengthPolicy": "policy",
     "SVPolicy": "policy",

@@ -16,6 +16,7 @@ from .defaults import DRAFT_LIMIT, PATH_DRAWINGS, PATHS_DRAWN
 from .models.base import LanguageModel, model_name
 from .models.chat import encode_prompt
 from .policy import FixedLength, LengthPolicy
+from .policy.shapes import tree_nodes
 from .sampling import NonFiniteLogitsError, SamplingParams, is_int, process
 from .verify import get_rule
 
@@ -118,16 +119,6 @@ def tree_levels(tree) -> tuple[int, ...]:
             "of --max-draft: every node is a token the target scores each step)"
         )
     return shape
-
-
-def tree_nodes(shape: Sequence[int]) -> int:
-    """The drafted nodes of a full tree of ``shape`` (the root not counted): (2, 1, 1) -> 2 + 2 + 2 = 6. Counted,
-    not built, so that a huge shape costs nothing to refuse."""
-    nodes, level = 0, 1
-    for children in shape:
-        level *= children  # the nodes at this depth: every node above has ``children`` of them
-        nodes += level
-    return nodes
 
 
 def parse_tree(text: str) -> tuple[int, ...]:

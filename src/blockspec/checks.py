@@ -16,7 +16,7 @@ from .defaults import DRAFT_LIMIT, PATH_DRAWINGS, PATHS_DRAWN
 from .models.base import LanguageModel, model_name
 from .models.chat import encode_prompt
 from .policy import FixedLength, LengthPolicy
-from .policy.shapes import tree_nodes
+from .policy.shapes import AdaptiveShape, tree_nodes
 from .sampling import NonFiniteLogitsError, SamplingParams, is_int, process
 from .verify import get_rule
 
@@ -55,17 +55,19 @@ def check_decoder(rule: str, draft, policy, max_draft, lookup) -> None:
         )
 
 
-def draft_shape(tree, paths, paths_drawn, max_draft, draft, policy, companion, lookup) -> tuple[int, ...] | None:
+def draft_shape(
+    tree, paths, paths_drawn, max_draft, draft, policy, companion, lookup
+) -> tuple[int, ...] | AdaptiveShape | None:
     """The slots a ``SpeculativeDecoder`` drafts each step, as a tree shape (children per node at each depth): its
-    ``tree`` as a tuple, or (k, 1, .., 1) for ``paths`` = k paths of ``max_draft`` tokens (``path_layout``); None for
-    chains. Refused without a draft model, and with what this step does not combine it with yet (length policies, SV,
-    lookup)."""
+    ``tree`` as a tuple, or (k, 1, .., 1) for ``paths`` = k paths of ``max_draft`` tokens (``path_layout``); an
+    ``AdaptiveShape`` as it is (it chooses each step's); None for chains. Refused without a draft model, and with
+    what this step does not combine it with yet (length policies, SV, lookup)."""
     if paths is None:
         if paths_drawn != PATHS_DRAWN:
             raise ValueError(f"paths_drawn={paths_drawn!r} says how paths=... are drawn: pass paths too")
         if tree is None:
             return None
-        shape, what = tree_levels(tree), "tree"
+        shape, what = tree if isinstance(tree, AdaptiveShape) else tree_levels(tree), "tree"
     else:
         if tree is not None:
             raise ValueError("tree and paths both shape a step's draft: pass one of them")
@@ -75,7 +77,7 @@ def draft_shape(tree, paths, paths_drawn, max_draft, draft, policy, companion, l
         raise ValueError(f"{drafting} drafted by a draft model: pass draft=... with {what}=...")
     if policy is not None or companion is not None:
         raise ValueError(
-            f"{drafting} drafted with a static shape: it combines with no length policy yet (nor SV's companion); "
+            f"{drafting} drafted with a shape of its own: it combines with no length policy (nor SV's companion); "
             f"pass {what}=... without policy= and companion="
         )
     if lookup is not None:

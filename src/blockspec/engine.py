@@ -28,6 +28,7 @@ from .models.adapt import as_model
 from .models.base import TreeLanguageModel, check_shared_vocabulary, model_name, target_vocabulary
 from .outputs import GenerationResult, StepStats
 from .policy import FixedLength, LengthPolicy, SVPolicy
+from .policy.shapes import AdaptiveShape
 from .sampling import SamplingParams, check_unsupported
 from .stopping import Stopper
 from .verify import Randomness, Rule, TreeVerifyOutput, VerifyOutput, get_rule
@@ -58,7 +59,9 @@ class SpeculativeDecoder:
     ``tree``: draft a tree of this static shape instead of a chain, children per node at each depth ((2, 1, 1): two
     children of the root, then a chain of one under each, 6 nodes, 3 levels; ``max_draft`` is then unused), with
     siblings drawn without replacement and verified by the rule's tree form (``TREE_VERIFIERS``). Both models must
-    be ``TreeLanguageModel`` (HFModel is); no length policy, companion or lookup with it yet.
+    be ``TreeLanguageModel`` (HFModel is); no length policy, companion or lookup with it yet. A
+    ``blockspec.policy.AdaptiveShape`` instead chooses each step's shape, tree or chain, from measured forward costs
+    and the acceptance seen so far (its docstring says why the output law stays the target's).
 
     ``paths``: draft k paths of ``max_draft`` tokens each step instead of one chain, verified jointly by the rule's
     tree form on their prefix tree (verify/multipath.py), with what ``tree`` needs and refuses (one or the other).
@@ -77,7 +80,7 @@ class SpeculativeDecoder:
         policy: LengthPolicy | str | None = None,
         companion=None,
         lookup: PromptLookup | None = None,
-        tree: tuple[int, ...] | None = None,
+        tree: tuple[int, ...] | AdaptiveShape | None = None,
         paths: int | None = None,
         paths_drawn: str = PATHS_DRAWN,
     ):
@@ -102,8 +105,11 @@ class SpeculativeDecoder:
         # the widest step, what each step draws randomness for: the model's drafts or the longest lookup proposal
         self.max_draft = max(self.policy.max_draft if self.draft else 0, lookup.max_draft if lookup else 0)
         deepest = self.max_draft
-        if self.tree is not None:  # one uniform per slot of the tree for drafting, and one per node for verifying
+        if isinstance(self.tree, AdaptiveShape):  # randomness for the widest shape it may choose, whichever it does
+            self.max_draft, deepest = self.tree.max_nodes, self.tree.max_depth
+        elif self.tree is not None:  # one uniform per slot of the tree for drafting, and one per node for verifying
             self.max_draft, deepest = len(tree_slots(self.tree)), len(self.tree)
+        if self.tree is not None:
             assert self.draft is not None  # checks.draft_shape refuses a tree without a draft model
             for role, model in (("target", self.target), ("draft", self.draft)):
                 if not isinstance(model, TreeLanguageModel):
@@ -232,6 +238,8 @@ class SpeculativeDecoder:
         the tree proposer (i.i.d. paths: the path proposer, which merges them as it draws them)."""
         if self.tree is not None:
             assert isinstance(self.target, TreeLanguageModel) and isinstance(self.draft, TreeLanguageModel)
+            if isinstance(self.tree, AdaptiveShape):
+                self.tree.reset()
             drafter = PathProposer if self.paths_drawn == "iid" else TreeProposer
             return drafter(self.target, self.draft, self.tree, draft_sampling, self.vocab)
         if self.sv:

@@ -25,7 +25,9 @@ from blockspec import SamplingParams, SpeculativeDecoder, engine
 from blockspec.drafting import TreeProposer
 from blockspec.drafting.lookup import PromptLookup
 from blockspec.models.hf import HFModel
-from blockspec.policy import FixedLength
+from blockspec.policy import AdaptiveShape, FixedLength, LatencyTable
+from blockspec.policy.latency import LatencyProfile
+from blockspec.policy.shapes import tree_nodes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -153,6 +155,110 @@ def test_first_tokens_of_a_tree_decoder_follow_the_target_law(models, name, monk
     counts, _ = run(broken, case)
     assert calls["tree"] > 0, "the control's patch was never exercised"
     POOLED.check_control(f"{name} [{CONTROL}]", counts, law, wrong_law)
+
+
+# --- an adaptive shape: the tree or chain of each step chosen from costs and the alpha learnt so far ---------------
+
+# A flat target forward and a draft forward a tenth of it make the choice turn on alpha. From LOW_PRIOR (one candidate
+# seldom accepted, two nearly always) the first step drafts the tree (3,); once alpha is learnt from the tiny pairs
+# (alpha_1 about 0.9), a chain. memory=0: each step's alpha is the previous step's own.
+FLAT = LatencyProfile(LatencyTable((1,), (1,), ((1.0,),)), LatencyTable((1,), (1,), ((0.1,),)), None, meta={})
+LOW_PRIOR = (0.3, 0.95, 0.99, 1.0)
+
+
+def adaptive(monkeypatch, max_draft: int = 3) -> tuple[AdaptiveShape, list[tuple[int, ...]]]:
+    """An ``AdaptiveShape`` over FLAT from LOW_PRIOR, and the list of the shapes it chooses, step by step."""
+    shape, chosen = AdaptiveShape(FLAT, max_draft=max_draft, prior=LOW_PRIOR, memory=0.0), []
+    choose = shape.choose
+
+    def recorded(batch: int, catch_up: int) -> tuple[int, ...]:
+        chosen.append(choose(batch, catch_up))
+        return chosen[-1]
+
+    monkeypatch.setattr(shape, "choose", recorded)
+    return shape, chosen
+
+
+def shapes_law(target, draft, shapes: list[tuple[int, ...]], rule: str, *, wrong: bool = False) -> torch.Tensor:
+    """The exact law of the engine's first LENGTH tokens when step i drafts ``shapes[i]`` (the last one on, at steps
+    a run did not reach), or of the control's (``wrong``)."""
+
+    def verified(trees: treekit.Trees) -> torch.Tensor:
+        return parent_rows(trees.target_probs, trees.parents, trees.num_nodes)
+
+    return enginekit.engine_shapes_law(
+        VOCAB,
+        LENGTH,
+        shapes + [shapes[-1]] * LENGTH,
+        enginekit.table_lookup(target, VOCAB),
+        enginekit.table_lookup(draft, VOCAB),
+        rule,
+        verified=verified if wrong else None,
+    )
+
+
+def test_first_tokens_of_a_decoder_choosing_tree_or_chain_each_step_follow_the_target_law(models, monkeypatch):
+    """The shapes change between steps (a tree, then chains), chosen from what earlier steps verified: the joint law
+    is still the target's, exactly (enumerated for the shapes the run chose) and in the engine's samples."""
+    case = Case(SamplingParams(), (), "block")
+    target_model, draft_model, target_logits, draft_logits = models
+    target, draft = lawkit.processed(target_logits, case.sampling), lawkit.processed(draft_logits, case.sampling)
+    law = lawkit.target_law(lawkit.Tables(VOCAB, target, target), LENGTH)
+
+    shape, chosen = adaptive(monkeypatch)
+    counts, result = run(SpeculativeDecoder(target_model, draft_model, rule=case.rule, tree=shape), case)
+    assert chosen[0] == (3,) and all(s and max(s) == 1 for s in chosen[1:]), chosen
+    assert lawkit.max_abs_error(shapes_law(target, draft, chosen, case.rule), law) < ENUMERATION_TOLERANCE
+    test = POOLED.test(counts, law)
+    assert test.passed, POOLED.describe("adaptive", test)
+    POOLED.describe(f"adaptive {chosen} (block efficiency {result.block_efficiency:.2f})", test)
+
+    shape, chosen = adaptive(monkeypatch)
+    broken = SpeculativeDecoder(target_model, draft_model, rule=case.rule, tree=shape)
+    calls = wrong_engine(case, monkeypatch)
+    counts, _ = run(broken, case)
+    assert calls["tree"] > 0 and len(set(chosen)) > 1, chosen
+    wrong_law = shapes_law(target, draft, chosen, case.rule, wrong=True)
+    power = POOLED.power(law, wrong_law)
+    assert power >= MIN_POWER, f"power {power:.3g} < {MIN_POWER} against the control"
+    POOLED.check_control(f"adaptive [{CONTROL}]", counts, law, wrong_law)
+
+
+def test_greedy_output_of_a_decoder_choosing_tree_or_chain_equals_plain_greedy_decoding(pair, monkeypatch):
+    target, draft = pair
+    shape, chosen = adaptive(monkeypatch, max_draft=4)
+    result = SpeculativeDecoder(target, draft, tree=shape).generate(PROMPTS, max_new_tokens=24, sampling=GREEDY)
+    for b, prompt in enumerate(PROMPTS):
+        assert result.sequences[b] == reference_greedy(target, prompt, 24), f"row {b}"
+    assert any(max(s) > 1 for s in chosen) and any(max(s) == 1 for s in chosen), chosen
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams()], ids=["greedy", "sampled"])
+def test_after_every_step_of_a_changing_shape_the_caches_hold_the_committed_tokens(pair, sampling, monkeypatch):
+    target, draft = pair
+    shape, chosen = adaptive(monkeypatch, max_draft=4)
+    decoder = SpeculativeDecoder(target, draft, tree=shape)
+    check = CacheCheck(decoder, {"target": target, "draft": draft}, monkeypatch)
+    result = decoder.generate(PROMPTS, max_new_tokens=24, sampling=sampling, seed=0)
+    assert check.steps == len(result.stats) and len(set(chosen)) > 1, chosen
+    for shape, step in zip(chosen, result.stats, strict=True):  # each step drafted the shape chosen for it
+        assert step.drafted <= len(shape) and max(step.verified) <= tree_nodes(shape), (shape, step)
+    assert result.stats[0].drafted == len(chosen[0]) and max(result.stats[0].verified) == tree_nodes(chosen[0])
+
+
+def test_the_shape_estimator_draws_from_its_own_generator(pair, monkeypatch):
+    """An adaptive shape that chooses the tree (2, 1, 1) every step, whose widest shape has as many nodes (so the rows
+    draw as much randomness a step), decodes the static tree's tokens: learning alpha, with its own generator,
+    consumed none of the rows' randomness, nor the global generator's."""
+    target, draft = pair
+    shape = AdaptiveShape(FLAT, max_draft=6)
+    monkeypatch.setattr(shape, "choose", lambda batch, catch_up: (2, 1, 1))
+    static = SpeculativeDecoder(target, draft, tree=(2, 1, 1)).generate(PROMPTS, max_new_tokens=20, seed=5)
+    state = torch.get_rng_state()
+    adaptive_run = SpeculativeDecoder(target, draft, tree=shape).generate(PROMPTS, max_new_tokens=20, seed=5)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert adaptive_run.sequences == static.sequences
+    assert not torch.equal(shape.alpha, shape.prior)  # it did learn
 
 
 # --- greedy equivalence, caches, rows, refusals -------------------------------------------------------------------

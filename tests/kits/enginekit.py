@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import cache
 
 import torch
@@ -160,21 +160,58 @@ def engine_tree_law(
     step drafts every tree of ``drafts`` cut to min(levels, length - 1 - g) levels and verifies it through the rule's
     closed form ``tree_law``, told ``scheme`` and handed the target rows ``verified(trees)`` [T, N+1, V] (default: the
     trees' own); depth 0 is a plain target step. With the defaults this is the correct engine and must be the target's
-    law. The law after an emitted prefix depends on the prefix only (fresh randomness, caches in step), so it is
-    computed once per prefix."""
+    law."""
+    return stepwise_tree_law(
+        vocab, length, lambda step: (levels, drafts), target, draft, rule, scheme=scheme, verified=verified
+    )
+
+
+def engine_shapes_law(
+    vocab: int,
+    length: int,
+    shapes: Sequence[tuple[int, ...]],
+    target: Table,
+    draft: Table,
+    rule: str,
+    *,
+    verified: Callable[[treekit.Trees], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """``engine_tree_law`` of an engine whose step i (0-based, the batch's, whichever tokens a row has) drafts a tree
+    of ``shapes[i]`` (the empty shape: a plain target step), as an adaptive shape does."""
+
+    def at(step: int) -> tuple[int, Drafts]:
+        return len(shapes[step]), tree_drafts(shapes[step])
+
+    return stepwise_tree_law(vocab, length, at, target, draft, rule, scheme="distinct", verified=verified)
+
+
+def stepwise_tree_law(
+    vocab: int,
+    length: int,
+    steps: Callable[[int], tuple[int, Drafts]],
+    target: Table,
+    draft: Table,
+    rule: str,
+    *,
+    scheme: str,
+    verified: Callable[[treekit.Trees], torch.Tensor] | None,
+) -> torch.Tensor:
+    """``engine_tree_law`` with step i's (levels, drafts) = ``steps(i)``. The law after an emitted prefix at a step
+    depends on them only (fresh randomness, caches in step), so it is computed once per (prefix, step)."""
 
     @cache
-    def after(prefix: tuple[int, ...]) -> torch.Tensor:  # [vocab] * (length - len(prefix))
+    def after(prefix: tuple[int, ...], step: int) -> torch.Tensor:  # [vocab] * (length - len(prefix))
         done = len(prefix)
         out = torch.zeros([vocab] * (length - done), dtype=torch.float64)
         if done == length:
             return out.fill_(1.0)
+        levels, drafts = steps(step)
         depth = min(levels, length - 1 - done)
         if depth == 0:
             probs = target(torch.tensor([prefix], dtype=torch.long).reshape(1, done))[0]
             for token, prob in enumerate(probs.tolist()):
                 if prob > 0:
-                    out[token] += prob * after(prefix + (token,))
+                    out[token] += prob * after(prefix + (token,), step + 1)
             return out
         trees = drafts(_tables_after(vocab, prefix, depth, target, draft), depth)
         target_probs = trees.target_probs if verified is None else verified(trees)
@@ -197,10 +234,10 @@ def engine_tree_law(
             emitted.index_add_(0, (code[at][:, None] * vocab + torch.arange(vocab)).flatten(), mass[at].flatten())
             for index in emitted.nonzero().flatten().tolist():
                 tokens = tuple(index // vocab**i % vocab for i in range(tau, -1, -1))
-                out[tokens] += emitted[index] * after(prefix + tokens)
+                out[tokens] += emitted[index] * after(prefix + tokens, step + 1)
         return out
 
-    return after(())
+    return after((), 0)
 
 
 class CacheCheck:

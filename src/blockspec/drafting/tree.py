@@ -1,4 +1,5 @@
-"""Tree drafting: the draft model drafts a static tree shape level by level, one draft forward per level.
+"""Tree drafting: the draft model drafts a tree shape level by level, one draft forward per level; the shape is static,
+or chosen before each step by ``policy.shapes.AdaptiveShape`` from earlier steps.
 
 Glossary: B rows, V the target's vocabulary. A shape (k_1, .., k_D) gives every node at depth i - 1 up to k_i
 children; its S slots are numbered breadth first (slot 0 is the root, the row's pending token), the order they are
@@ -29,6 +30,7 @@ import torch
 
 from ..checks import probabilities
 from ..models.base import TreeLanguageModel, left_pad
+from ..policy.shapes import AdaptiveShape
 from ..sampling import SamplingParams, sample
 from ..verify import TreeVerifyOutput, VerifyOutput
 from .block import PAD
@@ -51,7 +53,8 @@ def tree_slots(shape: Sequence[int]) -> list[int]:
 
 
 class TreeProposer:
-    """Drafts a tree of ``shape`` with ``draft`` each step (``propose``), and keeps the draft's cache in step with the
+    """Drafts a tree of ``shape`` with ``draft`` each step (``propose``; an ``AdaptiveShape`` chooses each step's
+    shape, a chain (1, .., 1) or none included), and keeps the draft's cache in step with the
     rows: ``observe`` learns the accepted path, ``roll_back`` commits it and cuts what the rows did not keep. One
     proposer serves one ``generate`` call; ``draft_sampling`` is the law the tree is drawn from."""
 
@@ -59,17 +62,14 @@ class TreeProposer:
         self,
         target: TreeLanguageModel,
         draft: TreeLanguageModel,
-        shape: tuple[int, ...],
+        shape: tuple[int, ...] | AdaptiveShape,
         draft_sampling: SamplingParams,
         vocab: int,
     ):
         self.target, self.draft, self.vocab = target, draft, vocab
-        self.parent_of = tree_slots(shape)  # [S]: parent slot of slot s at index s - 1
-        depth = [0]  # the depth of slot s at index s (the root's 0 first)
-        for parent in self.parent_of:
-            depth.append(depth[parent] + 1)
-        # levels[d]: the slots at depth d, consecutive (levels[0] = [0], the root)
-        self.levels = [[s for s in range(len(depth)) if depth[s] == d] for d in range(len(shape) + 1)]
+        # an adaptive shape chooses each step's (``propose``), and learns from the laws at the rows' roots (``observe``)
+        self.adaptive = shape if isinstance(shape, AdaptiveShape) else None
+        self._lay_out(() if isinstance(shape, AdaptiveShape) else shape)
         self.greedy = draft_sampling.greedy
         # At temperature 0 the children are ranked by the draft's softmax: its processed law would be one-hot.
         self.law = SamplingParams() if self.greedy else draft_sampling
@@ -77,6 +77,16 @@ class TreeProposer:
         self.read = torch.zeros(0, 0, dtype=torch.bool)  # [B, S]: the slots the draft read (its waiting tree)
         self.waiting = False  # the draft holds a tree waiting for its commit
         self.accepted: torch.Tensor | None = None  # [B, D]: the verifier's accepted nodes, until roll_back
+        self.root_laws: torch.Tensor | None = None  # [B, V]: the draft's law at each root, for the adaptive shape
+
+    def _lay_out(self, shape: tuple[int, ...]) -> None:
+        """The slots of ``shape``: each one's parent (``parent_of``) and the slots at each depth (``levels``)."""
+        self.parent_of = tree_slots(shape)  # [S]: parent slot of slot s at index s - 1
+        depth = [0]  # the depth of slot s at index s (the root's 0 first)
+        for parent in self.parent_of:
+            depth.append(depth[parent] + 1)
+        # levels[d]: the slots at depth d, consecutive (levels[0] = [0], the root)
+        self.levels = [[s for s in range(len(depth)) if depth[s] == d] for d in range(len(shape) + 1)]
 
     def prefill(self, prompts: list[list[int]]) -> None:
         """The prompts less their pending last token (an empty row if a prompt fills the draft's context)."""
@@ -85,12 +95,17 @@ class TreeProposer:
     def propose(self, rows: list[int], contexts: list[list[int]], room: torch.Tensor, uniforms) -> Proposal:
         """Each row's tree, down to ``room[b]`` levels and what fits in both models' contexts. ``uniforms`` [B, >=S]
         float64, one per slot (None at temperature 0). A step where no row drafts is a plain target step (a chain
-        proposal of width 0)."""
+        proposal of width 0). An adaptive shape chooses the step's shape first, from earlier steps only."""
         device = self.target.device
+        if self.adaptive is not None:
+            seen = self.draft.lengths.tolist()
+            catch_up = max((len(c) - n for c, n in zip(contexts, seen)), default=1)
+            self._lay_out(self.adaptive.choose(len(contexts), catch_up))
         batch, slots = len(contexts), len(self.parent_of)
         depth = room.minimum(torch.tensor([self._draft_room(c) for c in contexts])).clamp(0, len(self.levels) - 1)
         depth = depth.to(device)  # [B]
         levels = int(depth.max()) if batch else 0
+        self.root_laws = None
         if levels == 0:
             empty = torch.zeros(batch, 0, dtype=torch.long, device=device)
             return Proposal(empty, None, empty.sum(1), torch.zeros(batch, dtype=torch.bool), 0)
@@ -106,10 +121,17 @@ class TreeProposer:
             laws[:, self.levels[level]] = self._read(level, contexts, tokens, drawn, read, parents, depth)
             self._draw(level, laws, tokens, drawn, read, parents, depth, uniforms)
         self.read, self.waiting = read, levels > 1
+        if self.adaptive is not None:
+            self.root_laws = laws[:, 0]
         return self._as_tree(tokens, drawn, parents, laws, levels)
 
     def observe(self, rows: list[int], proposal: Proposal, target_probs: torch.Tensor, out: VerifyOutput) -> None:
-        """Learns the accepted path (``out.accepted_nodes``), which ``roll_back`` keeps in the draft's cache."""
+        """Learns the accepted path (``out.accepted_nodes``), which ``roll_back`` keeps in the draft's cache; an
+        adaptive shape learns from the laws at the roots of the rows that drafted (``AdaptiveShape.observe``)."""
+        if self.root_laws is not None:
+            assert self.adaptive is not None
+            drafted = proposal.verified.to(target_probs.device) > 0  # [B]
+            self.adaptive.observe(target_probs[drafted, 0], self.root_laws[drafted], self.greedy)
         if self.waiting:
             assert isinstance(out, TreeVerifyOutput), "a tree proposal is verified by a tree rule"
             self.accepted = out.accepted_nodes

@@ -104,7 +104,7 @@ def best_shape(
 
     chains = [s for s in shapes if all(k == 1 for k in s)]
     trees = [s for s in shapes if any(k > 1 for k in s)]
-    best = max(chains, key=goodput) if chains else max(trees, key=goodput)
+    best = max(chains or trees, key=goodput)
     for shape in trees:
         if goodput(shape) > goodput(best):
             best = shape

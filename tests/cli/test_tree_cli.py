@@ -44,6 +44,7 @@ def test_the_tree_is_parsed_into_its_shape_and_a_chain_is_the_default():
     parse = cli.build_parser().parse_args
     assert parse(["generate", "--tree", "2,1,1", "hi"]).tree == (2, 1, 1)
     assert parse(["generate", "--tree", "3", "hi"]).tree == (3,)
+    assert parse(["generate", "--tree", "auto", "hi"]).tree == "auto"
     assert parse(["generate", "hi"]).tree is None
     assert parse(["bench", "--configs", "block", "tree-2,1,1"]).configs == ["block", "tree-2,1,1"]
 
@@ -131,6 +132,27 @@ def test_generate_with_a_greedy_tree_or_paths_gives_the_greedy_text_of_the_targe
     assert last.startswith(f"[block, {summary}, ") and "acceptance length" in last, last
     drafted = float(last.split("), ")[1].split()[0])  # nodes verified per step: more than a chain of depth would
     assert most / 2 < drafted <= most, last
+
+
+def test_tree_auto_needs_the_auto_policy_and_is_refused_with_fixed_before_loading_a_model(loads, capsys):
+    assert cli.main(["generate", "--tree", "auto", "--policy", "fixed", "hello"]) == 2
+    assert "--tree auto chooses each step's shape from measured costs" in error_line(capsys) and loads == []
+
+
+def test_generate_with_tree_auto_measures_the_costs_and_gives_the_greedy_text_of_the_target(tiny_pair, capsys):
+    """--tree auto probes the step latency (once, cached), then each step drafts the shape predicted fastest; greedy,
+    the text is the target's; the last stderr line says the shape adapted, within --max-draft nodes, and the alpha
+    it learnt."""
+    target, draft = tiny_pair
+    common = ["--target", target, "--dtype", "float32", "--max-new-tokens", "12", "--temperature", "0", "--no-chat"]
+    flags = ["--draft", draft, "--draft-quant", "none", "--tree", "auto", "--max-draft", "5"]
+    assert cli.main(["generate", *common, *flags, "abc de"]) == 0
+    spec = capsys.readouterr()
+    assert cli.main(["generate", *common, "--draft", "none", "abc de"]) == 0
+    assert spec.out == capsys.readouterr().out and spec.out.strip()
+    assert "step latency" in spec.err
+    last = spec.err.splitlines()[-1]
+    assert last.startswith("[block, tree auto (up to 5 nodes; alpha_1..4 ") and "acceptance length" in last, last
 
 
 @pytest.mark.parametrize(

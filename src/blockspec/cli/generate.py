@@ -65,8 +65,9 @@ class GenerateConfig:
     allow_download: bool = False
     backend: str = "auto"  # "auto" or one of BACKENDS
     # a tree drafted each step, children per node at each depth; None: a chain. Its shape is fixed: it replaces the
-    # length policy (auto and fixed both draft it as given) and runs on transformers only.
-    tree: tuple[int, ...] | None = None
+    # length policy (auto and fixed both draft it as given) and runs on transformers only. "auto" (--policy auto only):
+    # each step drafts the chain or tree of at most resolved_max_draft nodes predicted fastest (policy.AdaptiveShape)
+    tree: tuple[int, ...] | str | None = None
     # k paths of max_draft tokens drafted each step (None: one chain), drawn as paths_drawn says; as a tree, their
     # length is fixed (resolved_max_draft), on transformers only
     paths: int | None = None
@@ -128,12 +129,13 @@ def add_parser(sub) -> None:
     )
     gen.add_argument(
         "--tree",
-        type=tree_shape,
+        type=tree_or_auto,
         metavar="SHAPE",
         help="draft a tree instead of a chain, the same shape every step: children per node at each depth, e.g. "
         "2,1,1 (two children of the root, then one under each, twice: 6 drafted tokens); at most "
         f"{defaults.DRAFT_LIMIT} nodes, on transformers only; --policy auto and fixed both draft it as given, "
-        "--max-draft does not apply (default: a chain)",
+        "--max-draft does not apply; auto: each step the chain or tree of at most --max-draft nodes predicted "
+        "fastest from this machine's measured costs and the acceptance so far (default: a chain)",
     )
     gen.add_argument(
         "--paths",
@@ -204,6 +206,7 @@ def generate(config: GenerateConfig) -> int:
     from ..drafting import PromptLookup
     from ..models.chat import encode_prompt
     from ..models.hf import load_model, refuse_model_code, resolve_backend, resolve_device
+    from ..policy.shapes import AdaptiveShape
     from ..sampling import SamplingParams
     from ..verify import RULES, SAMPLED_RULES
 
@@ -272,13 +275,14 @@ def generate(config: GenerateConfig) -> int:
         policy = _adaptive_policy(config, target, draft)
         if policy is None:
             draft = None
+    tree = _adaptive_shape(config, target, draft) if config.tree == "auto" else config.tree
     lookup = None
     if config.drafter != "model":
         from ..auto import lookup_latency
 
         _status("step latency of the target for prompt lookup (measured on the first run, then cached)")
         lookup = PromptLookup(costs=lookup_latency(target, len(config.prompts)))
-    decoder = _decoder(config, target, draft, policy=policy, companion=companion, lookup=lookup)
+    decoder = _decoder(config, target, draft, policy=policy, companion=companion, lookup=lookup, tree=tree)
     if decoder.tokenizer is None:
         raise ValueError(f"{config.target} has no tokenizer: the CLI needs one to read and print text")
     ids = [encode_prompt(decoder.tokenizer, p, chat=config.chat) for p in config.prompts]
@@ -305,11 +309,15 @@ def generate(config: GenerateConfig) -> int:
         for i, text in enumerate(result.texts):
             print(f"--- prompt {i}\n{text}")
     mode = decoder.rule if decoder.draft is not None or decoder.lookup is not None else "target alone"
-    if decoder.paths is not None:  # what the engine drafts: at most max_draft nodes (fewer where i.i.d. paths merge)
-        assert decoder.tree is not None  # the paths' slots, one level per token of a path
-        shape = f"{decoder.paths} paths of {len(decoder.tree)} ({decoder.paths_drawn}, {decoder.max_draft} nodes)"
-    elif decoder.tree is not None:  # what the engine drafts: its nodes are the widest step (max_draft)
-        shape = f"tree {','.join(map(str, decoder.tree))} ({decoder.max_draft} nodes)"
+    tree = decoder.tree
+    if isinstance(tree, AdaptiveShape):  # the alpha it learnt decides each step's shape
+        alpha = " ".join(f"{a:.2f}" for a in tree.alpha.tolist())
+        shape = f"tree auto (up to {decoder.max_draft} nodes; alpha_1..{len(tree.alpha)} {alpha})"
+    elif decoder.paths is not None:  # what the engine drafts: at most max_draft nodes (fewer where i.i.d. paths merge)
+        assert tree is not None  # the paths' slots, one level per token of a path
+        shape = f"{decoder.paths} paths of {len(tree)} ({decoder.paths_drawn}, {decoder.max_draft} nodes)"
+    elif tree is not None:  # what the engine drafts: its nodes are the widest step (max_draft)
+        shape = f"tree {','.join(map(str, tree))} ({decoder.max_draft} nodes)"
     else:
         shape = f"{config.policy} K={decoder.max_draft}"
     print(
@@ -322,7 +330,7 @@ def generate(config: GenerateConfig) -> int:
     return 0
 
 
-def _decoder(config: GenerateConfig, target, draft, *, policy, companion, lookup):
+def _decoder(config: GenerateConfig, target, draft, *, policy, companion, lookup, tree):
     """The one call into the engine. With neither a draft model nor lookup it decodes with the target alone."""
     from ..engine import SpeculativeDecoder
 
@@ -334,7 +342,7 @@ def _decoder(config: GenerateConfig, target, draft, *, policy, companion, lookup
         policy=policy,
         companion=companion,
         lookup=lookup,
-        tree=config.tree,
+        tree=tree,
         paths=config.paths,
         paths_drawn=config.paths_drawn,
     )
@@ -363,6 +371,13 @@ def _refuse_with_shape(config: GenerateConfig) -> str | None:
             f"{flag} does not combine with --policy sv: {flag} drafts a fixed shape, SV chooses the length of a "
             "chain; --policy auto or fixed both draft it as given"
         )
+    if isinstance(config.tree, str):  # auto: the shape adapts, --max-draft bounds its nodes
+        if config.policy != "auto":
+            raise ValueError(
+                f"--tree auto chooses each step's shape from measured costs, as --policy auto a chain's length: it "
+                f"needs --policy auto, not {config.policy}; give a shape (--tree 2,1,1) to draft it every step"
+            )
+        return flag
     if config.tree is not None and config.max_draft is not None:
         raise ValueError(
             f"--max-draft does not apply with --tree: the shape sets what a step drafts "
@@ -428,6 +443,20 @@ def _adaptive_policy(config: GenerateConfig, target, draft):
             "(--policy fixed speculates anyway; --target-quant int8 makes verification cheaper)"
         )
     return policy
+
+
+def _adaptive_shape(config: GenerateConfig, target, draft):
+    """``policy.AdaptiveShape`` over this machine's measured step latency (``--tree auto``)."""
+    from ..auto import latency_probe
+    from ..policy.shapes import AdaptiveShape
+
+    _status("step latency of these models on this machine (measured on the first run, then cached)")
+    return AdaptiveShape(latency_probe(target, draft, len(config.prompts)), max_draft=config.resolved_max_draft)
+
+
+def tree_or_auto(text: str) -> tuple[int, ...] | str:
+    """An argparse type: ``auto``, or a tree shape (``tree_shape``)."""
+    return text if text == "auto" else tree_shape(text)
 
 
 def _drafted_per_step(result) -> str:

@@ -286,6 +286,26 @@ def test_a_tree_configuration_runs_beside_the_chains_and_the_batch_table_shows_i
     assert "| tree-2,1,1 " in text and "tokens_per_s_vs_batch.png" in {p.name for p in written}
 
 
+def test_auto_tree_runs_at_the_largest_k_with_the_plain_draft_and_the_batch_table_compares_it(
+    tiny_config, tmp_path, monkeypatch
+):
+    """Cheap verification: the adaptive shape drafts, at most the largest K nodes, with the unquantized draft the
+    fixed-K and tree rows use, and the batch table gives it its x best fixed K; llama.cpp refuses it."""
+    from blockspec.bench.report import build_report
+
+    monkeypatch.setattr(auto, "latency_probe", lambda target, draft, batch: profile(CHEAP_VERIFICATION, draft_ms=10))
+    config = replace(tiny_config, out=tmp_path, configs=("target-only", "block", "auto-tree"), max_drafts=(2, 4))
+    records = list(rec.read(runner.run(config, progress=False)))
+    shaped = [r for r in records if r.config == "auto-tree"]
+    assert shaped and all(r.ok and r.max_draft == 4 for r in shaped)
+    assert all(r.meta["tree"] == "auto" and r.meta["draft_quant"] is None for r in shaped)
+    assert any(k > 0 for r in shaped for k in r.verified) and all(k <= 4 for r in shaped for k in r.verified)
+    rows = {row.config: row for row in build_report(records).batch}
+    assert rows["auto-tree"].speedup_vs_best_fixed is not None and rows["auto-tree"].max_draft == 4
+    with pytest.raises(ValueError, match="auto-tree run on transformers only"):
+        runner.llamacpp_arithmetic(replace(config, configs=("block", "auto-tree")))
+
+
 def test_paths_are_planned_at_every_k_as_their_length():
     config = runner.BenchConfig(configs=("block", "paths-3", "paths-iid-2"), max_drafts=(2, 4))
     runs = runner.plan(config, {"a": [("a/0", [1])]})

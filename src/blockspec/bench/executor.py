@@ -107,6 +107,8 @@ class Executor:
             meta["draft_quant"] = draft_quant_of(item.config, self.arithmetic)
         if rec.is_tree(item.config):
             meta["tree"] = list(tree_of(item.config))
+        if item.config == rec.AUTO_TREE:
+            meta["tree"] = "auto"
         if rec.is_paths(item.config):
             paths, drawn = rec.paths_of(item.config)
             meta["paths"] = {"paths": paths, "length": item.max_draft, "drawn": drawn}
@@ -134,6 +136,11 @@ class Executor:
             return SpeculativeDecoder(self.target)
         if rec.is_tree(item.config):  # the library's default rule, in its tree form
             return SpeculativeDecoder(self.target, draft, tree=tree_of(item.config))
+        if item.config == rec.AUTO_TREE:  # as `generate --tree auto` decides, with fresh estimates per run
+            from ..policy.shapes import AdaptiveShape
+
+            shape = AdaptiveShape(latency_probe(self.target, draft, item.batch_size), max_draft=item.max_draft)
+            return SpeculativeDecoder(self.target, draft, tree=shape)
         if rec.is_paths(item.config):  # the same rule, on the tree the paths form
             paths, drawn = rec.paths_of(item.config)
             return SpeculativeDecoder(self.target, draft, paths=paths, max_draft=item.max_draft, paths_drawn=drawn)

@@ -35,8 +35,13 @@ FIXED_CONFIGS = ("token", "block", "block-int8")  # fixed-K speculative decoding
 # the machine's probe chose), prompt lookup alone, and lookup with that model draft where nothing matches
 ADAPTIVE_CONFIGS = ("auto", "lookup", "lookup+model")
 CONFIGS = ("target-only", "token", "block", "hf-assisted", "auto")  # the default comparison (no profiles needed)
+# Each step the tree or chain of at most K nodes predicted fastest (policy.AdaptiveShape over the latency probe, as
+# `generate --tree auto` runs it), with the draft the tree and fixed-K rows use; its records' max_draft is that K
+AUTO_TREE = "auto-tree"
 KNOWN_CONFIGS = (
-    ("target-only", "token", "block", "block-int8", "hf-assisted", "hf-lookup") + ADAPTIVE_CONFIGS + SV_CONFIGS
+    ("target-only", "token", "block", "block-int8", "hf-assisted", "hf-lookup", AUTO_TREE)
+    + ADAPTIVE_CONFIGS
+    + SV_CONFIGS
 )
 # A tree configuration is named after its shape, the children per node at each depth: "tree-2,1,1" drafts that
 # tree every step with the draft model, verified by the block rule's tree form (transformers only). Its records'
@@ -48,6 +53,11 @@ TREE = "tree-"
 def is_tree(name: str) -> bool:
     """Whether ``name`` is a tree configuration (``TREE`` and a shape)."""
     return name.startswith(TREE)
+
+
+def drafts_trees(name: str) -> bool:
+    """Whether configuration ``name`` may draft trees: a tree, paths or ``AUTO_TREE`` (transformers only)."""
+    return is_tree(name) or is_paths(name) or name == AUTO_TREE
 
 
 def tree_config(shape) -> str:

@@ -177,7 +177,7 @@ def max_drafts_of(config: BenchConfig, name: str) -> tuple[int, ...]:
         from ..checks import tree_nodes
 
         return (tree_nodes(tree_of(name)),)
-    if name in rec.SV_CONFIGS or name in AUTO_DRAFT:
+    if name in rec.SV_CONFIGS or name in AUTO_DRAFT or name == rec.AUTO_TREE:
         return (max(config.max_drafts),)
     return (0,)
 
@@ -459,7 +459,7 @@ def llamacpp_arithmetic(config: BenchConfig):
     from ..auto import Arithmetic
     from ..defaults import LLAMACPP_QUANTS
 
-    trees = [name for name in config.configs if rec.is_tree(name) or rec.is_paths(name)]  # llama.cpp scores no trees
+    trees = list(filter(rec.drafts_trees, config.configs))  # llama.cpp scores no trees
     only_hf = sorted(set(config.configs) & {*rec.HF_CONFIGS, "block-int8", *rec.SV_CONFIGS, *trees})
     if only_hf or config.target_quant is not None:
         raise ValueError(

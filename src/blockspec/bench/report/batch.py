@@ -36,7 +36,7 @@ BATCH_CONVENTION = (
 
 def batch_table_only(name: str) -> bool:
     """Whether only the batch table shows configuration ``name``: ``BATCH_TABLE_ONLY``, every tree and paths."""
-    return name in BATCH_TABLE_ONLY or records_io.is_tree(name) or records_io.is_paths(name)
+    return name in BATCH_TABLE_ONLY or records_io.drafts_trees(name)
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ def batch_rows(records: list[Record], config: ReportConfig) -> list[BatchRow]:
                     best_fixed=(name, k) == best,
                     speedup_vs_best_fixed=(
                         _paired_speedup(cell, list(fixed.values()), config)
-                        if name in records_io.SV_CONFIGS or records_io.is_tree(name) or records_io.is_paths(name)
+                        if name in records_io.SV_CONFIGS or records_io.drafts_trees(name)
                         else None
                     ),
                     speedup_vs_hf=(

@@ -291,7 +291,7 @@ def test_auto_tree_runs_at_the_largest_k_with_the_plain_draft_and_the_batch_tabl
 ):
     """Cheap verification: the adaptive shape drafts, at most the largest K nodes, with the unquantized draft the
     fixed-K and tree rows use, and the batch table gives it its x best fixed K; llama.cpp refuses it."""
-    from blockspec.bench.report import build_report
+    from blockspec.bench.report import build_report, render
 
     monkeypatch.setattr(auto, "latency_probe", lambda target, draft, batch: profile(CHEAP_VERIFICATION, draft_ms=10))
     config = replace(tiny_config, out=tmp_path, configs=("target-only", "block", "auto-tree"), max_drafts=(2, 4))
@@ -300,8 +300,11 @@ def test_auto_tree_runs_at_the_largest_k_with_the_plain_draft_and_the_batch_tabl
     assert shaped and all(r.ok and r.max_draft == 4 for r in shaped)
     assert all(r.meta["tree"] == "auto" and r.meta["draft_quant"] is None for r in shaped)
     assert any(k > 0 for r in shaped for k in r.verified) and all(k <= 4 for r in shaped for k in r.verified)
-    rows = {row.config: row for row in build_report(records).batch}
+    report = build_report(records)
+    rows = {row.config: row for row in report.batch}
     assert rows["auto-tree"].speedup_vs_best_fixed is not None and rows["auto-tree"].max_draft == 4
+    render(report, tmp_path / "report")
+    assert "| auto-tree " in (tmp_path / "report" / "report.md").read_text()
     with pytest.raises(ValueError, match="auto-tree run on transformers only"):
         runner.llamacpp_arithmetic(replace(config, configs=("block", "auto-tree")))
 

@@ -164,6 +164,22 @@ def test_alpha_1_is_exact_and_alpha_k_unbiased_from_drawn_candidates():
     assert bool((alpha[:, 1:] > alpha[:, :1] + 0.05).all())  # more candidates, more accepted: the test can tell
 
 
+def test_a_capped_support_keeps_alpha_1_exact_and_says_what_it_left_out():
+    """The online estimate's top-k support: the most likely tokens under P + Q, the rest reported as left out."""
+    target = torch.tensor([[0.5, 0.3, 0.15, 0.05, 0.0]], dtype=torch.float64)
+    draft = torch.tensor([[0.1, 0.2, 0.3, 0.25, 0.15]], dtype=torch.float64)
+    whole, _ = candidate_acceptance(target, draft, draws=4, rest=0.0, generator=torch.Generator().manual_seed(0))
+    capped, left = candidate_acceptance(
+        target, draft, draws=4, rest=0.0, generator=torch.Generator().manual_seed(0), support=3
+    )
+    assert float(capped[0, 0]) == pytest.approx(float(torch.minimum(target, draft).sum()), abs=1e-12)
+    assert left[0].tolist() == pytest.approx([0.05, 0.4])  # tokens 3 and 4 (P + Q 0.30 and 0.15) left out
+    full, _ = candidate_acceptance(
+        target, draft, draws=4, rest=0.0, generator=torch.Generator().manual_seed(0), support=5
+    )
+    assert torch.equal(full, whole)  # a cap of the whole vocabulary changes nothing
+
+
 def test_greedy_alpha_k_says_whether_the_targets_best_token_is_among_the_drafts_k_best():
     target = torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0]])
     draft = torch.tensor([[0.4, 0.1, 0.3, 0.15, 0.05]])  # token 1 ranks fourth

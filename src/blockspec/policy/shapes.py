@@ -35,6 +35,9 @@ ELEMENTS = 1 << 22
 # (benchmarks/results/measurements/tree-plan-epyc.json); alpha_1 starts at AdaptiveLength's 0.8, the others as far
 # below the measurement, so that the first steps do not overrate what a wider node adds
 PRIOR = (0.8, 0.86, 0.87, 0.88)
+# The most tokens AdaptiveShape's estimate evaluates candidates on at a position (the rest lumped into one): a top-k
+# rather than a sort of the whole vocabulary, each step
+SUPPORT = 4096
 Cost = Callable[[int], float]  # tokens per row in one forward -> its cost (seconds, or any one unit for both models)
 
 
@@ -121,6 +124,7 @@ def candidate_acceptance(
     draws: int,
     rest: float,
     generator: torch.Generator,
+    support: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(alpha [L, WIDTHS], left [L, 2]) float64: alpha[t, k - 1] = alpha_k at position t; left = the mass of P and Q
     left out of the support the candidates were evaluated on.
@@ -130,9 +134,15 @@ def candidate_acceptance(
     the mean over the sets of the exact probability that token-level verification accepts one of the k, given them
     (``expected_accepted_tree`` on a one-level tree): unbiased. Each position is cut to the fewest tokens most likely
     under P + Q that leave out less than ``rest`` of each, plus one token holding the rest, which bounds the error the
-    cut makes; positions go in batches of at most ELEMENTS draws x support."""
+    cut makes; positions go in batches of at most ELEMENTS draws x support. ``support``: at most so many tokens (the
+    most likely under P + Q, found without sorting the whole vocabulary: what an online estimate can afford each
+    step), the rest lumped as above; None: as many as ``rest`` needs."""
     p, q = target_probs.double(), draft_probs.double()
-    order = (p + q).argsort(dim=-1, descending=True)
+    closed_form = torch.minimum(p, q).sum(-1).cpu()  # alpha_1, on the whole vocabulary
+    if support is not None and support < p.shape[-1]:
+        order = (p + q).topk(support, dim=-1).indices  # most likely first, as the sort below
+    else:
+        order = (p + q).argsort(dim=-1, descending=True)
     p, q = p.gather(-1, order), q.gather(-1, order)
     # the support of position t: the fewest most likely tokens leaving out less than `rest` of P_t and of Q_t
     needed = (((p.cumsum(-1) < 1 - rest) | (q.cumsum(-1) < 1 - rest)).sum(-1) + 1).clamp(max=p.shape[-1])  # [L]
@@ -145,7 +155,7 @@ def candidate_acceptance(
             size, end = max(size, int(needed[end])), end + 1
         alpha[start:end], left[start:end] = _star(p[start:end, :size], q[start:end, :size], draws, generator)
         start = end
-    alpha[:, 0] = torch.minimum(p, q).sum(-1).cpu()  # k = 1 in closed form, on the whole vocabulary
+    alpha[:, 0] = closed_form  # k = 1 in closed form
     return alpha, left
 
 
@@ -277,6 +287,6 @@ class AdaptiveShape:
             step = ranked_acceptance(target_probs, draft_probs)
         else:
             step, _ = candidate_acceptance(
-                target_probs, draft_probs, draws=self.draws, rest=self.rest, generator=self.generator
+                target_probs, draft_probs, draws=self.draws, rest=self.rest, generator=self.generator, support=SUPPORT
             )
         self.alpha = self.memory * self.alpha + (1 - self.memory) * step.mean(0)

@@ -115,6 +115,7 @@ def plot_batch(report: Report, path: Path) -> Path:
         "auto": ("*-", "C7"),
         "lookup": ("P-", "darkgreen"),
         "lookup+model": ("X-", "darkred"),
+        records_io.AUTO_TREE: ("h--", "C9"),
     }
     for ax, temperature in zip(axes, temperatures):
         rows = [r for r in report.batch if r.temperature == temperature]

@@ -17,12 +17,13 @@ Glossary:
 How many tokens to propose. A long match is a copy under way and a one-token match is mostly chance, so each prompt
 keeps, per match length (1, 2, 3, 4, 5-8, 9 and more: ``ngram_class``), how often its proposals were accepted:
 ``first``, the chance the first token is accepted, and ``then``, the chance each later one is, given the one
-before it was. Both start at the prior n / (n + 1) with ``prior_weight`` proposals' worth of weight, then count
-what the target accepted. A proposal of k tokens is then expected to commit E(k) = 1 + first (1 + then + .. +
-then^(k-1)) tokens, and its step costs the target's forward over k + 1 tokens (``costs``): the proposal is the k
-in 0..len(match) with the most tokens per second, E(k) / cost(k + 1), where k = 0 (no proposal) commits 1 token in
-cost(1). Where no length pays, the row decodes alone (or drafts with the model); its counts for that length class
-stay as they were, so its odds change only where it proposes.
+before it was. Both start at the prior c / (c + 1) for class c (the class of 5-8 is 5, of 9 and more 9), with
+``prior_weight`` proposals' worth of weight, then count what the target accepted. A proposal of k tokens is then
+expected to commit E(k) = 1 + first (1 + then + .. + then^(k-1)) tokens, and its step costs the target's forward
+over k + 1 tokens (``costs``): the proposal is the k in 0..len(match) with the most tokens per second,
+E(k) / cost(k + 1), where k = 0 (no proposal) commits 1 token in cost(1). Where no length pays, the row decodes
+alone (or drafts with the model); its counts for that length class stay as they were, so its odds change only
+where it proposes.
 
 Why it stays lossless: a proposal and its length depend on the committed context and on earlier steps' outcomes
 only, never on this step's target distributions (docs/algorithms.md, "Prompt lookup proposes").

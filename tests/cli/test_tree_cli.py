@@ -4,6 +4,8 @@ decode the target's text."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from kits.tiny import save_tiny
 
@@ -139,10 +141,17 @@ def test_tree_auto_needs_the_auto_policy_and_is_refused_with_fixed_before_loadin
     assert "--tree auto chooses each step's shape from measured costs" in error_line(capsys) and loads == []
 
 
-def test_generate_with_tree_auto_measures_the_costs_and_gives_the_greedy_text_of_the_target(tiny_pair, capsys):
-    """--tree auto probes the step latency (once, cached), then each step drafts the shape predicted fastest; greedy,
-    the text is the target's; the last stderr line says the shape adapted, within --max-draft nodes, and the alpha
-    it learnt."""
+def test_generate_with_tree_auto_drafts_the_shapes_that_pay_and_gives_the_greedy_text_of_the_target(
+    tiny_pair, monkeypatch, capsys
+):
+    """--tree auto takes the step latency (here an AVX-512-like one, where drafting pays), then each step drafts the
+    shape predicted fastest; greedy, the text is the target's; the last stderr line says the shape adapted, within
+    --max-draft nodes, and the alpha it learnt."""
+    from kits.svkit import CHEAP_VERIFICATION, profile
+
+    from blockspec import auto
+
+    monkeypatch.setattr(auto, "latency_probe", lambda target, draft, batch: profile(CHEAP_VERIFICATION, draft_ms=10))
     target, draft = tiny_pair
     common = ["--target", target, "--dtype", "float32", "--max-new-tokens", "12", "--temperature", "0", "--no-chat"]
     flags = ["--draft", draft, "--draft-quant", "none", "--tree", "auto", "--max-draft", "5"]
@@ -153,6 +162,27 @@ def test_generate_with_tree_auto_measures_the_costs_and_gives_the_greedy_text_of
     assert "step latency" in spec.err
     last = spec.err.splitlines()[-1]
     assert last.startswith("[block, tree auto (up to 5 nodes; alpha_1..4 ") and "acceptance length" in last, last
+    drafted = re.search(r", ([0-9.]+) drafted per step\]", last)
+    assert drafted is not None and float(drafted[1]) > 0, last
+
+
+def test_generate_with_tree_auto_decodes_alone_where_no_draft_pays_and_says_why(tiny_pair, monkeypatch, capsys):
+    """Draft forwards as dear as the target's and verification in proportion to its tokens: no shape beats the target
+    alone even at the prior, so --tree auto drops the draft, says so once, and decodes the target's text."""
+    from kits.svkit import LINEAR_VERIFICATION, profile
+
+    from blockspec import auto
+
+    monkeypatch.setattr(auto, "latency_probe", lambda target, draft, batch: profile(LINEAR_VERIFICATION, draft_ms=100))
+    target, draft = tiny_pair
+    common = ["--target", target, "--dtype", "float32", "--max-new-tokens", "8", "--temperature", "0", "--no-chat"]
+    assert cli.main(["generate", *common, "--draft", draft, "--draft-quant", "none", "--tree", "auto", "ab"]) == 0
+    spec = capsys.readouterr()
+    assert cli.main(["generate", *common, "--draft", "none", "ab"]) == 0
+    assert spec.out == capsys.readouterr().out
+    assert "speculation cannot pay here: a target step costs 100 ms and verifying one drafted token 200 ms" in spec.err
+    assert "--tree 2,1,1 drafts a tree anyway" in spec.err
+    assert spec.err.splitlines()[-1].startswith("[target alone, ")
 
 
 @pytest.mark.parametrize(

@@ -275,7 +275,11 @@ def generate(config: GenerateConfig) -> int:
         policy = _adaptive_policy(config, target, draft)
         if policy is None:
             draft = None
-    tree = _adaptive_shape(config, target, draft) if config.tree == "auto" else config.tree
+    tree = config.tree
+    if tree == "auto":
+        tree = _adaptive_shape(config, target, draft)
+        if tree is None:
+            draft = None
     lookup = None
     if config.drafter != "model":
         from ..auto import lookup_latency
@@ -433,25 +437,37 @@ def _adaptive_policy(config: GenerateConfig, target, draft):
     latency = latency_probe(target, draft, batch)
     policy = adaptive_policy(latency, batch, config.resolved_max_draft)
     if policy is None:
-        step, wider = latency.target(batch, 1), latency.target(batch, 2)
         fallback = (
             "drafting by prompt lookup alone" if config.drafter == "lookup+model" else "decoding with the target alone"
         )
-        _status(
-            f"speculation cannot pay here: a target step costs {1e3 * step:.0f} ms and verifying one drafted "
-            f"token {1e3 * wider:.0f} ms on this machine, so {fallback} "
-            "(--policy fixed speculates anyway; --target-quant int8 makes verification cheaper)"
-        )
+        _cannot_pay(latency, batch, fallback, "--policy fixed speculates anyway")
     return policy
 
 
+def _cannot_pay(latency, batch: int, instead: str, anyway: str) -> None:
+    """Says why no draft is expected to beat the target alone, what runs ``instead``, and what speculates ``anyway``."""
+    step, wider = latency.target(batch, 1), latency.target(batch, 2)
+    _status(
+        f"speculation cannot pay here: a target step costs {1e3 * step:.0f} ms and verifying one drafted "
+        f"token {1e3 * wider:.0f} ms on this machine, so {instead} ({anyway}; --target-quant int8 makes verification "
+        "cheaper)"
+    )
+
+
 def _adaptive_shape(config: GenerateConfig, target, draft):
-    """``policy.AdaptiveShape`` over this machine's measured step latency (``--tree auto``)."""
+    """``policy.AdaptiveShape`` over this machine's measured step latency (``--tree auto``), or None (after saying
+    so) where even its prior acceptance picks no draft, as ``--policy auto`` does for chains."""
     from ..auto import latency_probe
     from ..policy.shapes import AdaptiveShape
 
+    batch = len(config.prompts)
     _status("step latency of these models on this machine (measured on the first run, then cached)")
-    return AdaptiveShape(latency_probe(target, draft, len(config.prompts)), max_draft=config.resolved_max_draft)
+    latency = latency_probe(target, draft, batch)
+    shape = AdaptiveShape(latency, max_draft=config.resolved_max_draft)
+    if shape.choose(batch, catch_up=1):  # at the prior, before any step: the engine starts each call there again
+        return shape
+    _cannot_pay(latency, batch, "decoding with the target alone", "--tree 2,1,1 drafts a tree anyway")
+    return None
 
 
 def tree_or_auto(text: str) -> tuple[int, ...] | str:

@@ -125,6 +125,19 @@ def _cache(path: Path, write, what: str) -> None:
         log.warning("cannot cache the %s at %s (%s): using it for this run only", what, path, error)
 
 
+def _measured_once(path: Path, refresh: bool, load, measure, save, what: str):
+    """``load(path)``, unless ``refresh`` or the cache holds nothing readable there (then say so); else ``measure()``,
+    kept with ``save(path, value)`` where the cache can be written (``_cache``)."""
+    if path.is_file() and not refresh:
+        try:
+            return load(path)
+        except (OSError, ValueError) as error:
+            log.warning("measuring again: %s", error)
+    value = measure()
+    _cache(path, lambda: save(path, value), what)
+    return value
+
+
 def _probe_path(key: dict) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_root() / "machine" / f"probe-{digest}.json"
@@ -177,28 +190,28 @@ def latency_probe(target, draft, batch: int, *, refresh: bool = False):
     models (``profiles.model_identity``: other weights under the same name are measured again), dtype, device,
     thread count and batch size; a cache that cannot be written serves this run's measurement only."""
     name = latency_path(target.name, draft.name, None, dtype_name(target.dtype), str(target.device)).name
+
+    def load(path: Path) -> LatencyProfile:
+        profile = LatencyProfile.load(path)
+        profile.check(target.name, draft.name, None, target.dtype, target.device)
+        return profile
+
+    def measure() -> LatencyProfile:
+        log.info("measuring step latency of %s and %s at batch %d (once per machine)", target.name, draft.name, batch)
+        return measure_profile(
+            target,
+            draft,
+            batch_sizes=tuple(sorted({1, batch})),
+            # every width a step can verify: llama.cpp's quantized matmuls take rows in fours, so there 4 tokens can
+            # cost less than 3, and interpolating between widths would misprice them
+            tokens=tuple(range(1, ADAPTIVE_MAX_DRAFT + 2)),
+            context=128,
+            repeats=2,
+            progress=False,
+        )
+
     path = sv_dir() / f"probe-b{batch}-t{torch.get_num_threads()}-{name}"
-    if path.is_file() and not refresh:
-        try:
-            profile = LatencyProfile.load(path)
-            profile.check(target.name, draft.name, None, target.dtype, target.device)
-            return profile
-        except (OSError, ValueError) as error:
-            log.warning("measuring again: %s", error)
-    log.info("measuring step latency of %s and %s at batch %d (once per machine)", target.name, draft.name, batch)
-    profile = measure_profile(
-        target,
-        draft,
-        batch_sizes=tuple(sorted({1, batch})),
-        # every width a step can verify: llama.cpp's quantized matmuls take rows in fours, so there 4 tokens can cost
-        # less than 3, and interpolating between widths would misprice them
-        tokens=tuple(range(1, ADAPTIVE_MAX_DRAFT + 2)),
-        context=128,
-        repeats=2,
-        progress=False,
-    )
-    _cache(path, lambda: profile.save(path), "latency probe")
-    return profile
+    return _measured_once(path, refresh, load, measure, lambda p, profile: profile.save(p), "latency probe")
 
 
 def lookup_latency(target, batch: int, max_draft: int = LOOKUP_MAX_DRAFT, *, refresh: bool = False) -> LatencyTable:
@@ -207,18 +220,22 @@ def lookup_latency(target, batch: int, max_draft: int = LOOKUP_MAX_DRAFT, *, ref
     a CPU) and cached as ``latency_probe`` caches its profiles, per target, dtype, device, thread count, batch size
     and width."""
     name = latency_path(target.name, None, None, dtype_name(target.dtype), str(target.device)).name
+
+    def measure() -> LatencyTable:
+        log.info("measuring step latency of %s at batch %d for prompt lookup (once per machine)", target.name, batch)
+        tokens = tuple(range(1, max_draft + 2))  # every width: llama.cpp's matmuls take rows in fours (latency_probe)
+        models = {"target": (target, tokens)}
+        return time_forwards(models, tuple(sorted({1, batch})), context=128, repeats=2, progress=False)["target"]
+
     path = sv_dir() / f"lookup-b{batch}-t{torch.get_num_threads()}-w{max_draft + 1}-{name}"
-    if path.is_file() and not refresh:
-        try:
-            return table_from_dict(json.loads(path.read_text()), path)
-        except (OSError, ValueError) as error:
-            log.warning("measuring again: %s", error)
-    log.info("measuring step latency of %s at batch %d for prompt lookup (once per machine)", target.name, batch)
-    tokens = tuple(range(1, max_draft + 2))  # every width: llama.cpp's matmuls take rows in fours (latency_probe)
-    models = {"target": (target, tokens)}
-    table = time_forwards(models, tuple(sorted({1, batch})), context=128, repeats=2, progress=False)["target"]
-    _cache(path, lambda: write_atomic(path, json.dumps(table_dict(table)) + "\n"), "prompt lookup latency probe")
-    return table
+    return _measured_once(
+        path,
+        refresh,
+        lambda p: table_from_dict(json.loads(p.read_text()), p),
+        measure,
+        lambda p, table: write_atomic(p, json.dumps(table_dict(table)) + "\n"),
+        "prompt lookup latency probe",
+    )
 
 
 def measure_profile(

@@ -105,13 +105,12 @@ def best_shape(
     def goodput(shape: tuple[int, ...]) -> float:
         return (1 + float(expected_accepted(alpha[: len(shape)], shape))) / step_cost(shape, target, draft, catch_up)
 
+    rate = {shape: goodput(shape) for shape in shapes}
     chains = [s for s in shapes if all(k == 1 for k in s)]
     trees = [s for s in shapes if any(k > 1 for k in s)]
-    best = max(chains or trees, key=goodput)
-    for shape in trees:
-        if goodput(shape) > goodput(best):
-            best = shape
-    return best
+    best = max(chains or trees, key=rate.__getitem__)
+    tree = max(trees, key=rate.__getitem__, default=best)
+    return tree if rate[tree] > rate[best] else best
 
 
 # --- alpha_k from the laws at a position ------------------------------------------------------------------------

@@ -168,10 +168,10 @@ class LookupState:
         for i, context, room in zip(prompts, contexts, limit):
             n, tokens = settings.match(context, min(settings.max_draft, room))
             if tokens:
-                odds = self._odds(i, ngram_class(n))
-                tokens = tokens[: settings.length(*odds.rates(), len(tokens), len(contexts))]
+                matched = ngram_class(n)
+                tokens = tokens[: settings.length(*self._odds(i, matched).rates(), len(tokens), len(contexts))]
                 if tokens:
-                    self.matched[i] = ngram_class(n)
+                    self.matched[i] = matched
             proposals.append(tokens)
         return proposals
 

@@ -113,9 +113,11 @@ def table(*ms: float, batch: int = 1) -> LatencyTable:
     return LatencyTable((batch,), tuple(range(1, len(ms) + 1)), (tuple(m / 1e3 for m in ms),))
 
 
-def best_rate_length(first: float, then: float, available: int, cost) -> int:
-    """The documented choice, written plainly: argmax over k of E(k) / cost(k + 1), the shortest on a tie."""
+def best_rate_length(first: float, then: float, available: int, cost, alone: float = 0.0) -> int:
+    """The documented choice, written plainly: argmax over k of E(k) / cost(k + 1), the shortest on a tie, where
+    k = 0 is worth the more of a plain step and ``alone`` tokens per second."""
     rates = [(1 + sum(first * then**j for j in range(k))) / cost(k + 1) for k in range(available + 1)]
+    rates[0] = max(rates[0], alone)
     return max(range(available + 1), key=lambda k: (rates[k], -k))
 
 
@@ -130,9 +132,11 @@ def test_the_length_is_the_most_tokens_per_second():
     for _ in range(300):
         ms = sorted(rng.uniform(5, 100) for _ in range(9))
         first, then, available = rng.random(), rng.random(), rng.randint(0, 8)
+        alone = rng.choice([None, rng.uniform(0, 3e3 / ms[0])])  # tokens per second without a proposal
         lookup = PromptLookup(costs=table(*ms))
-        expected = best_rate_length(first, then, available, lambda w, ms=ms: ms[w - 1])
-        assert lookup.length(first, then, available, rows=1) == expected, (ms, first, then, available)
+        expected = best_rate_length(first, then, available, lambda w, ms=ms: ms[w - 1] / 1e3, alone or 0.0)
+        assert lookup.length(first, then, available, rows=1, alone=alone) == expected, (ms, first, then, alone)
+    assert PromptLookup().length(0.5, 0.5, 5, rows=1, alone=1e9) == 5  # no costs: a rate in seconds means nothing
 
 
 def test_the_costs_are_read_at_the_steps_batch_size():
@@ -245,7 +249,7 @@ def model_rows_kept(with_proposals, vocab: int):
 
 
 @pytest.mark.parametrize("rule", SAMPLED_RULES)
-@pytest.mark.parametrize("mode", ["lookup", "lookup+costs", "lookup+model", "lookup+adaptive"])
+@pytest.mark.parametrize("mode", ["lookup", "lookup+costs", "lookup+model", "lookup+adaptive", "lookup+priced"])
 def test_law_of_the_first_tokens_is_the_targets(mode, rule, monkeypatch):
     """Chi-square of the joint law of the first 3 tokens (6**3 outcomes) against the exact target law, for two
     prompts in one batch: one whose last 2-gram occurred before (lookup proposes [1, 1] at the first step, each
@@ -253,19 +257,32 @@ def test_law_of_the_first_tokens_is_the_targets(mode, rule, monkeypatch):
     target step without a draft model); later steps look up in some rows and not in others. The same test on
     engines that verify lookup rows against a smoothed law, or against the model's rows of a mixed step, fails.
     "lookup+adaptive": the model rows' lengths come from AdaptiveLength, which learns from earlier steps;
+    "lookup+priced": as lookup+adaptive, and the lookup rows' lengths come from costs and the model's expected rate
+    (a proposal must beat it: some steps it does not);
     "lookup+costs": the lookup rows' lengths come from step costs and what their earlier proposals met (one token
     at the prior odds, none after a rejection: ``replay`` checks every step)."""
     vocab, length, samples = 6, 3, 3000
     target = tiny_model(vocab=vocab, sharpness=5.0)
-    draft = perturbed(target, scale=0.6, seed=1) if mode in ("lookup+model", "lookup+adaptive") else None
+    draft = perturbed(target, scale=0.6, seed=1) if mode != "lookup" and mode != "lookup+costs" else None
     prompts = [[1, 3, 1, 1, 3], [1, 2, 3]]
     laws = [exact_law_of_first_tokens(target, p, length) for p in prompts]
     policy = None
-    if mode == "lookup+adaptive":  # latency under which the prior's K is 1 and what the steps teach moves it
+    if mode in ("lookup+adaptive", "lookup+priced"):  # latency under which the prior's K is 1 and what the steps
+        # teach moves it
         policy = AdaptiveLength(profile([100, 150, 200, 250, 300], draft_ms=10), max_draft=4, memory=0.5)
     first_k = policy.best_length(2 * samples) if policy else 2
-    lookup = PromptLookup(costs=table(10, 14.5, 21) if mode == "lookup+costs" else None)
+    costs = {"lookup+costs": table(10, 14.5, 21), "lookup+priced": table(100, 135, 190, 240, 290)}.get(mode)
+    lookup = PromptLookup(costs=costs)
     decoder = SpeculativeDecoder(target, draft, rule=rule, max_draft=2, policy=policy, lookup=lookup)
+    priced = []  # per lookup choice: whether the model's expected rate changed it
+    choose = PromptLookup.length
+
+    def spy(self, first, then, available, rows, alone=None):
+        chosen = choose(self, first, then, available, rows, alone)
+        priced.append(chosen != choose(self, first, then, available, rows))
+        return chosen
+
+    monkeypatch.setattr(PromptLookup, "length", spy)
 
     def tests():
         result = decoder.generate(
@@ -282,10 +299,14 @@ def test_law_of_the_first_tokens_is_the_targets(mode, rule, monkeypatch):
     first = result.stats[0]  # lookup in the first prompt's rows, not in the second's, in one step
     assert first.lookup == [True] * samples + [False] * samples
     assert set(first.verified[samples:]) == ({first_k} if draft is not None else {0})
-    if policy is not None:
+    if mode == "lookup+adaptive":
         assert 0 < first_k < 4 and policy.best_length(2 * samples) != first_k  # it learnt from the model rows
     used = lookup_steps(result)
-    assert len(used) > samples and any(a == k for k, a in used) and any(a < k for k, a in used)
+    assert any(a == k for k, a in used) and any(a < k for k, a in used)
+    if mode == "lookup+priced":  # the model's rate kept the second step's matches from proposing, not the first's
+        assert any(priced) and not all(priced)
+    else:  # lookup after the first step too; nothing priced without costs and a policy that prices its steps
+        assert len(used) > samples and not any(priced)
     if mode == "lookup+costs":
         assert set(first.verified[:samples]) == {1}
         replay(result, [p for p in prompts for _ in range(samples)], lookup, length, None)
@@ -400,6 +421,24 @@ def test_a_row_does_not_depend_on_its_neighbours_and_proposals_outrun_the_models
     assert any(k > 1 for k, _ in lookup_steps(together))  # (one drafted token: the two rules coincide anyway)
     assert expected and all(b == pytest.approx(t, rel=1e-4, abs=1e-7) for t, b in expected)
     assert 0 < together.lookup_rate < 1
+
+
+def test_a_proposal_must_beat_the_model_draft_it_replaces(pair):
+    """Beside AdaptiveLength, k = 0 is worth the model's expected rate: a one-token match at the prior odds (at most
+    2 tokens a step in 10 ms) no longer pays against a 4-token draft at acceptance 0.8 (3.36 tokens in 14 ms),
+    while a long match still does. A policy that prices nothing leaves lookup comparing with a plain step."""
+    target, _ = pair
+    prompts = [[5, 6, 7, 5], [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2, 3]]  # a match of 1 token, one of 9
+    assert [PromptLookup().match(p, 8)[0] for p in prompts] == [1, 9]
+    flat = PromptLookup(costs=table(*[10] * 34))  # every width costs 10 ms, as the profile's target
+    first_steps = {}
+    for name, policy in (("priced", AdaptiveLength(profile([10] * 9, draft_ms=1), max_draft=4)), ("fixed", None)):
+        decoder = SpeculativeDecoder(target, HFModel(target), max_draft=4, policy=policy, lookup=flat)
+        result = decoder.generate(prompts, max_new_tokens=12, sampling=GREEDY, stop_on_eos=False)
+        assert result.sequences == [reference_greedy(target, p, 12, eos=None) for p in prompts]
+        first_steps[name] = (result.stats[0].lookup, result.stats[0].verified)
+    assert first_steps["priced"] == ([False, True], [4, 6])  # the model drafts 4 where the short match cannot pay
+    assert first_steps["fixed"] == ([True, True], [3, 6])  # against a plain step, the short match proposes all
 
 
 class Observed(FixedLength):

@@ -21,9 +21,10 @@ before it was. Both start at the prior c / (c + 1) for class c (the class of 5-8
 ``prior_weight`` proposals' worth of weight, then count what the target accepted. A proposal of k tokens is then
 expected to commit E(k) = 1 + first (1 + then + .. + then^(k-1)) tokens, and its step costs the target's forward
 over k + 1 tokens (``costs``): the proposal is the k in 0..len(match) with the most tokens per second,
-E(k) / cost(k + 1), where k = 0 (no proposal) commits 1 token in cost(1). Where no length pays, the row decodes
-alone (or drafts with the model); its counts for that length class stay as they were, so its odds change only
-where it proposes.
+E(k) / cost(k + 1), where k = 0 (no proposal) commits 1 token in cost(1), or, beside a draft model whose length
+policy prices its steps (``AdaptiveLength``), what the model's draft is expected to commit per second if more: a
+proposal must beat the draft it replaces. Where no length pays, the row decodes alone (or drafts with the model);
+its counts for that length class stay as they were, so its odds change only where it proposes.
 
 Why it stays lossless: a proposal and its length depend on the committed context and on earlier steps' outcomes
 only, never on this step's target distributions (docs/algorithms.md, "Prompt lookup proposes").
@@ -113,12 +114,16 @@ class PromptLookup:
             start = data.rfind(suffix, 0, start + len(suffix) - 1)
         return start // _TOKEN if start >= 0 else -1
 
-    def length(self, first: float, then: float, available: int, rows: int) -> int:
+    def length(self, first: float, then: float, available: int, rows: int, alone: float | None = None) -> int:
         """The proposal length k in 0..``available`` with the most tokens per second at ``rows`` rows: E(k) /
-        cost(k + 1), E(k) = 1 + first (1 + then + .. + then^(k-1)) (module docstring); the shortest on a tie."""
+        cost(k + 1), E(k) = 1 + first (1 + then + .. + then^(k-1)) (module docstring); the shortest on a tie.
+        k = 0 is worth a plain step, 1 / cost(1), or ``alone`` tokens per second if more (the draft model's expected
+        rate, when it drafts where lookup does not; used only with ``costs``, whose unit it shares)."""
         costs = self.costs
         cost = (lambda width: 1.0) if costs is None else (lambda width: costs(rows, width))
         best, best_rate = 0, 1.0 / cost(1)
+        if alone is not None and costs is not None:
+            best_rate = max(best_rate, alone)
         expected, accept_next = 1.0, first
         for k in range(1, available + 1):
             expected += accept_next
@@ -160,16 +165,22 @@ class LookupState:
         self.matched: dict[int, int] = {}  # prompt -> the class of its last step's proposal (until observed)
 
     def propose(
-        self, prompts: Sequence[int], contexts: Sequence[Sequence[int]], limit: Sequence[int]
+        self,
+        prompts: Sequence[int],
+        contexts: Sequence[Sequence[int]],
+        limit: Sequence[int],
+        alone: float | None = None,
     ) -> list[list[int]]:
-        """One proposal per batch row (prompt ``prompts[b]``), at most ``limit[b]`` tokens (module docstring)."""
+        """One proposal per batch row (prompt ``prompts[b]``), at most ``limit[b]`` tokens (module docstring), each
+        worth more than ``alone`` tokens per second if given (``PromptLookup.length``)."""
         settings, proposals = self.settings, []
         self.matched = {}
         for i, context, room in zip(prompts, contexts, limit):
             n, tokens = settings.match(context, min(settings.max_draft, room))
             if tokens:
                 matched = ngram_class(n)
-                tokens = tokens[: settings.length(*self._odds(i, matched).rates(), len(tokens), len(contexts))]
+                rates = self._odds(i, matched).rates()
+                tokens = tokens[: settings.length(*rates, len(tokens), len(contexts), alone)]
                 if tokens:
                     self.matched[i] = matched
             proposals.append(tokens)

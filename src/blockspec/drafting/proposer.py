@@ -86,7 +86,10 @@ class DraftProposer:
         seen = self.draft.lengths.tolist() if self.draft is not None else [len(c) for c in contexts]
         unseen = [c[n:] for c, n in zip(contexts, seen)]
         limit = room.minimum(torch.tensor([self._draft_room(c) for c in contexts])).clamp(min=0)  # [B]
-        proposals = self.lookup.propose(rows, contexts, limit.tolist()) if self.lookup else [[] for _ in rows]
+        proposals = [[] for _ in rows]
+        if self.lookup is not None:  # a proposal must beat what the model's draft is expected to commit
+            alone = self.policy.expected_rate(len(contexts), max((len(u) for u in unseen), default=1))
+            proposals = self.lookup.propose(rows, contexts, limit.tolist(), alone)
         looked_up = torch.tensor([len(p) > 0 for p in proposals], dtype=torch.bool)  # [B]
         limit = limit.masked_fill(looked_up, 0)  # lookup rows are holes in the draft's forward
         catch_up = max((len(u) for u, n in zip(unseen, limit.tolist()) if n > 0), default=1)

@@ -47,6 +47,12 @@ class LengthPolicy(Protocol):
         size, the tokens the draft's first forward must catch up on, everything from earlier steps."""
         ...
 
+    def expected_rate(self, batch: int, catch_up: int) -> float | None:
+        """Before drafting: the tokens per second a row is expected to commit from this step if the policy drafts
+        for it (as ``draft_budget`` would price the step), or None for a policy that does not price its steps.
+        Prompt lookup proposes only what beats it. Known: as for ``draft_budget``; it changes nothing."""
+        ...
+
     def draft_next(self, position: int, prefix: torch.Tensor) -> bool:
         """Before the draft's forward for position i = ``position`` > 1: whether to run it. Known: x_<i, through
         ``prefix`` [B] float64 = sum_{j<i} log draft(x_j)."""

@@ -28,6 +28,9 @@ class FixedLength:
     def draft_budget(self, batch: int, catch_up: int) -> int:
         return self.max_draft
 
+    def expected_rate(self, batch: int, catch_up: int) -> float | None:
+        return None  # it knows no costs
+
     def draft_next(self, position: int, prefix: torch.Tensor) -> bool:
         return True
 
@@ -76,22 +79,30 @@ class AdaptiveLength(FixedLength):
             self.acceptance = self.prior
 
     def best_length(self, batch: int, catch_up: int = 1) -> int:
-        """The K in 0..max_draft with the most expected tokens per second at this batch size.
+        """The K in 0..max_draft with the most expected tokens per second at this batch size (``goodputs``).
+        Where even the prior cannot pay for a draft (a machine on which a multi-token forward costs nearly as much
+        per token as a plain step), it is 0 from the first step and stays 0 (``draft_budget``'s drift never passes
+        the prior): the caller can say so."""
+        goodput = self.goodputs(batch, catch_up)
+        return max(range(len(goodput)), key=goodput.__getitem__)
+
+    def goodputs(self, batch: int, catch_up: int = 1) -> list[float]:
+        """Expected tokens per second of a step drafting K, for K in 0..max_draft.
 
         A step drafting K emits 1 + a + a^2 + ... + a^K tokens in expectation when each drafted token is accepted
         with probability a (``acceptance``) once the ones before it were (the token rule; the block rule accepts at
         least as many), and costs the draft's forwards (the first catching up on the ``catch_up`` tokens the draft
-        has not read) and the target's forward over K + 1 tokens, from ``latency``. Where even the prior cannot
-        pay for a draft (a machine on which a multi-token forward costs nearly as much per token as a plain step),
-        it is 0 from the first step and stays 0 (``draft_budget``'s drift never passes the prior): the caller can
-        say so."""
+        has not read) and the target's forward over K + 1 tokens, from ``latency``."""
         emitted = list(itertools.accumulate(self.acceptance**i for i in range(self.max_draft + 1)))  # O(K)
-        goodput = [
+        return [
             emitted[k]
             / (self.latency.drafting(batch, k, catch_up, companion=False) + self.latency.target(batch, 1 + k))
             for k in range(self.max_draft + 1)
         ]
-        return max(range(len(goodput)), key=goodput.__getitem__)
+
+    def expected_rate(self, batch: int, catch_up: int) -> float:
+        """The goodput of the step ``draft_budget`` would take now (its catch-up priced as there)."""
+        return max(self.goodputs(batch, min(catch_up, 2)))
 
     def draft_budget(self, batch: int, catch_up: int) -> int:
         """``best_length``, with the draft's first forward priced as while drafting goes on: at most 2 tokens to

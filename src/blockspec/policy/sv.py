@@ -167,6 +167,9 @@ class SVPolicy:
 
         return seconds
 
+    def expected_rate(self, batch: int, catch_up: int) -> None:
+        return None  # prompt lookup does not run beside SV
+
     def draft_budget(self, batch: int, catch_up: int) -> int:
         """Decision 1, before drafting: from the recent history of predicted gains per position and the latency
         table, whether speculating pays at all at this batch size (``max_draft`` if so, else 0), with the draft's

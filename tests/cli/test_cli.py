@@ -13,6 +13,7 @@ import pytest
 from kits.tiny import save_tiny, tiny_model
 
 from blockspec import cli
+from blockspec.cli import generate as generate_cli
 from blockspec.cli import progress as progress_cli
 from blockspec.models import hf
 
@@ -67,8 +68,27 @@ def test_generate_end_to_end_on_tiny_models(tiny_pair):
     assert two.returncode == 0 and "--- prompt 0" in two.stdout and "--- prompt 1" in two.stdout
 
 
+@pytest.mark.parametrize(
+    "flags, drafter",
+    [
+        ([], "lookup+model"),  # the default: lookup where a proposal beats the model's priced draft
+        (["--policy", "fixed"], "model"),  # a fixed K prices nothing to weigh a proposal against
+        (["--policy", "sv"], "model"),
+        (["--tree", "2,1"], "model"),
+        (["--paths", "2"], "model"),
+        (["--draft", "none"], "model"),  # the target alone
+        (["--drafter", "lookup"], "lookup"),
+        (["--drafter", "model"], "model"),
+        (["--drafter", "lookup+model", "--policy", "fixed"], "lookup+model"),
+    ],
+)
+def test_the_default_drafter_is_lookup_beside_the_model_where_the_policy_prices_it(flags, drafter):
+    config = generate_cli.config_from(cli.build_parser().parse_args(["generate", *flags, "hello"]))
+    assert generate_cli._resolve_drafter(config) == drafter
+
+
 @pytest.mark.slow  # a subprocess or thousands of rows: the full suite runs it
-@pytest.mark.parametrize("drafter", ["lookup", "lookup+model"])
+@pytest.mark.parametrize("drafter", ["lookup", "lookup+model", None])
 def test_generate_with_prompt_lookup_gives_the_greedy_text_of_the_target(tiny_pair, drafter):
     target, draft = tiny_pair
     common = [
@@ -85,14 +105,16 @@ def test_generate_with_prompt_lookup_gives_the_greedy_text_of_the_target(tiny_pa
         "--no-chat",
         "abc abc abc abc",
     ]
-    spec = run("generate", "--drafter", drafter, *common)
+    spec = run("generate", *(["--drafter", drafter] if drafter else []), *common)  # None: the default
     plain = run("generate", *common[:-1], "--draft", "none", common[-1])  # the last --draft wins
     assert spec.returncode == plain.returncode == 0, spec.stderr + plain.stderr
     assert spec.stdout == plain.stdout and spec.stdout.strip()
     # lookup alone takes its lengths from its own settings; lookup+model's model rows follow the default policy
     assert ("[block, fixed K=" if drafter == "lookup" else "[block, auto K=") in spec.stderr
-    refused = run("generate", "--drafter", drafter, "--policy", "sv", *common)
-    assert refused.returncode == 2 and "--drafter" in refused.stderr
+    assert "prompt lookup in" in spec.stderr and "prompt lookup in" not in plain.stderr
+    if drafter:
+        refused = run("generate", "--drafter", drafter, "--policy", "sv", *common)
+        assert refused.returncode == 2 and "--drafter" in refused.stderr
 
 
 @pytest.mark.slow  # a subprocess or thousands of rows: the full suite runs it

@@ -22,7 +22,7 @@ from .common import (
 )
 from .progress import PrefillProgress, Streamer, watch_prefill
 
-DRAFTERS = ("model", "lookup", "lookup+model")
+DRAFTERS = ("auto", "model", "lookup", "lookup+model")
 NO_DRAFT = "none"  # --draft none: decode with the target alone
 
 EXAMPLES = """examples:
@@ -55,7 +55,7 @@ class GenerateConfig:
     chat: bool
     stop: tuple[str, ...]
     policy: str = "auto"
-    drafter: str = "model"  # one of DRAFTERS
+    drafter: str = "auto"  # one of DRAFTERS; auto: lookup+model under --policy auto with a chain, else model
     draft_quant: str = "auto"  # "auto", "none" or one of QUANTS
     target_quant: str = "none"
     companion: str | None = None  # None: SV's default on the backend (sv.resolve_companion)
@@ -110,9 +110,11 @@ def add_parser(sub) -> None:
     )
     gen.add_argument(
         "--drafter",
-        default="model",
+        default="auto",
         choices=DRAFTERS,
-        help="who proposes tokens: the draft model, prompt lookup, or lookup where it matches (default: %(default)s)",
+        help="who proposes tokens: the draft model, prompt lookup, or lookup where a match is expected to beat the "
+        "model's draft and the model elsewhere; auto: lookup+model under --policy auto (a chain), the model with "
+        "--policy fixed or sv, --tree or --paths (default: %(default)s)",
     )
     gen.add_argument(
         "--policy",
@@ -191,14 +193,18 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    return generate(config_from(args))
+
+
+def config_from(args) -> GenerateConfig:
+    """The ``GenerateConfig`` of parsed ``generate`` arguments (the prompt from stdin if none is given)."""
     given = {f.name for f in fields(GenerateConfig)} - {"prompts", "draft", "stop"}  # the flags named as the fields
-    config = GenerateConfig(
+    return GenerateConfig(
         prompts=tuple(args.prompts) or (sys.stdin.read(),),
         draft=None if args.draft == NO_DRAFT else args.draft,
         stop=tuple(args.stop),
         **{name: getattr(args, name) for name in given},
     )
-    return generate(config)
 
 
 def generate(config: GenerateConfig) -> int:
@@ -223,6 +229,7 @@ def generate(config: GenerateConfig) -> int:
             refuse_model_code(folder)
     if not RULES[config.rule].sampled and not sampling.greedy:
         raise ValueError(f"--rule {config.rule} needs --temperature 0; to sample use one of {', '.join(SAMPLED_RULES)}")
+    config = replace(config, drafter=_resolve_drafter(config))
     flag = _refuse_with_shape(config)
     if config.policy == "sv" and config.draft is None:
         raise ValueError(f"--policy sv needs a draft model (--draft {NO_DRAFT} decodes with the target alone)")
@@ -324,6 +331,8 @@ def generate(config: GenerateConfig) -> int:
         shape = f"tree {','.join(map(str, tree))} ({decoder.max_draft} nodes)"
     else:
         shape = f"{config.policy} K={decoder.max_draft}"
+    if decoder.lookup is not None:  # the share of row steps that verified a lookup proposal instead of a draft
+        shape += f", prompt lookup in {result.lookup_rate:.0%} of steps"
     print(
         f"[{mode}, {shape}, {_drafted_per_step(result)} drafted per step] "
         f"{result.new_tokens} tokens in {result.wall_time:.1f} s = {result.tokens_per_second:.2f} tokens/s; "
@@ -350,6 +359,16 @@ def _decoder(config: GenerateConfig, target, draft, *, policy, companion, lookup
         paths=config.paths,
         paths_drawn=config.paths_drawn,
     )
+
+
+def _resolve_drafter(config: GenerateConfig) -> str:
+    """``--drafter auto``: prompt lookup beside the draft model where the policy prices the model's steps (``--policy
+    auto``, a chain), so that a proposal is made only where it is expected to beat the model's draft; the model
+    alone otherwise (a fixed K, SV, a tree or paths: none combines with lookup, or prices it against the model)."""
+    if config.drafter != "auto":
+        return config.drafter
+    chain = config.tree is None and config.paths is None
+    return "lookup+model" if config.policy == "auto" and config.draft is not None and chain else "model"
 
 
 def _refuse_with_shape(config: GenerateConfig) -> str | None:

@@ -329,6 +329,8 @@ def generate(config: GenerateConfig) -> int:
         shape = f"{decoder.paths} paths of {len(tree)} ({decoder.paths_drawn}, {decoder.max_draft} nodes)"
     elif tree is not None:  # what the engine drafts: its nodes are the widest step (max_draft)
         shape = f"tree {','.join(map(str, tree))} ({decoder.max_draft} nodes)"
+    elif decoder.draft is None and decoder.lookup is not None:  # lookup alone: --drafter lookup, or no K paid
+        shape = f"lookup alone, up to {decoder.lookup.max_draft}"
     else:
         shape = f"{config.policy} K={decoder.max_draft}"
     if decoder.lookup is not None:  # the share of row steps that verified a lookup proposal instead of a draft
@@ -459,17 +461,18 @@ def _adaptive_policy(config: GenerateConfig, target, draft):
         fallback = (
             "drafting by prompt lookup alone" if config.drafter == "lookup+model" else "decoding with the target alone"
         )
-        _cannot_pay(latency, batch, fallback, "--policy fixed speculates anyway")
+        _cannot_pay(latency, batch, fallback, "--policy fixed speculates anyway", config.backend)
     return policy
 
 
-def _cannot_pay(latency, batch: int, instead: str, anyway: str) -> None:
-    """Says why no draft is expected to beat the target alone, what runs ``instead``, and what speculates ``anyway``."""
+def _cannot_pay(latency, batch: int, instead: str, anyway: str, backend: str) -> None:
+    """Says why no draft is expected to beat the target alone, what runs ``instead``, and what speculates ``anyway``
+    (and, on transformers, that an int8 target verifies cheaper: llama.cpp runs the GGUF's own types)."""
     step, wider = latency.target(batch, 1), latency.target(batch, 2)
+    cheaper = "; --target-quant int8 makes verification cheaper" if backend == "hf" else ""
     _status(
         f"speculation cannot pay here: a target step costs {1e3 * step:.0f} ms and verifying one drafted "
-        f"token {1e3 * wider:.0f} ms on this machine, so {instead} ({anyway}; --target-quant int8 makes verification "
-        "cheaper)"
+        f"token {1e3 * wider:.0f} ms on this machine, so {instead} ({anyway}{cheaper})"
     )
 
 
@@ -485,7 +488,7 @@ def _adaptive_shape(config: GenerateConfig, target, draft):
     shape = AdaptiveShape(latency, max_draft=config.resolved_max_draft)
     if shape.choose(batch, catch_up=1):  # at the prior, before any step: the engine starts each call there again
         return shape
-    _cannot_pay(latency, batch, "decoding with the target alone", "--tree 2,1,1 drafts a tree anyway")
+    _cannot_pay(latency, batch, "decoding with the target alone", "--tree 2,1,1 drafts a tree anyway", config.backend)
     return None
 
 

@@ -48,7 +48,7 @@ def tiny_config(tmp_path_factory):
 def test_plan_interleaves_configurations_prompt_by_prompt_with_one_seed_per_prompt():
     config = runner.BenchConfig(max_drafts=(2, 4), temperatures=(1.0, 0.0), seed=7)
     runs = runner.plan(config, {"a": [("a/0", [1]), ("a/1", [2])], "b": [("b/0", [3])]})
-    first = [(r.prompt_id, r.config, r.max_draft) for r in runs[:7]]
+    first = [(r.prompt_id, r.config, r.max_draft) for r in runs[:8]]
     assert first == [
         ("a/0", "target-only", 0),
         ("a/0", "token", 2),
@@ -57,15 +57,16 @@ def test_plan_interleaves_configurations_prompt_by_prompt_with_one_seed_per_prom
         ("a/0", "block", 4),
         ("a/0", "hf-assisted", 0),
         ("a/0", "auto", 4),
+        ("a/0", "lookup+model", 4),
     ]
-    assert len(runs) == 7 * 3 * 2 and len({r.key for r in runs}) == len(runs)
+    assert len(runs) == 8 * 3 * 2 and len({r.key for r in runs}) == len(runs)
     assert {r.seed for r in runs if r.prompt_id == "a/1"} == {8}
 
 
 def test_runner_writes_one_record_per_prompt_and_configuration_and_resumes(tiny_config):
     records_file = runner.run(tiny_config, progress=False)
     records = list(rec.read(records_file))
-    assert len(records) == 2 * (1 + 2 + 2 + 1 + 1)
+    assert len(records) == 2 * (1 + 2 + 2 + 1 + 1 + 1)
     for record in records:
         assert record.new_tokens == 6 or record.finish_reason == "eos"
         assert record.wall_time > 0 and record.meta["dtype"] == "float32" and record.meta["threads"] >= 1
@@ -82,7 +83,7 @@ def test_a_spent_time_budget_stops_scheduling_and_a_rerun_completes(tiny_config,
     boxed = replace(tiny_config, out=tmp_path, time_budget=0.0)
     assert len(list(rec.read(runner.run(boxed, progress=False)))) == 1  # the first run, then the budget is spent
     complete = runner.run(replace(boxed, time_budget=None), progress=False)
-    assert len(list(rec.read(complete))) == 14
+    assert len(list(rec.read(complete))) == 16
 
 
 @pytest.mark.slow  # a subprocess or thousands of rows: the full suite runs it
@@ -116,10 +117,10 @@ def test_bench_command_prints_the_report_and_writes_plots(tiny_config, tmp_path)
     )
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert summary["records"] == 5 and "summary" in summary
+    assert summary["records"] == 6 and "summary" in summary
     # stderr is no terminal here: one line per finished run instead of a progress bar
-    runs = re.findall(r"bench run (\d+)/5: lm1b/\S+ (\S+) K=\d+ T=1 B=1: \d+ tokens in [\d.]+ s", out.stderr)
-    assert [int(n) for n, _ in runs] == [1, 2, 3, 4, 5] and "bench runs:" not in out.stderr
+    runs = re.findall(r"bench run (\d+)/6: lm1b/\S+ (\S+) K=\d+ T=1 B=1: \d+ tokens in [\d.]+ s", out.stderr)
+    assert [int(n) for n, _ in runs] == [1, 2, 3, 4, 5, 6] and "bench runs:" not in out.stderr
     assert "1 + mean accepted" in out.stdout
     for name in ("records.jsonl", "report.md", "block_efficiency_vs_k.png", "speedup_vs_k.png", "accepted_hist.png"):
         assert (tmp_path / name).stat().st_size > 0

@@ -31,10 +31,12 @@ OK, FAILED = "ok", "failed"  # Record.status
 HF_CONFIGS = ("hf-assisted", "hf-lookup")  # transformers' generate: batch 1, no per-step lists, no prefill time
 SV_CONFIGS = ("sv-draft", "sv-token", "sv-block")  # Speculative Verification: draft-only / companion predictor
 FIXED_CONFIGS = ("token", "block", "block-int8")  # fixed-K speculative decoding: one run per K
-# blockspec's own defaults, each deciding its lengths: the length `generate` picks (AdaptiveLength over the draft
-# the machine's probe chose), prompt lookup alone, and lookup with that model draft where nothing matches
+# blockspec's own defaults, each deciding its lengths: the draft length `generate --drafter model` picks
+# (AdaptiveLength over the draft the machine's probe chose), prompt lookup alone, and lookup beside that model draft
+# where a proposal is expected to beat it (what `generate` runs by default)
 ADAPTIVE_CONFIGS = ("auto", "lookup", "lookup+model")
-CONFIGS = ("target-only", "token", "block", "hf-assisted", "auto")  # the default comparison (no profiles needed)
+# the default comparison (no profiles needed)
+CONFIGS = ("target-only", "token", "block", "hf-assisted", "auto", "lookup+model")
 # Each step the tree or chain of at most K nodes predicted fastest (policy.AdaptiveShape over the latency probe, as
 # `generate --tree auto` runs it), with the draft the tree and fixed-K rows use; its records' max_draft is that K
 AUTO_TREE = "auto-tree"

@@ -12,6 +12,7 @@ import pytest
 import torch
 from kits.enginekit import reference_greedy
 from kits.tiny import perturbed, tiny_model
+from kits.treeforward import BAD_PATHS, BAD_TREES, KEPT_PATH, TREE, padded, path_to, random_trees, split_columns
 
 from blockspec.models import hf
 from blockspec.models.base import TreeLanguageModel
@@ -27,35 +28,6 @@ ROWS = [[1, 2, 3, 4, 5], [6], [], [7, 8, 9, 10, 11, 12, 13, 14]]  # different le
 @pytest.fixture(scope="module")
 def model(device):
     return tiny_model(sharpness=5.0).to(device)  # 4 query heads share 2 key/value heads, as grouped_sdpa expects
-
-
-def random_trees(gen: torch.Generator, batch: int, nodes: int, *, holes: float = 0.0, deep: float = 0.5):
-    """(tokens, parents, valid) [B, N] in verify/tree_inputs.py's layout: node a's parent is, with probability
-    ``deep``, the last valid node before it (so trees grow deep), else the root or any earlier valid node; a node
-    is a hole with probability ``holes``, and a hole's parent is garbage (it must be ignored)."""
-    tokens = torch.randint(1, 40, (batch, nodes), generator=gen)
-    parents = torch.full((batch, nodes), 10**6, dtype=torch.long)
-    valid = torch.rand(batch, nodes, generator=gen) >= holes
-    for b in range(batch):
-        earlier = [0]  # the root, then every valid node so far
-        for a in range(1, nodes + 1):
-            if not valid[b, a - 1]:
-                continue
-            if float(torch.rand((), generator=gen)) < deep:
-                parents[b, a - 1] = earlier[-1]
-            else:
-                parents[b, a - 1] = earlier[int(torch.randint(len(earlier), (), generator=gen))]
-            earlier.append(a)
-    return tokens, parents, valid
-
-
-def path_to(parents: list[int], node: int) -> list[int]:
-    """Node numbers from the root's child down to ``node`` (0: the root, an empty path)."""
-    path = []
-    while node:
-        path.append(node)
-        node = parents[node - 1]
-    return path[::-1]
 
 
 def assert_nodes_match_their_paths(model, rows, tokens, parents, valid, logits):
@@ -76,11 +48,6 @@ def forward(adapter: HFModel, tokens: torch.Tensor, valid: torch.Tensor | None =
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, msg: str | None = None) -> None:
     torch.testing.assert_close(actual, expected, atol=TOLERANCE, rtol=TOLERANCE, msg=msg)
-
-
-def padded(paths: list[list[int]], fill: int = -1) -> torch.Tensor:
-    width = max((len(p) for p in paths), default=0)
-    return torch.tensor([p + [fill] * (width - len(p)) for p in paths], dtype=torch.long).reshape(len(paths), width)
 
 
 def test_hf_model_is_a_tree_language_model(model):
@@ -294,14 +261,6 @@ def test_greedy_tree_steps_through_the_verifier_reproduce_plain_greedy_decoding(
 # --- a tree grown level by level, as a drafter reads it -------------------------------------------------------------
 
 
-def split_columns(nodes: int, parts: int, gen: torch.Generator) -> list[slice]:
-    """The columns of a tree of ``nodes`` nodes, cut at random places into ``parts`` consecutive calls (some possibly
-    empty)."""
-    cuts = sorted(torch.randint(0, nodes + 1, (parts - 1,), generator=gen).tolist())
-    bounds = [0, *cuts, nodes]
-    return [slice(bounds[i], bounds[i + 1]) for i in range(parts)]
-
-
 @pytest.mark.parametrize("seed", range(3))
 def test_a_tree_grown_by_several_forwards_is_the_tree_scored_at_once(model, seed):
     """The same random trees (holes included), once in one forward_tree and once in 1-4 consecutive calls cut at
@@ -352,22 +311,8 @@ def test_a_bad_level_is_refused_and_leaves_the_waiting_tree_as_it_was(model):
 
 # --- refusals ------------------------------------------------------------------------------------------------------
 
-TREE = (torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([[0, 0, 1, 3, 0]]), torch.tensor([[1, 1, 1, 1, 0]]).bool())
 
-
-@pytest.mark.parametrize(
-    "change, message",
-    [
-        ({"parents": torch.tensor([[0, 3, 1, 2, 0]])}, r"parents\[0, 1\] = 3 \(node 2\) must lie in \[0, 2\)"),
-        ({"parents": torch.tensor([[-1, 0, 1, 3, 0]])}, r"parents\[0, 0\] = -1 \(node 1\) .* 0 is the root"),
-        ({"parents": torch.tensor([[0, 0, 9, 3, 0]])}, r"parents\[0, 2\] = 9 \(node 3\) must lie in \[0, 3\)"),
-        ({"valid": torch.tensor([[1, 1, 0, 1, 0]]).bool()}, r"parents\[0, 3\] = 3 \(node 4\) is a hole"),
-        ({"parents": torch.tensor([[0, 0, 1, 3]])}, r"must all be \[B, N\] with B = 1 row"),
-        ({"tokens": torch.ones(2, 5, dtype=torch.long)}, r"must all be \[B, N\] with B = 1 row"),
-        ({"valid": torch.ones(1, 5, dtype=torch.long)}, r"valid must be a \[B, N\] torch.bool tensor"),
-    ],
-    ids=["parent after child", "parent -1", "parent out of range", "parent a hole", "shapes", "rows", "dtype"],
-)
+@pytest.mark.parametrize("change, message", BAD_TREES.values(), ids=BAD_TREES)
 def test_a_bad_tree_is_refused_and_leaves_the_cache_as_it_was(model, change, message):
     adapter = HFModel(model)
     adapter.prefill([[1, 2, 3]])
@@ -379,40 +324,14 @@ def test_a_bad_tree_is_refused_and_leaves_the_cache_as_it_was(model, change, mes
     assert_nodes_match_their_paths(model, [[1, 2, 3]], *TREE, logits)
 
 
-@pytest.mark.parametrize(
-    "path, message",
-    [
-        (torch.tensor([[1, 4]]), r"node 4's parent is 3, not 1"),  # skips a level
-        (torch.tensor([[3]]), r"node 3's parent is 1, not 0"),  # starts below the root
-        (torch.tensor([[1, 2]]), r"node 2's parent is 0, not 1"),  # two siblings
-        (torch.tensor([[True, True, False, False, False]]), r"node 2's parent is 0, not 1"),  # siblings kept
-        (torch.tensor([[1, -1, 3]]), r"goes on after a -1"),
-        (torch.tensor([[6]]), r"holds 6, not a node number in 1..5"),
-        (torch.tensor([[5]]), r"holds node 5, a hole"),
-        (torch.tensor([[False, False, False, False, True]]), r"keeps node 5 of row 0, a hole"),
-        (torch.tensor([[1, 3]], dtype=torch.int32), r"\[B, D\] int64 node numbers"),
-        ([[1, 3]], r"\[B, D\] int64 node numbers"),
-    ],
-    ids=[
-        "skips a level",
-        "below the root",
-        "siblings",
-        "siblings kept",
-        "gap",
-        "out of range",
-        "hole",
-        "hole kept",
-        "int32",
-        "a list",
-    ],
-)
+@pytest.mark.parametrize("path, message", BAD_PATHS.values(), ids=BAD_PATHS)
 def test_committing_anything_but_one_path_is_refused_and_the_tree_still_waits(model, path, message):
     adapter = HFModel(model)
     adapter.prefill([[1, 2, 3]])
     adapter.forward_tree(*TREE)
     with pytest.raises(ValueError, match=message):
         adapter.commit(path)
-    adapter.commit(torch.tensor([[1, 3, 4]]))
+    adapter.commit(KEPT_PATH)
     assert adapter.lengths.tolist() == [6]
     final = forward(adapter, torch.tensor([[5]]))
     with torch.no_grad():

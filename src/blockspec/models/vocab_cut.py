@@ -137,9 +137,9 @@ def read_cut(cut: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 class VocabularyCut:
-    """A ``LanguageModel`` of the full vocabulary over ``model``, which runs a cut GGUF (``cut_vocabulary``): tokens
-    in are read as ``reads[token]``, and the logits of the kept ids are scattered into rows of ``vocab_size`` whose
-    other entries are -inf (probability zero, whatever the temperature; never argmax)."""
+    """A ``TreeLanguageModel`` of the full vocabulary over ``model``, which runs a cut GGUF (``cut_vocabulary``):
+    tokens in are read as ``reads[token]``, and the logits of the kept ids are scattered into rows of ``vocab_size``
+    whose other entries are -inf (probability zero, whatever the temperature; never argmax)."""
 
     def __init__(self, model, kept: np.ndarray, reads: np.ndarray, *, eos_token_ids: tuple[int, ...], tokenizer=None):
         self.model = model
@@ -174,3 +174,14 @@ class VocabularyCut:
 
     def select(self, rows: torch.Tensor) -> None:
         self.model.select(rows)
+
+    # Trees, scored by the model it wraps (a LlamaCppModel): the nodes read and their logits scattered as ``forward``'s
+
+    def forward_tree(self, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        cut = self.model.forward_tree(self.reads[tokens], parents, valid)
+        logits = cut.new_full((*cut.shape[:-1], self.vocab_size), float("-inf"))
+        logits[..., self.kept] = cut
+        return logits
+
+    def commit(self, path: torch.Tensor) -> None:
+        self.model.commit(path)

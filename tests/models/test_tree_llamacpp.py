@@ -465,8 +465,8 @@ def test_over_200_tree_steps_the_cache_holds_the_committed_tokens_and_nothing_el
 
 def test_the_cache_growing_mid_tree_keeps_the_logits(path, monkeypatch, caplog):
     """With MIN_CELLS = 32 the context is outgrown (a new one, the rows and the waiting tree decoded again) while trees
-    grow level by level, first a chain (one leaf per row), then wider (more sequence ids than the context has): every
-    logit is that of a context big enough from the start."""
+    grow level by level, first two paths per row (two leaves), then wider (more sequence ids than the context has):
+    every logit is that of a context big enough from the start."""
 
     def run() -> list[torch.Tensor]:
         gen = torch.Generator().manual_seed(4)
@@ -474,13 +474,13 @@ def test_the_cache_growing_mid_tree_keeps_the_logits(path, monkeypatch, caplog):
         model.prefill([[1, 2, 3, 4], [5, 6], [7, 8, 9, 10, 11, 12]])
         out = []
         for step in range(12):
-            chain = torch.arange(4).expand(3, 4)  # each node under the one before: one leaf per row
-            out.append(model.forward_tree(torch.randint(1, 40, (3, 4), generator=gen), chain, every(3, 4)))
+            two = torch.tensor([0, 0, 1, 2]).expand(3, 4)  # two paths of two nodes: two leaves per row
+            out.append(model.forward_tree(torch.randint(1, 40, (3, 4), generator=gen), two, every(3, 4)))
             tokens, parents, valid = random_trees(gen, 3, 8, holes=0.2)
             parents = torch.where(parents == 0, torch.randint(1, 5, (3, 8), generator=gen), parents + 4)
             out.append(model.forward_tree(tokens, parents, valid)[valid])
-            kept = torch.where(torch.arange(4) < step % 5, torch.arange(1, 5), -1).expand(3, 4)
-            model.commit(kept.contiguous())
+            kept = torch.tensor([[1, 3], [2, 4], [1, -1], [-1, -1]])[step % 4]  # either path, or less
+            model.commit(kept.expand(3, 2).contiguous())
         out.append(model.lengths)
         return out
 

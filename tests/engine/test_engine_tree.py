@@ -157,6 +157,72 @@ def test_first_tokens_of_a_tree_decoder_follow_the_target_law(models, name, monk
     POOLED.check_control(f"{name} [{CONTROL}]", counts, law, wrong_law)
 
 
+# --- the same law through llama.cpp's tree forward (models/llamacpp.py) ----------------------------------------------
+
+# Rows per generate call on llama.cpp: a row and each leaf of its (2, 1, 1) tree beyond the first take one of the
+# 256 sequence ids of a llama.cpp context
+LLAMA_ROWS = 128
+
+
+@pytest.fixture(scope="module")
+def gguf_models(tmp_path_factory):
+    """The block case's pair, as the ``models`` fixture builds it, written as GGUFs (kits/tinygguf.py), with its
+    transformers tables."""
+    pytest.importorskip("llama_cpp")
+    from kits.tinygguf import save_gguf
+
+    target = tiny_model(vocab=VOCAB, sharpness=3.0)
+    draft = perturbed(target, scale=0.4, seed=1)
+    folder = tmp_path_factory.mktemp("gguf")
+    return (
+        save_gguf(target, folder / "target.gguf"),
+        save_gguf(draft, folder / "draft.gguf"),
+        lawkit.logit_tables(target, PROMPT, VOCAB, LENGTH),
+        lawkit.logit_tables(draft, PROMPT, VOCAB, LENGTH),
+    )
+
+
+def test_first_tokens_of_a_tree_decoder_on_llama_cpp_follow_the_target_law(gguf_models, monkeypatch):
+    """The block case with target and draft on the llama.cpp adapter (its own f16 attention), in calls of LLAMA_ROWS
+    rows: the law is transformers', whose logits llama.cpp's match to 4e-4 (tests/models/test_tinygguf.py), a change
+    of the law this test cannot see at this N; the same control must fail it."""
+    from blockspec.models.llamacpp import LlamaCppModel
+
+    case = CASES["block"]
+    target_path, draft_path, target_logits, draft_logits = gguf_models
+    target, draft = lawkit.processed(target_logits, case.sampling), lawkit.processed(draft_logits, case.sampling)
+    law = lawkit.target_law(lawkit.Tables(VOCAB, target, target), LENGTH)
+    wrong_law = tree_law(target, draft, case, wrong=True)
+    power = POOLED.power(law, wrong_law)
+    assert power >= MIN_POWER, f"power {power:.3g} < {MIN_POWER} against the control"
+
+    def sample() -> tuple[torch.Tensor, list[int]]:
+        def model(path: str) -> LlamaCppModel:
+            return LlamaCppModel(path, None, eos_token_ids=(VOCAB - 1,), threads=1)
+
+        decoder = SpeculativeDecoder(model(target_path), model(draft_path), rule=case.rule, tree=case.shape)
+        counts, accepted = torch.zeros([VOCAB] * LENGTH, dtype=torch.float64), []
+        for start in range(0, SAMPLES, LLAMA_ROWS):
+            rows = min(LLAMA_ROWS, SAMPLES - start)
+            result = decoder.generate(
+                [PROMPT] * rows, max_new_tokens=LENGTH, sampling=case.sampling, seed=start, stop_on_eos=False
+            )
+            counts += lawkit.joint_counts(result.sequences, VOCAB)
+            accepted += [a for s in result.stats for a in s.accepted]
+        return counts, accepted
+
+    counts, accepted = sample()
+    test = POOLED.test(counts, law)
+    assert test.passed, POOLED.describe("llama.cpp block", test)
+    POOLED.describe("llama.cpp block", test)
+    assert min(accepted) == 0 and max(accepted) == len(case.shape), "trees were not both accepted and rejected"
+
+    calls = wrong_engine(case, monkeypatch)
+    counts, _ = sample()
+    assert calls["tree"] > 0, "the control's patch was never exercised"
+    POOLED.check_control(f"llama.cpp block [{CONTROL}]", counts, law, wrong_law)
+
+
 # --- an adaptive shape: the tree or chain of each step chosen from costs and the alpha learnt so far ---------------
 
 # A flat target forward and a draft forward a tenth of it make the choice turn on alpha. From LOW_PRIOR (one candidate

@@ -1,6 +1,7 @@
 """The llama.cpp adapter (``blockspec.models.llamacpp.LlamaCppModel``) on tiny GGUFs written from in-process
 transformers models (``kits.tinygguf.save_gguf``): the ``LanguageModel`` contract, greedy equality with llama.cpp's
-own decoding, and the engine's exact law at temperature 1 through the adapter.
+own decoding, tree drafting through the adapter's tree forward (its contract: tests/models/test_tree_llamacpp.py; its
+law: tests/engine/test_engine_tree.py), and the engine's exact law at temperature 1 through the adapter.
 
 Tolerances. llama.cpp keeps K and V in an f16 cache (its default, the adapter's): attention reads values rounded to
 11 significant bits (unit roundoff 4.9e-4), an error the output head scales and the context accumulates. Measured
@@ -74,6 +75,7 @@ class Files:
     target: object  # the transformers model the target GGUF was written from
     target_path: str
     draft_path: str
+    draft: object  # the transformers model the draft GGUF was written from
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +83,7 @@ def files(tmp_path_factory) -> Files:
     folder = tmp_path_factory.mktemp("gguf")
     target = tiny_model(sharpness=5.0)
     draft = perturbed(target, scale=0.3, seed=1)
-    return Files(target, save_gguf(target, folder / "target.gguf"), save_gguf(draft, folder / "draft.gguf"))
+    return Files(target, save_gguf(target, folder / "target.gguf"), save_gguf(draft, folder / "draft.gguf"), draft)
 
 
 @pytest.fixture(scope="module")
@@ -366,7 +368,38 @@ def test_the_length_policies_and_prompt_lookup_keep_the_greedy_output(files, pol
     assert any(sum(step.verified) for step in result.stats), f"{policy} never verified a drafted token"
 
 
-# --- 3. the exact law at temperature 1 -----------------------------------------------------------------------------
+# --- 3. trees: the tree drafter on llama.cpp's tree forward (models/llamacpp.py) ----------------------------------
+
+TREES = {"tree 2,1,1": {"tree": (2, 1, 1)}, "tree 3,2": {"tree": (3, 2)}, "3 paths of 3": {"paths": 3, "max_draft": 3}}
+
+
+@pytest.mark.parametrize("shape", TREES)
+def test_a_tree_decoder_on_llama_cpp_gives_the_greedy_output_of_the_target_alone(files, shape):
+    """Static trees and paths, drafted and verified on llama.cpp's own f16 attention, over rows of different lengths
+    (one of them a single token, which the engine prefills as an empty row)."""
+    plain = SpeculativeDecoder(adapter(files.target_path), None)
+    expected = plain.generate(PROMPTS, max_new_tokens=NEW_TOKENS, sampling=GREEDY, stop_on_eos=False).sequences
+    decoder = SpeculativeDecoder(adapter(files.target_path), adapter(files.draft_path), **TREES[shape])
+    result = decoder.generate(PROMPTS, max_new_tokens=NEW_TOKENS, sampling=GREEDY, stop_on_eos=False)
+    for b, prompt in enumerate(PROMPTS):
+        assert_same_greedy(result.sequences[b], expected[b], prompt, files.target_path, f"{shape}, row {b}")
+    assert 1.3 < result.block_efficiency, result.block_efficiency  # drafts were accepted
+    assert any(a < s.drafted for s in result.stats for a in s.accepted), "no draft was ever rejected"
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams()], ids=["greedy", "sampled"])
+def test_after_every_tree_step_on_llama_cpp_the_caches_hold_the_committed_tokens(files, sampling, monkeypatch):
+    """Each step's commit and roll back leave both adapters holding exactly the committed tokens they have read:
+    their next logits are transformers' on the whole row (kits/enginekit.py's CacheCheck), at 1e-5 with f32 attention
+    (tests/models/test_tinygguf.py)."""
+    monkeypatch.setattr(llamacpp, "F32_ATTENTION", True)
+    decoder = SpeculativeDecoder(adapter(files.target_path), adapter(files.draft_path), tree=(2, 1, 1))
+    check = enginekit.CacheCheck(decoder, {"target": files.target, "draft": files.draft}, monkeypatch)
+    result = decoder.generate(PROMPTS, max_new_tokens=24, sampling=sampling, seed=0)
+    assert check.steps == len(result.stats) and result.block_efficiency > 1.3
+
+
+# --- 4. the exact law at temperature 1 -----------------------------------------------------------------------------
 
 
 def law_adapter(path: str, cut: bool = False) -> LlamaCppModel | VocabularyCut:

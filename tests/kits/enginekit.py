@@ -10,8 +10,7 @@ from functools import cache
 import torch
 
 from blockspec import SpeculativeDecoder
-from blockspec.models.base import left_pad
-from blockspec.models.hf import HFModel
+from blockspec.models.base import LanguageModel, left_pad
 from blockspec.verify import accepted_length_law, final_distributions, tree_law
 from blockspec.verify.multipath import paths_to_tree
 
@@ -262,7 +261,7 @@ class CacheCheck:
         committed = [len(c) - 1 for c in contexts]
         assert self.decoder.target.lengths.tolist() == committed
         for role, adapter in (("target", self.decoder.target), ("draft", self.decoder.draft)):
-            assert isinstance(adapter, HFModel)
+            assert isinstance(adapter, LanguageModel)
             seen = adapter.lengths.tolist()
             assert all(n <= c for n, c in zip(seen, committed))
             tokens, valid = left_pad([c[n:] for c, n in zip(contexts, seen)])

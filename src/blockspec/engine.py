@@ -59,7 +59,7 @@ class SpeculativeDecoder:
     ``tree``: draft a tree of this static shape instead of a chain, children per node at each depth ((2, 1, 1): two
     children of the root, then a chain of one under each, 6 nodes, 3 levels; ``max_draft`` is then unused), with
     siblings drawn without replacement and verified by the rule's tree form (``TREE_VERIFIERS``). Both models must
-    be ``TreeLanguageModel`` (HFModel is); no length policy, companion or lookup with it yet. A
+    be ``TreeLanguageModel`` (HFModel and LlamaCppModel are); no length policy, companion or lookup with it yet. A
     ``blockspec.policy.AdaptiveShape`` instead chooses each step's shape, tree or chain, from measured forward costs
     and the acceptance seen so far (its docstring says why the output law stays the target's).
 
@@ -115,8 +115,8 @@ class SpeculativeDecoder:
                 if not isinstance(model, TreeLanguageModel):
                     raise ValueError(
                         f"{'drafting paths' if self.paths else 'tree drafting'} needs a {role} that scores trees "
-                        f"(blockspec.models.base.TreeLanguageModel, as HFModel does); the {role} {model_name(model)} "
-                        "does not"
+                        "(blockspec.models.base.TreeLanguageModel, as HFModel and LlamaCppModel do); the "
+                        f"{role} {model_name(model)} does not"
                     )
         context = self.target.max_length
         if context is not None and deepest >= context:

@@ -291,7 +291,7 @@ def test_auto_tree_runs_at_the_largest_k_with_the_plain_draft_and_the_batch_tabl
     tiny_config, tmp_path, monkeypatch
 ):
     """Cheap verification: the adaptive shape drafts, at most the largest K nodes, with the unquantized draft the
-    fixed-K and tree rows use, and the batch table gives it its x best fixed K; llama.cpp refuses it."""
+    fixed-K and tree rows use, and the batch table gives it its x best fixed K."""
     from blockspec.bench.report import build_report, render
 
     monkeypatch.setattr(auto, "latency_probe", lambda target, draft, batch: profile(CHEAP_VERIFICATION, draft_ms=10))
@@ -306,8 +306,44 @@ def test_auto_tree_runs_at_the_largest_k_with_the_plain_draft_and_the_batch_tabl
     assert rows["auto-tree"].speedup_vs_best_fixed is not None and rows["auto-tree"].max_draft == 4
     render(report, tmp_path / "report")
     assert "| auto-tree " in (tmp_path / "report" / "report.md").read_text()
-    with pytest.raises(ValueError, match="auto-tree run on transformers only"):
-        runner.llamacpp_arithmetic(replace(config, configs=("block", "auto-tree")))
+
+
+def test_trees_paths_and_auto_tree_run_on_llama_cpp(tmp_path, monkeypatch):
+    """The tree configurations on --backend llamacpp (tiny GGUFs; their tokenizer handed over as in
+    tests/cli/test_sv_llamacpp.py): every run ok, with the draft as it is (the auto configurations' q4_0 is not
+    theirs), trees drafted and verified, at a batch of two rows."""
+    pytest.importorskip("llama_cpp")
+    import transformers
+    from kits.tiny import perturbed, tiny_model, tiny_tokenizer
+    from kits.tinygguf import save_gguf
+
+    original = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(
+        transformers.AutoTokenizer,
+        "from_pretrained",
+        lambda *args, **kwargs: tiny_tokenizer() if kwargs.get("gguf_file") else original(*args, **kwargs),
+    )
+    monkeypatch.setattr(auto, "latency_probe", lambda target, draft, batch: profile(CHEAP_VERIFICATION, draft_ms=10))
+    target = tiny_model(sharpness=5.0)
+    config = runner.BenchConfig(
+        target=save_gguf(target, tmp_path / "target.gguf"),
+        draft=save_gguf(perturbed(target, scale=0.3, seed=1), tmp_path / "draft.gguf"),
+        backend="llamacpp",
+        configs=("target-only", "tree-2,1,1", "paths-2", "auto-tree"),
+        datasets=("lm1b",),
+        prompts_per_dataset=2,
+        batch_sizes=(2,),
+        max_drafts=(3,),
+        temperatures=(0.0, 1.0),
+        max_new_tokens=6,
+        chat=False,
+        out=tmp_path / "out",
+    )
+    records = list(rec.read(runner.run(config, progress=False)))
+    assert {r.config for r in records} == set(config.configs) and all(r.ok for r in records), records
+    for record in records:
+        if record.config != "target-only":
+            assert record.meta["draft_quant"] is None and max(record.verified) > 0, record
 
 
 def test_paths_are_planned_at_every_k_as_their_length():

@@ -1,6 +1,6 @@
 """`generate --tree` / `--paths` and the bench's tree and paths configurations on the command line: the shape is parsed
 and every combination a tree or paths cannot run is refused before a model loads; end to end, greedy trees and paths
-decode the target's text."""
+decode the target's text, on transformers and on llama.cpp."""
 
 from __future__ import annotations
 
@@ -83,7 +83,6 @@ def test_a_bad_shape_is_refused_by_the_parser_before_loading_a_model(shape, mess
         (["--drafter", "lookup"], "--tree does not combine with --drafter lookup"),
         (["--drafter", "lookup+model"], "--tree does not combine with --drafter lookup+model"),
         (["--max-draft", "4"], "--max-draft does not apply with --tree: the shape sets what a step drafts (2,1,1: 6"),
-        (["--backend", "llamacpp"], "--tree runs on transformers only: the llama.cpp adapter scores no trees"),
     ],
 )
 def test_what_a_tree_does_not_combine_with_is_refused_before_loading_a_model(flags, message, loads, capsys):
@@ -91,21 +90,17 @@ def test_what_a_tree_does_not_combine_with_is_refused_before_loading_a_model(fla
     assert message in error_line(capsys) and loads == []
 
 
-def test_backend_auto_runs_a_tree_on_transformers_and_says_so(loads, monkeypatch, capsys):
-    """Where auto would pick llama.cpp (a preset on the CPU with llama-cpp-python installed), a tree loads its
-    models on transformers, and stderr says why, before the first load."""
+@pytest.mark.parametrize("shape", [["--tree", "2,1,1"], ["--paths", "2"]], ids=["tree", "paths"])
+def test_backend_auto_runs_a_tree_or_paths_where_it_runs_a_chain(loads, monkeypatch, shape, capsys):
+    """Where auto picks llama.cpp (a preset on the CPU with llama-cpp-python installed), a tree or paths load their
+    models there too, as a chain does: both backends score trees."""
     monkeypatch.setattr(
         hf, "resolve_backend", lambda backend, device, *names: "llamacpp" if backend == "auto" else backend
     )
-    flags = ["--dtype", "float32", "--draft-quant", "none", "hello"]  # no arithmetic probe
-    assert cli.main(["generate", "--tree", "2,1,1", *flags]) == 2
-    err = capsys.readouterr().err
-    assert "backend: transformers (hf), not llama.cpp: the llama.cpp adapter scores no trees (--tree)" in err
-    assert [kwargs["backend"] for _, kwargs in loads] == ["hf"]
-    loads.clear()
-    assert cli.main(["generate", *flags]) == 2  # a chain keeps what auto picks
+    flags = ["--draft-quant", "none", "hello"]
+    assert cli.main(["generate", *shape, *flags]) == 2
     assert [kwargs["backend"] for _, kwargs in loads] == ["llamacpp"]
-    assert "scores no trees" not in capsys.readouterr().err
+    assert "transformers" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -200,12 +195,6 @@ def test_generate_samples_from_a_tree_or_paths(tiny_pair, flags, summary, capsys
     assert out.out.strip() and f"[block, {summary}, " in out.err.splitlines()[-1]
 
 
-def test_bench_on_llamacpp_refuses_tree_configurations_before_loading_a_model(tmp_path, loads, capsys):
-    out = str(tmp_path / "bench")
-    assert cli.main(["bench", "--backend", "llamacpp", "--configs", "target-only", "tree-2,1,1", "--out", out]) == 2
-    assert "tree-2,1,1 run on transformers only" in error_line(capsys) and loads == []
-
-
 # --- paths ----------------------------------------------------------------------------------------------------
 
 
@@ -242,7 +231,6 @@ def test_bad_paths_are_refused_by_the_parser_before_loading_a_model(argv, messag
         (["--drafter", "lookup"], "--paths does not combine with --drafter lookup"),
         (["--tree", "2,1"], "--tree and --paths both shape a step's draft"),
         (["--max-draft", "8", "--paths", "9"], "9 paths of 8 tokens draft up to 72 nodes per step, more than 64"),
-        (["--backend", "llamacpp"], "--paths runs on transformers only: the llama.cpp adapter scores no trees"),
     ],
 )
 def test_what_paths_do_not_combine_with_is_refused_before_loading_a_model(flags, message, loads, capsys):
@@ -255,17 +243,58 @@ def test_a_drawing_without_paths_is_refused_before_loading_a_model(loads, capsys
     assert "--paths-drawn iid says how --paths are drawn: pass --paths too" in error_line(capsys) and loads == []
 
 
-def test_backend_auto_runs_paths_on_transformers_and_says_so(loads, monkeypatch, capsys):
-    monkeypatch.setattr(
-        hf, "resolve_backend", lambda backend, device, *names: "llamacpp" if backend == "auto" else backend
-    )
-    flags = ["--dtype", "float32", "--draft-quant", "none", "hello"]  # no arithmetic probe
-    assert cli.main(["generate", "--paths", "2", *flags]) == 2
-    assert "not llama.cpp: the llama.cpp adapter scores no trees (--paths)" in capsys.readouterr().err
-    assert [kwargs["backend"] for _, kwargs in loads] == ["hf"]
+# --- on llama.cpp ---------------------------------------------------------------------------------------------------
 
 
-def test_bench_on_llamacpp_refuses_paths_configurations_before_loading_a_model(tmp_path, loads, capsys):
-    out = str(tmp_path / "bench")
-    assert cli.main(["bench", "--backend", "llamacpp", "--configs", "target-only", "paths-iid-2", "--out", out]) == 2
-    assert "paths-iid-2 run on transformers only" in error_line(capsys) and loads == []
+@pytest.fixture(scope="module")
+def gguf_pair(tmp_path_factory):
+    """The tiny pair as GGUFs (``kits.tinygguf``); transformers cannot rebuild a tokenizer from so small a GGUF
+    vocabulary (tests/cli/test_sv_llamacpp.py), so the loaders are handed ``tiny_tokenizer`` for a GGUF file."""
+    pytest.importorskip("llama_cpp")
+    import transformers
+    from kits.tiny import perturbed, tiny_model, tiny_tokenizer
+    from kits.tinygguf import save_gguf
+
+    root = tmp_path_factory.mktemp("gguf")
+    target = tiny_model(sharpness=5.0)
+    pair = save_gguf(target, root / "target.gguf"), save_gguf(perturbed(target, scale=0.3, seed=1), root / "draft.gguf")
+    original = transformers.AutoTokenizer.from_pretrained
+
+    def from_pretrained(*args, **kwargs):
+        return tiny_tokenizer() if kwargs.get("gguf_file") else original(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
+        yield pair
+
+
+@pytest.mark.parametrize(
+    "flags, summary",
+    [
+        (["--tree", "2,1,1"], "tree 2,1,1 (6 nodes)"),
+        (["--paths", "2", "--max-draft", "3"], "2 paths of 3 (distinct, 6 nodes)"),
+        (["--tree", "auto", "--max-draft", "5"], "tree auto (up to 5 nodes; "),
+    ],
+    ids=["tree", "paths", "tree auto"],
+)
+def test_generate_on_llama_cpp_with_a_greedy_tree_or_paths_gives_the_greedy_text_of_the_target(
+    gguf_pair, flags, summary, monkeypatch, capsys
+):
+    """--backend llamacpp runs trees, paths and --tree auto (under a step latency where drafting pays), on two
+    prompts of different lengths: the text is the target alone's."""
+    from kits.svkit import CHEAP_VERIFICATION, profile
+
+    from blockspec import auto
+
+    monkeypatch.setattr(auto, "latency_probe", lambda target, draft, batch: profile(CHEAP_VERIFICATION, draft_ms=10))
+    target, draft = gguf_pair
+    common = ["--target", target, "--backend", "llamacpp", "--max-new-tokens", "12", "--temperature", "0", "--no-chat"]
+    prompts = ["abc de", "a"]
+    assert cli.main(["generate", *common, "--draft", draft, "--draft-quant", "none", *flags, *prompts]) == 0
+    spec = capsys.readouterr()
+    assert cli.main(["generate", *common, "--draft", "none", *prompts]) == 0
+    assert spec.out == capsys.readouterr().out and spec.out.strip()
+    last = spec.err.splitlines()[-1]
+    assert last.startswith(f"[block, {summary}") and "acceptance length" in last, last
+    drafted = re.search(r", ([0-9.]+) drafted per step\]", last)
+    assert drafted is not None and float(drafted[1]) > 0, last

@@ -46,7 +46,7 @@ KNOWN_CONFIGS = (
     + SV_CONFIGS
 )
 # A tree configuration is named after its shape, the children per node at each depth: "tree-2,1,1" drafts that
-# tree every step with the draft model, verified by the block rule's tree form (transformers only). Its records'
+# tree every step with the draft model, verified by the block rule's tree form (on either backend). Its records'
 # max_draft is the tree's node count, their verified count nodes, drafted the levels drafted (a draft forward each)
 # and accepted the depth of the accepted path.
 TREE = "tree-"
@@ -58,7 +58,7 @@ def is_tree(name: str) -> bool:
 
 
 def drafts_trees(name: str) -> bool:
-    """Whether configuration ``name`` may draft trees: a tree, paths or ``AUTO_TREE`` (transformers only)."""
+    """Whether configuration ``name`` may draft trees: a tree, paths or ``AUTO_TREE``."""
     return is_tree(name) or is_paths(name) or name == AUTO_TREE
 
 
@@ -69,7 +69,7 @@ def tree_config(shape) -> str:
 
 # A paths configuration drafts k paths per step with the draft model, of each of the bench's K tokens: "paths-3"
 # three paths whose first tokens are distinct, "paths-iid-3" three i.i.d. paths merged where they agree; verified by
-# the block rule's tree form (transformers only). Its records' max_draft is the paths' length K, their verified
+# the block rule's tree form (on either backend). Its records' max_draft is the paths' length K, their verified
 # count nodes (fewer than k * K where i.i.d. paths merge), drafted the levels drafted; meta["paths"] holds
 # {"paths": k, "length": K, "drawn": "distinct" or "iid"}.
 PATHS = "paths-"

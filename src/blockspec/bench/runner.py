@@ -459,8 +459,7 @@ def llamacpp_arithmetic(config: BenchConfig):
     from ..auto import Arithmetic
     from ..defaults import LLAMACPP_QUANTS
 
-    trees = list(filter(rec.drafts_trees, config.configs))  # llama.cpp scores no trees
-    only_hf = sorted(set(config.configs) & {*rec.HF_CONFIGS, "block-int8", *rec.SV_CONFIGS, *trees})
+    only_hf = sorted(set(config.configs) & {*rec.HF_CONFIGS, "block-int8", *rec.SV_CONFIGS})
     if only_hf or config.target_quant is not None:
         raise ValueError(
             f"{', '.join(only_hf) or '--target-quant'} run on transformers only: leave them out with --backend llamacpp"

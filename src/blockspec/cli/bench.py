@@ -73,7 +73,7 @@ def add_parser(sub) -> None:
         help=f"configurations to run, any of {', '.join(KNOWN_CONFIGS)}; {TREE}SHAPE, a tree of that shape "
         f"drafted each step (children per node at each depth, e.g. {TREE}2,1,1); {PATHS}K, K paths of each "
         f"--max-draft tokens drafted each step, first tokens distinct, or {PATHS}iid-K, K i.i.d. paths merged where "
-        f"they agree (trees and paths: transformers only) (default: the preset's; quick and paper: "
+        f"they agree (default: the preset's; quick and paper: "
         f"{' '.join(CONFIGS)})",
     )
     bench.add_argument("--batch-sizes", type=int_at_least(1), nargs="+", help="prompts decoded together per run")

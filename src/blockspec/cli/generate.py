@@ -65,11 +65,11 @@ class GenerateConfig:
     allow_download: bool = False
     backend: str = "auto"  # "auto" or one of BACKENDS
     # a tree drafted each step, children per node at each depth; None: a chain. Its shape is fixed: it replaces the
-    # length policy (auto and fixed both draft it as given) and runs on transformers only. "auto" (--policy auto only):
+    # length policy (auto and fixed both draft it as given), on either backend. "auto" (--policy auto only):
     # each step drafts the chain or tree of at most resolved_max_draft nodes predicted fastest (policy.AdaptiveShape)
     tree: tuple[int, ...] | str | None = None
     # k paths of max_draft tokens drafted each step (None: one chain), drawn as paths_drawn says; as a tree, their
-    # length is fixed (resolved_max_draft), on transformers only
+    # length is fixed (resolved_max_draft)
     paths: int | None = None
     paths_drawn: str = defaults.PATHS_DRAWN
 
@@ -135,7 +135,7 @@ def add_parser(sub) -> None:
         metavar="SHAPE",
         help="draft a tree instead of a chain, the same shape every step: children per node at each depth, e.g. "
         "2,1,1 (two children of the root, then one under each, twice: 6 drafted tokens); at most "
-        f"{defaults.DRAFT_LIMIT} nodes, on transformers only; --policy auto and fixed both draft it as given, "
+        f"{defaults.DRAFT_LIMIT} nodes; --policy auto and fixed both draft it as given, "
         "--max-draft does not apply; auto: each step the chain or tree of at most --max-draft nodes predicted "
         "fastest from this machine's measured costs and the acceptance so far (default: a chain)",
     )
@@ -144,7 +144,7 @@ def add_parser(sub) -> None:
         type=int_at_least(1, defaults.DRAFT_LIMIT),
         metavar="K",
         help="draft K paths of --max-draft tokens each step instead of one chain, verified jointly (the rule's tree "
-        f"form on the tree the paths form); at most {defaults.DRAFT_LIMIT} tokens in all, on transformers only; "
+        f"form on the tree the paths form); at most {defaults.DRAFT_LIMIT} tokens in all; "
         "--policy auto and fixed both draft them as given (default: a chain)",
     )
     gen.add_argument(
@@ -238,16 +238,7 @@ def generate(config: GenerateConfig) -> int:
             raise ValueError(f"--drafter {config.drafter} needs --policy fixed or auto, and no --draft {NO_DRAFT}")
         if config.drafter == "lookup":  # no draft model: the lengths of lookup proposals adapt on their own
             config = replace(config, draft=None, policy="fixed")
-    backend = resolve_backend(config.backend, config.device, config.target, config.draft)
-    if flag is not None and backend == "llamacpp":
-        if config.backend == "llamacpp":
-            raise ValueError(
-                f"{flag} runs on transformers only: the llama.cpp adapter scores no trees (no forward over a tree of "
-                "tokens); pass --backend hf"
-            )
-        _status(f"backend: transformers (hf), not llama.cpp: the llama.cpp adapter scores no trees ({flag})")
-        backend = "hf"
-    config = replace(config, backend=backend)
+    config = replace(config, backend=resolve_backend(config.backend, config.device, config.target, config.draft))
     sv_run = config.policy == "sv"
     quant = draft_quant_on(config.backend, config.draft_quant, sv=sv_run, target_quant=config.target_quant)
     config = replace(config, draft_quant=quant)

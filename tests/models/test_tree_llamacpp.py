@@ -575,6 +575,10 @@ def test_a_tree_waiting_for_its_commit_refuses_every_call_but_a_tree_forward(pat
 
 def test_an_empty_tree_and_an_empty_path_change_nothing(path):
     model, chain = adapter(path), adapter(path)
+    model.prefill([])  # no rows at all
+    none = torch.zeros(0, 3, dtype=torch.long)
+    assert model.forward_tree(none, none, none.bool()).shape == (0, 3, VOCAB)
+    model.commit(torch.zeros(0, 0, dtype=torch.long))
     model.prefill([[1, 2, 3], [4]])
     chain.prefill([[1, 2, 3], [4]])
     empty = torch.zeros(2, 0, dtype=torch.long)

@@ -209,7 +209,7 @@ class LlamaCppModel:
             raise ValueError(f"{self.name}: the tree outgrew the model's context of {self.max_length} tokens")
         owners, copies = self._plan_leaves(tree, ancestors, parents, valid)  # ValueError past llama.cpp's ids
         new = int(valid.sum())
-        self._reserve(new, ids=int(owners.max()) + 1)  # a rebuilt cache gets the waiting tree back too
+        self._reserve(new, ids=int(owners.max()) + 1 if owners.numel() else 0)  # a rebuilt cache gets the tree too
         lib = library()
         memory = lib.llama_get_memory(self._context)
         for source, sequence, end in copies:  # a new leaf's sequence: its cached ancestor's path, positions [0, end)

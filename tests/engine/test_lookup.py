@@ -299,7 +299,7 @@ def test_law_of_the_first_tokens_is_the_targets(mode, rule, monkeypatch):
     first = result.stats[0]  # lookup in the first prompt's rows, not in the second's, in one step
     assert first.lookup == [True] * samples + [False] * samples
     assert set(first.verified[samples:]) == ({first_k} if draft is not None else {0})
-    if mode == "lookup+adaptive":
+    if mode == "lookup+adaptive" and policy is not None:
         assert 0 < first_k < 4 and policy.best_length(2 * samples) != first_k  # it learnt from the model rows
     used = lookup_steps(result)
     assert any(a == k for k, a in used) and any(a < k for k, a in used)

@@ -131,6 +131,26 @@ def test_generate_with_a_greedy_tree_or_paths_gives_the_greedy_text_of_the_targe
     assert most / 2 < drafted <= most, last
 
 
+@pytest.mark.parametrize(
+    "flags, leaves, most",
+    [
+        (["--tree", "2,2"], 4, 64),
+        (["--paths", "3"], 3, 85),
+        (["--tree", "auto", "--max-draft", "6"], 4, 64),  # its widest candidates: (4,) and (2, 2)
+    ],
+)
+def test_prompts_times_leaves_past_llamacpps_sequences_are_refused_before_loading_a_model(
+    flags, leaves, most, loads, capsys
+):
+    """Each prompt and each leaf of its tree beyond the first take one of a llama.cpp context's 256 sequence ids."""
+    prompts = [f"p{i}" for i in range(most + 1)]
+    assert cli.main(["generate", "--backend", "llamacpp", *flags, *prompts]) == 2
+    message = f"{len(prompts)} prompts with {leaves} leaves per tree need {len(prompts) * leaves} sequence ids"
+    assert message in error_line(capsys) and loads == []
+    assert cli.main(["generate", "--backend", "llamacpp", *flags, *prompts[:most]]) == 2  # within: loading is next
+    assert "stopped before decoding" in capsys.readouterr().err and loads
+
+
 def test_tree_auto_needs_the_auto_policy_and_is_refused_with_fixed_before_loading_a_model(loads, capsys):
     assert cli.main(["generate", "--tree", "auto", "--policy", "fixed", "hello"]) == 2
     assert "--tree auto chooses each step's shape from measured costs" in error_line(capsys) and loads == []

@@ -239,6 +239,8 @@ def generate(config: GenerateConfig) -> int:
         if config.drafter == "lookup":  # no draft model: the lengths of lookup proposals adapt on their own
             config = replace(config, draft=None, policy="fixed")
     config = replace(config, backend=resolve_backend(config.backend, config.device, config.target, config.draft))
+    if flag is not None and config.backend == "llamacpp":
+        _refuse_past_llamacpp_sequences(config)
     sv_run = config.policy == "sv"
     quant = draft_quant_on(config.backend, config.draft_quant, sv=sv_run, target_quant=config.target_quant)
     config = replace(config, draft_quant=quant)
@@ -362,6 +364,29 @@ def _resolve_drafter(config: GenerateConfig) -> str:
         return config.drafter
     chain = config.tree is None and config.paths is None
     return "lookup+model" if config.policy == "auto" and config.draft is not None and chain else "model"
+
+
+def _refuse_past_llamacpp_sequences(config: GenerateConfig) -> None:
+    """On llama.cpp each prompt and each leaf of its tree beyond the first take one of a context's sequence ids: where
+    the prompts times the widest tree's leaves pass them, refused before any model loads (the adapter would refuse
+    at the first step, after minutes of loading)."""
+    from ..models.llamacpp import MAX_ROWS
+    from ..policy.shapes import level_sizes, tree_shapes
+
+    if config.paths is not None:
+        leaves = config.paths
+    elif config.tree == "auto":  # the widest shape it may choose
+        nodes = config.resolved_max_draft
+        leaves = max(level_sizes(shape)[-1] for shape in tree_shapes(nodes, nodes))
+    else:
+        assert isinstance(config.tree, tuple)  # a shape: _refuse_with_shape returned its flag
+        leaves = level_sizes(config.tree)[-1]
+    if len(config.prompts) * leaves > MAX_ROWS:
+        raise ValueError(
+            f"on llama.cpp {len(config.prompts)} prompts with {leaves} leaves per tree need "
+            f"{len(config.prompts) * leaves} sequence ids, more than the {MAX_ROWS} of a llama.cpp context: pass at "
+            f"most {MAX_ROWS // leaves} prompts at once, a tree with fewer leaves, or --backend hf"
+        )
 
 
 def _refuse_with_shape(config: GenerateConfig) -> str | None:

@@ -32,7 +32,7 @@ from .policy.shapes import AdaptiveShape
 from .sampling import SamplingParams, check_unsupported
 from .stopping import Stopper
 from .verify import Randomness, Rule, TreeVerifyOutput, VerifyOutput, get_rule
-from .verify.base import verified_mask
+from .verify.base import verified_mask, verify_plain
 from .verify.multipath import TREE_SCHEME
 from .verify.tree import verify_tree_block, verify_tree_greedy, verify_tree_token
 from .verify.tree_inputs import node_mask
@@ -274,6 +274,8 @@ class SpeculativeDecoder:
         """The rule's verdict on a chain, or its tree form's on a tree: siblings drawn as ``SCHEME`` says, or i.i.d.
         paths' prefix tree, verified as multipath.py verifies it (``TREE_SCHEME``)."""
         verified = proposal.verified.to(target_probs.device)
+        if proposal.parents is None and proposal.tokens.shape[1] == 0:  # nothing drafted: a plain target step
+            return verify_plain(target_probs, randomness)
         if proposal.parents is None:
             return rule.verify(
                 proposal.tokens,

@@ -163,9 +163,13 @@ class LlamaCppModel:
         new = tokens[valid].tolist()
         row_of = torch.arange(rows)[:, None].expand(rows, width)[valid].tolist()
         self._reserve(len(new))
-        logits = torch.zeros(rows, width, self.vocab_size)
         sequences = np.array([self._sequences[b] for b in row_of], dtype=np.int32)[:, None]  # [n, 1]
-        logits[valid] = self._decode(new, positions.tolist(), sequences, outputs=True)
+        scored = self._decode(new, positions.tolist(), sequences, outputs=True)  # [n, V]
+        if len(new) == valid.numel():  # no hole: the logits as they came, not copied into a zeroed table
+            logits = scored.view(rows, width, self.vocab_size)
+        else:
+            logits = torch.zeros(rows, width, self.vocab_size)
+            logits[valid] = scored
         for b, token in zip(row_of, new, strict=True):
             self._tokens[b].append(token)
         return logits
@@ -419,6 +423,8 @@ class LlamaCppModel:
                 pointer = lib.llama_get_logits(self._context)
                 parts.append(torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(end - start, self.vocab_size))))
                 parts[-1] = parts[-1].clone()  # the buffer is llama.cpp's, overwritten by the next decode
+        if len(parts) == 1:  # the one clone is the copy; cat would copy again
+            return parts[0]
         return torch.cat(parts) if parts else torch.empty(0, self.vocab_size)
 
 

@@ -114,9 +114,9 @@ def table(*ms: float, batch: int = 1) -> LatencyTable:
 
 
 def best_rate_length(first: float, then: float, available: int, cost, alone: float = 0.0) -> int:
-    """The documented choice, written plainly: argmax over k of E(k) / cost(k + 1), the shortest on a tie, where
-    k = 0 is worth the more of a plain step and ``alone`` tokens per second."""
-    rates = [(1 + sum(first * then**j for j in range(k))) / cost(k + 1) for k in range(available + 1)]
+    """The documented choice, written plainly: argmax over k of E(k) / (cost(k + 1) / cost(1)), the shortest on a
+    tie, where k = 0 is worth the more of a plain step (1) and ``alone`` tokens per plain step."""
+    rates = [(1 + sum(first * then**j for j in range(k))) / (cost(k + 1) / cost(1)) for k in range(available + 1)]
     rates[0] = max(rates[0], alone)
     return max(range(available + 1), key=lambda k: (rates[k], -k))
 
@@ -132,11 +132,15 @@ def test_the_length_is_the_most_tokens_per_second():
     for _ in range(300):
         ms = sorted(rng.uniform(5, 100) for _ in range(9))
         first, then, available = rng.random(), rng.random(), rng.randint(0, 8)
-        alone = rng.choice([None, rng.uniform(0, 3e3 / ms[0])])  # tokens per second without a proposal
+        alone = rng.choice([None, rng.uniform(0, 3)])  # tokens per plain step without a proposal
         lookup = PromptLookup(costs=table(*ms))
         expected = best_rate_length(first, then, available, lambda w, ms=ms: ms[w - 1] / 1e3, alone or 0.0)
         assert lookup.length(first, then, available, rows=1, alone=alone) == expected, (ms, first, then, alone)
-    assert PromptLookup().length(0.5, 0.5, 5, rows=1, alone=1e9) == 5  # no costs: a rate in seconds means nothing
+        slower = PromptLookup(costs=table(*(1.3 * m for m in ms)))  # measured while the machine ran slower
+        assert slower.length(first, then, available, rows=1, alone=alone) == expected, (ms, first, then, alone)
+    # no costs: every width costs one step, E(5) = 1.97 tokens, and the draft's rate is in the same unit
+    assert PromptLookup().length(0.5, 0.5, 5, rows=1, alone=1.9) == 5
+    assert PromptLookup().length(0.5, 0.5, 5, rows=1, alone=2.0) == 0
 
 
 def test_the_costs_are_read_at_the_steps_batch_size():

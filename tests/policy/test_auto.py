@@ -88,12 +88,13 @@ def test_adaptive_length_drafts_long_where_verification_is_cheap_and_not_at_all_
 
 def test_adaptive_length_prices_its_step_for_prompt_lookup():
     """``expected_rate`` is the goodput of the step ``draft_budget`` would take, by hand: 1 + a + .. + a^K tokens
-    over K draft forwards (the first catching up, priced at 2 tokens at most) and the target over K + 1 tokens."""
+    over K draft forwards (the first catching up, priced at 2 tokens at most) and the target over K + 1 tokens, in
+    tokens per plain target step's time."""
     costs = [100, 130, 160, 190, 220, 250, 280, 310, 340]
     policy = AdaptiveLength(profile(costs, draft_ms=20), max_draft=8, prior=0.8)
     by_hand = [sum(0.8**i for i in range(k + 1)) / ((20 * k + costs[k]) / 1e3) for k in range(9)]
     assert policy.goodputs(1) == pytest.approx(by_hand)
-    assert policy.expected_rate(1, catch_up=1) == pytest.approx(max(by_hand))
+    assert policy.expected_rate(1, catch_up=1) == pytest.approx(max(by_hand) * costs[0] / 1e3)  # per plain step
     assert policy.best_length(1) == by_hand.index(max(by_hand))
     assert policy.expected_rate(1, catch_up=5) == policy.expected_rate(1, catch_up=2)  # as draft_budget prices it
     assert policy.acceptance == 0.8  # asking changes nothing

@@ -22,7 +22,7 @@ before it was. Both start at the prior c / (c + 1) for class c (the class of 5-8
 expected to commit E(k) = 1 + first (1 + then + .. + then^(k-1)) tokens, and its step costs the target's forward
 over k + 1 tokens (``costs``): the proposal is the k in 0..len(match) with the most tokens per second,
 E(k) / cost(k + 1), where k = 0 (no proposal) commits 1 token in cost(1), or, beside a draft model whose length
-policy prices its steps (``AdaptiveLength``), what the model's draft is expected to commit per second if more: a
+policy prices its steps (``AdaptiveLength``), what the model's draft is expected to commit in that time if more: a
 proposal must beat the draft it replaces. Where no length pays, the row decodes alone (or drafts with the model);
 its counts for that length class stay as they were, so its odds change only where it proposes.
 
@@ -116,19 +116,19 @@ class PromptLookup:
 
     def length(self, first: float, then: float, available: int, rows: int, alone: float | None = None) -> int:
         """The proposal length k in 0..``available`` with the most tokens per second at ``rows`` rows: E(k) /
-        cost(k + 1), E(k) = 1 + first (1 + then + .. + then^(k-1)) (module docstring); the shortest on a tie.
-        k = 0 is worth a plain step, 1 / cost(1), or ``alone`` tokens per second if more (the draft model's expected
-        rate, when it drafts where lookup does not; used only with ``costs``, whose unit it shares)."""
+        steps(k + 1), E(k) = 1 + first (1 + then + .. + then^(k-1)) (module docstring), steps(w) = cost(w) / cost(1)
+        the forward over w tokens in plain steps' time; the shortest on a tie. k = 0 is worth a plain step, 1, or
+        ``alone`` if more: the draft model's expected tokens per plain step's time (``LengthPolicy.expected_rate``),
+        when it drafts where lookup does not. Rates in plain steps, not seconds, compare costs measured at different
+        times on a machine whose speed drifts."""
         costs = self.costs
-        cost = (lambda width: 1.0) if costs is None else (lambda width: costs(rows, width))
-        best, best_rate = 0, 1.0 / cost(1)
-        if alone is not None and costs is not None:
-            best_rate = max(best_rate, alone)
+        steps = (lambda width: 1.0) if costs is None else (lambda width: costs(rows, width) / costs(rows, 1))
+        best, best_rate = 0, max(1.0, alone or 0.0)
         expected, accept_next = 1.0, first
         for k in range(1, available + 1):
             expected += accept_next
             accept_next *= then
-            rate = expected / cost(k + 1)
+            rate = expected / steps(k + 1)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
@@ -172,7 +172,7 @@ class LookupState:
         alone: float | None = None,
     ) -> list[list[int]]:
         """One proposal per batch row (prompt ``prompts[b]``), at most ``limit[b]`` tokens (module docstring), each
-        worth more than ``alone`` tokens per second if given (``PromptLookup.length``)."""
+        worth more than ``alone`` tokens per plain step if given (``PromptLookup.length``)."""
         settings, proposals = self.settings, []
         self.matched = {}
         for i, context, room in zip(prompts, contexts, limit):

@@ -48,9 +48,11 @@ class LengthPolicy(Protocol):
         ...
 
     def expected_rate(self, batch: int, catch_up: int) -> float | None:
-        """Before drafting: the tokens per second a row is expected to commit from this step if the policy drafts
-        for it (as ``draft_budget`` would price the step), or None for a policy that does not price its steps.
-        Prompt lookup proposes only what beats it. Known: as for ``draft_budget``; it changes nothing."""
+        """Before drafting: the tokens a row is expected to commit from this step if the policy drafts for it (as
+        ``draft_budget`` would price the step) per plain target step's time (1: what a plain step commits in it), or
+        None for a policy that does not price its steps. A unit of the machine's own step, not seconds: prompt lookup
+        weighs it against its own measured costs, taken at another time, and proposes only what beats it. Known: as
+        for ``draft_budget``; it changes nothing."""
         ...
 
     def draft_next(self, position: int, prefix: torch.Tensor) -> bool:

@@ -101,8 +101,9 @@ class AdaptiveLength(FixedLength):
         ]
 
     def expected_rate(self, batch: int, catch_up: int) -> float:
-        """The goodput of the step ``draft_budget`` would take now (its catch-up priced as there)."""
-        return max(self.goodputs(batch, min(catch_up, 2)))
+        """The goodput of the step ``draft_budget`` would take now (its catch-up priced as there), in tokens per
+        plain target step's time."""
+        return max(self.goodputs(batch, min(catch_up, 2))) * self.latency.target(batch, 1)
 
     def draft_budget(self, batch: int, catch_up: int) -> int:
         """``best_length``, with the draft's first forward priced as while drafting goes on: at most 2 tokens to

@@ -18,8 +18,9 @@ Per prompt, in one interleaved round (batch 1, the same chat-formatted prompt an
                      drafts of up to NGRAM_DRAFT tokens that followed the last earlier occurrence of the context's
                      last NGRAM tokens, kept as llama.cpp-spec keeps drafts), decode time as it reports it (it may
                      decode past the max new tokens: its last step keeps all it accepted)
-and once per run `llama-bench`'s tg figure for the target (the reference the adapter's target alone is held to), on an
-empty context and after as many tokens as the median prompt (the depth at which the runs decode).
+and before and after the runs `llama-bench`'s tg figure for the target (the reference the adapter's target alone is
+held to; twice, since the machine's speed drifts), on an empty context and after as many tokens as the median prompt
+(the depth at which the runs decode).
 Figures are tokens/s of the decode (prefill excluded everywhere: llama.cpp's programs report it so), their ratios to
 llamacpp-alone on the same prompt, and accepted tokens per step; the block rows also score every step's draft
 exactly under both rules (`bench.executor.ExpectedScores`): the paired analytic gain of block over token.
@@ -139,6 +140,7 @@ def run(args) -> None:
     depth = int(statistics.median(len(encode_prompt(target.tokenizer, p.text, chat=True)) for _, p in prompts))
     for at in (0, depth):
         record({"row": "llama-bench", **llama_bench(tools, target.path, machine["threads"], at)})
+    started = time.strftime("%H:%M")
     runs = [(t, seed) for t in args.temperatures for seed in (args.seeds if t > 0 else [0])]  # greedy: one run
     for temperature, seed in runs:
         sampling = SamplingParams(temperature=temperature)
@@ -176,6 +178,14 @@ def run(args) -> None:
                 if scores is not None:
                     entry.update({f"expected_{rule}": statistics.fmean(v) for rule, v in scores.expected.items()})
                 record(entry)
+    for at in (0, depth):  # again, so that a drift of the machine's speed during the runs shows
+        record(
+            {
+                "row": "llama-bench",
+                "after_runs_from": started,
+                **llama_bench(tools, target.path, machine["threads"], at),
+            }
+        )
     records.close()
 
 
@@ -266,7 +276,9 @@ def report(records: list[dict]) -> None:
     median_alone = statistics.median(alone.values())
     for bench in (r for r in records if r["row"] == "llama-bench"):
         depth = bench.get("depth", 0)  # earlier runs measured on an empty context only
-        print(f"| {depth} tokens | {bench['tok_s']:.2f} | {median_alone:.2f} | {median_alone / bench['tok_s']:.3f}x |")
+        after = f" (after the runs from {bench['after_runs_from']})" if "after_runs_from" in bench else ""
+        ratio = median_alone / bench["tok_s"]
+        print(f"| {depth} tokens{after} | {bench['tok_s']:.2f} | {median_alone:.2f} | {ratio:.3f}x |")
     groups = {
         "prompts grounded in their input (humaneval-edit, pydoc-qa)": ("humaneval-edit", "pydoc-qa"),
         "other prompts": None,

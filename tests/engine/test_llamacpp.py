@@ -1,7 +1,8 @@
 """The llama.cpp adapter (``blockspec.models.llamacpp.LlamaCppModel``) on tiny GGUFs written from in-process
 transformers models (``kits.tinygguf.save_gguf``): the ``LanguageModel`` contract, greedy equality with llama.cpp's
-own decoding, tree drafting through the adapter's tree forward (its contract: tests/models/test_tree_llamacpp.py; its
-law: tests/engine/test_engine_tree.py), and the engine's exact law at temperature 1 through the adapter.
+own decoding, tree drafting through the adapter's tree forward (its contract: tests/models/test_tree_protocol.py and
+test_tree_llamacpp.py; its law: tests/engine/test_engine_tree.py), and the engine's exact law at temperature 1
+through the adapter.
 
 Tolerances. llama.cpp keeps K and V in an f16 cache (its default, the adapter's): attention reads values rounded to
 11 significant bits (unit roundoff 4.9e-4), an error the output head scales and the context accumulates. Measured

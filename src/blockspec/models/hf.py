@@ -121,6 +121,8 @@ class HFModel:
 
     def forward(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         self._no_tree_pending("forward")
+        if tokens.numel() == 0:
+            return self._no_logits(tokens)
         return self._run(tokens, valid, logits_to_keep=0)
 
     def rollback(self, lengths: torch.Tensor) -> None:
@@ -149,8 +151,8 @@ class HFModel:
         if self.max_length is not None and bool((positions[valid[:, waiting:]] >= self.max_length).any()):
             raise ValueError(f"{self.name}: the tree outgrew the model's context of {self.max_length} tokens")
         start = self._cache.extend_tree(nodes, waiting)
-        if nodes == 0:  # nothing to score: transformers' forward takes no empty input
-            logits = torch.zeros(batch, 0, self.vocab_size, dtype=self.dtype, device=self.device)
+        if tokens.numel() == 0:
+            logits = self._no_logits(tokens)
         else:  # the new nodes' queries over the cached slots, the waiting nodes and their own
             mask = tree_mask(self._cache.slot_pos, ancestors, valid, self.dtype)[:, :, waiting:]
             logits = self._call(self._cache.layers, tokens, mask, positions, logits_to_keep=0)
@@ -199,6 +201,11 @@ class HFModel:
                 use_cache=True,
                 logits_to_keep=logits_to_keep,
             ).logits
+
+    def _no_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The logits [B, S, V] of ``tokens`` [B, S] with no rows or no tokens: none to score, and transformers'
+        forward takes no empty input."""
+        return torch.zeros(*tokens.shape, self.vocab_size, dtype=self.dtype, device=self.device)
 
     def _no_tree_pending(self, call: str) -> None:
         if self._tree is not None:

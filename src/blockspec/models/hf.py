@@ -142,7 +142,7 @@ class HFModel:
         waiting = 0 if tree is None else tree.parents.shape[1]
         before = None if tree is None else (tree.parents, tree.valid)
         ancestors = check_tree(tokens, parents, valid, len(self.lengths), before)  # [B, P+N, P+N]
-        batch, nodes = tokens.shape
+        nodes = tokens.shape[1]
         if tree is not None:
             parents, valid = torch.cat([tree.parents, parents], dim=1), torch.cat([tree.valid, valid], dim=1)
         # A node and its ancestors among all the tree's nodes, so 1 for a child of the root: [B, N] for the new ones

@@ -231,8 +231,8 @@ def race_rows(weights: torch.Tensor, rows: slice, randomness: Randomness | None,
 def verify_plain(target_probs: torch.Tensor, randomness: Randomness | None) -> VerifyOutput:
     """The verdict of every rule on a step that drafted nothing (``target_probs`` [B, 1, V]): tau = 0 and the
     target's own token, drawn by the race on ``randomness``'s exponentials, or its argmax without randomness (a
-    greedy step: one-hot probabilities). A rule's own verifier returns the same; this one skips its passes over
-    an empty draft, which cost a target-alone step about as much as sampling does."""
+    greedy step: one-hot probabilities). A rule's own verifier returns the same; this one skips the rule's passes
+    over an empty draft (tens of small tensor operations: a third of a millisecond a step on a 2-core CPU)."""
     row = target_probs[:, 0]  # [B, V]
     if randomness is None:
         last = row.argmax(-1)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -149,6 +149,27 @@ def check_tree(
         reach = torch.bmm(as_float, as_float) > 0
         span *= 2
     return reach
+
+
+class _WaitingTree(Protocol):  # an adapter's record of the tree awaiting its commit
+    @property
+    def parents(self) -> torch.Tensor: ...
+
+    @property
+    def valid(self) -> torch.Tensor: ...
+
+
+Waiting = TypeVar("Waiting", bound=_WaitingTree)
+
+
+def committed_path(name: str, tree: Waiting | None, path: torch.Tensor, device) -> tuple[Waiting, torch.Tensor]:
+    """A ``commit``'s (``TreeLanguageModel``) ``tree`` awaiting it, and ``path`` on it as ``tree_path``'s columns, on
+    ``device``. Raises RuntimeError, naming the model ``name``, where no tree awaits a commit."""
+    if tree is None:
+        raise RuntimeError(f"{name}: commit keeps a path of the last forward_tree, and none awaits it")
+    if isinstance(path, torch.Tensor):
+        path = path.to(device)
+    return tree, tree_path(path, tree.parents, tree.valid)
 
 
 def tree_path(path: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from transformers.cache_utils import Cache
 
 from ..defaults import BACKENDS, DTYPES, LLAMACPP_QUANTS, QUANTS
 from .attention import GROUPED_SDPA, unsupported_attention
-from .base import check_tree, left_pad, tree_path
+from .base import check_tree, committed_path, left_pad
 from .convert import load_preset
 from .identity import hub_snapshot
 from .presets import PRESETS
@@ -160,12 +160,7 @@ class HFModel:
         return logits
 
     def commit(self, path: torch.Tensor) -> None:
-        tree = self._tree
-        if tree is None:
-            raise RuntimeError(f"{self.name}: commit keeps a path of the last forward_tree, and none awaits it")
-        if isinstance(path, torch.Tensor):
-            path = path.to(self.device)
-        columns = tree_path(path, tree.parents, tree.valid)  # [B, L]
+        tree, columns = committed_path(self.name, self._tree, path, self.device)  # columns [B, L]
         self._cache.keep_path(tree.start, columns)
         self._tree = None
 

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from ..defaults import LLAMACPP_QUANTS
-from .base import check_tree, tree_path
+from .base import check_tree, committed_path
 from .cache import derived_gguf
 from .vocab_cut import VocabularyCut, cut_vocabulary, read_cut
 
@@ -164,12 +164,7 @@ class LlamaCppModel:
         row_of = torch.arange(rows)[:, None].expand(rows, width)[valid].tolist()
         self._reserve(len(new))
         sequences = np.array([self._sequences[b] for b in row_of], dtype=np.int32)[:, None]  # [n, 1]
-        scored = self._decode(new, positions.tolist(), sequences, outputs=True)  # [n, V]
-        if len(new) == valid.numel():  # no hole: the logits as they came, not copied into a zeroed table
-            logits = scored.view(rows, width, self.vocab_size)
-        else:
-            logits = torch.zeros(rows, width, self.vocab_size)
-            logits[valid] = scored
+        logits = self._placed(self._decode(new, positions.tolist(), sequences, outputs=True), valid)
         for b, token in zip(row_of, new, strict=True):
             self._tokens[b].append(token)
         return logits
@@ -205,7 +200,6 @@ class LlamaCppModel:
         if tree is None:
             tree = _Tree.new(self._sequences)
         waiting = tree.parents.shape[1]  # P
-        batch, nodes = tokens.shape
         # A node and its ancestors among all the tree's nodes, so 1 for a child of the root: [B, N] for the new ones
         depth = ancestors[:, waiting:].sum(2)
         positions = self.lengths[:, None] + depth - 1  # [B, N]
@@ -218,12 +212,9 @@ class LlamaCppModel:
         memory = lib.llama_get_memory(self._context)
         for source, sequence, end in copies:  # a new leaf's sequence: its cached ancestor's path, positions [0, end)
             lib.llama_memory_seq_cp(memory, source, sequence, 0, end)
-        logits = torch.zeros(batch, nodes, self.vocab_size)
-        if new:
-            sequences, counts = tree_sequences(ancestors[:, waiting:, waiting:], owners[:, 1 + waiting :], valid)
-            logits[valid] = self._decode(
-                tokens[valid].tolist(), positions[valid].tolist(), sequences, counts=counts, outputs=True
-            )
+        sequences, counts = tree_sequences(ancestors[:, waiting:, waiting:], owners[:, 1 + waiting :], valid)
+        scored = self._decode(tokens[valid].tolist(), positions[valid].tolist(), sequences, counts=counts, outputs=True)
+        logits = self._placed(scored, valid)
         self._tree = _Tree(
             tokens=torch.cat([tree.tokens, tokens], 1),
             parents=torch.cat([tree.parents, parents], 1),
@@ -235,12 +226,8 @@ class LlamaCppModel:
         return logits
 
     def commit(self, path: torch.Tensor) -> None:
-        tree = self._tree
-        if tree is None:
-            raise RuntimeError(f"{self.name}: commit keeps a path of the last forward_tree, and none awaits it")
-        if isinstance(path, torch.Tensor):
-            path = path.cpu()
-        columns = tree_path(path, tree.parents, tree.valid)  # [B, D]: the kept nodes' columns, root to end, -1 after
+        # columns [B, D]: the kept nodes' columns, root to end, -1 after
+        tree, columns = committed_path(self.name, self._tree, path, self.device)
         kept = (columns >= 0).sum(1)  # [B]
         # A sequence that holds each row's kept path: the one a leaf at or below the path's end owns (any such leaf's
         # sequence holds the path root..end, as positions lengths .. lengths + kept - 1)
@@ -269,6 +256,15 @@ class LlamaCppModel:
         self._tree = None
 
     # --- internals ------------------------------------------------------------------------------------------
+
+    def _placed(self, scored: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """The logits [B, W, V] of a forward whose ``valid`` [B, W] slots, row-major, scored ``scored`` [n, V]; zeros at
+        the holes. With no hole, ``scored`` itself, not copied into a zeroed table."""
+        if len(scored) == valid.numel():
+            return scored.view(*valid.shape, self.vocab_size)
+        logits = torch.zeros(*valid.shape, self.vocab_size)
+        logits[valid] = scored
+        return logits
 
     def _no_tree_pending(self, call: str) -> None:
         if self._tree is not None:

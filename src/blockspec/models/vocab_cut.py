@@ -164,10 +164,7 @@ class VocabularyCut:
         self.model.prefill([self.reads[torch.as_tensor(s, dtype=torch.long)].tolist() for s in sequences])
 
     def forward(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        cut = self.model.forward(self.reads[tokens], valid)
-        logits = cut.new_full((*cut.shape[:-1], self.vocab_size), float("-inf"))
-        logits[..., self.kept] = cut
-        return logits
+        return self._full(self.model.forward(self.reads[tokens], valid))
 
     def rollback(self, lengths: torch.Tensor) -> None:
         self.model.rollback(lengths)
@@ -178,10 +175,13 @@ class VocabularyCut:
     # Trees, scored by the model it wraps (a LlamaCppModel): the nodes read and their logits scattered as ``forward``'s
 
     def forward_tree(self, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        cut = self.model.forward_tree(self.reads[tokens], parents, valid)
-        logits = cut.new_full((*cut.shape[:-1], self.vocab_size), float("-inf"))
-        logits[..., self.kept] = cut
-        return logits
+        return self._full(self.model.forward_tree(self.reads[tokens], parents, valid))
 
     def commit(self, path: torch.Tensor) -> None:
         self.model.commit(path)
+
+    def _full(self, cut: torch.Tensor) -> torch.Tensor:
+        """Logits [..., vocab_size] from the cut model's [..., kept]: -inf at every id the cut left out."""
+        logits = cut.new_full((*cut.shape[:-1], self.vocab_size), float("-inf"))
+        logits[..., self.kept] = cut
+        return logits

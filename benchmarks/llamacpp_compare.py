@@ -2,6 +2,8 @@
 
 Per prompt, in one interleaved round (batch 1, the same chat-formatted prompt and max new tokens everywhere):
   llamacpp-alone     blockspec's engine, target alone, on the llama.cpp adapter
+  llama-bench        llama.cpp's own benchmark of the target alone (`llama-bench`, one repetition): as many new
+                     tokens, after as many tokens of context as the prompt has (the goal the target alone is held to)
   llamacpp-token/-block  blockspec, the 0.5B draft, fixed K, token / block verification, on llama.cpp
   llamacpp-auto      blockspec's default: block verification, length adapted to the measured step costs
   llamacpp-block-q4 / -auto-q4  the same with the draft requantized to q4_0 by llama.cpp (`--draft-quant q4_0`)
@@ -18,9 +20,6 @@ Per prompt, in one interleaved round (batch 1, the same chat-formatted prompt an
                      drafts of up to NGRAM_DRAFT tokens that followed the last earlier occurrence of the context's
                      last NGRAM tokens, kept as llama.cpp-spec keeps drafts), decode time as it reports it (it may
                      decode past the max new tokens: its last step keeps all it accepted)
-and before and after the runs `llama-bench`'s tg figure for the target (the reference the adapter's target alone is
-held to; twice, since the machine's speed drifts), on an empty context and after as many tokens as the median prompt
-(the depth at which the runs decode).
 Figures are tokens/s of the decode (prefill excluded everywhere: llama.cpp's programs report it so), their ratios to
 llamacpp-alone on the same prompt, and accepted tokens per step; the block rows also score every step's draft
 exactly under both rules (`bench.executor.ExpectedScores`): the paired analytic gain of block over token.
@@ -47,6 +46,7 @@ from pathlib import Path
 
 ROWS = (
     "llamacpp-alone",
+    "llama-bench",
     "llamacpp-token",
     "llamacpp-block",
     "llamacpp-auto",
@@ -137,10 +137,6 @@ def run(args) -> None:
         )
         decoders["hf-alone"] = SpeculativeDecoder(hf_target)
     prompts = [(name, p) for name in args.datasets for p in datasets.load(name, n=args.prompts, seed=0)]
-    depth = int(statistics.median(len(encode_prompt(target.tokenizer, p.text, chat=True)) for _, p in prompts))
-    for at in (0, depth):
-        record({"row": "llama-bench", **llama_bench(tools, target.path, machine["threads"], at)})
-    started = time.strftime("%H:%M")
     runs = [(t, seed) for t in args.temperatures for seed in (args.seeds if t > 0 else [0])]  # greedy: one run
     for temperature, seed in runs:
         sampling = SamplingParams(temperature=temperature)
@@ -149,6 +145,10 @@ def run(args) -> None:
             for row in args.rows:
                 base = {"row": row, "dataset": dataset, "prompt": prompt.id, "temperature": temperature, "K": 0}
                 base["seed"] = seed
+                if row == "llama-bench":  # it samples nothing: the same figure at every temperature, run again
+                    measured = llama_bench(tools, target.path, machine["threads"], len(ids), args.max_new_tokens)
+                    record({**base, **measured, "accepted_per_step": None, "drafted_per_step": None})
+                    continue
                 if row in ("llama.cpp-spec", "llama.cpp-ngram"):
                     text = target.tokenizer.decode(ids)
                     model = draft.path if row == "llama.cpp-spec" else None
@@ -178,23 +178,16 @@ def run(args) -> None:
                 if scores is not None:
                     entry.update({f"expected_{rule}": statistics.fmean(v) for rule, v in scores.expected.items()})
                 record(entry)
-    for at in (0, depth):  # again, so that a drift of the machine's speed during the runs shows
-        record(
-            {
-                "row": "llama-bench",
-                "after_runs_from": started,
-                **llama_bench(tools, target.path, machine["threads"], at),
-            }
-        )
     records.close()
 
 
-def llama_bench(tools: Path, model: Path, threads: int, depth: int) -> dict:
-    """llama-bench's token generation (tg64, 3 repetitions) for ``model`` at ``threads``, after ``depth`` tokens."""
-    command = [str(tools / "llama-bench"), "-m", str(model), "-p", "0", "-n", "64", "-r", "3", "-t", str(threads)]
-    command += ["-d", str(depth)]
-    (test,) = json.loads(subprocess.run([*command, "-o", "json"], capture_output=True, text=True, check=True).stdout)
-    return {"tok_s": test["avg_ts"], "tok_s_sd": test["stddev_ts"], "tokens": 64, "depth": depth}
+def llama_bench(tools: Path, model: Path, threads: int, depth: int, tokens: int) -> dict:
+    """llama-bench's token generation of ``tokens`` (one repetition, after its warm-up) for ``model`` at
+    ``threads``, after ``depth`` tokens of context (flash attention on ``auto``, as in blockspec's contexts)."""
+    command = [str(tools / "llama-bench"), "-m", str(model), "-p", "0", "-n", str(tokens), "-r", "1"]
+    command += ["-t", str(threads), "-d", str(depth), "-o", "json"]
+    (test,) = json.loads(subprocess.run(command, capture_output=True, text=True, check=True, timeout=900).stdout)
+    return {"tok_s": test["avg_ts"], "tokens": tokens, "depth": depth}
 
 
 def speculative_simple(
@@ -264,21 +257,39 @@ def run_key(record: dict) -> tuple:
 
 
 def report(records: list[dict]) -> None:
-    """The tables: the target alone against llama-bench; per temperature and prompt group, every row against the
-    target alone on the same prompts; block against token verification on the same drafts."""
+    """The tables: the target alone against llama-bench (run before and after the runs in earlier records, prompt
+    by prompt since); per temperature and prompt group, every row against the target alone on the same prompts;
+    block against token verification on the same drafts."""
     runs = [r for r in records if "temperature" in r]
     flags = sorted({" ".join(r["cpu_flags"]) for r in records})
     print(f"Machine: CPU flags {'; '.join(flags)}; {records[0]['threads']} threads.\n")
     alone = {run_key(r): r["tok_s"] for r in runs if r["row"] == BASELINE}
-    print("## target alone against llama-bench\n")
-    print("| llama-bench tg64 after | tok/s | blockspec target alone on llama.cpp, median tok/s | ratio |")
-    print("|---|---|---|---|")
-    median_alone = statistics.median(alone.values())
-    for bench in (r for r in records if r["row"] == "llama-bench"):
-        depth = bench.get("depth", 0)  # earlier runs measured on an empty context only
-        after = f" (after the runs from {bench['after_runs_from']})" if "after_runs_from" in bench else ""
-        ratio = median_alone / bench["tok_s"]
-        print(f"| {depth} tokens{after} | {bench['tok_s']:.2f} | {median_alone:.2f} | {ratio:.3f}x |")
+    benches = [r for r in records if r["row"] == "llama-bench" and "temperature" not in r]
+    if benches:  # records of earlier runs: llama-bench before (and after) the runs, the runs' median against it
+        print("## target alone against llama-bench\n")
+        print("| llama-bench tg64 after | tok/s | blockspec target alone on llama.cpp, median tok/s | ratio |")
+        print("|---|---|---|---|")
+        median_alone = statistics.median(alone.values())
+        for bench in benches:
+            depth = bench.get("depth", 0)  # earlier runs measured on an empty context only
+            after = f" (after the runs from {bench['after_runs_from']})" if "after_runs_from" in bench else ""
+            ratio = median_alone / bench["tok_s"]
+            print(f"| {depth} tokens{after} | {bench['tok_s']:.2f} | {median_alone:.2f} | {ratio:.3f}x |")
+    paired = [r for r in runs if r["row"] == "llama-bench" and run_key(r) in alone]
+    if paired:
+        print("## target alone against llama-bench, prompt by prompt\n")
+        print(
+            "| T | runs | llama-bench at the prompt's depth, median tok/s | blockspec target alone on llama.cpp, "
+            "median tok/s | target alone / llama-bench (CI) |"
+        )
+        print("|---|---|---|---|---|")
+        for temperature in sorted({r["temperature"] for r in paired}):
+            these = [r for r in paired if r["temperature"] == temperature]
+            ratios = [alone[run_key(r)] / r["tok_s"] for r in these]
+            print(
+                f"| {temperature:g} | {len(these)} | {statistics.median(r['tok_s'] for r in these):.2f} | "
+                f"{statistics.median(alone[run_key(r)] for r in these):.2f} | {interval(ratios)} |"
+            )
     groups = {
         "prompts grounded in their input (humaneval-edit, pydoc-qa)": ("humaneval-edit", "pydoc-qa"),
         "other prompts": None,
@@ -290,7 +301,7 @@ def report(records: list[dict]) -> None:
         for group, names in groups.items():
             inside = names or tuple({r["dataset"] for r in runs} - grounded(groups))
             chosen = [r for r in runs if r["temperature"] == temperature and r["dataset"] in inside]
-            for row in ROWS:
+            for row in (row for row in ROWS if row != "llama-bench"):  # it has its own table, above
                 these = [r for r in chosen if r["row"] == row]
                 if not these:
                     continue

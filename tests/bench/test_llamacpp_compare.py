@@ -1,0 +1,64 @@
+"""benchmarks/llamacpp_compare.py's report: llama-bench paired with the target alone prompt by prompt."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "llamacpp_compare.py"
+MACHINE = {"cpu_flags": ["avx2"], "threads": 2}
+
+
+@pytest.fixture(scope="module")
+def compare():
+    spec = importlib.util.spec_from_file_location("llamacpp_compare", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run(row: str, prompt: str, temperature: float, tok_s: float) -> dict:
+    return {
+        "row": row,
+        "dataset": "humaneval",
+        "prompt": prompt,
+        "temperature": temperature,
+        "seed": 0,
+        "K": 0,
+        "tok_s": tok_s,
+        "accepted_per_step": None,
+        "drafted_per_step": None,
+        **MACHINE,
+    }
+
+
+def section(text: str, title: str) -> list[str]:
+    """The table rows under ``## title``."""
+    lines = text.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0].splitlines()
+    return [line for line in lines if line.startswith("| ") and not line.startswith("| T ")]
+
+
+def test_each_prompts_target_alone_is_divided_by_its_own_llama_bench(compare, capsys):
+    # greedy: the target alone runs at 0.9x, 1.0x and 0.8x of the llama-bench next to it; were they paired across
+    # prompts, or medians divided, the figure would differ (the medians are 33 and 36: 0.917x)
+    records = [
+        run("llamacpp-alone", "a", 0.0, 27.0),
+        run("llama-bench", "a", 0.0, 30.0),
+        run("llamacpp-alone", "b", 0.0, 40.0),
+        run("llama-bench", "b", 0.0, 40.0),
+        run("llamacpp-alone", "c", 0.0, 33.0),
+        run("llama-bench", "c", 0.0, 41.25),
+        run("llamacpp-alone", "a", 1.0, 30.0),
+        run("llama-bench", "a", 1.0, 30.0),
+    ]
+    compare.report(records)
+    out = capsys.readouterr().out
+    assert "## target alone against llama-bench\n" not in out  # no figures from before and after the runs
+    rows = section(out, "target alone against llama-bench, prompt by prompt")
+    assert rows[0].startswith("| 0 | 3 | 40.00 | 33.00 | 0.900x [")
+    assert rows[1] == "| 1 | 1 | 30.00 | 30.00 | 1.000x |"
+    speed = section(out, "speed against llama.cpp's target alone")
+    assert [line.split(" | ")[2] for line in speed] == ["llamacpp-alone", "llamacpp-alone"]  # llama-bench is not a row

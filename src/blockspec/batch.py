@@ -14,11 +14,12 @@ from .verify.base import draw_exponentials
 
 @dataclass(frozen=True)
 class Draws:
-    """One step's randomness, the same amount for every row whatever it drafts or verifies."""
+    """One step's uniforms, the same amount for every row whatever it drafts or verifies (the race's exponentials
+    come after the proposal: ``Batch.exponentials``)."""
 
     drafting: torch.Tensor  # [B, W] float64: one uniform per drafted position
     verifying: torch.Tensor  # [B, W] float32: one uniform per verified position
-    exponentials: torch.Tensor  # [B, V] float32: the race that picks the step's last token
+    plain: torch.Tensor  # [B] float64: the token of a row that verifies nothing, by inversion (sampling.sample)
 
 
 class Batch:
@@ -44,18 +45,26 @@ class Batch:
         """[B] int64: the tokens each row may still emit."""
         return torch.tensor([limit - len(self.generated[i]) for i in self.rows])
 
-    def draw(self, width: int, vocab: int, sampling: SamplingParams, device) -> Draws | None:
-        """Each row's randomness for one step, from its own stream and always the same amount of it, so a row's
+    def draw(self, width: int, sampling: SamplingParams, device) -> Draws | None:
+        """Each row's uniforms for one step, from its own stream and always the same amount of them, so a row's
         draws never depend on its neighbours (None at temperature 0: nothing is random)."""
         if sampling.greedy:
             return None
         streams = [self.generators[i] for i in self.rows]
         drafting = torch.stack([torch.rand(width, dtype=torch.float64, generator=g) for g in streams])
         verifying = torch.stack([torch.rand(width, generator=g) for g in streams])
-        exponentials = torch.cat(
-            [draw_exponentials(1, vocab, dtype=torch.float32, device="cpu", generator=g) for g in streams]
-        )
-        return Draws(drafting.to(device), verifying.to(device), exponentials.to(device))
+        plain = torch.cat([torch.rand(1, dtype=torch.float64, generator=g) for g in streams])
+        return Draws(drafting.to(device), verifying.to(device), plain.to(device))
+
+    def exponentials(self, drafted: list[bool], vocab: int, device) -> torch.Tensor:
+        """[B, V] float32: the race's Exp(1) variates, from the stream of each row that verifies a drafted token (its
+        own proposal says so: what a row draws still never depends on its neighbours), ones in the other rows, which
+        take their plain draw instead. A step that verifies nothing skips the V variates (0.4 ms at V = 151,936)."""
+        out = torch.ones(len(self.rows), vocab)
+        for b, row in enumerate(self.rows):
+            if drafted[b]:
+                out[b] = draw_exponentials(1, vocab, dtype=torch.float32, device="cpu", generator=self.generators[row])
+        return out.to(device)
 
     def commit(
         self,

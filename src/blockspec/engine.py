@@ -20,7 +20,7 @@ from typing import cast
 import torch
 
 from . import checks
-from .batch import Batch
+from .batch import Batch, Draws
 from .defaults import MAX_DRAFT, PATHS_DRAWN, RULE
 from .drafting import DraftProposer, LookupState, PathProposer, PromptLookup, Proposal, Proposer, TreeProposer
 from .drafting.tree import SCHEME, tree_slots
@@ -29,10 +29,10 @@ from .models.base import TreeLanguageModel, check_shared_vocabulary, model_name,
 from .outputs import GenerationResult, StepStats
 from .policy import FixedLength, LengthPolicy, SVPolicy
 from .policy.shapes import AdaptiveShape
-from .sampling import SamplingParams, check_unsupported
+from .sampling import SamplingParams, check_unsupported, sample
 from .stopping import Stopper
 from .verify import Randomness, Rule, TreeVerifyOutput, VerifyOutput, get_rule
-from .verify.base import verified_mask, verify_plain
+from .verify.base import verified_mask
 from .verify.multipath import TREE_SCHEME
 from .verify.tree import verify_tree_block, verify_tree_greedy, verify_tree_token
 from .verify.tree_inputs import node_mask
@@ -197,17 +197,15 @@ class SpeculativeDecoder:
         stats: list[StepStats] = []
         while batch.rows:
             contexts = batch.contexts()
-            # 1. draw: each row's uniforms [B, W] for drafting and verifying, exponentials [B, V]
-            draws = batch.draw(self.max_draft, self.vocab, sampling, device)
+            # 1. draw: each row's uniforms [B, W] for drafting and verifying, and [B] for a row that verifies nothing
+            draws = batch.draw(self.max_draft, sampling, device)
             # 2. propose: tokens [B, W], probs [B, W, V] or None (one-hot), verified [B]
             room = batch.remaining(max_new_tokens) - 1  # the step's last token is the target's own
             proposal = proposer.propose(batch.rows, contexts, room, None if draws is None else draws.drafting)
             # 3. score: the target reads [pending, x_1..x_W] (a tree: pending, then the nodes), up to each row's own
             target_probs = self._score(contexts, proposal, sampling)  # [B, W+1, V]
             # 4. verify: out.tokens [B, W+1], out.num_accepted [B] (tau)
-            width = proposal.tokens.shape[1]
-            randomness = None if draws is None else Randomness(draws.verifying[:, :width], draws.exponentials)
-            out = self._verify(rule, proposal, target_probs, randomness)
+            out = self._verify(rule, proposal, target_probs, batch, draws)
             # 5. observe: the length policy and lookup learn from this step's outcome (a tree proposer: its path)
             proposer.observe(batch.rows, proposal, target_probs, out)
             # 6. commit: each row keeps tau + 1 tokens, less what its end cuts
@@ -270,14 +268,23 @@ class SpeculativeDecoder:
             logits = self.target.forward_tree(tokens, parents, torch.cat([valid, nodes], dim=1))
         return checks.probabilities(self.target, "target", logits, sampling, self.vocab)
 
-    def _verify(self, rule: Rule, proposal: Proposal, target_probs: torch.Tensor, randomness) -> VerifyOutput:
+    def _verify(
+        self, rule: Rule, proposal: Proposal, target_probs: torch.Tensor, batch: Batch, draws: Draws | None
+    ) -> VerifyOutput:
         """The rule's verdict on a chain, or its tree form's on a tree: siblings drawn as ``SCHEME`` says, or i.i.d.
-        paths' prefix tree, verified as multipath.py verifies it (``TREE_SCHEME``)."""
+        paths' prefix tree, verified as multipath.py verifies it (``TREE_SCHEME``). A row that verifies nothing
+        drafted takes the target's own token (``plain``): the rule's verdict there, without its race."""
         verified = proposal.verified.to(target_probs.device)
-        if proposal.parents is None and proposal.tokens.shape[1] == 0:  # nothing drafted: a plain target step
-            return verify_plain(target_probs, randomness)
+        plain_rows = verified == 0  # [B]
+        uniforms = None if draws is None else draws.plain
+        if proposal.parents is None and bool(plain_rows.all()):  # a plain target step (a tree step must commit)
+            return plain(target_probs, uniforms)
+        randomness = None
+        if draws is not None:
+            exponentials = batch.exponentials((~plain_rows).tolist(), self.vocab, target_probs.device)
+            randomness = Randomness(draws.verifying[:, : proposal.tokens.shape[1]], exponentials)
         if proposal.parents is None:
-            return rule.verify(
+            out = rule.verify(
                 proposal.tokens,
                 proposal.probs,
                 target_probs,
@@ -285,16 +292,20 @@ class SpeculativeDecoder:
                 randomness=randomness,
                 validate=False,
             )
-        return TREE_VERIFIERS[rule.name](
-            proposal.tokens,
-            proposal.parents,
-            proposal.probs,
-            target_probs,
-            scheme=TREE_SCHEME if self.paths_drawn == "iid" else SCHEME,
-            num_nodes=verified,
-            randomness=randomness,
-            validate=False,
-        )
+        else:
+            out = TREE_VERIFIERS[rule.name](
+                proposal.tokens,
+                proposal.parents,
+                proposal.probs,
+                target_probs,
+                scheme=TREE_SCHEME if self.paths_drawn == "iid" else SCHEME,
+                num_nodes=verified,
+                randomness=randomness,
+                validate=False,
+            )
+        if uniforms is not None and bool(plain_rows.any()):  # their race ran on ones: not a draw of their law
+            out.tokens[plain_rows, 0] = plain(target_probs[plain_rows], uniforms[plain_rows]).tokens[:, 0]
+        return out
 
     def _roll_back(self, batch: Batch, proposer: Proposer, finished: list[int], out: VerifyOutput) -> None:
         lengths = batch.lengths()  # [B]
@@ -310,3 +321,13 @@ class SpeculativeDecoder:
             self.target.select(keep)
             proposer.select(keep)
             batch.drop(finished)
+
+
+def plain(target_probs: torch.Tensor, uniforms: torch.Tensor | None) -> VerifyOutput:
+    """The verdict on rows that verify nothing drafted (``target_probs`` [B, W+1, V]): tau = 0 and the target's own
+    token after the pending one, drawn by inversion from each row's plain uniform ``uniforms`` [B]
+    (``sampling.sample``), or without them (temperature 0: one-hot probabilities) its argmax. Every rule's verdict
+    there is a draw of that law; this one costs one uniform where the rules' race takes V exponentials."""
+    row = target_probs[:, 0]  # [B, V]
+    last = row.argmax(-1) if uniforms is None else sample(row, uniforms)
+    return VerifyOutput(tokens=last[:, None], num_accepted=torch.zeros_like(last))

@@ -12,7 +12,9 @@ from kits.enginekit import off_by_one, reference_greedy
 from kits.tiny import exact_law_of_first_tokens, perturbed, tiny_model, tiny_tokenizer
 
 from blockspec import SamplingParams, SpeculativeDecoder
+from blockspec.batch import Batch
 from blockspec.bench.executor import ExpectedScores
+from blockspec.engine import plain
 from blockspec.models.hf import PREFILL_TOKENS, HFModel, prefill_groups
 from blockspec.policy import FixedLength
 from blockspec.verify import RULES, SAMPLED_RULES
@@ -131,6 +133,46 @@ def test_law_of_the_first_tokens_is_the_targets(rule, device, monkeypatch):
     monkeypatch.setitem(RULES, rule, replace(RULES[rule], verify=off_by_one(RULES[rule].verify)))
     broken = lawkit.chi_square(counts()[0], law)
     assert not broken.passed, f"negative control passed: {broken}"
+
+
+def test_law_of_the_target_alone_is_the_targets(monkeypatch):
+    """The target alone at temperature 1 (every step plain: one uniform per row, by inversion): chi-square of the joint
+    law of the first 3 tokens; the same test on an engine that draws each row's plain uniform once, not once a step
+    (each token then fine on its own, the three together not), must fail."""
+    vocab, length, samples = 6, 3, 6000
+    target = tiny_model(vocab=vocab, sharpness=5.0)
+    law = exact_law_of_first_tokens(target, [1, 2, 3], length)
+    decoder = SpeculativeDecoder(target)
+
+    def counts():
+        result = decoder.generate([[1, 2, 3]] * samples, max_new_tokens=length, seed=0, stop_on_eos=False)
+        return lawkit.joint_counts(result.sequences, vocab)
+
+    test = lawkit.chi_square(counts(), law)
+    assert test.passed, test
+    draw, first = Batch.draw, []
+
+    def stale(self, *args):
+        draws = draw(self, *args)
+        first.append(first[0] if first else draws.plain)
+        return replace(draws, plain=first[-1])
+
+    monkeypatch.setattr(Batch, "draw", stale)
+    broken = lawkit.chi_square(counts(), law)
+    assert len(first) == length and not broken.passed, f"negative control passed: {broken}"
+
+
+@pytest.mark.parametrize("vocab", [5, 151_936])
+def test_a_plain_greedy_step_is_every_rules_verdict(vocab):
+    # without uniforms (temperature 0: one-hot probabilities) the engine's plain verdict is each row's argmax, ties to
+    # the lowest id, as every rule's on a step that drafted nothing
+    target = torch.rand(64, 1, vocab, generator=torch.Generator().manual_seed(3))
+    target = torch.zeros_like(target).scatter_(-1, target.argmax(-1, keepdim=True), 1.0)
+    out = plain(target, None)
+    for rule in RULES.values():
+        verdict = rule.verify(torch.empty(64, 0, dtype=torch.long), None, target)
+        assert torch.equal(out.tokens, verdict.tokens) and torch.equal(out.num_accepted, verdict.num_accepted)
+    assert len(set(out.tokens[:, 0].tolist())) > min(64, vocab) // 2, "rows this alike compare little"
 
 
 class Schedule(FixedLength):

@@ -32,7 +32,6 @@ from blockspec.verify import (
     verify_greedy,
     verify_token,
 )
-from blockspec.verify.base import verify_plain
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
@@ -663,22 +662,3 @@ def test_k0_is_a_plain_target_step(rule, one_hot_draft):
     counts = torch.bincount(out.tokens[:, 0], minlength=vocab).double()
     result = lawkit.chi_square(counts, row)
     assert result.passed, result
-
-
-@pytest.mark.parametrize("vocab", [5, 151_936])
-def test_the_engines_plain_step_is_every_rules_k0_verdict(rule, vocab):
-    # The engine skips the rule where nothing was drafted (verify_plain): the same tokens from the same randomness,
-    # and, without randomness (temperature 0), each row's argmax, with ties to the lowest id, of one-hot probabilities
-    batch = 64
-    _, _, target = random_inputs(batch, 0, vocab, seed=3, dtype=torch.float32)
-    draft_tokens = torch.empty(batch, 0, dtype=torch.long)
-    randomness = None
-    if RULES[rule].sampled:
-        randomness = draw(batch, 0, vocab, seed=4, dtype=torch.float32)
-    else:
-        target = torch.zeros_like(target).scatter_(-1, target.argmax(-1, keepdim=True), 1.0)
-    plain = verify_plain(target, randomness)
-    out = RULES[rule].verify(draft_tokens, None, target, randomness=randomness)
-    assert torch.equal(plain.tokens, out.tokens)
-    assert torch.equal(plain.num_accepted, out.num_accepted)
-    assert len(set(plain.tokens[:, 0].tolist())) > min(batch, vocab) // 2, "rows this alike compare little"

@@ -228,21 +228,6 @@ def race_rows(weights: torch.Tensor, rows: slice, randomness: Randomness | None,
     return race(weights, exponentials)
 
 
-def verify_plain(target_probs: torch.Tensor, randomness: Randomness | None) -> VerifyOutput:
-    """The verdict of every rule on a step that drafted nothing (``target_probs`` [B, 1, V]): tau = 0 and the
-    target's own token, drawn by the race on ``randomness``'s exponentials, or its argmax without randomness (a
-    greedy step: one-hot probabilities). A rule's own verifier returns the same; this one skips the rule's passes
-    over an empty draft (tens of small tensor operations: a third of a millisecond a step on a 2-core CPU)."""
-    row = target_probs[:, 0]  # [B, V]
-    if randomness is None:
-        last = row.argmax(-1)
-    else:
-        last = torch.empty(row.shape[0], dtype=torch.long, device=row.device)
-        for rows in row_chunks(*row.shape):
-            last[rows] = race(row[rows], randomness.exponentials[rows])
-    return VerifyOutput(tokens=last[:, None], num_accepted=torch.zeros_like(last))
-
-
 def emit(draft_tokens: torch.Tensor, tau: torch.Tensor, last: torch.Tensor) -> VerifyOutput:
     """Left-aligns the accepted prefix x_1..x_tau followed by ``last``, padding with -1, into a VerifyOutput."""
     batch, width = draft_tokens.shape

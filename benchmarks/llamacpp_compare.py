@@ -73,7 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     run_parser.add_argument("--prompts", type=int, default=2, help="per dataset")
     run_parser.add_argument("--max-new-tokens", type=int, default=128)
     run_parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    run_parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run per seed at T > 0")
+    run_parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="one run per seed at T > 0 (prompt i of N: stream seed * N + i)",
+    )
     # K = 3: a verification of 4 tokens, the width llama.cpp's repacked matmuls run cheapest per token
     run_parser.add_argument("--max-draft", type=int, default=3, help="K of the fixed rows and of llama.cpp's")
     run_parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
@@ -138,13 +144,16 @@ def run(args) -> None:
         decoders["hf-alone"] = SpeculativeDecoder(hf_target)
     prompts = [(name, p) for name in args.datasets for p in datasets.load(name, n=args.prompts, seed=0)]
     runs = [(t, seed) for t in args.temperatures for seed in (args.seeds if t > 0 else [0])]  # greedy: one run
-    for temperature, seed in runs:
+    for temperature, run_seed in runs:
         sampling = SamplingParams(temperature=temperature)
-        for dataset, prompt in prompts:
+        for index, (dataset, prompt) in enumerate(prompts):
             ids = encode_prompt(target.tokenizer, prompt.text, chat=True)
+            # every row of a prompt draws from the same stream (common random numbers), each prompt from its own: with
+            # one stream for all, a seed's early draws sway every prompt's text alike, and prompts stop being samples
+            seed = run_seed * len(prompts) + index
             for row in args.rows:
                 base = {"row": row, "dataset": dataset, "prompt": prompt.id, "temperature": temperature, "K": 0}
-                base["seed"] = seed
+                base.update(seed=run_seed, stream=seed)
                 if row == "llama-bench":  # it samples nothing: the same figure at every temperature, run again
                     measured = llama_bench(tools, target.path, machine["threads"], len(ids), args.max_new_tokens)
                     record({**base, **measured, "accepted_per_step": None, "drafted_per_step": None})

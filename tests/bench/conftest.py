@@ -1,8 +1,28 @@
 """Fixtures of the benchmark tests."""
 
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
 import pytest
 
 from blockspec import machine
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def benchmark_script():
+    """A loader of ``benchmarks/<name>.py`` by name (scripts, not a package: loaded from their path)."""
+
+    def load(name: str) -> ModuleType:
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load
 
 
 @pytest.fixture(scope="module")

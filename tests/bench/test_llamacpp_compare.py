@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "llamacpp_compare.py"
 MACHINE = {"cpu_flags": ["avx2"], "threads": 2}
 
 
 @pytest.fixture(scope="module")
-def compare():
-    spec = importlib.util.spec_from_file_location("llamacpp_compare", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def compare(benchmark_script):
+    return benchmark_script("llamacpp_compare")
 
 
 def run(row: str, prompt: str, temperature: float, tok_s: float) -> dict:

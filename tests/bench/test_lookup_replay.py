@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from blockspec import PromptLookup
 from blockspec.policy.base import LatencyTable
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "lookup_replay.py"
 PROMPT = [1, 2, 3, 4, 5, 6, 9, 1, 2, 3]  # its last 3 tokens occurred before, followed by 4, 5, 6
 
 
 @pytest.fixture(scope="module")
-def replay_prompt():
-    spec = importlib.util.spec_from_file_location("lookup_replay", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.replay_prompt
+def replay_prompt(benchmark_script):
+    return benchmark_script("lookup_replay").replay_prompt
 
 
 def costs(*ms: float) -> PromptLookup:

@@ -154,6 +154,7 @@ def test_law_of_the_target_alone_is_the_targets(monkeypatch):
 
     def stale(self, *args):
         draws = draw(self, *args)
+        assert draws is not None  # temperature 1: a step draws uniforms
         first.append(first[0] if first else draws.plain)
         return replace(draws, plain=first[-1])
 

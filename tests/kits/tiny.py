@@ -53,7 +53,7 @@ def perturbed(model, *, scale: float, seed: int):
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in draft.parameters():
-            param.add_(scale * param.std() * torch.randn(param.shape, generator=gen))
+            param.add_(scale * param.std() * torch.randn(param.shape, generator=gen).to(param.device))
     return draft
 
 

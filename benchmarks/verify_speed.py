@@ -3,6 +3,7 @@
     python benchmarks/verify_speed.py                      # the full grid: B {1, 8, 64}, K {4, 8}, V {32000, 151936}
     python benchmarks/verify_speed.py --batch 1 --width 8 --vocab 151936
     python benchmarks/verify_speed.py --tables trees       # tree rows only: shapes of 1 to 16 nodes, B {1, 8}
+    python benchmarks/verify_speed.py --device cuda        # on a GPU: inputs, generator and timing there
 
 Inputs are realistic float32 distributions (softmax of scaled Gaussian logits, draft correlated with target)
 with every drafted token sampled from the draft (a tree's children without replacement: scheme "distinct").
@@ -71,13 +72,17 @@ def make_tree_inputs(batch: int, shape: tuple[int, ...], vocab: int, seed: int =
     return draft_tokens, torch.tensor(parents).expand(batch, nodes).contiguous(), draft_probs, target_probs
 
 
-def median_ms(fn, *, min_repeats: int, budget_s: float) -> float:
+def median_ms(fn, *, min_repeats: int, budget_s: float, device: str = "cpu") -> float:
+    """Median wall time of ``fn()`` in ms; on CUDA each call is timed to the end of its kernels (synchronized)."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None
     fn()  # warm-up
+    sync()
     times = []
     start = time.perf_counter()
     while len(times) < min_repeats or time.perf_counter() - start < budget_s:
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(1000 * (time.perf_counter() - t0))
         if len(times) >= 200:
             break
@@ -95,22 +100,17 @@ def chain_rows(args) -> list[dict]:
     for batch in args.batch:
         for width in args.width:
             for vocab in args.vocab:
-                inputs = make_inputs(batch, width, vocab)
-                gen = torch.Generator().manual_seed(1)
+                inputs = [tensor.to(args.device) for tensor in make_inputs(batch, width, vocab)]
+                gen = torch.Generator(args.device).manual_seed(1)
+                timing = {"min_repeats": args.repeats, "budget_s": args.budget, "device": args.device}
                 times = {
-                    name: median_ms(
-                        functools.partial(rule.verify, *inputs, generator=gen, validate=False),
-                        min_repeats=args.repeats,
-                        budget_s=args.budget,
-                    )
+                    name: median_ms(functools.partial(rule.verify, *inputs, generator=gen, validate=False), **timing)
                     for name, rule in RULES.items()
                 }
                 validated = median_ms(
-                    functools.partial(RULES["block"].verify, *inputs, generator=gen, validate=True),
-                    min_repeats=args.repeats,
-                    budget_s=args.budget,
+                    functools.partial(RULES["block"].verify, *inputs, generator=gen, validate=True), **timing
                 )
-                forward = TARGET_FORWARD_MS.get((batch, width + 1))
+                forward = TARGET_FORWARD_MS.get((batch, width + 1)) if args.device == "cpu" else None
                 row = {
                     "batch": batch,
                     "width": width,
@@ -148,20 +148,18 @@ def tree_rows(args) -> list[dict]:
         for name in args.trees:
             shape = tuple(int(k) for k in name.split("x"))
             for vocab in args.tree_vocab:
-                inputs = make_tree_inputs(batch, shape, vocab)
-                gen = torch.Generator().manual_seed(1)
+                inputs = [tensor.to(args.device) for tensor in make_tree_inputs(batch, shape, vocab)]
+                gen = torch.Generator(args.device).manual_seed(1)
+                timing = {"min_repeats": args.repeats, "budget_s": args.budget, "device": args.device}
                 times = {
                     rule: median_ms(
-                        functools.partial(verify, *inputs, scheme="distinct", generator=gen, validate=False),
-                        min_repeats=args.repeats,
-                        budget_s=args.budget,
+                        functools.partial(verify, *inputs, scheme="distinct", generator=gen, validate=False), **timing
                     )
                     for rule, verify in TREE_VERIFIERS.items()
                 }
                 validated = median_ms(
                     functools.partial(verify_tree_block, *inputs, scheme="distinct", generator=gen, validate=True),
-                    min_repeats=args.repeats,
-                    budget_s=args.budget,
+                    **timing,
                 )
                 slowest = max(times.values())
                 row = {
@@ -202,6 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=7, help="minimum timed calls per cell (median reported)")
     parser.add_argument("--budget", type=float, default=1.0, help="seconds of timed calls per cell, at least")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
+    parser.add_argument("--device", default="cpu", help="where the verifiers run: cpu, or cuda on a GPU")
     parser.add_argument("--out", type=Path, default=Path("results/verify_speed.json"), help="JSON output file")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -211,7 +210,12 @@ def main(argv: list[str] | None = None) -> None:
     record = {
         "benchmark": "verify_speed",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "threads": args.threads},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "threads": args.threads,
+            "device": torch.cuda.get_device_name(args.device) if "cuda" in args.device else "cpu",
+        },
         "versions": {"python": sys.version.split()[0], "torch": torch.__version__},
         "rows": rows,
         "tree_rows": trees,

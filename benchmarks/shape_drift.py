@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> None:
 
     model = load_model(args.model, backend=args.backend, dtype=args.dtype)
     tokenizer = model.tokenizer
+    if tokenizer is None:
+        raise SystemExit(f"{args.model} has no tokenizer to encode the prompts with")
     texts = [p.text for name in args.datasets for p in datasets.load(name, n=args.prompts, seed=args.seed)]
     prompts = [ids[: args.tokens] for ids in (tokenizer.encode(t) for t in texts) if len(ids) >= args.tokens]
     if len(prompts) < args.rows:

@@ -42,6 +42,11 @@ INT8_MARGIN = 1.25  # int8 must be this much faster to be chosen: its acceptance
 PROBE_SHAPE = (8960, 1536)  # the 1.5B's MLP up/gate projection, [out, in]
 PROBE_MATRICES = 6
 PROBE_TOKENS = (1, 4)  # a plain step and a short verification
+# Timed rounds of each width in the step-latency probes. A slow phase of a shared machine can lengthen a few
+# forwards in a row by a third; with 2 rounds (whose median is their mean) one such forward moved the bundled
+# target's 2-token/1-token cost ratio on llama.cpp from 1.8 to 1.45-1.6, and prompt lookup then proposed where it
+# loses. The median of 5 resists two slow rounds.
+LATENCY_REPEATS = 5
 BUSY_CORES = 0.25  # other processes' CPU use (in cores) above which a probe is not cached
 
 
@@ -186,7 +191,7 @@ def adaptive_policy(latency, batch: int, max_draft: int):
 
 def latency_probe(target, draft, batch: int, *, refresh: bool = False):
     """The step latency of ``target`` and ``draft`` (loaded adapters) at batch sizes 1 and ``batch``: a
-    ``LatencyProfile`` measured once (about 3 rounds of 1-9 token forwards, seconds on a CPU) and cached per
+    ``LatencyProfile`` measured once (6 rounds of 1-9 token forwards, seconds on a CPU) and cached per
     models (``profiles.model_identity``: other weights under the same name are measured again), dtype, device,
     thread count and batch size; a cache that cannot be written serves this run's measurement only."""
     name = latency_path(target.name, draft.name, None, dtype_name(target.dtype), str(target.device)).name
@@ -206,28 +211,28 @@ def latency_probe(target, draft, batch: int, *, refresh: bool = False):
             # cost less than 3, and interpolating between widths would misprice them
             tokens=tuple(range(1, ADAPTIVE_MAX_DRAFT + 2)),
             context=128,
-            repeats=2,
+            repeats=LATENCY_REPEATS,
             progress=False,
         )
 
-    path = sv_dir() / f"probe-b{batch}-t{torch.get_num_threads()}-{name}"
+    path = sv_dir() / f"probe-b{batch}-t{torch.get_num_threads()}-r{LATENCY_REPEATS}-{name}"
     return _measured_once(path, refresh, load, measure, lambda p, profile: profile.save(p), "latency probe")
 
 
 def lookup_latency(target, batch: int, max_draft: int = LOOKUP_MAX_DRAFT, *, refresh: bool = False) -> LatencyTable:
     """The target's step latency over 1..``max_draft`` + 1 tokens at batch sizes 1 and ``batch``: what
-    ``PromptLookup(costs=...)`` chooses its proposal lengths by. Measured once (2 rounds after a warm-up, seconds on
-    a CPU) and cached as ``latency_probe`` caches its profiles, per target, dtype, device, thread count, batch size
-    and width."""
+    ``PromptLookup(costs=...)`` chooses its proposal lengths by. Measured once (``LATENCY_REPEATS`` rounds after a
+    warm-up, under a minute on a CPU) and cached as ``latency_probe`` caches its profiles, per target, dtype, device,
+    thread count, batch size and width."""
     name = latency_path(target.name, None, None, dtype_name(target.dtype), str(target.device)).name
 
     def measure() -> LatencyTable:
         log.info("measuring step latency of %s at batch %d for prompt lookup (once per machine)", target.name, batch)
         tokens = tuple(range(1, max_draft + 2))  # every width: llama.cpp's matmuls take rows in fours (latency_probe)
         models = {"target": (target, tokens)}
-        return time_forwards(models, tuple(sorted({1, batch})), context=128, repeats=2, progress=False)["target"]
+        return time_forwards(models, tuple(sorted({1, batch})), 128, LATENCY_REPEATS, progress=False)["target"]
 
-    path = sv_dir() / f"lookup-b{batch}-t{torch.get_num_threads()}-w{max_draft + 1}-{name}"
+    path = sv_dir() / f"lookup-b{batch}-t{torch.get_num_threads()}-w{max_draft + 1}-r{LATENCY_REPEATS}-{name}"
     return _measured_once(
         path,
         refresh,

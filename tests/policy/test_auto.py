@@ -276,6 +276,26 @@ def test_the_lookup_probe_measures_every_width_once_and_measures_a_broken_file_a
     assert auto.lookup_latency(target, 3, max_draft=5).tokens == (1, 2, 3, 4, 5, 6) and len(timed) == 3
 
 
+def test_the_lookup_probe_keeps_its_cost_ratios_through_two_slow_rounds(tmp_path, monkeypatch):
+    """A shared machine has slow phases: here the 1-token forward of two timed rounds takes 1.4 times as long (a
+    forward of w tokens costs w otherwise). The probe's 2-token / 1-token ratio must stay 2; with 2 timed rounds
+    (whose median is their mean) it fell to 1.67 or 1.43, and lookup proposed where a proposal loses."""
+    monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path))
+    calls = {1: 0}
+
+    def fake_seconds(model, step, last_only):
+        width = step.shape[1]
+        if width == 1:
+            calls[1] += 1  # call 1 is the warm-up round; calls 2 and 3 are the first two timed rounds
+            return 1.4 if calls[1] in (2, 3) else 1.0
+        return float(width)
+
+    monkeypatch.setattr(auto, "step_seconds", fake_seconds)
+    table = auto.lookup_latency(HFModel(tiny_model(), name="tiny-target"), 1, max_draft=3)
+    assert calls[1] == 1 + auto.LATENCY_REPEATS
+    assert table(1, 2) / table(1, 1) == pytest.approx(2.0)
+
+
 def test_generate_with_its_defaults_runs_from_a_read_only_cache(read_only_cache, tmp_path, monkeypatch, probe_load):
     """Every model is there: the probes that cannot be cached are measured for this run, not an error."""
     monkeypatch.setattr(auto, "_measure", lambda: {"bfloat16": {"1": 2.0}, "float32": {"1": 1.0}})

@@ -47,6 +47,9 @@ PROBE_TOKENS = (1, 4)  # a plain step and a short verification
 # target's 2-token/1-token cost ratio on llama.cpp from 1.8 to 1.45-1.6, and prompt lookup then proposed where it
 # loses. The median of 5 resists two slow rounds.
 LATENCY_REPEATS = 5
+# The probes' method, in their cache files' names: a probe cached by an earlier method is measured again.
+# 1: 2 rounds, widths ascending. 2: LATENCY_REPEATS rounds, widths descending (``time_forwards``).
+LATENCY_METHOD = 2
 BUSY_CORES = 0.25  # other processes' CPU use (in cores) above which a probe is not cached
 
 
@@ -215,7 +218,7 @@ def latency_probe(target, draft, batch: int, *, refresh: bool = False):
             progress=False,
         )
 
-    path = sv_dir() / f"probe-b{batch}-t{torch.get_num_threads()}-r{LATENCY_REPEATS}-{name}"
+    path = sv_dir() / f"probe-b{batch}-t{torch.get_num_threads()}-m{LATENCY_METHOD}-{name}"
     return _measured_once(path, refresh, load, measure, lambda p, profile: profile.save(p), "latency probe")
 
 
@@ -232,7 +235,7 @@ def lookup_latency(target, batch: int, max_draft: int = LOOKUP_MAX_DRAFT, *, ref
         models = {"target": (target, tokens)}
         return time_forwards(models, tuple(sorted({1, batch})), 128, LATENCY_REPEATS, progress=False)["target"]
 
-    path = sv_dir() / f"lookup-b{batch}-t{torch.get_num_threads()}-w{max_draft + 1}-r{LATENCY_REPEATS}-{name}"
+    path = sv_dir() / f"lookup-b{batch}-t{torch.get_num_threads()}-w{max_draft + 1}-m{LATENCY_METHOD}-{name}"
     return _measured_once(
         path,
         refresh,
@@ -257,8 +260,9 @@ def measure_profile(
     """Time what a step does with each model: a ``forward`` of n tokens per row on B rows of ``context`` cached
     tokens, then the processing of its logits into probabilities at temperature 1 (the target's and the
     companion's at every position, the draft's at the last one, which it also samples from; the draft at n in
-    DRAFT_TOKENS). Median of ``repeats`` after one warm-up round; within a batch size the cells take turns, so
-    the machine's drift is shared by all of them. Token ids are random (seeded), which costs the same as text.
+    DRAFT_TOKENS). Median of ``repeats`` after one warm-up round; within a batch size the cells take turns, each
+    model's widest first, so the machine's drift is shared by all of them and no forward is timed right after a
+    much wider one. Token ids are random (seeded), which costs the same as text.
     Each model's batch is replaced by an empty one at the end, so its next prefill starts clean.
     """
     models = {"target": (target, tokens), "draft": (draft, DRAFT_TOKENS)}
@@ -300,7 +304,9 @@ def time_forwards(
             cells = {}  # (name, n) -> the n tokens per row it scores
             for name, (model, grid) in models.items():
                 model.prefill(prompts)  # replaces the previous batch size's cache
-                cells |= {(name, n): torch.randint(vocab, (batch, n), generator=generator) for n in grid}
+                # widest first: a forward timed right after a much wider one, whose processing (a softmax over every
+                # position) leaves threads busy, ran up to twice as slow on a 2-core CPU, and decoding never pays that
+                cells |= {(name, n): torch.randint(vocab, (batch, n), generator=generator) for n in sorted(grid)[::-1]}
             times = {cell: [] for cell in cells}
             for _ in range(1 + repeats):  # the first round warms up (allocation, kernel selection) and is not kept
                 for (name, n), step in cells.items():

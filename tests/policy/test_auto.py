@@ -296,6 +296,24 @@ def test_the_lookup_probe_keeps_its_cost_ratios_through_two_slow_rounds(tmp_path
     assert table(1, 2) / table(1, 1) == pytest.approx(2.0)
 
 
+def test_the_lookup_probe_times_no_forward_right_after_a_much_wider_one(tmp_path, monkeypatch):
+    """A forward timed right after a much wider one ran up to twice as slow on a 2-core CPU (the wide one's
+    processing leaves threads busy), which decoding, where steps of one token follow each other, never pays. Here
+    such a forward costs 1.5 more (a forward of w tokens costs w otherwise): timed widest first, the probe's ratios
+    stay exact; timed narrowest first, each round's 1-token forward follows the 4-token one and the ratio falls."""
+    monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path))
+    before = [0]
+
+    def fake_seconds(model, step, last_only):
+        width, wider = step.shape[1], before[0]
+        before[0] = width
+        return width + (1.5 if wider > 2 * width else 0.0)
+
+    monkeypatch.setattr(auto, "step_seconds", fake_seconds)
+    table = auto.lookup_latency(HFModel(tiny_model(), name="tiny-target"), 1, max_draft=3)
+    assert [table(1, w) / table(1, 1) for w in (2, 3, 4)] == pytest.approx([2.0, 3.0, 4.0])
+
+
 def test_generate_with_its_defaults_runs_from_a_read_only_cache(read_only_cache, tmp_path, monkeypatch, probe_load):
     """Every model is there: the probes that cannot be cached are measured for this run, not an error."""
     monkeypatch.setattr(auto, "_measure", lambda: {"bfloat16": {"1": 2.0}, "float32": {"1": 1.0}})

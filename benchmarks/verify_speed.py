@@ -91,6 +91,7 @@ def median_ms(fn, *, min_repeats: int, budget_s: float, device: str = "cpu") -> 
 
 def chain_rows(args) -> list[dict]:
     rows = []
+    timing = {"min_repeats": args.repeats, "budget_s": args.budget, "device": args.device}
     header = (
         f"{'B':>3} {'K':>2} {'V':>7} | {'token ms':>9} {'block ms':>9} {'greedy ms':>9} | {'block/token':>11} | "
         f"{'validation ms':>13} {'(+% block)':>10} | {'block % of fwd':>14}"
@@ -102,7 +103,6 @@ def chain_rows(args) -> list[dict]:
             for vocab in args.vocab:
                 inputs = [tensor.to(args.device) for tensor in make_inputs(batch, width, vocab)]
                 gen = torch.Generator(args.device).manual_seed(1)
-                timing = {"min_repeats": args.repeats, "budget_s": args.budget, "device": args.device}
                 times = {
                     name: median_ms(functools.partial(rule.verify, *inputs, generator=gen, validate=False), **timing)
                     for name, rule in RULES.items()
@@ -138,6 +138,7 @@ def chain_rows(args) -> list[dict]:
 
 def tree_rows(args) -> list[dict]:
     rows = []
+    timing = {"min_repeats": args.repeats, "budget_s": args.budget, "device": args.device}
     header = (
         f"{'B':>3} {'shape':>8} {'N':>3} {'V':>7} | {'token ms':>9} {'block ms':>9} | "
         f"{'% of step':>9} | {'validation ms':>13}"
@@ -150,7 +151,6 @@ def tree_rows(args) -> list[dict]:
             for vocab in args.tree_vocab:
                 inputs = [tensor.to(args.device) for tensor in make_tree_inputs(batch, shape, vocab)]
                 gen = torch.Generator(args.device).manual_seed(1)
-                timing = {"min_repeats": args.repeats, "budget_s": args.budget, "device": args.device}
                 times = {
                     rule: median_ms(
                         functools.partial(verify, *inputs, scheme="distinct", generator=gen, validate=False), **timing

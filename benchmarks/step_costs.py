@@ -1,131 +1,142 @@
-"""Where a decoding step's time goes, live: each model forward timed by (model, tokens per row), the rest of the
-step (sampling, verification, bookkeeping) by difference, and what a latency profile predicts for the same
-forwards. This is what Speculative Verification's cost model must get right: it prices a step from the profile.
+"""What decoding's forwards cost where decoding pays them, beside what the step-latency probe says they cost.
 
-    python benchmarks/step_costs.py --batch-sizes 16 \
-        --latency benchmarks/results/sv-profiles/latency-prefix8-interleaved.json
+    python benchmarks/step_costs.py --backend llamacpp --dataset humaneval --prompts 6 --configs alone lookup
+    python benchmarks/step_costs.py --backend hf --configs alone block:4
 
-The first --batch-size prompts of --dataset (chat template) are decoded --repeats times by each configuration
-(target-only, block verification at each K in --max-draft, and SV with --sv-profile), configurations
-alternating, at temperature 1 with the same seeds; the first --skip-steps steps of each run are left out (row
-count still full, caches warm).
-Per configuration: decode tokens/s from the steps kept, block efficiency, mean seconds per call of each forward
-kind, and per step outside the forwards and in all; with --latency, the profile's figures in brackets (its
-cells include the processing of the logits, so a whole step is the comparable figure). Prints a table, saves
-JSON (--out); the last stdout line is JSON.
+Prompt lookup and the adaptive policy price a step by a probe (``blockspec.auto``: forwards of each width, timed in
+turns on random tokens, cached). Here every ``forward`` of real decoding is timed: each configuration decodes the
+first --prompts prompts of --dataset (chat template, batch 1, --max-new-tokens) at each --temperature (seed 0),
+configurations taking turns prompt by prompt. Configurations: ``alone`` (the target alone), ``lookup`` (prompt lookup
+priced by the cached ``lookup_latency`` probe), ``token:K`` and ``block:K`` (the draft model, K tokens a step).
+
+Before each prompt's turn the probe's method runs once more, uncached (``blockspec.auto.time_forwards`` over
+--probe-widths, as ``lookup_latency`` times them), so the probe's ratios over the run sit beside decoding's.
+
+Per configuration: tokens/s over the decoding (prefill left out); per (model, tokens per row) the calls and their
+median seconds; per step the seconds outside the forwards (sampling, verification, lookup, bookkeeping); and the
+target's in-loop cost of each width over its 1-token cost. Then the probes' ratios (lowest, median, highest), and
+the cached probe's that ``lookup`` chose by. Run it alone on the machine. Prints a table; the records (one line per
+run or probe, every forward's seconds) go to --out as JSON lines, and the last stdout line is the summary's JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
-import platform
 import statistics
 import time
 from collections import defaultdict
-from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
+
+from blockspec import machine
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=(__doc__ or "").split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
+    parser.add_argument("--backend", choices=("llamacpp", "hf"), default="llamacpp")
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--dataset", default="gsm8k")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[16])
-    parser.add_argument("--max-draft", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=2, help="runs per configuration and batch size")
-    parser.add_argument("--skip-steps", type=int, default=2, help="first steps of each run left out")
-    parser.add_argument("--latency", help="a `blockspec sv profile` JSON to compare the forwards with")
-    parser.add_argument(
-        "--sv-profile",
-        help="with --latency: also SV (draft-only predictor, block rule, up to the "
-        "largest --max-draft), from this `blockspec sv calibrate` JSON",
-    )
-    parser.add_argument("--out", default="results/step_costs.json")
+    parser.add_argument("--dtype", default="bfloat16", help="the hf backend's dtype")
+    parser.add_argument("--dataset", default="humaneval")
+    parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0])
+    parser.add_argument("--configs", nargs="+", default=["alone", "lookup"], type=config_name)
+    parser.add_argument("--probe-widths", type=int, nargs="*", default=[1, 2, 3, 4], help="none: no probes")
+    parser.add_argument("--out", type=Path, default=Path("results/step_costs.jsonl"))
     args = parser.parse_args()
 
+    from blockspec import PromptLookup, SamplingParams, SpeculativeDecoder
+    from blockspec.auto import LATENCY_REPEATS, PROBE_CONTEXT, lookup_latency
+    from blockspec.auto import time_forwards as probe_forwards
     from blockspec.bench import datasets
-    from blockspec.engine import SpeculativeDecoder
     from blockspec.models.chat import encode_prompt
-    from blockspec.models.hf import load_model
-    from blockspec.policy import SVPolicy
-    from blockspec.policy.latency import LatencyProfile
-    from blockspec.policy.predictor import Profile
-    from blockspec.sampling import SamplingParams
 
-    target = load_model(args.target, dtype=args.dtype, progress=False)
-    draft = load_model(args.draft, dtype=args.dtype, progress=False)
-    profile = LatencyProfile.load(args.latency) if args.latency else None
-    log = _time_forwards({"target": target, "draft": draft})
-    decoders = {"target-only": SpeculativeDecoder(target)}
-    decoders |= {f"block K={k}": SpeculativeDecoder(target, draft, rule="block", max_draft=k) for k in args.verified}
-    if args.sv_profile and profile:
-        policy = SVPolicy(
-            Profile.load(args.sv_profile),
-            profile,
-            rule="block",
-            max_draft=max(args.verified),
-            kind="draft",
-            carry_over=True,
-        )  # history and offsets carry over from run to run
-        decoders["SV draft"] = SpeculativeDecoder(
-            target, draft, rule="block", max_draft=max(args.verified), policy=policy
-        )
-    prompts = [encode_prompt(target.tokenizer, p.text) for p in datasets.load(args.dataset, max(args.batch_sizes))]
-    result = {
-        "target": args.target,
-        "draft": args.draft,
-        "dtype": args.dtype,
-        "dataset": args.dataset,
-        "max_new_tokens": args.max_new_tokens,
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "machine": platform.platform(),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "latency": args.latency,
-        "rows": [],
+    target, draft = load(args.backend, args.target, args.dtype), None
+    if any(":" in c for c in args.configs):
+        draft = load(args.backend, args.draft, args.dtype)
+    probe = lookup_latency(target, 1) if "lookup" in args.configs else None
+    decoders = {}
+    for name in args.configs:
+        if name == "alone":
+            decoders[name] = SpeculativeDecoder(target)
+        elif name == "lookup":
+            decoders[name] = SpeculativeDecoder(target, lookup=PromptLookup(costs=probe))
+        else:
+            rule, k = name.split(":")
+            decoders[name] = SpeculativeDecoder(target, draft, rule=rule, max_draft=int(k))
+    log = time_forwards({"target": target} | ({"draft": draft} if draft else {}))
+    widths = tuple(sorted(set(args.probe_widths)))
+    prompts = [encode_prompt(target.tokenizer, p.text, chat=True) for p in datasets.load(args.dataset, args.prompts)]
+    decoders[args.configs[0]].generate(prompts[:1], max_new_tokens=8, seed=0)  # warm-up, not kept
+    flags = machine.cpu_flags()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    runs, probes = [], []
+    with args.out.open("w") as out:
+        for temperature in args.temperatures:
+            for index, ids in enumerate(prompts):
+                if widths:
+                    log.clear()  # the probe's forwards are timed by the probe, not logged
+                    table = probe_forwards({"target": (target, widths)}, (1,), PROBE_CONTEXT, LATENCY_REPEATS, False)[
+                        "target"
+                    ]
+                    run = {"config": "probe", "temperature": temperature, "prompt": index, "seconds": table.seconds[0]}
+                    out.write(json.dumps(run | {"widths": widths, "cpu_flags": flags}) + "\n")
+                    probes.append(run["seconds"])
+                for name, decoder in decoders.items():
+                    log.clear()
+                    result = decoder.generate(
+                        [ids], max_new_tokens=args.max_new_tokens, seed=0, sampling=SamplingParams(temperature)
+                    )
+                    run = {
+                        "config": name,
+                        "temperature": temperature,
+                        "prompt": index,
+                        "tokens": result.new_tokens,
+                        "steps": len(result.stats),
+                        "decode_s": result.wall_time - result.prefill_s,
+                        "forwards": list(log),
+                        "backend": args.backend,
+                        "cpu_flags": flags,
+                        "threads": torch.get_num_threads(),
+                        "date": time.strftime("%Y-%m-%d %H:%M"),
+                    }
+                    out.write(json.dumps(run) + "\n")
+                    runs.append(run)
+    summary = {
+        "cached_probe": None if probe is None else probe_ratios(probe),
+        "probes": spread(widths, probes),
+        "rows": summarize(runs),
     }
-    for batch in args.batch_sizes:
-        steps = defaultdict(list)  # configuration -> (StepStats, its forwards) of the kept steps
-        decoders["target-only"].generate(prompts[:batch], max_new_tokens=4, seed=0)  # warm-up at this batch size
-        for _ in range(args.repeats):
-            for name, decoder in decoders.items():
-                log.clear()
-                out = decoder.generate(
-                    prompts[:batch],
-                    max_new_tokens=args.max_new_tokens,
-                    seed=0,
-                    sampling=SamplingParams(temperature=1.0),
-                )
-                steps[name] += list(zip(out.stats, _per_step(log)))[args.skip_steps :]
-        print(f"B={batch}: seconds per step (forward kinds: model n=tokens per row; profile's figure in brackets)")
-        for name, kept in steps.items():
-            row = _summary(name, batch, kept, profile)
-            result["rows"].append(row)
-            forwards = ", ".join(
-                f"{kind} {s:.3f}" + (f" [{row['profile'][kind]:.3f}]" if profile else "")
-                for kind, s in row["forwards"].items()
-            )
-            print(
-                f"  {name:<12} {row['tokens_per_s']:6.1f} tok/s  BE {row['block_efficiency']:.2f}  step "
-                f"{row['step_s']:.3f} [{row['profile_step_s']:.3f}] = {forwards}; outside forwards "
-                f"{row['outside_s']:.3f}",
-                flush=True,
-            )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result))
+    print_table(summary, flags)
+    print(json.dumps(summary))
 
 
-def _time_forwards(models: dict) -> list[tuple[str, int, float]]:
+def config_name(text: str) -> str:
+    """``alone``, ``lookup`` or ``token:K`` / ``block:K`` with K >= 1 (argparse's type)."""
+    if text in ("alone", "lookup"):
+        return text
+    rule, _, k = text.partition(":")
+    if rule not in ("token", "block") or not k.isdigit() or int(k) < 1:
+        raise argparse.ArgumentTypeError(f"expected alone, lookup, token:K or block:K, got {text!r}")
+    return text
+
+
+def load(backend: str, name: str, dtype: str):
+    if backend == "llamacpp":
+        from blockspec.models.llamacpp import load_llamacpp
+
+        return load_llamacpp(name, progress=False)
+    from blockspec.models.hf import load_model
+
+    return load_model(name, dtype=dtype, progress=False)
+
+
+def time_forwards(models: dict) -> list[tuple[str, int, float]]:
     """Wrap each model's ``forward`` so every call appends (model name, tokens per row, seconds) to the log."""
     log = []
     for name, model in models.items():
@@ -140,47 +151,70 @@ def _time_forwards(models: dict) -> list[tuple[str, int, float]]:
     return log
 
 
-def _per_step(log) -> list[list[tuple[str, int, float]]]:
-    """The forwards of each step: a step ends with the target's one scoring forward."""
-    steps, current = [], []
-    for entry in log:
-        current.append(entry)
-        if entry[0] == "target":
-            steps.append(current)
-            current = []
-    return steps
+def summarize(runs: list[dict]) -> list[dict]:
+    """Per (configuration, temperature): tokens/s, the median seconds of each (model, width) call, the target's
+    width-w median over its 1-token median, and the seconds per step outside the forwards."""
+    groups = defaultdict(list)
+    for run in runs:
+        groups[run["config"], run["temperature"]].append(run)
+    rows = []
+    for (config, temperature), kept in groups.items():
+        calls = defaultdict(list)
+        for run in kept:
+            for model, width, seconds in run["forwards"]:
+                calls[f"{model} {width}"].append(seconds)
+        medians = {kind: statistics.median(s) for kind, s in sorted(calls.items(), key=lambda c: c[0])}
+        one = medians.get("target 1")
+        decode = sum(run["decode_s"] for run in kept)
+        steps = sum(run["steps"] for run in kept)
+        forwards = sum(sum(s) for s in calls.values())
+        rows.append(
+            {
+                "config": config,
+                "temperature": temperature,
+                "tokens_per_s": sum(run["tokens"] for run in kept) / decode,
+                "steps": steps,
+                "calls": {kind: len(s) for kind, s in calls.items()},
+                "median_s": medians,
+                "target_ratio": {
+                    kind.split()[1]: s / one for kind, s in medians.items() if kind.startswith("target") and one
+                },
+                "outside_s_per_step": (decode - forwards) / steps,
+            }
+        )
+    return rows
 
 
-def _summary(name: str, batch: int, kept: list, profile) -> dict:
-    """Seconds per call of each forward kind (a step's first draft forward, a catch-up, apart from the rest)
-    against the profile's figure for the same (batch, tokens), calls per step, and the step outside its forwards."""
-    calls = defaultdict(list)  # kind -> (seconds, profile's seconds) per call
-    predicted = []  # the profile's seconds per step (its cells include the processing of logits)
-    for _, forwards in kept:
-        predicted.append(0.0)
-        for i, (model, tokens, seconds) in enumerate(forwards):
-            kind = f"{model} n={tokens}" + (" first" if model == "draft" and i == 0 else "")
-            figure = getattr(profile, model)(batch, tokens) if profile else math.nan
-            calls[kind].append((seconds, figure))
-            predicted[-1] += figure
-    step_s = statistics.fmean(stats.total_s for stats, _ in kept)
-    row_steps = sum(len(stats.rows) for stats, _ in kept)
-    return {
-        "config": name,
-        "batch": batch,
-        "steps": len(kept),
-        "step_s": step_s,
-        "tokens_per_s": sum(sum(stats.emitted) for stats, _ in kept) / sum(stats.total_s for stats, _ in kept),
-        "block_efficiency": 1 + sum(sum(stats.accepted) for stats, _ in kept) / row_steps,
-        "forwards": {kind: statistics.fmean(s for s, _ in c) for kind, c in calls.items()},
-        "profile": {kind: statistics.fmean(p for _, p in c) for kind, c in calls.items() if profile},
-        "calls_per_step": {kind: len(c) / len(kept) for kind, c in calls.items()},
-        "outside_s": step_s - sum(s for c in calls.values() for s, _ in c) / len(kept),
-        "profile_step_s": statistics.fmean(predicted),
-        "draft_stage_s": statistics.fmean(stats.draft_s for stats, _ in kept),
-        "target_stage_s": statistics.fmean(stats.target_s for stats, _ in kept),
-        "verify_s": statistics.fmean(stats.verify_s for stats, _ in kept),
-    }
+def spread(widths: tuple[int, ...], probes: list[list[float]]) -> dict:
+    """Per probed width w > 1: the lowest, median and highest of the probes' cost(w) / cost(1)."""
+    ratios = {w: sorted(seconds[i] / seconds[0] for seconds in probes) for i, w in enumerate(widths) if i}
+    return {str(w): (r[0], statistics.median(r), r[-1]) for w, r in ratios.items() if r}
+
+
+def probe_ratios(table) -> dict:
+    """The probe's cost of each width over its 1-token cost, at batch 1, and its 1-token seconds."""
+    return {"1-token s": table(1, 1), **{str(w): table(1, w) / table(1, 1) for w in table.tokens}}
+
+
+def print_table(summary: dict, flags: list[str]) -> None:
+    print(f"CPU flags: {' '.join(flags) or 'none'}; threads {torch.get_num_threads()}")
+    for row in summary["rows"]:
+        print(
+            f"{row['config']:<9} T={row['temperature']:g}  {row['tokens_per_s']:6.2f} tok/s  {row['steps']} steps, "
+            f"outside forwards {1e3 * row['outside_s_per_step']:.2f} ms/step"
+        )
+        for kind, seconds in row["median_s"].items():
+            ratio = row["target_ratio"].get(kind.split()[1]) if kind.startswith("target") else None
+            shown = f"  in-loop width / 1: {ratio:.2f}" if ratio is not None else ""
+            print(f"    {kind:<10} {row['calls'][kind]:5d} calls  median {1e3 * seconds:6.2f} ms{shown}")
+    if summary["probes"]:
+        print(f"probes during the run, width / 1 (lowest, median, highest of {len(summary['probes'])} widths):")
+        for w, (low, middle, high) in summary["probes"].items():
+            print(f"    {w:>2}: {low:.2f} {middle:.2f} {high:.2f}")
+    cached = summary["cached_probe"]
+    if cached:
+        ratios = ", ".join(f"{w}: {r:.2f}" for w, r in cached.items() if w != "1-token s" and int(w) <= 16)
+        print(f"cached probe lookup chose by: 1 token {1e3 * cached['1-token s']:.1f} ms; width / 1: {ratios}")
 
 
 if __name__ == "__main__":

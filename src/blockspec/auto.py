@@ -50,6 +50,7 @@ LATENCY_REPEATS = 5
 # The probes' method, in their cache files' names: a probe cached by an earlier method is measured again.
 # 1: 2 rounds, widths ascending. 2: LATENCY_REPEATS rounds, widths descending (``time_forwards``).
 LATENCY_METHOD = 2
+PROBE_CONTEXT = 128  # cached tokens per row while the step-latency probes time
 BUSY_CORES = 0.25  # other processes' CPU use (in cores) above which a probe is not cached
 
 
@@ -213,7 +214,7 @@ def latency_probe(target, draft, batch: int, *, refresh: bool = False):
             # every width a step can verify: llama.cpp's quantized matmuls take rows in fours, so there 4 tokens can
             # cost less than 3, and interpolating between widths would misprice them
             tokens=tuple(range(1, ADAPTIVE_MAX_DRAFT + 2)),
-            context=128,
+            context=PROBE_CONTEXT,
             repeats=LATENCY_REPEATS,
             progress=False,
         )
@@ -232,8 +233,10 @@ def lookup_latency(target, batch: int, max_draft: int = LOOKUP_MAX_DRAFT, *, ref
     def measure() -> LatencyTable:
         log.info("measuring step latency of %s at batch %d for prompt lookup (once per machine)", target.name, batch)
         tokens = tuple(range(1, max_draft + 2))  # every width: llama.cpp's matmuls take rows in fours (latency_probe)
-        models = {"target": (target, tokens)}
-        return time_forwards(models, tuple(sorted({1, batch})), 128, LATENCY_REPEATS, progress=False)["target"]
+        tables = time_forwards(
+            {"target": (target, tokens)}, tuple(sorted({1, batch})), PROBE_CONTEXT, LATENCY_REPEATS, False
+        )
+        return tables["target"]
 
     path = sv_dir() / f"lookup-b{batch}-t{torch.get_num_threads()}-w{max_draft + 1}-m{LATENCY_METHOD}-{name}"
     return _measured_once(

@@ -84,8 +84,7 @@ def replay_prompt(lookup, prompt: list[int], output: list[int], max_new_tokens: 
         while accepted < len(tokens) and done + accepted < len(output) and tokens[accepted] == output[done + accepted]:
             accepted += 1
         if tokens:
-            proposals.append((state.matched[0], len(tokens), accepted))
-        state.observe([0], [len(tokens)], [accepted])
+            proposals.append((state.pending[0][0], len(tokens), accepted))
         seconds += cost(1, len(tokens) + 1)
         done += accepted + 1
     return len(output) * cost(1, 1) / seconds, proposals

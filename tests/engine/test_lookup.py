@@ -151,35 +151,40 @@ def test_the_costs_are_read_at_the_steps_batch_size():
 
 def test_the_odds_start_at_the_prior_and_count_first_and_later_tokens():
     odds = Odds(3, weight=2.0)
-    assert odds.rates() == (0.75, 0.75)  # n / (n + 1)
-    odds.observe(proposed=5, accepted=3)  # first accepted; 2 later ones accepted, the 4th rejected
-    assert odds.rates() == pytest.approx((2.5 / 3, 3.5 / 5))
-    odds.observe(proposed=4, accepted=4)  # all accepted: 3 later ones, none rejected
-    assert odds.rates() == pytest.approx((3.5 / 4, 6.5 / 8))
-    odds.observe(proposed=2, accepted=0)  # the first rejected: nothing is known of the later ones
-    assert odds.rates() == pytest.approx((3.5 / 5, 6.5 / 8))
+    assert odds.rates() == pytest.approx((1 / 3, 0.75))  # the first token at 1/3, later ones at n / (n + 1)
+    odds.observe(compared=5, agreed=3)  # the first agreed; 2 later ones agreed, the 4th differed
+    assert odds.rates() == pytest.approx((5 / 3 / 3, 3.5 / 5))
+    odds.observe(compared=4, agreed=4)  # all agreed: 3 later ones, none differed
+    assert odds.rates() == pytest.approx((8 / 3 / 4, 6.5 / 8))
+    odds.observe(compared=2, agreed=0)  # the first differed: nothing is known of the later ones
+    assert odds.rates() == pytest.approx((8 / 3 / 5, 6.5 / 8))
     assert [ngram_class(n) for n in (1, 2, 3, 4, 5, 8, 9, 40)] == [1, 2, 3, 4, 5, 5, 9, 9]
 
 
-def test_the_odds_are_per_prompt_and_match_length_and_only_proposals_move_them():
-    # flat costs up to 2 drafted tokens, then dear: a prompt proposes 2 tokens while its odds pay for them
+def test_the_odds_are_per_prompt_and_match_length():
+    # flat costs up to 2 drafted tokens, then dear: each row proposes what fits, and each prompt keeps its own counts
     state = LookupState(PromptLookup(costs=table(10, 10, 10, 1000)), prompts=3)
     contexts = [[1, 2, 3, 4, 5, 1, 2], [9, 8], [7, 6, 5, 4, 7]]
     assert state.propose([0, 1, 2], contexts, [10, 10, 1]) == [[3, 4], [], [6]]  # at most limit[b] tokens
-    state.observe([0, 1, 2], [2, 0, 1], [0, 0, 1])
-    assert state.odds[0][2].rates() == pytest.approx((4 / 3 / 3, 2 / 3))  # prompt 0 matched 2 tokens: class 2
-    assert state.odds[1] == {} and state.odds[2][1].rates() == pytest.approx((2 / 3, 0.5))
-    state.observe([2, 0], [1, 2], [1, 2])  # prompt 1 left the batch: rows 0, 1 are now prompts 2, 0
-    assert state.odds[2][1].rates() == pytest.approx((3 / 4, 0.5)) and state.odds[0][2].rates() == pytest.approx(
-        (7 / 3 / 4, 7 / 3 / 3)
-    )
-    # steep costs and a bad record: prompt 0 stops proposing for matches of 2 tokens, but not of 3
+    # prompt 1 left the batch, so rows 0 and 1 are prompts 2 and 0; prompt 2 committed 6, prompt 0 3 and 8
+    state.propose([2, 0], [contexts[2] + [6], contexts[0] + [3, 8]], [1, 10])
+    assert state.odds[0][2].rates() == pytest.approx((5 / 9, 4 / 9))  # prompt 0 matched 2 tokens: class 2
+    assert state.odds[1] == {} and state.odds[2][1].rates() == pytest.approx((5 / 9, 1 / 2))
+
+
+def test_every_match_counts_against_what_the_target_committed_proposed_or_not():
+    # steep costs: at the prior no match pays; one whose first token the target went on to commit raises its class's
+    # odds without a proposal, and the class's next match is proposed
     state = LookupState(PromptLookup(costs=table(10, 14, 17, 40)), prompts=1)
-    assert state.propose([0], [[1, 2, 3, 9, 2, 3]], [5]) == [[9, 2]]
-    for _ in range(3):
-        state.observe([0], [2], [0])
-    assert state.propose([0], [[1, 2, 3, 9, 2, 3]], [5]) == [[]]
-    assert state.propose([0], [[1, 2, 3, 9, 1, 2, 3]], [5]) == [[9, 1]]
+    text = [1, 2, 3, 9, 2, 3]
+    assert state.propose([0], [text], [5]) == [[]] and state.pending[0] == (2, [9, 2, 3], 6)
+    assert state.propose([0], [text + [9]], [5]) == [[]]  # 9 committed: the first token agreed
+    assert state.odds[0][2].rates() == pytest.approx((5 / 9, 2 / 3)) and state.pending[0] == (3, [2, 3, 9], 7)
+    # 7 7 2 3 committed: the class-3 match's first token differed; "2 3" matches again, followed by 9 7 7 2 3
+    assert state.propose([0], [text + [9, 7, 7, 2, 3]], [5]) == [[9, 7]]
+    assert state.odds[0][3].rates() == pytest.approx((2 / 9, 3 / 4))
+    fresh = LookupState(PromptLookup(costs=table(10, 14, 17, 40)), prompts=1)
+    assert fresh.propose([0], [text + [9, 7, 7, 2, 3]], [5]) == [[]]  # at the prior, the same match does not pay
 
 
 @pytest.mark.parametrize(
@@ -263,8 +268,9 @@ def test_law_of_the_first_tokens_is_the_targets(mode, rule, monkeypatch):
     "lookup+adaptive": the model rows' lengths come from AdaptiveLength, which learns from earlier steps;
     "lookup+priced": as lookup+adaptive, and the lookup rows' lengths come from costs and the model's expected rate
     (a proposal must beat it: some steps it does not);
-    "lookup+costs": the lookup rows' lengths come from step costs and what their earlier proposals met (one token
-    at the prior odds, none after a rejection: ``replay`` checks every step)."""
+    "lookup+costs": the lookup rows' lengths come from step costs and how their earlier matches compared with what
+    the target committed (one token at the prior odds, none after a first token that differed: ``replay`` checks
+    every step)."""
     vocab, length, samples = 6, 3, 3000
     target = tiny_model(vocab=vocab, sharpness=5.0)
     draft = perturbed(target, scale=0.6, seed=1) if mode != "lookup" and mode != "lookup+costs" else None
@@ -275,7 +281,7 @@ def test_law_of_the_first_tokens_is_the_targets(mode, rule, monkeypatch):
         # teach moves it
         policy = AdaptiveLength(profile([100, 150, 200, 250, 300], draft_ms=10), max_draft=4, memory=0.5)
     first_k = policy.best_length(2 * samples) if policy else 2
-    costs = {"lookup+costs": table(10, 14.5, 21), "lookup+priced": table(100, 135, 190, 240, 290)}.get(mode)
+    costs = {"lookup+costs": table(10, 12.5, 21), "lookup+priced": table(100, 118, 190, 240, 290)}.get(mode)
     lookup = PromptLookup(costs=costs)
     decoder = SpeculativeDecoder(target, draft, rule=rule, max_draft=2, policy=policy, lookup=lookup)
     priced = []  # per lookup choice: whether the model's expected rate changed it
@@ -325,21 +331,36 @@ def test_law_of_the_first_tokens_is_the_targets(mode, rule, monkeypatch):
 
 def replay(result, prompts, settings: PromptLookup, max_new_tokens: int, model_len: int | None):
     """Replays, prompt by prompt, what the engine should have proposed at every step from the documented rules
-    (each prompt's own counts per match-length class, the length of most tokens per second) and checks each row
-    step's lookup flag and verified length against it."""
-    counts = [{} for _ in prompts]  # prompt -> class -> [first accepted, first tried, later accepted, later tried]
+    (each prompt's own counts per match-length class, every match counted at the prompt's next step against the
+    tokens committed since, the length of most tokens per second) and checks each row step's lookup flag and
+    verified length against it."""
+    counts = [{} for _ in prompts]  # prompt -> class -> [first agreed, first compared, later agreed, later compared]
+    pending = {}  # prompt -> (class, match, tokens generated when it was found)
     generated = [0] * len(prompts)
     for step in result.stats:
         for b, i in enumerate(step.rows):
+            if i in pending:
+                cls, match, then = pending.pop(i)
+                committed = result.sequences[i][then : generated[i]]
+                compared = min(len(match), len(committed))
+                agreed = next((j for j in range(compared) if match[j] != committed[j]), compared)
+                record = counts[i][cls]
+                if compared:
+                    record[0] += agreed > 0
+                    record[1] += 1
+                    if agreed > 0:
+                        record[2] += agreed - 1
+                        record[3] += agreed - 1 + (agreed < compared)
             context = prompts[i] + result.sequences[i][: generated[i]]
             limit = max_new_tokens - generated[i] - 1
             n, match = settings.match(context, min(settings.max_draft, limit))
             proposal = []
             if match:
                 cls = max(c for c in (1, 2, 3, 4, 5, 9) if c <= n)
-                prior = cls / (cls + 1) * settings.prior_weight
+                pending[i] = (cls, match, generated[i])
+                weight = settings.prior_weight
                 first_hits, first_tries, then_hits, then_tries = counts[i].setdefault(
-                    cls, [prior, settings.prior_weight, prior, settings.prior_weight]
+                    cls, [weight / 3, weight, cls / (cls + 1) * weight, weight]
                 )
                 rows = len(step.rows)
                 cost = (lambda w: 1.0) if settings.costs is None else (lambda w, rows=rows: settings.costs(rows, w))
@@ -348,12 +369,6 @@ def replay(result, prompts, settings: PromptLookup, max_new_tokens: int, model_l
             assert step.lookup[b] == bool(proposal), (i, context)
             if proposal:
                 assert step.verified[b] == len(proposal)
-                tau, record = step.accepted[b], counts[i][cls]
-                record[0] += tau > 0
-                record[1] += 1
-                if tau > 0:
-                    record[2] += tau - 1
-                    record[3] += tau - 1 + (tau < len(proposal))
             else:
                 assert step.verified[b] == (min(model_len, limit) if model_len else 0)
             generated[i] += step.emitted[b]
@@ -369,7 +384,7 @@ def test_each_prompt_keeps_its_own_odds_while_rows_finish(pair, mode, sampling):
     target, draft = pair
     plain = [reference_greedy(target, p, 40, eos=None) for p in PROMPTS]
     eos = plain[1][9]
-    costs = LatencyTable((1, 10), tuple(range(1, 8)), ((10, 13, 15, 17, 19, 21, 23), (10, 14, 17, 20, 23, 26, 29)))
+    costs = LatencyTable((1, 10), tuple(range(1, 8)), ((10, 11, 12, 13, 14, 15, 16), (10, 12, 14, 16, 18, 20, 22)))
     settings = PromptLookup(max_draft=6, costs=costs)
     decoder = SpeculativeDecoder(
         target, draft if mode == "lookup+model" else None, rule="block", max_draft=3, lookup=settings

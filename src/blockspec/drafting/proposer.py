@@ -108,15 +108,12 @@ class DraftProposer:
         return Proposal(tokens, probs, verified, looked_up, drafted)
 
     def observe(self, rows: list[int], proposal: Proposal, target_probs: torch.Tensor, out: VerifyOutput):
-        """The policy learns from the model's drafts only (a lookup row's acceptance says nothing about them);
-        a prompt's next lookup length follows what was accepted of this proposal."""
+        """The policy learns from the model's drafts only (a lookup row's acceptance says nothing about them).
+        Lookup learns from the committed tokens, at its next proposal."""
         accepted = out.num_accepted  # [B]
         looked_up = proposal.looked_up.to(proposal.verified.device)
         model_rows = proposal.verified.masked_fill(looked_up, 0)
         self.policy.observe(rows, proposal.tokens, proposal.probs, target_probs, model_rows, accepted)
-        if self.lookup is not None:
-            proposed = proposal.verified.cpu().masked_fill(~proposal.looked_up, 0)
-            self.lookup.observe(rows, proposed.tolist(), accepted.tolist())
 
     def roll_back(self, lengths: torch.Tensor) -> None:
         """The draft and the companion never read a step's last drafted token: keep what they read of the

@@ -110,6 +110,7 @@ def main() -> None:
     summary = {
         "cached_probe": None if probe is None else probe_ratios(probe),
         "probes": spread(widths, probes),
+        "probe_count": len(probes),
         "rows": summarize(runs),
     }
     print_table(summary, flags)
@@ -208,7 +209,7 @@ def print_table(summary: dict, flags: list[str]) -> None:
             shown = f"  in-loop width / 1: {ratio:.2f}" if ratio is not None else ""
             print(f"    {kind:<10} {row['calls'][kind]:5d} calls  median {1e3 * seconds:6.2f} ms{shown}")
     if summary["probes"]:
-        print(f"probes during the run, width / 1 (lowest, median, highest of {len(summary['probes'])} widths):")
+        print(f"the {summary['probe_count']} probes during the run, width / 1 (lowest, median, highest):")
         for w, (low, middle, high) in summary["probes"].items():
             print(f"    {w:>2}: {low:.2f} {middle:.2f} {high:.2f}")
     cached = summary["cached_probe"]

@@ -151,13 +151,14 @@ def test_the_costs_are_read_at_the_steps_batch_size():
 
 def test_the_odds_start_at_the_prior_and_count_first_and_later_tokens():
     odds = Odds(3, weight=2.0)
-    assert odds.rates() == pytest.approx((1 / 3, 0.75))  # the first token at 1/3, later ones at n / (n + 1)
+    assert odds.rates() == pytest.approx((1 / 3, 0.75))  # below class 9 the first token at 1/3, later ones n / (n + 1)
     odds.observe(compared=5, agreed=3)  # the first agreed; 2 later ones agreed, the 4th differed
     assert odds.rates() == pytest.approx((5 / 3 / 3, 3.5 / 5))
     odds.observe(compared=4, agreed=4)  # all agreed: 3 later ones, none differed
     assert odds.rates() == pytest.approx((8 / 3 / 4, 6.5 / 8))
     odds.observe(compared=2, agreed=0)  # the first differed: nothing is known of the later ones
     assert odds.rates() == pytest.approx((8 / 3 / 5, 6.5 / 8))
+    assert Odds(9, weight=2.0).rates() == pytest.approx((0.9, 0.9))  # a long match is a copy under way
     assert [ngram_class(n) for n in (1, 2, 3, 4, 5, 8, 9, 40)] == [1, 2, 3, 4, 5, 5, 9, 9]
 
 
@@ -360,7 +361,7 @@ def replay(result, prompts, settings: PromptLookup, max_new_tokens: int, model_l
                 pending[i] = (cls, match, generated[i])
                 weight = settings.prior_weight
                 first_hits, first_tries, then_hits, then_tries = counts[i].setdefault(
-                    cls, [weight / 3, weight, cls / (cls + 1) * weight, weight]
+                    cls, [(0.9 if cls == 9 else 1 / 3) * weight, weight, cls / (cls + 1) * weight, weight]
                 )
                 rows = len(step.rows)
                 cost = (lambda w: 1.0) if settings.costs is None else (lambda w, rows=rows: settings.costs(rows, w))

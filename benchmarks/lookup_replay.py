@@ -1,16 +1,20 @@
-"""Prompt lookup replayed on the target's greedy outputs: what a lookup policy gains, exactly, without timing it.
+"""Prompt lookup replayed on the target's outputs: what a lookup policy gains, exactly, without timing it.
 
 Greedy, a proposal's accepted length is its common prefix with the target's own continuation, so the steps prompt
 lookup takes on a prompt follow from the target's greedy output alone. Priced by a latency table (the target's
 forward over 1 to 33 tokens), they predict lookup's speed over the target alone with no timing noise (what the engine
-spends around each forward left out, and temperature 1, where fewer proposals are accepted, not covered). A change
-to how lookup chooses its lengths can be weighed here on many prompts before it is timed on a few.
+spends around each forward left out). A sampled output replays the same way, as one draw of lookup's sampled
+decoding: a one-hot proposal of x is accepted with the chance p(x) that the target's own token is x, and after a
+rejection the target's token has the law of its own draw given that it is not x, so accepting a proposal while it
+agrees with the sampled output gives lookup's steps their law at that temperature. A change to how lookup chooses its
+lengths can be weighed here on many prompts before it is timed on a few.
 
     python benchmarks/lookup_replay.py record --out results/lookup-greedy.jsonl --seed 1
     python benchmarks/lookup_replay.py replay --records results/lookup-greedy.jsonl
 
-`record` decodes each dataset's prompts greedily with the target alone on llama.cpp (chat-formatted, batch 1) and
-saves prompt and output ids (JSON lines). `replay` runs blockspec's `PromptLookup` and `LookupState` over them, with
+`record` decodes each dataset's prompts with the target alone on llama.cpp (chat-formatted, batch 1; greedy, or at
+--temperature with prompt i of a dataset drawing from seed 1000 * --seed + i) and saves prompt and output ids (JSON
+lines; --records may be gzipped). `replay` runs blockspec's `PromptLookup` and `LookupState` over them, with
 this machine's cached `lookup_latency` table (measured once if missing) or `--costs`: per dataset the predicted speed
 over the target alone (geometric mean over prompts, and the worst prompt) and proposals per step; per match-length
 class, how often the first proposed token and the later ones were accepted.
@@ -19,6 +23,7 @@ class, how often the first proposed token and the later ones were accepted.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import statistics
 from collections import defaultdict
@@ -35,8 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     rec.add_argument("--target", default="qwen2.5-coder-1.5b")
     rec.add_argument("--datasets", nargs="+", default=list(DATASETS))
     rec.add_argument("--prompts", type=int, default=6, help="per dataset")
-    rec.add_argument("--seed", type=int, default=0, help="which prompts each dataset gives")
+    rec.add_argument("--seed", type=int, default=0, help="which prompts each dataset gives (and, sampled, their streams)")
     rec.add_argument("--max-new-tokens", type=int, default=128)
+    rec.add_argument("--temperature", type=float, default=0.0)
     rep = sub.add_parser("replay", help="predict prompt lookup's speed over the target alone on --records")
     rep.add_argument("--records", type=Path, required=True)
     rep.add_argument("--target", default="qwen2.5-coder-1.5b", help="whose cached lookup latency prices the steps")
@@ -60,10 +66,10 @@ def record(args) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w") as out:
         for name in args.datasets:
-            for prompt in datasets.load(name, n=args.prompts, seed=args.seed):
+            for i, prompt in enumerate(datasets.load(name, n=args.prompts, seed=args.seed)):
                 ids = encode_prompt(target.tokenizer, prompt.text, chat=True)
-                greedy = SamplingParams(temperature=0.0)
-                result = decoder.generate([ids], max_new_tokens=args.max_new_tokens, sampling=greedy)
+                sampling, seed = SamplingParams(temperature=args.temperature), 1000 * args.seed + i
+                result = decoder.generate([ids], max_new_tokens=args.max_new_tokens, sampling=sampling, seed=seed)
                 line = {"dataset": name, "prompt": prompt.id, "max_new_tokens": args.max_new_tokens}
                 out.write(json.dumps({**line, "ids": ids, "output": result.sequences[0]}) + "\n")
                 print(f"{prompt.id}: {result.new_tokens} tokens", flush=True)
@@ -104,8 +110,10 @@ def replay(args) -> None:
     lookup = PromptLookup(costs=costs)
     speeds, steps, proposed = defaultdict(list), defaultdict(int), defaultdict(int)
     classes = defaultdict(lambda: [0, 0, 0, 0])  # class -> first accepted, first tried, later accepted, later tried
-    for line in args.records.read_text().splitlines():
-        row = json.loads(line)
+    opened = gzip.open(args.records, "rt") if args.records.suffix == ".gz" else args.records.open()
+    with opened as lines:
+        records = [json.loads(line) for line in lines]
+    for row in records:
         speed, proposals = replay_prompt(lookup, row["ids"], row["output"], row["max_new_tokens"])
         speeds[row["dataset"]].append(speed)
         proposed[row["dataset"]] += len(proposals)

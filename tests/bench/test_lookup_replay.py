@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
+import json
+
 import pytest
 
 from blockspec import PromptLookup
@@ -40,3 +43,19 @@ def test_where_a_wider_forward_costs_in_proportion_nothing_is_proposed(replay_pr
     speed, proposals = replay_prompt(costs(10, 20, 30, 40, 50), PROMPT, [4, 5, 6, 7], max_new_tokens=4)
     assert proposals == []
     assert speed == 1.0
+
+
+def test_the_replay_reads_gzipped_records_as_it_reads_plain_ones(benchmark_script, tmp_path, capsys):
+    replay = benchmark_script("lookup_replay").main
+    row = {"dataset": "humaneval", "prompt": "p", "max_new_tokens": 4, "ids": PROMPT, "output": [4, 5, 6, 7]}
+    (tmp_path / "records.jsonl").write_text(json.dumps(row) + "\n")
+    with gzip.open(tmp_path / "records.jsonl.gz", "wt") as out:
+        out.write(json.dumps(row) + "\n")
+    flat = tmp_path / "costs.json"
+    flat.write_text(json.dumps({"batch_sizes": [1], "tokens": [1, 2, 3, 4], "seconds": [[0.01] * 4]}))
+    printed = []
+    for name in ("records.jsonl", "records.jsonl.gz"):
+        assert replay(["replay", "--records", str(tmp_path / name), "--costs", str(flat)]) == 0
+        printed.append(capsys.readouterr().out)
+    assert printed[0] == printed[1]
+    assert "| humaneval | 1 | 4.000x | 4.000x | 1.00 |" in printed[0]  # the copy proposed whole: 4 tokens, 1 step

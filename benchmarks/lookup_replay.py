@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     rec.add_argument("--target", default="qwen2.5-coder-1.5b")
     rec.add_argument("--datasets", nargs="+", default=list(DATASETS))
     rec.add_argument("--prompts", type=int, default=6, help="per dataset")
-    rec.add_argument("--seed", type=int, default=0, help="which prompts each dataset gives (and, sampled, their streams)")
+    rec.add_argument("--seed", type=int, default=0, help="which prompts (and sampled, their streams)")
     rec.add_argument("--max-new-tokens", type=int, default=128)
     rec.add_argument("--temperature", type=float, default=0.0)
     rep = sub.add_parser("replay", help="predict prompt lookup's speed over the target alone on --records")

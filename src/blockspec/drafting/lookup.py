@@ -22,14 +22,14 @@ at c / (c + 1) for class c (the class of 5-8 is 5, of 9 and more 9), each with `
 Every match counts, proposed or not: at the prompt's next step, the match is compared with the tokens committed
 since (``LookupState.propose``). A token the target commits has the target's law whatever was drafted, and a one-hot
 proposal of x is accepted with probability p(x), the chance the target's own token is x; so a match that was not
-proposed tells as much about the next one as a proposal does, and costs nothing. (Counting proposals alone, a prompt
-whose text does not repeat paid for a wasted forward each time its optimistic prior was tried, which made lookup
-slower than the target alone there.) A proposal of k tokens is then expected to commit E(k) = 1 + first (1 + then +
-.. + then^(k-1)) tokens, and its step costs the target's forward over k + 1 tokens (``costs``): the proposal is the
-k in 0..len(match) with the most tokens per second, E(k) / cost(k + 1), where k = 0 (no proposal) commits 1 token in
-cost(1), or, beside a draft model whose length policy prices its steps (``AdaptiveLength``), what the model's draft
-is expected to commit in that time if more: a proposal must beat the draft it replaces. Where no length pays, the
-row decodes alone (or drafts with the model).
+proposed tells as much about the next one as a proposal does, and costs nothing. (Were proposals alone counted, a
+prompt whose text does not repeat would pay a wasted forward each time a class's prior was tried out.) A proposal of
+k tokens is then expected to commit E(k) = 1 + first (1 + then + .. + then^(k-1)) tokens, and its step costs the
+target's forward over k + 1 tokens (``costs``): the proposal is the k in 0..len(match) with the most tokens per
+second, E(k) / cost(k + 1), where k = 0 (no proposal) commits 1 token in cost(1), or, beside a draft model whose
+length policy prices its steps (``AdaptiveLength``), what the model's draft is expected to commit in that time if
+more: a proposal must beat the draft it replaces. Where no length pays, the row decodes alone (or drafts with the
+model).
 
 Why it stays lossless: a proposal and its length depend on the committed context only (its earlier matches compared
 with the tokens committed after them included), never on this step's target distributions (docs/algorithms.md,

@@ -51,8 +51,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from blockspec import PromptLookup, SamplingParams, SpeculativeDecoder
-    from blockspec.auto import LATENCY_REPEATS, PROBE_CONTEXT, lookup_latency
-    from blockspec.auto import time_forwards as probe_forwards
+    from blockspec.auto import LATENCY_REPEATS, PROBE_CONTEXT, lookup_latency, time_forwards
     from blockspec.bench import datasets
     from blockspec.models.chat import encode_prompt
 
@@ -69,7 +68,7 @@ def main() -> None:
         else:
             rule, k = name.split(":")
             decoders[name] = SpeculativeDecoder(target, draft, rule=rule, max_draft=int(k))
-    log = time_forwards({"target": target} | ({"draft": draft} if draft else {}))
+    log = log_forwards({"target": target} | ({"draft": draft} if draft else {}))
     widths = tuple(sorted(set(args.probe_widths)))
     prompts = [encode_prompt(target.tokenizer, p.text, chat=True) for p in datasets.load(args.dataset, args.prompts)]
     decoders[args.configs[0]].generate(prompts[:1], max_new_tokens=8, seed=0)  # warm-up, not kept
@@ -79,11 +78,9 @@ def main() -> None:
     with args.out.open("w") as out:
         for temperature in args.temperatures:
             for index, ids in enumerate(prompts):
-                if widths:
-                    log.clear()  # the probe's forwards are timed by the probe, not logged
-                    table = probe_forwards({"target": (target, widths)}, (1,), PROBE_CONTEXT, LATENCY_REPEATS, False)[
-                        "target"
-                    ]
+                if widths:  # its forwards reach the log too, which each configuration's run clears first
+                    probed = {"target": (target, widths)}
+                    table = time_forwards(probed, (1,), PROBE_CONTEXT, LATENCY_REPEATS, progress=False)["target"]
                     run = {"config": "probe", "temperature": temperature, "prompt": index, "seconds": table.seconds[0]}
                     out.write(json.dumps(run | {"widths": widths, "cpu_flags": flags}) + "\n")
                     probes.append(run["seconds"])
@@ -137,7 +134,7 @@ def load(backend: str, name: str, dtype: str):
     return load_model(name, dtype=dtype, progress=False)
 
 
-def time_forwards(models: dict) -> list[tuple[str, int, float]]:
+def log_forwards(models: dict) -> list[tuple[str, int, float]]:
     """Wrap each model's ``forward`` so every call appends (model name, tokens per row, seconds) to the log."""
     log = []
     for name, model in models.items():
@@ -164,7 +161,8 @@ def summarize(runs: list[dict]) -> list[dict]:
         for run in kept:
             for model, width, seconds in run["forwards"]:
                 calls[f"{model} {width}"].append(seconds)
-        medians = {kind: statistics.median(s) for kind, s in sorted(calls.items(), key=lambda c: c[0])}
+        by_width = sorted(calls.items(), key=lambda c: (c[0].split()[0], int(c[0].split()[1])))
+        medians = {kind: statistics.median(s) for kind, s in by_width}
         one = medians.get("target 1")
         decode = sum(run["decode_s"] for run in kept)
         steps = sum(run["steps"] for run in kept)

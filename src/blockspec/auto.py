@@ -233,10 +233,8 @@ def lookup_latency(target, batch: int, max_draft: int = LOOKUP_MAX_DRAFT, *, ref
     def measure() -> LatencyTable:
         log.info("measuring step latency of %s at batch %d for prompt lookup (once per machine)", target.name, batch)
         tokens = tuple(range(1, max_draft + 2))  # every width: llama.cpp's matmuls take rows in fours (latency_probe)
-        tables = time_forwards(
-            {"target": (target, tokens)}, tuple(sorted({1, batch})), PROBE_CONTEXT, LATENCY_REPEATS, False
-        )
-        return tables["target"]
+        models, batches = {"target": (target, tokens)}, tuple(sorted({1, batch}))
+        return time_forwards(models, batches, PROBE_CONTEXT, LATENCY_REPEATS, progress=False)["target"]
 
     path = sv_dir() / f"lookup-b{batch}-t{torch.get_num_threads()}-w{max_draft + 1}-m{LATENCY_METHOD}-{name}"
     return _measured_once(

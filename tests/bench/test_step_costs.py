@@ -18,7 +18,7 @@ def costs(benchmark_script):
 
 def test_each_step_logs_its_target_forward_with_the_width_it_verified(costs):
     target = HFModel(tiny_model(), name="tiny")
-    log = costs.time_forwards({"target": target})
+    log = costs.log_forwards({"target": target})
     prompt = [5, 6, 7, 8] * 6  # it repeats itself: lookup proposes what followed
     decoder = SpeculativeDecoder(target, lookup=PromptLookup(max_draft=3))
     result = decoder.generate([prompt], max_new_tokens=12, seed=0, sampling=SamplingParams(temperature=0.0))

@@ -63,6 +63,17 @@ def test_top_p_on_a_flat_full_vocabulary_and_in_bf16():
     assert int((probs[1] > 0).sum()) == 100 and torch.allclose(probs.sum(-1), torch.ones(2))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_breaks_ties_to_the_lowest_id_and_allows_masked_tokens(dtype):
+    logits = torch.zeros(2, 3, 151936, dtype=dtype)
+    logits[0, :, [7, 900, 151935]] = 2.0  # three tied peaks per position
+    logits[1, :, 5] = float("-inf")  # a masked token beside a finite peak is fine
+    logits[1, 2, 151935] = 1.0
+    probs = process(logits, SamplingParams(temperature=0.0))
+    assert probs.dtype == torch.float32 and torch.equal(probs.sum(-1), torch.ones(2, 3))
+    assert probs.argmax(-1).tolist() == [[7, 7, 7], [0, 0, 151935]]
+
+
 def test_processing_leaves_the_callers_logits_alone():
     logits = torch.randn(2, 50)
     before = logits.clone()

@@ -155,16 +155,22 @@ class LlamaCppModel:
 
     def forward(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         self._no_tree_pending("forward")
-        rows, width = tokens.shape
-        lengths = self.lengths
-        positions = (lengths[:, None] + valid.long().cumsum(1) - 1)[valid]  # [n], row-major as the valid slots
-        if self.max_length is not None and bool((positions >= self.max_length).any()):
+        # The valid slots row-major, in plain Python: at one token a step, torch's per-call cost on tiny tensors
+        # would be a measurable share of the step
+        new, positions, row_of = [], [], []
+        for b, (row, kept) in enumerate(zip(tokens.tolist(), valid.tolist(), strict=True)):
+            at = len(self._tokens[b])
+            for token, here in zip(row, kept, strict=True):
+                if here:
+                    new.append(token)
+                    positions.append(at)
+                    row_of.append(b)
+                    at += 1
+        if self.max_length is not None and max(positions, default=-1) >= self.max_length:
             raise ValueError(f"{self.name}: the sequence outgrew the model's context of {self.max_length} tokens")
-        new = tokens[valid].tolist()
-        row_of = torch.arange(rows)[:, None].expand(rows, width)[valid].tolist()
         self._reserve(len(new))
         sequences = np.array([self._sequences[b] for b in row_of], dtype=np.int32)[:, None]  # [n, 1]
-        logits = self._placed(self._decode(new, positions.tolist(), sequences, outputs=True), valid)
+        logits = self._placed(self._decode(new, positions, sequences, outputs=True), valid)
         for b, token in zip(row_of, new, strict=True):
             self._tokens[b].append(token)
         return logits
@@ -415,11 +421,10 @@ class LlamaCppModel:
             code = lib.llama_decode(self._context, batch)
             if code != 0:
                 raise RuntimeError(f"{self.name}: llama_decode failed with code {code} on {end - start} tokens")
-            if outputs:
-                pointer = lib.llama_get_logits(self._context)
-                parts.append(torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(end - start, self.vocab_size))))
-                parts[-1] = parts[-1].clone()  # the buffer is llama.cpp's, overwritten by the next decode
-        if len(parts) == 1:  # the one clone is the copy; cat would copy again
+            if outputs:  # copied out of llama.cpp's buffer, which the next decode overwrites
+                parts.append(torch.empty(end - start, self.vocab_size))
+                ctypes.memmove(parts[-1].data_ptr(), lib.llama_get_logits(self._context), parts[-1].nbytes)
+        if len(parts) == 1:  # cat would copy again
             return parts[0]
         return torch.cat(parts) if parts else torch.empty(0, self.vocab_size)
 

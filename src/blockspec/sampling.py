@@ -98,12 +98,15 @@ def process(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     Raises NonFiniteLogitsError if any logit is NaN or +-inf (a -inf row entry is fine where a finite one is
     left): argmax and softmax would otherwise turn such rows into confident garbage.
     """
-    check_finite(logits, params)
     shape = logits.shape
-    logits = logits.reshape(-1, shape[-1])
     if params.greedy:
-        probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
-        return probs.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0).reshape(shape)
+        # argmax, like max, takes a NaN or +inf where a row has one, and a row of -inf has a -inf peak: the peak's
+        # own logit tells what check_finite would, without a second pass over the vocabulary
+        top = logits.argmax(-1, keepdim=True)
+        _raise_if_not_finite(logits.gather(-1, top).squeeze(-1).float())
+        return torch.zeros(shape, dtype=torch.float32, device=logits.device).scatter_(-1, top, 1.0)
+    check_finite(logits, params)
+    logits = logits.reshape(-1, shape[-1])
     probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     for rows in row_chunks(*logits.shape):
         scaled = logits[rows].float() / params.temperature  # a new tensor: the caller's logits stay intact
@@ -121,8 +124,11 @@ def check_finite(logits: torch.Tensor, params: SamplingParams) -> None:
     if any entry is, and -inf only if every entry is; a finite maximum leaves -inf entries (masked tokens)
     harmless. Divided by the temperature, it also catches the row whose logits / temperature would overflow."""
     peaks = logits.amax(-1).float()
-    if not params.greedy:
-        peaks = peaks / params.temperature
+    _raise_if_not_finite(peaks if params.greedy else peaks / params.temperature)
+
+
+def _raise_if_not_finite(peaks: torch.Tensor) -> None:
+    """NonFiniteLogitsError if a row's peak logit ``peaks`` [...] is NaN or +-inf (``check_finite``)."""
     bad = ~torch.isfinite(peaks)
     if bool(bad.any()):
         first = tuple(bad.nonzero()[0].tolist())

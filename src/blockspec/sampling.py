@@ -107,16 +107,18 @@ def process(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         return torch.zeros(shape, dtype=torch.float32, device=logits.device).scatter_(-1, top, 1.0)
     check_finite(logits, params)
     logits = logits.reshape(-1, shape[-1])
-    probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    parts = []
     for rows in row_chunks(*logits.shape):
         scaled = logits[rows].float() / params.temperature  # a new tensor: the caller's logits stay intact
         if 0 < params.top_k < scaled.shape[-1]:
             kth = scaled.topk(params.top_k, dim=-1).values[:, -1:]
             scaled.masked_fill_(scaled < kth, float("-inf"))
-        probs[rows] = scaled.softmax(-1)
+        parts.append(scaled.softmax(-1))
         if params.top_p < 1:
-            probs[rows] = _top_p(probs[rows], params.top_p)
-    return probs.reshape(shape)
+            parts[-1] = _top_p(parts[-1], params.top_p)
+    if not parts:  # no rows
+        return torch.empty(shape, dtype=torch.float32, device=logits.device)
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(shape)  # one chunk: no copy
 
 
 def check_finite(logits: torch.Tensor, params: SamplingParams) -> None:
@@ -163,7 +165,7 @@ def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """
     tokens = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
     for rows in row_chunks(*probs.shape):
-        cumulative = probs[rows].double().cumsum(-1)
+        cumulative = probs[rows].cumsum(-1, dtype=torch.float64)
         total = cumulative[:, -1:].contiguous()
         drawn = torch.searchsorted(cumulative, uniforms[rows, None] * total, right=True)
         # u * total can round up to total itself: then the draw is the last token with positive mass.

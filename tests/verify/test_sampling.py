@@ -74,6 +74,14 @@ def test_greedy_breaks_ties_to_the_lowest_id_and_allows_masked_tokens(dtype):
     assert probs.argmax(-1).tolist() == [[7, 7, 7], [0, 0, 151935]]
 
 
+def test_rows_processed_in_chunks_match_rows_processed_alone():
+    """20 rows of 151,936 logits span two of row_chunks' chunks: each row as if processed on its own."""
+    logits = 3 * torch.randn(20, 151936, generator=torch.Generator().manual_seed(2))
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+    alone = torch.cat([process(row[None], params) for row in logits])
+    torch.testing.assert_close(process(logits, params), alone, atol=1e-7, rtol=1e-5)  # float32 summation order
+
+
 def test_processing_leaves_the_callers_logits_alone():
     logits = torch.randn(2, 50)
     before = logits.clone()

@@ -2,8 +2,9 @@
 
     python benchmarks/finite_check.py --batch-sizes 1 64 --out benchmarks/results/measurements/finite-check.json
 
-Every step the engine checks the target's logits [B, K+1, V] and, at each of the K drafted positions, the
-draft's logits [B, V] (``blockspec.sampling.check_finite``: one row-maximum reduction). Here, per batch size:
+Every sampled step the engine checks the target's logits [B, K+1, V] and, at each of the K drafted positions,
+the draft's logits [B, V] (``blockspec.sampling.check_finite``: one row-maximum reduction; a greedy step reads its
+argmax's own logit instead). Here, per batch size:
 the target's real verification forward ([pending + K drafted] tokens per row, over a prompt of --context
 tokens) is timed, then the check on the real (bfloat16) logits it returned, repeated; the added time per step
 is the target's check plus K draft-sized checks. Run it alone: other CPU-heavy processes distort every figure
@@ -24,7 +25,7 @@ import torch
 
 from blockspec import machine
 from blockspec.models.hf import load_model
-from blockspec.sampling import SamplingParams, check_finite
+from blockspec.sampling import check_finite
 
 
 def median_seconds(call, repeats: int) -> float:
@@ -44,10 +45,9 @@ def measure(target, batch: int, width: int, context: int, repeats: int) -> dict:
     start = time.perf_counter()
     logits = target.forward(tokens, valid)  # [B, K+1, V]
     forward_s = time.perf_counter() - start
-    sampling = SamplingParams(temperature=1.0)
-    target_check = median_seconds(lambda: check_finite(logits, sampling), repeats)
+    target_check = median_seconds(lambda: check_finite(logits, 1.0), repeats)  # a sampled step's (temperature 1)
     draft_rows = logits[:, 0]  # [B, V]: one drafted position's logits have this shape
-    draft_check = median_seconds(lambda: check_finite(draft_rows, sampling), repeats)
+    draft_check = median_seconds(lambda: check_finite(draft_rows, 1.0), repeats)
     added = target_check + width * draft_check
     return {
         "batch": batch,

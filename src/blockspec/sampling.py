@@ -105,7 +105,7 @@ def process(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         top = logits.argmax(-1, keepdim=True)
         _raise_if_not_finite(logits.gather(-1, top).squeeze(-1).float())
         return torch.zeros(shape, dtype=torch.float32, device=logits.device).scatter_(-1, top, 1.0)
-    check_finite(logits, params)
+    check_finite(logits, params.temperature)
     logits = logits.reshape(-1, shape[-1])
     parts = []
     for rows in row_chunks(*logits.shape):
@@ -121,12 +121,11 @@ def process(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(shape)  # one chunk: no copy
 
 
-def check_finite(logits: torch.Tensor, params: SamplingParams) -> None:
+def check_finite(logits: torch.Tensor, temperature: float) -> None:
     """One reduction over ``logits`` [..., V]: a row's maximum is NaN if any entry is (max propagates NaN), +inf
     if any entry is, and -inf only if every entry is; a finite maximum leaves -inf entries (masked tokens)
-    harmless. Divided by the temperature, it also catches the row whose logits / temperature would overflow."""
-    peaks = logits.amax(-1).float()
-    _raise_if_not_finite(peaks if params.greedy else peaks / params.temperature)
+    harmless. Divided by the ``temperature``, it also catches the row whose logits / temperature would overflow."""
+    _raise_if_not_finite(logits.amax(-1).float() / temperature)
 
 
 def _raise_if_not_finite(peaks: torch.Tensor) -> None:

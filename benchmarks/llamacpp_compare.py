@@ -21,7 +21,8 @@ Per prompt, in one interleaved round (batch 1, the same chat-formatted prompt an
                      last NGRAM tokens, kept as llama.cpp-spec keeps drafts), decode time as it reports it (it may
                      decode past the max new tokens: its last step keeps all it accepted)
 Figures are tokens/s of the decode (prefill excluded everywhere: llama.cpp's programs report it so), their ratios to
-llamacpp-alone on the same prompt, and accepted tokens per step; the block rows also score every step's draft
+llamacpp-alone on the same prompt (and, with the llama-bench row, to the llama-bench run beside it, per dataset),
+and accepted tokens per step; the block rows also score every step's draft
 exactly under both rules (`bench.executor.ExpectedScores`): the paired analytic gain of block over token.
 
     bash scripts/build_llamacpp_tools.sh      # once: llama-bench and llama-speculative-simple
@@ -299,6 +300,8 @@ def report(records: list[dict]) -> None:
                 f"| {temperature:g} | {len(these)} | {statistics.median(r['tok_s'] for r in these):.2f} | "
                 f"{statistics.median(alone[run_key(r)] for r in these):.2f} | {interval(ratios)} |"
             )
+    if paired:
+        against_llama_bench(runs, {run_key(r): r["tok_s"] for r in paired}, alone)
     groups = {
         "prompts grounded in their input (humaneval-edit, pydoc-qa)": ("humaneval-edit", "pydoc-qa"),
         "other prompts": None,
@@ -341,6 +344,31 @@ def report(records: list[dict]) -> None:
                 f"| {temperature:g} | {row} | {len(these)} | {token:.3f} | {block:.3f} | {block / token - 1:+.1%} | "
                 f"{measured:.2f} | {theirs:.2f} | {measured / theirs:.2f}x |"
             )
+
+
+def against_llama_bench(runs: list[dict], bench: dict, alone: dict) -> None:
+    """Every row against llama.cpp's own target alone, the llama-bench run beside it on the same prompt, temperature
+    and seed, and against blockspec's target alone: per temperature and dataset, as the datasets differ in how much
+    their answers copy."""
+    print("\n## every row against llama-bench, per dataset\n")
+    print("| T | dataset | row | runs | tok/s | x llama-bench (CI) | x target alone (CI) |")
+    print("|---|---|---|---|---|---|---|")
+    for temperature in sorted({r["temperature"] for r in runs}):
+        for dataset in sorted({r["dataset"] for r in runs}):
+            for row in (row for row in ROWS if row != "llama-bench"):
+                these = [
+                    r
+                    for r in runs
+                    if (r["row"], r["temperature"], r["dataset"]) == (row, temperature, dataset) and run_key(r) in bench
+                ]
+                if not these:
+                    continue
+                print(
+                    f"| {temperature:g} | {dataset} | {row} | {len(these)} | "
+                    f"{statistics.median(r['tok_s'] for r in these):.2f} | "
+                    f"{interval([r['tok_s'] / bench[run_key(r)] for r in these])} | "
+                    f"{interval([r['tok_s'] / alone[run_key(r)] for r in these])} |"
+                )
 
 
 def mean_of(runs: list[dict], key: str) -> str:

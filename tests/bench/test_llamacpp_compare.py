@@ -12,10 +12,10 @@ def compare(benchmark_script):
     return benchmark_script("llamacpp_compare")
 
 
-def run(row: str, prompt: str, temperature: float, tok_s: float) -> dict:
+def run(row: str, prompt: str, temperature: float, tok_s: float, dataset: str = "humaneval") -> dict:
     return {
         "row": row,
-        "dataset": "humaneval",
+        "dataset": dataset,
         "prompt": prompt,
         "temperature": temperature,
         "seed": 0,
@@ -54,3 +54,27 @@ def test_each_prompts_target_alone_is_divided_by_its_own_llama_bench(compare, ca
     assert rows[1] == "| 1 | 1 | 30.00 | 30.00 | 1.000x |"
     speed = section(out, "speed against llama.cpp's target alone")
     assert [line.split(" | ")[2] for line in speed] == ["llamacpp-alone", "llamacpp-alone"]  # llama-bench is not a row
+
+
+def test_every_row_is_divided_by_the_llama_bench_beside_it_per_dataset(compare, capsys):
+    # lookup at 1.1x and 0.9x of llama-bench on two humaneval prompts (the target alone 0.9x and 1.0x), and 2.0x on a
+    # pydoc-qa one: per dataset, each run over the llama-bench run of its own prompt
+    records = [
+        run("llamacpp-alone", "a", 0.0, 27.0),
+        run("llama-bench", "a", 0.0, 30.0),
+        run("llamacpp-lookup", "a", 0.0, 33.0),
+        run("llamacpp-alone", "b", 0.0, 40.0),
+        run("llama-bench", "b", 0.0, 40.0),
+        run("llamacpp-lookup", "b", 0.0, 36.0),
+        run("llamacpp-alone", "q", 0.0, 20.0, "pydoc-qa"),
+        run("llama-bench", "q", 0.0, 25.0, "pydoc-qa"),
+        run("llamacpp-lookup", "q", 0.0, 50.0, "pydoc-qa"),
+    ]
+    compare.report(records)
+    rows = section(capsys.readouterr().out, "every row against llama-bench, per dataset")
+    assert rows == [
+        "| 0 | humaneval | llamacpp-alone | 2 | 33.50 | 0.950x | 1.000x |",
+        "| 0 | humaneval | llamacpp-lookup | 2 | 34.50 | 1.000x | 1.061x |",
+        "| 0 | pydoc-qa | llamacpp-alone | 1 | 20.00 | 0.800x | 1.000x |",
+        "| 0 | pydoc-qa | llamacpp-lookup | 1 | 50.00 | 2.000x | 2.500x |",
+    ]

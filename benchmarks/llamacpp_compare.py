@@ -22,8 +22,8 @@ Per prompt, in one interleaved round (batch 1, the same chat-formatted prompt an
                      decode past the max new tokens: its last step keeps all it accepted)
 Figures are tokens/s of the decode (prefill excluded everywhere: llama.cpp's programs report it so), their ratios to
 llamacpp-alone on the same prompt (and, with the llama-bench row, to the llama-bench run beside it, per dataset),
-and accepted tokens per step; the block rows also score every step's draft
-exactly under both rules (`bench.executor.ExpectedScores`): the paired analytic gain of block over token.
+and accepted tokens per step; the block rows also score every step's draft exactly under both rules
+(`bench.executor.ExpectedScores`): the paired analytic gain of block over token.
 
     bash scripts/build_llamacpp_tools.sh      # once: llama-bench and llama-speculative-simple
     python benchmarks/llamacpp_compare.py run --out results/llamacpp --datasets humaneval-edit pydoc-qa humaneval

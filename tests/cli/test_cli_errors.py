@@ -185,10 +185,13 @@ def test_flags_the_chosen_backend_cannot_run_are_refused_before_loading_a_model(
     assert message in error_line(capsys) and loads == []
 
 
-def test_bench_on_llamacpp_refuses_transformers_only_configurations_before_loading_a_model(tmp_path, loads, capsys):
-    out = str(tmp_path / "bench")
-    assert cli.main(["bench", "--backend", "llamacpp", "--configs", "target-only", "hf-assisted", "--out", out]) == 2
-    assert "hf-assisted run on transformers only" in error_line(capsys) and loads == []
+@pytest.mark.parametrize("config", ["hf-assisted", "block-int8", "sv-token", "sv-block"])
+def test_bench_on_llamacpp_refuses_transformers_only_configurations_before_loading_a_model(
+    config, tmp_path, loads, capsys
+):
+    out = str(tmp_path / "bench")  # sv-draft, beside it, runs on llama.cpp
+    assert cli.main(["bench", "--backend", "llamacpp", "--configs", "sv-draft", config, "--out", out]) == 2
+    assert f"{config} run on transformers only" in error_line(capsys) and loads == []
 
 
 @pytest.mark.parametrize("command", [["generate", "hello"], ["bench"], ["sv", "calibrate"]])

@@ -19,6 +19,7 @@ from kits.tiny import perturbed, tiny_model, tiny_tokenizer
 from kits.tinygguf import save_gguf
 
 from blockspec import cli
+from blockspec.bench import records as rec
 from blockspec.models import hf
 from blockspec.policy.latency import LatencyProfile
 from blockspec.sampling import SamplingParams
@@ -199,6 +200,33 @@ def test_profile_and_calibrate_on_llama_cpp_save_under_the_names_generate_looks_
     assert cli.main(["sv", "calibrate", *models, *recorded]) == 0
     run = ["generate", *models, "--policy", "sv", "--max-new-tokens", "4", *GREEDY, "--no-chat", PROMPT]
     assert cli.main(run) == 0, capsys.readouterr().err
+
+
+def test_bench_runs_sv_draft_on_llama_cpp_with_the_q4_0_draft_and_its_profiles(pair, cache, tmp_path, capsys):
+    """`bench --backend llamacpp` runs sv-draft with the draft in q4_0, as `generate --policy sv` runs it there, and
+    finds the profiles `sv profile` and `sv calibrate` save for that draft; passed the files of the draft as shipped
+    instead, it refuses them, naming the draft they were made for."""
+    models = ["--target", pair.target, "--draft", pair.draft, "--backend", "llamacpp"]
+    quant = ["--draft-quant", "q4_0", "--force"]  # --force: another test may have saved them for the same weights
+    grid = ["--batch-sizes", "1", "--tokens", "1", "2", "3", "4", "--context", "8", "--repeats", "1"]
+    assert cli.main(["sv", "profile", *models, *quant, *grid]) == 0
+    recorded = ["--dataset", "lm1b", "--prompts", "4", "--max-new-tokens", "16", "--max-draft", "3", *GREEDY]
+    assert cli.main(["sv", "calibrate", *models, *quant, *recorded]) == 0
+    bench = ["bench", *models, "--no-chat", "--configs", "target-only", "sv-draft", "--datasets", "lm1b"]
+    bench += ["--prompts", "2", "--max-new-tokens", "8", "--max-draft", "3", "--temperatures", "0"]
+    assert cli.main([*bench, "--out", str(tmp_path / "out")]) == 0, capsys.readouterr().err
+    records = list(rec.read(tmp_path / "out" / "records.jsonl"))
+    assert {r.config for r in records} == {"target-only", "sv-draft"} and all(r.ok for r in records), records
+    for record in (r for r in records if r.config == "sv-draft"):
+        assert record.meta["draft_quant"] == "q4_0" and record.meta["companion"] is None, record.meta
+        assert all("draft.gguf_llama.cpp_q4_0-" in record.meta[k] for k in ("latency", "sv_profile")), record.meta
+    shipped = {
+        k: next((cache / "sv").glob(f"{k}-*draft.gguf_llama.cpp-None-*.json")) for k in ("calibration", "latency")
+    }
+    passed = ["--sv-profile", str(shipped["calibration"]), "--latency", str(shipped["latency"])]
+    assert cli.main([*bench, *passed, "--out", str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err
+    assert f"calibrated with draft '{pair.draft} (llama.cpp)', not '{pair.draft} (llama.cpp, q4_0)'" in err, err
 
 
 @pytest.fixture

@@ -38,10 +38,14 @@ def tree_of(name: str) -> tuple[int, ...]:
 
 
 def draft_quant_of(name: str, arithmetic) -> str | None:
-    """How the draft of configuration ``name`` is quantized, given the machine's ``auto.Arithmetic``."""
+    """How the draft of configuration ``name`` is quantized, given the machine's ``auto.Arithmetic``: SV's on llama.cpp
+    as the auto drafts', what ``blockspec sv`` and ``generate --policy sv`` run there by default (q4_0)."""
     if name == "block-int8":
         return "int8"
-    return arithmetic.draft_quant if name in AUTO_DRAFT else None
+    if arithmetic is None:  # no auto configuration on transformers
+        return None
+    on_llamacpp = arithmetic.dtype == "gguf"  # runner.llamacpp_arithmetic's
+    return arithmetic.draft_quant if name in AUTO_DRAFT or (on_llamacpp and name in rec.SV_CONFIGS) else None
 
 
 class Executor:
@@ -53,7 +57,8 @@ class Executor:
         self.target, self.drafts, self.config, self.arithmetic = target, drafts, config, arithmetic
         self.warm: set[tuple] = set()
         dtype = resolved["dtype"]
-        self.sv = SVSetup(target, config, dtype) if set(config.configs) & set(rec.SV_CONFIGS) else None
+        sv_quant = draft_quant_of(rec.SV_CONFIGS[0], arithmetic)  # every SV configuration drafts with the same model
+        self.sv = SVSetup(target, config, sv_quant) if set(config.configs) & set(rec.SV_CONFIGS) else None
         self.meta = {
             "target": config.target,
             "draft": config.draft,
@@ -228,31 +233,34 @@ class SVSetup:
 
     SPEC = {"sv-token": ("token", "companion"), "sv-block": ("block", "companion"), "sv-draft": ("block", "draft")}
 
-    def __init__(self, target, config: BenchConfig, dtype: str):
+    def __init__(self, target, config: BenchConfig, draft_quant: str | None):
+        """As ``SVPolicy.from_cache`` finds them for the loaded target: by the models' names as the profiles know them
+        (``run_name``: on llama.cpp with the backend and the draft's ``draft_quant``), the target's dtype and device;
+        on llama.cpp without a companion (runner.llamacpp_arithmetic refuses the companion configurations there)."""
         from ..models.companion import load_companion
+        from ..models.llamacpp import LlamaCppModel
+        from ..policy.latency import dtype_name
+        from ..policy.profiles import run_name
         from ..policy.sv import load_calibration, load_latency
         from ..sampling import SamplingParams
 
-        self.config, self.profiles, self.paths = config, {}, {}
+        backend = "llamacpp" if isinstance(target, LlamaCppModel) else "hf"
+        self.names = run_name(config.target, backend), run_name(config.draft, backend, draft_quant)
+        companion = None if backend == "llamacpp" else config.companion
+        self.config, self.companion_name, self.profiles, self.paths = config, companion, {}, {}
         for temperature in config.temperatures:
-            profile, path = load_calibration(
-                config.target,
-                config.draft,
-                config.companion,
-                SamplingParams(temperature=temperature),
-                config.sv_profile,
-            )
+            sampling = SamplingParams(temperature=temperature)
+            profile, path = load_calibration(*self.names, companion, sampling, config.sv_profile)
             self.profiles[temperature], self.paths[temperature] = profile, str(path)
-        self.latency, path = load_latency(
-            config.target, config.draft, config.companion, dtype, target.device, config.latency
-        )
+        dtype = dtype_name(target.dtype)
+        self.latency, path = load_latency(*self.names, companion, dtype, target.device, config.latency)
         self.latency_path = str(path)
         needs_companion = bool({"sv-token", "sv-block"} & set(config.configs))
         self.companion = (
             load_companion(
                 config.companion, target, dtype=dtype, device=config.device, allow_download=config.allow_download
             )
-            if needs_companion
+            if needs_companion  # on transformers only
             else None
         )
 
@@ -266,7 +274,7 @@ class SVSetup:
 
     def meta(self, item: Run) -> dict:
         return {
-            "companion": self.config.companion,
+            "companion": self.companion_name,
             "sv_profile": self.paths[item.temperature],
             "latency": self.latency_path,
         }

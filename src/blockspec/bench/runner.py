@@ -454,12 +454,13 @@ def _run(config: BenchConfig, progress: bool) -> Path:
 
 
 def llamacpp_arithmetic(config: BenchConfig):
-    """The ``auto.Arithmetic`` of a bench on llama.cpp: the GGUF's own types, the auto configurations' draft in q4_0
-    (what ``blockspec generate`` runs there); refuses what only transformers runs, before any model loads."""
+    """The ``auto.Arithmetic`` of a bench on llama.cpp: the GGUF's own types, the auto and SV configurations' draft in
+    q4_0 (what ``blockspec generate`` runs there); refuses what only transformers runs, before any model loads: its
+    baselines, the int8 draft, and SV's companion, built from the target's transformers layers."""
     from ..auto import Arithmetic
     from ..defaults import LLAMACPP_QUANTS
 
-    only_hf = sorted(set(config.configs) & {*rec.HF_CONFIGS, "block-int8", *rec.SV_CONFIGS})
+    only_hf = sorted(set(config.configs) & {*rec.HF_CONFIGS, "block-int8", "sv-token", "sv-block"})
     if only_hf or config.target_quant is not None:
         raise ValueError(
             f"{', '.join(only_hf) or '--target-quant'} run on transformers only: leave them out with --backend llamacpp"

@@ -94,7 +94,7 @@ def add_parser(sub) -> None:
     bench.add_argument(
         "--backend",
         choices=["auto", *BACKENDS],
-        help="llamacpp, hf or auto (default: hf; transformers' baselines, SV and trees need it)",
+        help="llamacpp, hf or auto (default: hf; transformers' baselines, block-int8, sv-token and sv-block need it)",
     )
     bench.add_argument("--out", type=Path, help="output directory for records, report and plots")
     bench.add_argument("--allow-download", action="store_true", default=None, help=ALLOW_DOWNLOAD_HELP)

@@ -245,15 +245,15 @@ class SVSetup:
         from ..sampling import SamplingParams
 
         backend = "llamacpp" if isinstance(target, LlamaCppModel) else "hf"
-        self.names = run_name(config.target, backend), run_name(config.draft, backend, draft_quant)
+        names = run_name(config.target, backend), run_name(config.draft, backend, draft_quant)
         companion = None if backend == "llamacpp" else config.companion
         self.config, self.companion_name, self.profiles, self.paths = config, companion, {}, {}
         for temperature in config.temperatures:
             sampling = SamplingParams(temperature=temperature)
-            profile, path = load_calibration(*self.names, companion, sampling, config.sv_profile)
+            profile, path = load_calibration(*names, companion, sampling, config.sv_profile)
             self.profiles[temperature], self.paths[temperature] = profile, str(path)
         dtype = dtype_name(target.dtype)
-        self.latency, path = load_latency(*self.names, companion, dtype, target.device, config.latency)
+        self.latency, path = load_latency(*names, companion, dtype, target.device, config.latency)
         self.latency_path = str(path)
         needs_companion = bool({"sv-token", "sv-block"} & set(config.configs))
         self.companion = (

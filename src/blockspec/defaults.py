@@ -8,6 +8,7 @@ DRAFT = "qwen2.5-coder-0.5b"
 DTYPES = ("bfloat16", "float16", "float32")  # model weights and activations
 QUANTS = ("int8",)  # weight quantizations of a model's linear layers (blockspec.models.quant)
 LLAMACPP_QUANTS = ("q4_0",)  # llama.cpp requantizations of a whole GGUF (blockspec.models.llamacpp.QUANTS)
+LLAMACPP_DTYPE = "gguf"  # a llama.cpp model's dtype, and the bench's arithmetic there: the file's own types
 BACKENDS = ("llamacpp", "hf")  # who runs a model: llama.cpp on the GGUF as it is, or transformers (models.load_model)
 RULE = "block"  # the verification rule: optimal in expected accepted tokens (Sun et al.)
 MAX_DRAFT = 4  # tokens a step drafts per row under a fixed length (and the most SV drafts)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import machine
+from .. import defaults, machine
 from . import records as rec
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ def draft_quant_of(name: str, arithmetic) -> str | None:
         return "int8"
     if arithmetic is None:  # no auto configuration on transformers
         return None
-    on_llamacpp = arithmetic.dtype == "gguf"  # runner.llamacpp_arithmetic's
+    on_llamacpp = arithmetic.dtype == defaults.LLAMACPP_DTYPE  # runner.llamacpp_arithmetic's
     return arithmetic.draft_quant if name in AUTO_DRAFT or (on_llamacpp and name in rec.SV_CONFIGS) else None
 
 

@@ -458,14 +458,16 @@ def llamacpp_arithmetic(config: BenchConfig):
     q4_0 (what ``blockspec generate`` runs there); refuses what only transformers runs, before any model loads: its
     baselines, the int8 draft, and SV's companion, built from the target's transformers layers."""
     from ..auto import Arithmetic
-    from ..defaults import LLAMACPP_QUANTS
+    from ..defaults import LLAMACPP_DTYPE, LLAMACPP_QUANTS
 
     only_hf = sorted(set(config.configs) & {*rec.HF_CONFIGS, "block-int8", "sv-token", "sv-block"})
     if only_hf or config.target_quant is not None:
         raise ValueError(
             f"{', '.join(only_hf) or '--target-quant'} run on transformers only: leave them out with --backend llamacpp"
         )
-    return Arithmetic("gguf", LLAMACPP_QUANTS[0], "llama.cpp: the GGUF's own types, the auto draft in q4_0", None)
+    return Arithmetic(
+        LLAMACPP_DTYPE, LLAMACPP_QUANTS[0], "llama.cpp: the GGUF's own types, the auto draft in q4_0", None
+    )
 
 
 class Progress:

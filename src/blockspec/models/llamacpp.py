@@ -38,7 +38,7 @@ from typing import Any, overload
 import numpy as np
 import torch
 
-from ..defaults import LLAMACPP_QUANTS
+from ..defaults import LLAMACPP_DTYPE, LLAMACPP_QUANTS
 from .base import check_tree, committed_path
 from .cache import derived_gguf
 from .vocab_cut import VocabularyCut, cut_vocabulary, read_cut
@@ -103,7 +103,8 @@ class LlamaCppModel:
         self.threads = threads or torch.get_num_threads()
         self.on_prefill = on_prefill
         self.device = torch.device("cpu")
-        self.dtype = "gguf"  # the file's own quantization: how latency profiles keyed by dtype tell it from HF's
+        # the file's own quantization: how latency profiles keyed by dtype tell it from HF's
+        self.dtype = LLAMACPP_DTYPE
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
         self._model = lib.llama_model_load_from_file(str(self.path).encode(), params)

@@ -5,11 +5,13 @@ Per prompt, in one interleaved round (batch 1, the same chat-formatted prompt an
   llama-bench        llama.cpp's own benchmark of the target alone (`llama-bench`, one repetition): as many new
                      tokens, after as many tokens of context as the prompt has (the goal the target alone is held to)
   llamacpp-token/-block  blockspec, the 0.5B draft, fixed K, token / block verification, on llama.cpp
-  llamacpp-auto      blockspec's default: block verification, length adapted to the measured step costs
+  llamacpp-auto      blockspec's adaptive draft: block verification, length adapted to the measured step costs
   llamacpp-block-q4 / -auto-q4  the same with the draft requantized to q4_0 by llama.cpp (`--draft-quant q4_0`)
   llamacpp-block-q4-cut / -auto-q4-cut  the q4_0 draft with its vocabulary cut to its first 32,768 ids and special
                      tokens (`models.vocab_cut`: an output layer of 32,790 rows instead of 151,936)
   llamacpp-lookup    blockspec, prompt lookup alone (no draft model)
+  llamacpp-default   what `blockspec generate` runs on llama.cpp: prompt lookup beside the q4_0 draft's adaptive
+                     length (a proposal only where it is expected to beat the draft's step)
   hf-alone           blockspec's engine, target alone, on transformers (bfloat16 weights dequantized from the GGUF)
   hf-assisted        transformers' assisted generation with the same draft (its whole wall time: it reports no
                      prefill time; the others are decode time)
@@ -56,6 +58,7 @@ ROWS = (
     "llamacpp-block-q4-cut",
     "llamacpp-auto-q4-cut",
     "llamacpp-lookup",
+    "llamacpp-default",
     "llama.cpp-spec",
     "llama.cpp-ngram",
     "hf-alone",
@@ -119,10 +122,10 @@ def run(args) -> None:
         records.flush()
         print(json.dumps({k: v for k, v in entry.items() if k not in machine}), flush=True)
 
-    def auto(model):
+    def auto(model, lookup=None):
         policy = adaptive_policy(latency_probe(target, model, 1), 1, 8)
         record({"row": "policy", "draft": model.name, "speculates": policy is not None})
-        return SpeculativeDecoder(target, model if policy else None, max_draft=8, policy=policy)
+        return SpeculativeDecoder(target, model if policy else None, max_draft=8, policy=policy, lookup=lookup)
 
     decoders = {
         "llamacpp-alone": SpeculativeDecoder(target),
@@ -134,6 +137,7 @@ def run(args) -> None:
         "llamacpp-block-q4-cut": SpeculativeDecoder(target, cut, rule="block", max_draft=args.max_draft),
         "llamacpp-auto-q4-cut": auto(cut),
         "llamacpp-lookup": SpeculativeDecoder(target, lookup=PromptLookup(costs=lookup_latency(target, 1))),
+        "llamacpp-default": auto(small, PromptLookup(costs=lookup_latency(target, 1))),
     }
     if {"hf-alone", "hf-assisted"} & set(args.rows):
         from blockspec.bench.executor import run_assisted

@@ -287,11 +287,11 @@ def test_a_tree_configuration_runs_beside_the_chains_and_the_batch_table_shows_i
     assert "| tree-2,1,1 " in text and "tokens_per_s_vs_batch.png" in {p.name for p in written}
 
 
-def test_auto_tree_runs_at_the_largest_k_with_the_plain_draft_and_the_batch_table_compares_it(
+def test_auto_tree_runs_at_the_largest_k_with_the_probes_draft_and_the_batch_table_compares_it(
     tiny_config, tmp_path, monkeypatch
 ):
-    """Cheap verification: the adaptive shape drafts, at most the largest K nodes, with the unquantized draft the
-    fixed-K and tree rows use, and the batch table gives it its x best fixed K."""
+    """Cheap verification: the adaptive shape drafts, at most the largest K nodes, with the draft the machine's
+    probe chose (int8 here), as `generate --tree auto` does, and the batch table gives it its x best fixed K."""
     from blockspec.bench.report import build_report, render
 
     monkeypatch.setattr(auto, "latency_probe", lambda target, draft, batch: profile(CHEAP_VERIFICATION, draft_ms=10))
@@ -299,7 +299,7 @@ def test_auto_tree_runs_at_the_largest_k_with_the_plain_draft_and_the_batch_tabl
     records = list(rec.read(runner.run(config, progress=False)))
     shaped = [r for r in records if r.config == "auto-tree"]
     assert shaped and all(r.ok and r.max_draft == 4 for r in shaped)
-    assert all(r.meta["tree"] == "auto" and r.meta["draft_quant"] is None for r in shaped)
+    assert all(r.meta["tree"] == "auto" and r.meta["draft_quant"] == "int8" for r in shaped)
     assert any(k > 0 for r in shaped for k in r.verified) and all(k <= 4 for r in shaped for k in r.verified)
     report = build_report(records)
     rows = {row.config: row for row in report.batch}

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 # the context's last 2 tokens (else of its last token); 2 is transformers' default, pinned so the records stay true.
 LOOKUP = {"prompt_lookup_num_tokens": 10, "max_matching_ngram_size": 2}
 
-AUTO_DRAFT = ("auto", "lookup+model")  # draft with the model auto.choose_arithmetic picked (int8 or not)
+# draft with the model auto.choose_arithmetic picked (int8 or not), as `blockspec generate` does by default
+AUTO_DRAFT = ("auto", "lookup+model", rec.AUTO_TREE)
 NO_DRAFT = ("target-only", "lookup", "hf-lookup")
 
 

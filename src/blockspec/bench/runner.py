@@ -177,7 +177,7 @@ def max_drafts_of(config: BenchConfig, name: str) -> tuple[int, ...]:
         from ..checks import tree_nodes
 
         return (tree_nodes(tree_of(name)),)
-    if name in rec.SV_CONFIGS or name in AUTO_DRAFT or name == rec.AUTO_TREE:
+    if name in rec.SV_CONFIGS or name in AUTO_DRAFT:
         return (max(config.max_drafts),)
     return (0,)
 

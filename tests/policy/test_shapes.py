@@ -20,10 +20,12 @@ from blockspec.policy.shapes import (
     candidate_acceptance,
     expected_accepted,
     ranked_acceptance,
+    star_acceptance,
     step_cost,
     tree_nodes,
     tree_shapes,
 )
+from blockspec.verify.tree import expected_accepted_tree
 
 ALPHA = torch.tensor([0.6, 0.8, 0.9, 0.95], dtype=torch.float64)  # alpha_1..alpha_4, the same at every position
 
@@ -126,29 +128,62 @@ def test_where_nothing_pays_a_step_drafts_nothing_and_alpha_drifts_to_the_prior(
     assert hopeless.alpha.tolist() == pytest.approx([0.9 * 0.1 + 0.1 * p for p in (0.8, 0.9, 0.93, 0.95)])
 
 
+def accepted_given(target: torch.Tensor, draft: torch.Tensor, candidates: tuple[int, ...]) -> float:
+    """The chance that recursive rejection sampling accepts one of ``candidates`` (distinct children drawn from
+    ``draft`` in this order; docs/algorithms.md, token-level tree verification), one candidate at a time."""
+    p, q, rejected = target.clone(), draft.clone(), 1.0
+    accepted = 0.0
+    for c in candidates:
+        chance = min(1.0, float(p[c] / q[c])) if q[c] > 0 else 0.0
+        accepted += rejected * chance
+        rejected *= 1 - chance
+        p = (p - q).clamp(min=0)
+        p = p / p.sum() if p.sum() > 0 else p
+        q[c] = 0
+        q = q / q.sum() if q.sum() > 0 else q
+    return accepted
+
+
 def star_alpha(target: torch.Tensor, draft: torch.Tensor, k: int) -> float:
     """alpha_k by enumeration: every ordered set of k candidates drawn from ``draft`` without replacement, each
-    verified by recursive rejection sampling (docs/algorithms.md, token-level tree verification, distinct children)."""
+    verified by recursive rejection sampling."""
     total = 0.0
     for candidates in itertools.permutations(range(len(draft)), k):
         drawn, left = 1.0, draft.clone()
         for c in candidates:
             drawn *= float(left[c] / left.sum())
             left[c] = 0
-        if drawn == 0:
-            continue
-        p, q, rejected = target.clone(), draft.clone(), 1.0
-        accepted = 0.0
-        for c in candidates:
-            chance = min(1.0, float(p[c] / q[c])) if q[c] > 0 else 0.0
-            accepted += rejected * chance
-            rejected *= 1 - chance
-            p = (p - q).clamp(min=0)
-            p = p / p.sum() if p.sum() > 0 else p
-            q[c] = 0
-            q = q / q.sum() if q.sum() > 0 else q
-        total += drawn * accepted
+        if drawn:
+            total += drawn * accepted_given(target, draft, candidates)
     return total
+
+
+def test_star_acceptance_is_exact_given_the_candidates():
+    """Every ordered set of 4 candidates at V = 6, against the rule one candidate at a time and against the tree
+    verifier's own exact acceptance on that one-level tree; a draft with fewer than 4 tokens in its support too."""
+    generator = torch.Generator().manual_seed(5)
+    target = torch.rand(3, 6, generator=generator, dtype=torch.float64) ** 3
+    draft = torch.rand(3, 6, generator=generator, dtype=torch.float64) ** 3
+    draft[2, 3:] = 0  # three tokens: a fourth candidate is never accepted
+    target, draft = target / target.sum(-1, keepdim=True), draft / draft.sum(-1, keepdim=True)
+    sets = torch.tensor(list(itertools.permutations(range(6), WIDTHS)))  # [R, 4]
+    got = star_acceptance(target, draft, sets.expand(3, -1, -1))  # [3, R, 4]
+    rows = len(sets)
+    for t in range(3):
+        for r, candidates in enumerate(sets.tolist()):
+            drawable = [c for c in candidates if draft[t, c] > 0]
+            for k in range(1, WIDTHS + 1):
+                want = accepted_given(target[t], draft[t], tuple(candidates[:k]))
+                assert float(got[t, r, k - 1]) == pytest.approx(want, abs=1e-12)
+            if len(drawable) == WIDTHS:  # the verifier takes candidates from the draft's support only
+                tokens = torch.tensor([candidates])
+                num = torch.tensor([WIDTHS])
+                laws = [x[t].expand(1, WIDTHS + 1, -1) for x in (draft, target)]
+                exact = expected_accepted_tree(
+                    tokens, torch.zeros_like(tokens), *laws, rule="token", scheme="distinct", num_nodes=num
+                )
+                assert float(got[t, r, -1]) == pytest.approx(float(exact), abs=1e-12)
+    assert rows == 360 and bool((got[..., -1] > got[..., 0] + 0.05).any())  # more candidates can accept more
 
 
 def test_alpha_1_is_exact_and_alpha_k_unbiased_from_drawn_candidates():

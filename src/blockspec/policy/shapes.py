@@ -25,7 +25,6 @@ import torch
 
 from ..defaults import ADAPTIVE_MAX_DRAFT
 from ..sampling import is_int
-from ..verify.tree import expected_accepted_tree
 
 WIDTHS = 4  # alpha_k is estimated for k = 1..WIDTHS candidates per node, the widest a candidate shape branches
 # Positions x draws x support per batch of exact evaluations in ``candidate_acceptance`` (memory: about 100 x this
@@ -131,18 +130,20 @@ def candidate_acceptance(
     alpha_1 = sum_v min(P, Q), exactly. For k >= 2, ``draws`` candidate sets of WIDTHS tokens are drawn from Q without
     replacement (the first k of a set are k candidates without replacement), with ``generator`` alone, and alpha_k is
     the mean over the sets of the exact probability that token-level verification accepts one of the k, given them
-    (``expected_accepted_tree`` on a one-level tree): unbiased. Each position is cut to the fewest tokens most likely
+    (``star_acceptance``): unbiased. Each position is cut to the fewest tokens most likely
     under P + Q that leave out less than ``rest`` of each, plus one token holding the rest, which bounds the error the
     cut makes; positions go in batches of at most ELEMENTS draws x support. ``support``: at most so many tokens (the
     most likely under P + Q, found without sorting the whole vocabulary: what an online estimate can afford each
     step), the rest lumped as above; None: as many as ``rest`` needs."""
-    p, q = target_probs.double(), draft_probs.double()
-    closed_form = torch.minimum(p, q).sum(-1).cpu()  # alpha_1, on the whole vocabulary
-    if support is not None and support < p.shape[-1]:
-        order = (p + q).topk(support, dim=-1).indices  # most likely first, as the sort below
+    # alpha_1 on the whole vocabulary, summed in float64 (the laws' own dtype is kept: converting the whole of them
+    # would cost more than the rest of the estimate)
+    closed_form = torch.minimum(target_probs, draft_probs).sum(-1, dtype=torch.float64).cpu()
+    both = target_probs + draft_probs
+    if support is not None and support < both.shape[-1]:
+        order = both.topk(support, dim=-1).indices  # most likely first, as the sort below
     else:
-        order = (p + q).argsort(dim=-1, descending=True)
-    p, q = p.gather(-1, order), q.gather(-1, order)
+        order = both.argsort(dim=-1, descending=True)
+    p, q = target_probs.gather(-1, order).double(), draft_probs.gather(-1, order).double()
     # the support of position t: the fewest most likely tokens leaving out less than `rest` of P_t and of Q_t
     needed = (((p.cumsum(-1) < 1 - rest) | (q.cumsum(-1) < 1 - rest)).sum(-1) + 1).clamp(max=p.shape[-1])  # [L]
     alpha, left = torch.empty(len(p), WIDTHS, dtype=torch.float64), torch.empty(len(p), 2, dtype=torch.float64)
@@ -179,18 +180,41 @@ def _star(p: torch.Tensor, q: torch.Tensor, draws: int, generator: torch.Generat
     uniforms = uniforms.to(p.device)
     width = min(WIDTHS, size)  # a support of fewer tokens is drawn whole
     candidates = (q.log()[:, None] - (-uniforms.log()).log()).topk(width, dim=-1).indices  # [L, R, width]
-    rows = positions * draws
-    tokens, parents = candidates.reshape(rows, width), torch.zeros(rows, width, dtype=torch.long, device=p.device)
-    target_probs = p[:, None, None].expand(positions, draws, width + 1, size).reshape(rows, width + 1, size)
-    draft_probs = q[:, None, None].expand(positions, draws, width + 1, size).reshape(rows, width + 1, size)
-    positive = (q > 0).sum(-1).repeat_interleave(draws)  # fewer positive tokens than k: all of them are drawn
-    alpha = torch.empty(positions, WIDTHS, dtype=torch.float64)
-    for k in range(1, WIDTHS + 1):
-        accepted = expected_accepted_tree(
-            tokens, parents, draft_probs, target_probs, rule="token", scheme="distinct", num_nodes=positive.clamp(max=k)
-        )
-        alpha[:, k - 1] = accepted.reshape(positions, draws).mean(-1).cpu()
-    return alpha, left.cpu()
+    return star_acceptance(p, q, candidates).mean(1).cpu(), left.cpu()
+
+
+def star_acceptance(
+    target_probs: torch.Tensor,  # [L, M]: P at each of L positions
+    draft_probs: torch.Tensor,  # [L, M]: Q there
+    candidates: torch.Tensor,  # [L, R, J] int64: R sets of J <= WIDTHS distinct tokens, in the order drawn
+) -> torch.Tensor:
+    """[L, R, WIDTHS] float64: the exact probability that token-level verification of one node with children
+    candidates[..., :k] (drawn from Q without replacement) accepts one of them, for k = 1..WIDTHS (k > J: as k = J).
+
+    Recursive rejection sampling, the ``"distinct"`` scheme of ``blockspec.verify.tree``: child c_i is accepted with
+    min(1, P_i(c_i) / Q_i(c_i)); on rejection P_{i+1} = normalize(max(P_i - Q_i, 0)) (P_i where that is 0) and
+    Q_{i+1} = Q_i without c_i, renormalised. A candidate Q_i gives no mass (the support used up) is never accepted."""
+    sets = candidates.shape[1]
+    p = target_probs.double()[:, None].expand(-1, sets, -1).clone()  # [L, R, M]
+    q = draft_probs.double()[:, None].expand(-1, sets, -1).clone()
+    rejected = torch.ones(p.shape[:-1], dtype=torch.float64, device=p.device)  # [L, R]
+    accepted = torch.zeros_like(rejected)
+    alpha = torch.empty(*p.shape[:-1], WIDTHS, dtype=torch.float64, device=p.device)
+    for k in range(WIDTHS):
+        if k < candidates.shape[-1]:
+            token = candidates[..., k : k + 1]
+            mass = q.sum(-1, keepdim=True)  # Q_i, unnormalised: Q less the candidates before
+            q_now = torch.where(mass > 0, q / mass, 0.0)
+            drafted = q_now.gather(-1, token).squeeze(-1)
+            chance = torch.where(drafted > 0, p.gather(-1, token).squeeze(-1) / drafted, 0.0).clamp(max=1.0)
+            accepted += rejected * chance
+            rejected *= 1 - chance
+            residual = (p - q_now).clamp(min=0.0)
+            total = residual.sum(-1, keepdim=True)
+            p = torch.where(total > 0, residual / total, p)
+            q.scatter_(-1, token, 0.0)
+        alpha[..., k] = accepted
+    return alpha
 
 
 # --- the online choice ----------------------------------------------------------------------------------------

@@ -455,6 +455,52 @@ def batch_records(rng: np.random.Generator) -> list[Record]:
     return out
 
 
+def test_the_tree_or_chain_choice_is_compared_with_the_chain_alone_on_decode_time():
+    """auto-tree over auto, paired by batch: the ratio of their decode tok/s (auto's long prefill would flip a ratio
+    of whole wall times), in a section of its own that a run without auto does not get."""
+    rng = np.random.default_rng(3)
+    records = []
+    runs = (("target-only", 0, 4.0, 0.1), ("auto", 8, 10.0, 9.0), ("auto-tree", 8, 9.0, 0.1))  # K, tok/s, prefill
+    for dataset in ("a", "b"):
+        for batch in range(3):
+            for config, k, speed, prefill in runs:
+                verified = [0] * 8 if k == 0 else rng.integers(1, k + 1, 8).tolist()
+                accepted = [int(rng.integers(0, v + 1)) for v in verified]
+                new_tokens = sum(accepted) + 8
+                decode = new_tokens / (speed * rng.uniform(0.9, 1.1))
+                records.append(
+                    batch_record(
+                        config,
+                        k,
+                        dataset,
+                        batch,
+                        new_tokens=new_tokens,
+                        wall_time=decode + prefill,
+                        accepted=accepted,
+                        verified=verified,
+                        prefill_time=prefill,
+                        batch_size=1,
+                    )
+                )
+
+    def rate(config):
+        found = [r for r in records if r.config == config]
+        return sum(r.new_tokens for r in found) / sum(decode_time(r) for r in found)
+
+    report = build_report(records, ReportConfig(n_boot=300))
+    rows = {r.config: r for r in report.batch}
+    ratio = value(rows["auto-tree"].speedup_vs_auto)
+    assert ratio == pytest.approx(rate("auto-tree") / rate("auto")) and ratio < 1
+    lo, hi = interval(rows["auto-tree"].speedup_vs_auto)
+    assert lo < ratio < hi
+    assert rows["auto"].speedup_vs_auto is None and rows["target-only"].speedup_vs_auto is None
+    table = format_table(report)
+    assert "## the tree or the chain, chosen each step: auto-tree against auto" in table
+    assert f"| 1 | 1 | 8 | 6       | {ratio:.3f}x [" in table
+    alone = build_report([r for r in records if r.config != "auto"], ReportConfig(n_boot=300))
+    assert "auto-tree against auto" not in format_table(alone)
+
+
 def test_batch_table_arithmetic_best_fixed_and_sv_over_it():
     records = batch_records(np.random.default_rng(20))
     report = build_report(records, ReportConfig(n_boot=300))

@@ -32,6 +32,12 @@ BATCH_CONVENTION = (
     "{conf:.0f}% percentile bootstrap CIs over batches, stratified by dataset (given once every dataset has 2 "
     "batches), {n_boot} resamples, seed {seed}"
 )
+TREE_CHOICE_CONVENTION = (
+    "auto-tree (each step the tree or chain predicted fastest) against auto (each step the chain length predicted "
+    "fastest: what generate runs by default), the same draft and the same most drafted nodes K: x auto = tok/s ratio "
+    "on the batches both ran, decode time; {conf:.0f}% percentile bootstrap CI over batches, stratified by dataset "
+    "(given once every dataset has 2 batches), {n_boot} resamples, seed {seed}"
+)
 
 
 def batch_table_only(name: str) -> bool:
@@ -58,6 +64,8 @@ class BatchRow:
     verified_per_emitted: Estimate | None
     drafted_per_emitted: float | None  # None for transformers' configurations (no per-step counts)
     block_efficiency: float | None  # 1 + accepted per row-step
+    # auto-tree's tok/s over auto's (the chain generate runs by default, its length chosen each step) at the same K
+    speedup_vs_auto: Estimate | None = None
 
 
 def _step_sums(record: Record, decode: bool = True) -> dict[str, float]:
@@ -156,6 +164,11 @@ def batch_rows(records: list[Record], config: ReportConfig) -> list[BatchRow]:
                     block_efficiency=(
                         1 + columns["accepted"].sum() / columns["row_steps"].sum()
                         if steps and columns["row_steps"].sum() > 0
+                        else None
+                    ),
+                    speedup_vs_auto=(
+                        _paired_speedup(cell, [here[("auto", k)]], config)
+                        if name == records_io.AUTO_TREE and ("auto", k) in here
                         else None
                     ),
                 )

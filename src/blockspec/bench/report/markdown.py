@@ -3,7 +3,7 @@ share (``num``, ``interval``, ``percent``, ``markdown_table``)."""
 
 from __future__ import annotations
 
-from .batch import BATCH_CONVENTION, BatchRow
+from .batch import BATCH_CONVENTION, TREE_CHOICE_CONVENTION, BatchRow
 from .paired import BASELINES, CONVENTION, BaselineRow, Row
 from .stats import Estimate
 from .tables import LeftOut, Report
@@ -144,6 +144,21 @@ def format_batch_table(report: Report) -> str:
     )
 
 
+def format_tree_choice(report: Report) -> str:
+    """The tree-or-chain choice against the chain alone (markdown, with its convention), or "" without both."""
+    rows = [row for row in report.batch if row.speedup_vs_auto is not None]
+    if not rows:
+        return ""
+    cfg = report.config
+    caption = TREE_CHOICE_CONVENTION.format(conf=100 * cfg.confidence, n_boot=cfg.n_boot, seed=cfg.seed)
+    body = [
+        [f"{r.temperature:g}", str(r.batch_size), str(r.max_draft), str(r.batches), _times(r.speedup_vs_auto)]
+        for r in rows
+    ]
+    table = markdown_table(("T", "B", "K", "batches", "auto-tree x auto (CI)"), body)
+    return f"## the tree or the chain, chosen each step: auto-tree against auto\n\n{caption}.\n\n{table}"
+
+
 def _run_name(run: dict) -> str:
     draft = f" T_d={run['draft_temperature']:g}" if "draft_temperature" in run else ""
     return (
@@ -196,4 +211,7 @@ def format_table(report: Report) -> str:
         parts.append(f"## {title}\n\n{markdown_table(HEADER, body)}")
     if report.batch:
         parts.append(format_batch_table(report))
+    tree_choice = format_tree_choice(report)
+    if tree_choice:
+        parts.append(tree_choice)
     return "\n\n".join(parts)

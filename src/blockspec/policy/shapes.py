@@ -27,7 +27,7 @@ from ..defaults import ADAPTIVE_MAX_DRAFT
 from ..sampling import is_int
 
 WIDTHS = 4  # alpha_k is estimated for k = 1..WIDTHS candidates per node, the widest a candidate shape branches
-# Positions x draws x support per batch of exact evaluations in ``candidate_acceptance`` (memory: about 100 x this
+# Positions x draws x support per batch of exact evaluations in ``candidate_acceptance`` (memory: under 100 x this
 # in bytes)
 ELEMENTS = 1 << 22
 # AdaptiveShape's starting alpha_1..alpha_4: the bundled pair measures about 0.91, 0.97, 0.98, 0.99 at temperature 1
@@ -130,9 +130,9 @@ def candidate_acceptance(
     alpha_1 = sum_v min(P, Q), exactly. For k >= 2, ``draws`` candidate sets of WIDTHS tokens are drawn from Q without
     replacement (the first k of a set are k candidates without replacement), with ``generator`` alone, and alpha_k is
     the mean over the sets of the exact probability that token-level verification accepts one of the k, given them
-    (``star_acceptance``): unbiased. Each position is cut to the fewest tokens most likely
-    under P + Q that leave out less than ``rest`` of each, plus one token holding the rest, which bounds the error the
-    cut makes; positions go in batches of at most ELEMENTS draws x support. ``support``: at most so many tokens (the
+    (``star_acceptance``): unbiased. Each position is cut to the fewest tokens most likely under P + Q that leave out
+    less than ``rest`` of each, plus one token holding the rest, which bounds the error the cut makes; positions go in
+    batches of at most ELEMENTS draws x support. ``support``: at most so many tokens (the
     most likely under P + Q, found without sorting the whole vocabulary: what an online estimate can afford each
     step), the rest lumped as above; None: as many as ``rest`` needs."""
     # alpha_1 on the whole vocabulary, summed in float64 (the laws' own dtype is kept: converting the whole of them

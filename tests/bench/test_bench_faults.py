@@ -199,6 +199,17 @@ def test_a_resume_with_other_settings_is_refused_naming_them_before_any_model_lo
         assert f"{name}: {asdict(recorded)[name]!r} there, {value!r} here" in str(refused.value)
 
 
+def test_a_resume_whose_auto_configurations_drafted_differently_is_refused_naming_them(tmp_path):
+    """A directory where auto drafted with the int8 draft and auto-tree with the unquantized one (as benches did
+    before auto-tree took auto's draft): no one quantization extends both, so the resume says which ran how."""
+    config = runner.BenchConfig(configs=("auto", "auto-tree", "block"), out=tmp_path)
+    stored = {"dtype": "bfloat16", "draft_quant": {"auto": "int8", "auto-tree": None, "block": None}}
+    with pytest.raises(ValueError, match=r"\(auto int8, auto-tree unquantized\)"):
+        runner.stored_arithmetic(config, stored)
+    agreed = runner.stored_arithmetic(config, {**stored, "draft_quant": {**stored["draft_quant"], "auto-tree": "int8"}})
+    assert (agreed.dtype, agreed.draft_quant) == ("bfloat16", "int8")
+
+
 def test_a_resume_on_another_machine_kind_or_thread_count_is_refused(recorded, tmp_path, monkeypatch):
     config = copy_of(recorded, tmp_path)
     no_model_loads(monkeypatch)

@@ -311,11 +311,19 @@ def stored_arithmetic(config: BenchConfig, stored: dict):
     """The ``auto.Arithmetic`` of a resume under ``--dtype auto``: the dtype and auto draft quantization the
     directory's runs resolved to (``stored``), not what a probe picks now (a busy machine may pick otherwise), so
     its runs are not pooled with others of other arithmetic. The probe decides only the draft quantization of the
-    auto configurations where the directory has run none."""
+    auto configurations where the directory has run none. Refused (ValueError) where they ran with different ones,
+    as a bench whose auto-tree drafted with the unquantized draft did: no one choice extends them all."""
     from ..auto import Arithmetic, choose_arithmetic
     from ..models.hf import resolve_device
 
-    quants = {quant for name, quant in stored["draft_quant"].items() if name in AUTO_DRAFT}
+    drafted = {name: quant for name, quant in stored["draft_quant"].items() if name in AUTO_DRAFT}
+    quants = set(drafted.values())
+    if len(quants) > 1:
+        each = ", ".join(f"{name} {quant or 'unquantized'}" for name, quant in sorted(drafted.items()))
+        raise ValueError(
+            f"the runs in {config.out} drafted the auto configurations with different draft quantizations ({each}): "
+            "they cannot be extended as one run; report them as they are, or run into a new --out"
+        )
     if not quants and set(config.configs) & set(AUTO_DRAFT):
         quants = {choose_arithmetic(resolve_device(config.device)).draft_quant}
     quant = quants.pop() if quants else None

@@ -81,7 +81,7 @@ def contexts(target, draft, ids: list[int], text: list[int], stride: int, k: int
         sampled_tokens, sampled_probs = chain(draft, pending, k, law, vocab, generator)
         p_argmax = scored(target, pending, argmax_tokens, law, vocab)
         p_sampled = scored(target, pending, sampled_tokens, law, vocab)
-        row = {"t": t}
+        row: dict[str, int | list[float]] = {"t": t}
         for name, tokens, probs, p, rule in (
             ("llama.cpp", argmax_tokens, None, p_argmax, "token"),
             ("token", sampled_tokens, sampled_probs, p_sampled, "token"),

@@ -416,6 +416,42 @@ def batch_record(
     )
 
 
+def drawn_batch_record(
+    rng: np.random.Generator,
+    config: str,
+    max_draft: int,
+    dataset: str,
+    batch: int,
+    speed: float,
+    *,
+    lowest: int,
+    batch_size: int,
+    prefill=lambda decode: 0.01,
+    drafted: list[int] | None = None,
+) -> Record:
+    """``batch_record`` of 8 steps with random counts: each row-step verifies ``lowest``..``max_draft`` drafted
+    tokens (none for the target alone) and accepts some of them, decoding at about ``speed`` tok/s after a prefill
+    of ``prefill(decode seconds)``."""
+    n = 8 * batch_size
+    verified = [0] * n if max_draft == 0 else rng.integers(lowest, max_draft + 1, n).tolist()
+    accepted = [int(rng.integers(0, v + 1)) for v in verified]
+    new_tokens = sum(accepted) + n
+    decode = new_tokens / (speed * rng.uniform(0.9, 1.1))
+    return batch_record(
+        config,
+        max_draft,
+        dataset,
+        batch,
+        new_tokens=new_tokens,
+        wall_time=decode + prefill(decode),
+        accepted=accepted,
+        verified=verified,
+        drafted=drafted,
+        prefill_time=prefill(decode),
+        batch_size=batch_size,
+    )
+
+
 def batch_records(rng: np.random.Generator) -> list[Record]:
     """target-only, token K=2, block K=2 and K=4, 3 i.i.d. paths of 3 tokens (paths-iid-3) and sv-block (K <= 4)
     on 3 batches of 4 prompts of 2 datasets.
@@ -428,60 +464,38 @@ def batch_records(rng: np.random.Generator) -> list[Record]:
         ("paths-iid-3", 3): 12.0,
         ("sv-block", 4): 16.0,  # last: a test takes the last record for an sv-block one
     }
-    out = []
-    for dataset in ("a", "b"):
-        for batch in range(3):
-            for (config, k), speed in speeds.items():
-                n = 8 * 4  # 8 steps of 4 rows
-                verified = [0] * n if k == 0 else rng.integers(0 if config.startswith("sv") else k, k + 1, n).tolist()
-                accepted = [int(rng.integers(0, v + 1)) for v in verified]
-                new_tokens = sum(accepted) + n
-                decode = new_tokens / (speed * rng.uniform(0.9, 1.1))
-                prefill = decode / 2 if (config, k) == ("block", 2) else 0.01
-                out.append(
-                    batch_record(
-                        config,
-                        k,
-                        dataset,
-                        batch,
-                        new_tokens=new_tokens,
-                        wall_time=decode + prefill,
-                        accepted=accepted,
-                        verified=verified,
-                        drafted=[k] * 8,
-                        prefill_time=prefill,
-                    )
-                )
-    return out
+    return [
+        drawn_batch_record(
+            rng,
+            config,
+            k,
+            dataset,
+            batch,
+            speed,
+            lowest=0 if config.startswith("sv") else k,
+            batch_size=4,
+            prefill=(lambda decode: decode / 2) if (config, k) == ("block", 2) else (lambda decode: 0.01),
+            drafted=[k] * 8,
+        )
+        for dataset in ("a", "b")
+        for batch in range(3)
+        for (config, k), speed in speeds.items()
+    ]
 
 
 def test_the_tree_or_chain_choice_is_compared_with_the_chain_alone_on_decode_time():
     """auto-tree over auto, paired by batch: the ratio of their decode tok/s (auto's long prefill would flip a ratio
     of whole wall times), in a section of its own that a run without auto does not get."""
     rng = np.random.default_rng(3)
-    records = []
     runs = (("target-only", 0, 4.0, 0.1), ("auto", 8, 10.0, 9.0), ("auto-tree", 8, 9.0, 0.1))  # K, tok/s, prefill
-    for dataset in ("a", "b"):
-        for batch in range(3):
-            for config, k, speed, prefill in runs:
-                verified = [0] * 8 if k == 0 else rng.integers(1, k + 1, 8).tolist()
-                accepted = [int(rng.integers(0, v + 1)) for v in verified]
-                new_tokens = sum(accepted) + 8
-                decode = new_tokens / (speed * rng.uniform(0.9, 1.1))
-                records.append(
-                    batch_record(
-                        config,
-                        k,
-                        dataset,
-                        batch,
-                        new_tokens=new_tokens,
-                        wall_time=decode + prefill,
-                        accepted=accepted,
-                        verified=verified,
-                        prefill_time=prefill,
-                        batch_size=1,
-                    )
-                )
+    records = [
+        drawn_batch_record(
+            rng, config, k, dataset, batch, speed, lowest=1, batch_size=1, prefill=lambda decode, s=prefill: s
+        )
+        for dataset in ("a", "b")
+        for batch in range(3)
+        for config, k, speed, prefill in runs
+    ]
 
     def rate(config):
         found = [r for r in records if r.config == config]

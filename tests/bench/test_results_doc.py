@@ -162,6 +162,21 @@ def test_an_edited_figure_is_caught():
     assert not differences(table, table)
 
 
+def unended_tables(lines: list[str]) -> list[int]:
+    """Line numbers (from 1) of text that directly follows a table: Markdown renders it as one more row."""
+    return [
+        n + 2
+        for n in range(len(lines) - 1)
+        if lines[n].startswith("|") and lines[n + 1].strip() and not lines[n + 1].startswith("|")
+    ]
+
+
+def test_every_table_ends_at_a_blank_line():
+    assert not unended_tables(PAGE.read_text().splitlines()), "docs/results.md: text right below a table"
+    assert unended_tables(["| a |", "|---|", "| 1 |", "Sat Nov 28 11:55:21 UTC 2026", ""]) == [4]
+    assert not unended_tables(["| a |", "|---|", "| 1 |", "", "text"])
+
+
 def test_every_run_directory_says_how_its_records_were_made():
     """Provenance (commands, times, code, machine) lives beside the records, in a README.md per directory."""
     directories = sorted({p.parent for p in KEPT.rglob("*") if p.is_file()})

@@ -157,6 +157,14 @@ def check_generate(max_new_tokens, rule: str, sampling: SamplingParams, draft_sa
 
 def stop_strings_of(stop_strings, tokenizer) -> tuple[str, ...]:
     """``stop_strings`` as a tuple, read once (a generator is consumed by reading it), then checked."""
+    strings = check_stop_strings(stop_strings)
+    if strings and tokenizer is None:
+        raise ValueError("stop_strings need a tokenizer to decode the generated text")
+    return strings
+
+
+def check_stop_strings(stop_strings) -> tuple[str, ...]:
+    """``stop_strings`` as a tuple, checked as far as that is possible without a tokenizer."""
     if isinstance(stop_strings, str):
         raise TypeError(
             f"stop_strings must be a list of strings, got {stop_strings!r} (a single stop string: [{stop_strings!r}])"
@@ -168,8 +176,6 @@ def stop_strings_of(stop_strings, tokenizer) -> tuple[str, ...]:
         raise ValueError("stop_strings holds an empty string, which would end every row after one token")
     for n, string in enumerate(strings):
         check_text(string, f"stop string {n}")
-    if strings and tokenizer is None:
-        raise ValueError("stop_strings need a tokenizer to decode the generated text")
     return strings
 
 

@@ -118,12 +118,15 @@ def test_a_rule_is_a_name_of_the_registry_checked_before_loading_a_model(loads, 
     [
         (["ab\udcffc"], "the prompt is not valid UTF-8 text: character 2 is U+DCFF"),
         (["ok", "\udc80"], "prompt 1 is not valid UTF-8 text: character 0 is U+DC80"),
-        (["--stop", "x\ud800", "ok"], "--stop 'x\\ud800' is not valid UTF-8 text: character 1 is U+D800"),
+        (["--stop", "x\ud800", "ok"], "stop string 0 is not valid UTF-8 text: character 1 is U+D800"),
+        (["--stop", "", "ok"], "stop_strings holds an empty string, which would end every row after one token"),
+        (["--seed", "-1", "ok"], "seed -1 is out of range"),
+        (["--seed", str(2**64 - 1), "a", "b"], "out of range: row b uses seed + b"),
     ],
 )
-def test_text_that_is_not_utf8_is_refused_naming_the_character_before_loading_a_model(argv, message, loads, capsys):
+def test_bad_text_stops_and_seeds_are_refused_before_loading_a_model(argv, message, loads, capsys):
     """Arguments that are not UTF-8 reach Python as lone surrogates (U+DC80..U+DCFF), which the tokenizer would
-    turn into something else."""
+    turn into something else; the engine's own checks of stop strings and seeds run before the models load."""
     assert cli.main(["generate", *argv]) == 2
     assert message in error_line(capsys) and loads == []
 

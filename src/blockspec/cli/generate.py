@@ -208,7 +208,7 @@ def config_from(args) -> GenerateConfig:
 
 
 def generate(config: GenerateConfig) -> int:
-    from ..checks import check_text
+    from ..checks import check_stop_strings, check_text, row_seeds
     from ..drafting import PromptLookup
     from ..models.chat import encode_prompt
     from ..models.hf import load_model, refuse_model_code, resolve_backend, resolve_device
@@ -222,8 +222,8 @@ def generate(config: GenerateConfig) -> int:
     device = resolve_device(config.device)
     for n, prompt in enumerate(config.prompts):
         check_text(prompt, f"prompt {n}" if len(config.prompts) > 1 else "the prompt")
-    for stop in config.stop:
-        check_text(stop, f"--stop {stop!r}")
+    check_stop_strings(config.stop)
+    row_seeds(config.seed, len(config.prompts))
     for folder in (config.target, config.draft):
         if folder and os.path.isdir(folder):  # a draft with code is refused before the target takes minutes to load
             refuse_model_code(folder)

@@ -29,7 +29,7 @@ from .models.base import TreeLanguageModel, check_shared_vocabulary, model_name,
 from .outputs import GenerationResult, StepStats
 from .policy import FixedLength, LengthPolicy, SVPolicy
 from .policy.shapes import AdaptiveShape
-from .sampling import SamplingParams, check_unsupported, sample
+from .sampling import SamplingParams, check_unsupported, draw
 from .stopping import Stopper
 from .verify import Randomness, Rule, TreeVerifyOutput, VerifyOutput, get_rule
 from .verify.base import verified_mask
@@ -329,5 +329,5 @@ def plain(target_probs: torch.Tensor, uniforms: torch.Tensor | None) -> VerifyOu
     (``sampling.sample``), or without them (temperature 0: one-hot probabilities) its argmax. Every rule's verdict
     there is a draw of that law; this one costs one uniform where the rules' race takes V exponentials."""
     row = target_probs[:, 0]  # [B, V]
-    last = row.argmax(-1) if uniforms is None else sample(row, uniforms)
+    last = draw(row, uniforms)
     return VerifyOutput(tokens=last[:, None], num_accepted=torch.zeros_like(last))

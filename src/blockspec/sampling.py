@@ -13,7 +13,7 @@ from numbers import Integral, Real
 
 import torch
 
-from .verify.base import row_chunks
+from .verify.base import argmax, row_chunks
 
 MIN_TEMPERATURE = 1e-4  # below it logits / temperature overflow float32 (inf, then NaN): use 0 for greedy
 
@@ -102,18 +102,23 @@ def process(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.greedy:
         # argmax, like max, takes a NaN or +inf where a row has one, and a row of -inf has a -inf peak: the peak's
         # own logit tells what check_finite would, without a second pass over the vocabulary
-        top = logits.argmax(-1, keepdim=True)
+        top = argmax(logits)[..., None]
         _raise_if_not_finite(logits.gather(-1, top).squeeze(-1).float())
         return torch.zeros(shape, dtype=torch.float32, device=logits.device).scatter_(-1, top, 1.0)
-    check_finite(logits, params.temperature)
-    logits = logits.reshape(-1, shape[-1])
+    given, logits = logits, logits.reshape(-1, shape[-1])
     parts = []
     for rows in row_chunks(*logits.shape):
-        scaled = logits[rows].float() / params.temperature  # a new tensor: the caller's logits stay intact
+        scaled = logits[rows].float()  # float32 logits themselves: every step below makes a new tensor
+        if params.temperature != 1:
+            scaled = scaled / params.temperature
         if 0 < params.top_k < scaled.shape[-1]:
             kth = scaled.topk(params.top_k, dim=-1).values[:, -1:]
-            scaled.masked_fill_(scaled < kth, float("-inf"))
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
         parts.append(scaled.softmax(-1))
+        # A NaN or +inf logit, a row of -inf and logits / temperature that overflow are what make softmax's peak
+        # non-finite, which turns every entry of the row NaN; finite rows give no NaN. One entry per row tells.
+        if bool(parts[-1][:, 0].isnan().any()):
+            check_finite(given, params.temperature)  # raises, naming the first such row
         if params.top_p < 1:
             parts[-1] = _top_p(parts[-1], params.top_p)
     if not parts:  # no rows
@@ -171,3 +176,9 @@ def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
         last_positive = torch.searchsorted(cumulative, total, right=False)
         tokens[rows] = torch.minimum(drawn, last_positive).squeeze(-1)
     return tokens
+
+
+def draw(probs: torch.Tensor, uniforms: torch.Tensor | None) -> torch.Tensor:
+    """Tokens [B] from probs [B, V]: by inversion from ``uniforms`` [B] (``sample``), or without them (temperature 0,
+    one-hot rows) the argmax."""
+    return argmax(probs) if uniforms is None else sample(probs, uniforms)

@@ -6,7 +6,8 @@ import pytest
 import torch
 from kits import lawkit
 
-from blockspec.sampling import SamplingParams, check_unsupported, process, sample
+from blockspec.sampling import NonFiniteLogitsError, SamplingParams, check_unsupported, process, sample
+from blockspec.verify.base import argmax
 
 
 def reference(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -82,11 +83,56 @@ def test_rows_processed_in_chunks_match_rows_processed_alone():
     torch.testing.assert_close(process(logits, params), alone, atol=1e-7, rtol=1e-5)  # float32 summation order
 
 
-def test_processing_leaves_the_callers_logits_alone():
+@pytest.mark.parametrize("temperature", [0.5, 1.0])
+def test_processing_leaves_the_callers_logits_alone(temperature):
     logits = torch.randn(2, 50)
     before = logits.clone()
-    process(logits, SamplingParams(temperature=0.5, top_k=3))
+    process(logits, SamplingParams(temperature=temperature, top_k=3))
     assert torch.equal(logits, before)
+
+
+BAD_ROWS = {  # logits of row 13 of 20 (the second of row_chunks' chunks at V = 151,936): what each makes of it
+    "nan": lambda row: row.index_fill_(0, torch.tensor([77]), float("nan")),
+    "+inf": lambda row: row.index_fill_(0, torch.tensor([151935]), float("inf")),
+    "all -inf": lambda row: row.fill_(float("-inf")),
+    "overflow below T = 1": lambda row: row.index_fill_(0, torch.tensor([5]), 3e38),
+}
+
+
+@pytest.mark.parametrize("bad", BAD_ROWS)
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(), SamplingParams(temperature=1e-4), SamplingParams(temperature=0.7, top_k=40, top_p=0.9)],
+    ids=["T=1", "T=1e-4", "top-k-p"],
+)
+def test_a_non_finite_row_is_refused_naming_it(bad, params):
+    """In every chunk, with or without a temperature, top-k or top-p; the message names the row in the caller's
+    shape. Large finite logits and masked (-inf) tokens beside finite ones are fine."""
+    logits = 3 * torch.randn(20, 151936, generator=torch.Generator().manual_seed(4))
+    logits[2, :1000] = float("-inf")
+    logits[3, 9] = 1e35 if params.temperature == 1 else 80.0
+    process(logits, params)
+    if bad == "overflow below T = 1" and params.temperature == 1:
+        return  # 3e38 is finite at T = 1 (row 3 is checked just above)
+    BAD_ROWS[bad](logits[13])
+    with pytest.raises(NonFiniteLogitsError, match=r"at 1 of 20 positions \(first at index \(13,\) of \(20,\)"):
+        process(logits, params)
+    with pytest.raises(NonFiniteLogitsError, match=r"first at index \(3, 1\) of \(5, 4\)"):
+        process(logits.reshape(5, 4, -1), params)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_argmax_is_torchs_first_maximum(dtype):
+    """Ties to the first, NaN as the maximum, any leading shape, a strided view (numpy's on the CPU in float32 and
+    float64, torch's otherwise)."""
+    logits = torch.randint(0, 3, (4, 3, 1000), generator=torch.Generator().manual_seed(5)).to(dtype)  # many ties
+    logits[1, 2, 500] = logits[1, 2, 700] = float("nan")
+    logits[2, 0] = float("-inf")
+    found = argmax(logits)
+    assert found.dtype == torch.long and torch.equal(found, logits.argmax(-1))
+    assert found[1, 2] == 500 and found[2, 0] == 0
+    view = logits[:, 1, 100:]  # rows 3,000 apart
+    assert torch.equal(argmax(view), view.argmax(-1))
 
 
 def test_top_k_keeps_exactly_k_tokens_without_ties():

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import sample
+from ..sampling import draw
 from .block import PAD
 from .tree import TreeProposer
 
@@ -52,7 +52,7 @@ class PathProposer(TreeProposer):
         for j, slot in enumerate(slots):
             parent = self.reached[:, j]  # [B]
             law = laws[rows, parent]  # [B, V]
-            token = law.argmax(-1) if uniforms is None else sample(law, uniforms[:, slot - 1])
+            token = draw(law, None if uniforms is None else uniforms[:, slot - 1])
             # an earlier path that drew the same token from the same node
             same = (self.reached == parent[:, None]) & (step == token[:, None])  # [B, k]
             merged = same.any(1)

@@ -14,7 +14,7 @@ import torch
 from ..checks import probabilities
 from ..models.base import LanguageModel, left_pad
 from ..policy import LengthPolicy
-from ..sampling import SamplingParams, sample
+from ..sampling import SamplingParams, draw
 from ..verify import VerifyOutput, draft_distributions
 from .block import PAD, draft_block
 from .lookup import LookupState
@@ -146,7 +146,7 @@ class DraftProposer:
             return probabilities(self.draft, "draft", logits.to(device), self.draft_sampling, self.vocab)  # [B, V]
 
         def choose(position: int, probs: torch.Tensor) -> torch.Tensor:
-            return probs.argmax(-1) if uniforms is None else sample(probs, uniforms[:, position - 1])
+            return draw(probs, None if uniforms is None else uniforms[:, position - 1])
 
         return draft_block(self.policy, limit.to(device), next_probs, choose, self.vocab)
 

@@ -31,7 +31,7 @@ import torch
 from ..checks import probabilities
 from ..models.base import TreeLanguageModel, left_pad
 from ..policy.shapes import AdaptiveShape
-from ..sampling import SamplingParams, sample
+from ..sampling import SamplingParams, draw
 from ..verify import TreeVerifyOutput, VerifyOutput
 from .block import PAD
 from .proposer import Proposal, room_in
@@ -164,7 +164,7 @@ class TreeProposer:
             grows = depth > level if parent == 0 else read[:, parent - 1]
             for slot in (s for s in self.levels[level + 1] if self.parent_of[s - 1] == parent):
                 live = grows & (left.sum(-1) > 0)  # no more children once the draft's support is used up
-                token = left.argmax(-1) if uniforms is None else sample(left, uniforms[:, slot - 1])
+                token = draw(left, None if uniforms is None else uniforms[:, slot - 1])
                 tokens[:, slot - 1] = token.masked_fill(~live, PAD)
                 drawn[:, slot - 1] = live
                 left.scatter_(1, token[:, None], 0.0)  # without replacement (a row not drawing ignores it)

@@ -106,6 +106,14 @@ def row_chunks(batch: int, vocab: int) -> list[slice]:
     return [slice(start, min(start + rows, batch)) for start in range(0, batch, rows)]
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)``: the first index of each row's maximum (a NaN counts as the maximum), int64. On the CPU it is
+    numpy's, vectorized where torch's is not: 0.01 against 0.33 ms over a row of 151,936 float32 logits."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and not x.requires_grad:
+        return torch.from_numpy(x.numpy().argmax(-1))
+    return x.argmax(-1)
+
+
 def positive_part_mass(scale: torch.Tensor, target: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
     """sum_v max(scale * target[..., v] - draft[..., v], 0): scale [B, N], target and draft [B, N, V] -> [B, N]."""
     mass = torch.empty_like(scale)
@@ -213,7 +221,7 @@ def race(weights: torch.Tensor, exponentials: torch.Tensor) -> torch.Tensor:
 
     argmax_v weights_v / E_v with E_v ~ Exp(1) independent: P(v wins) = weights_v / sum(weights).
     """
-    return (weights / exponentials).argmax(-1)
+    return argmax(weights / exponentials)
 
 
 def race_rows(weights: torch.Tensor, rows: slice, randomness: Randomness | None, generator) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Randomness, VerifyOutput, emit, prepare, verified_mask
+from .base import Randomness, VerifyOutput, argmax, emit, prepare, verified_mask
 
 
 def verify_greedy(
@@ -22,7 +22,7 @@ def verify_greedy(
     The output equals plain greedy decoding of the target token for token; argmax ties go to the lowest id.
     """
     num_verified = prepare(draft_tokens, draft_probs, target_probs, num_verified, randomness, validate)
-    choice = target_probs.argmax(-1)  # [B, K+1]
+    choice = argmax(target_probs)  # [B, K+1]
     matches = (draft_tokens == choice[:, :-1]) & verified_mask(num_verified, draft_tokens.shape[1])
     tau = matches.long().cumprod(-1).sum(-1)  # [B]
     return emit(draft_tokens, tau, choice.gather(1, tau[:, None]).squeeze(1))

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import Randomness, VerifyOutput, draw_uniforms, race_rows, row_chunks
+from .base import Randomness, VerifyOutput, argmax, draw_uniforms, race_rows, row_chunks
 from .tree_inputs import SCHEMES, check_choice, node_mask, prepare_tree, require_draft
 
 # The sampled rules with a tree form here. Every function taking a rule checks it against these: the branches below
@@ -652,7 +652,7 @@ def verify_tree_greedy(
     """
     num_nodes = prepare_tree(draft_tokens, parents, draft_probs, target_probs, num_nodes, scheme, randomness, validate)
     layout = _layout(parents, num_nodes)
-    choice = target_probs.argmax(-1)  # [B, N+1]
+    choice = argmax(target_probs)  # [B, N+1]
     agrees = F.pad(draft_tokens == choice.gather(1, layout.parent[:, 1:]), (1, 0), value=True)  # the root agrees
     matched = agrees & layout.real
     for _ in range(layout.max_depth - 1):  # level by level from the root: the whole path agrees

@@ -2,13 +2,13 @@
 
     python benchmarks/finite_check.py --batch-sizes 1 64 --out benchmarks/results/measurements/finite-check.json
 
-Every sampled step the engine checks the target's logits [B, K+1, V] and, at each of the K drafted positions,
-the draft's logits [B, V] (``blockspec.sampling.check_finite``: one row-maximum reduction; a greedy step reads its
-argmax's own logit instead). Here, per batch size:
+Every sampled step the engine checks the target's distributions [B, K+1, V] and, at each of the K drafted positions,
+the draft's [B, V] (``blockspec.sampling.check_softmax``: one entry per row of softmax's output, since non-finite
+logits turn their whole row NaN; a greedy step reads its argmax's own logit instead). Here, per batch size:
 the target's real verification forward ([pending + K drafted] tokens per row, over a prompt of --context
-tokens) is timed, then the check on the real (bfloat16) logits it returned, repeated; the added time per step
-is the target's check plus K draft-sized checks. Run it alone: other CPU-heavy processes distort every figure
-(their CPU time is recorded). The last stdout line is JSON.
+tokens) is timed, then the check on the distributions of the real (bfloat16) logits it returned, repeated; the
+added time per step is the target's check plus K draft-sized checks. Run it alone: other CPU-heavy processes
+distort every figure (their CPU time is recorded). The last stdout line is JSON.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 
 from blockspec import machine
 from blockspec.models.hf import load_model
-from blockspec.sampling import check_finite
+from blockspec.sampling import SamplingParams, check_softmax, process
 
 
 def median_seconds(call, repeats: int) -> float:
@@ -45,9 +45,10 @@ def measure(target, batch: int, width: int, context: int, repeats: int) -> dict:
     start = time.perf_counter()
     logits = target.forward(tokens, valid)  # [B, K+1, V]
     forward_s = time.perf_counter() - start
-    target_check = median_seconds(lambda: check_finite(logits, 1.0), repeats)  # a sampled step's (temperature 1)
-    draft_rows = logits[:, 0]  # [B, V]: one drafted position's logits have this shape
-    draft_check = median_seconds(lambda: check_finite(draft_rows, 1.0), repeats)
+    probs = process(logits, SamplingParams(temperature=1.0))  # a sampled step's
+    target_check = median_seconds(lambda: check_softmax(probs, logits, 1.0), repeats)
+    draft_probs, draft_logits = probs[:, 0], logits[:, 0]  # [B, V]: one drafted position's have this shape
+    draft_check = median_seconds(lambda: check_softmax(draft_probs, draft_logits, 1.0), repeats)
     added = target_check + width * draft_check
     return {
         "batch": batch,

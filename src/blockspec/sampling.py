@@ -115,15 +115,21 @@ def process(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
             kth = scaled.topk(params.top_k, dim=-1).values[:, -1:]
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))
         parts.append(scaled.softmax(-1))
-        # A NaN or +inf logit, a row of -inf and logits / temperature that overflow are what make softmax's peak
-        # non-finite, which turns every entry of the row NaN; finite rows give no NaN. One entry per row tells.
-        if bool(parts[-1][:, 0].isnan().any()):
-            check_finite(given, params.temperature)  # raises, naming the first such row
+        check_softmax(parts[-1], given, params.temperature)
         if params.top_p < 1:
             parts[-1] = _top_p(parts[-1], params.top_p)
     if not parts:  # no rows
         return torch.empty(shape, dtype=torch.float32, device=logits.device)
     return (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(shape)  # one chunk: no copy
+
+
+def check_softmax(probs: torch.Tensor, logits: torch.Tensor, temperature: float) -> None:
+    """NonFiniteLogitsError if a row of ``probs`` [..., V], softmax of some rows of ``logits`` / ``temperature``,
+    came from non-finite logits, naming the first such row of ``logits`` (``check_finite``). A NaN or +inf logit, a
+    row of -inf and logits / temperature that overflow are what make softmax's peak non-finite, which turns every
+    entry of the row NaN; finite rows give no NaN. So one entry per row tells, without a pass over the vocabulary."""
+    if bool(probs[..., 0].isnan().any()):
+        check_finite(logits, temperature)
 
 
 def check_finite(logits: torch.Tensor, temperature: float) -> None:

@@ -437,17 +437,18 @@ def drawn_batch_record(
     accepted = [int(rng.integers(0, v + 1)) for v in verified]
     new_tokens = sum(accepted) + n
     decode = new_tokens / (speed * rng.uniform(0.9, 1.1))
+    prefill_time = prefill(decode)
     return batch_record(
         config,
         max_draft,
         dataset,
         batch,
         new_tokens=new_tokens,
-        wall_time=decode + prefill(decode),
+        wall_time=decode + prefill_time,
         accepted=accepted,
         verified=verified,
         drafted=drafted,
-        prefill_time=prefill(decode),
+        prefill_time=prefill_time,
         batch_size=batch_size,
     )
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from . import machine
-from .defaults import ADAPTIVE_MAX_DRAFT, LOOKUP_MAX_DRAFT, SV_BATCH_SIZES
+from .defaults import ADAPTIVE_MAX_DRAFT, LLAMACPP_DTYPE, LOOKUP_MAX_DRAFT, SV_BATCH_SIZES
 from .files import write_atomic
 from .models.base import model_name
 from .models.cache import cache_root
@@ -193,11 +193,28 @@ def adaptive_policy(latency, batch: int, max_draft: int):
     return policy if policy.best_length(batch) > 0 else None
 
 
+def kernels(*models) -> str:
+    """A digest of what the ``models``' step latency depends on besides themselves, their dtype and the thread count:
+    the processor (model name and CPU flags; the GPU's name on CUDA), torch's version and, with a model on llama.cpp,
+    the instruction sets its build uses. The latency probes' cache names hold it, so a cache shared by machines of
+    other kinds (a home folder on a cluster) or kept across a rebuilt llama.cpp measures again instead of pricing
+    steps with other kernels' costs."""
+    key = {"cpu": machine.cpu_model(), "cpu_flags": machine.cpu_flags(), "torch": torch.__version__}
+    device = torch.device(models[0].device)
+    if device.type == "cuda":
+        key["gpu"] = torch.cuda.get_device_name(device)
+    if any(model.dtype == LLAMACPP_DTYPE for model in models):
+        from .models.llamacpp import library
+
+        key["llama.cpp"] = library().llama_print_system_info().decode().strip()
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+
+
 def latency_probe(target, draft, batch: int, *, refresh: bool = False):
     """The step latency of ``target`` and ``draft`` (loaded adapters) at batch sizes 1 and ``batch``: a
     ``LatencyProfile`` measured once (6 rounds of 1-9 token forwards, seconds on a CPU) and cached per
     models (``profiles.model_identity``: other weights under the same name are measured again), dtype, device,
-    thread count and batch size; a cache that cannot be written serves this run's measurement only."""
+    thread count, batch size and ``kernels``; a cache that cannot be written serves this run's measurement only."""
     name = latency_path(target.name, draft.name, None, dtype_name(target.dtype), str(target.device)).name
 
     def load(path: Path) -> LatencyProfile:
@@ -219,7 +236,7 @@ def latency_probe(target, draft, batch: int, *, refresh: bool = False):
             progress=False,
         )
 
-    path = sv_dir() / f"probe-b{batch}-t{torch.get_num_threads()}-m{LATENCY_METHOD}-{name}"
+    path = sv_dir() / f"probe-b{batch}-t{torch.get_num_threads()}-m{LATENCY_METHOD}-k{kernels(target, draft)}-{name}"
     return _measured_once(path, refresh, load, measure, lambda p, profile: profile.save(p), "latency probe")
 
 
@@ -236,7 +253,8 @@ def lookup_latency(target, batch: int, max_draft: int = LOOKUP_MAX_DRAFT, *, ref
         models, batches = {"target": (target, tokens)}, tuple(sorted({1, batch}))
         return time_forwards(models, batches, PROBE_CONTEXT, LATENCY_REPEATS, progress=False)["target"]
 
-    path = sv_dir() / f"lookup-b{batch}-t{torch.get_num_threads()}-w{max_draft + 1}-m{LATENCY_METHOD}-{name}"
+    threads, width = torch.get_num_threads(), max_draft + 1
+    path = sv_dir() / f"lookup-b{batch}-t{threads}-w{width}-m{LATENCY_METHOD}-k{kernels(target)}-{name}"
     return _measured_once(
         path,
         refresh,

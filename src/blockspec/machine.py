@@ -35,6 +35,16 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
     return sorted(set(CPU_FLAG.findall(text)))
 
 
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's model name (the first "model name" line of /proc/cpuinfo), or "" where there is none."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return ""
+    found = re.search(r"^model name\s*:\s*(.*)$", text, re.MULTILINE)
+    return found[1].strip() if found else ""
+
+
 def threads() -> int:
     """Threads torch computes with (its intra-op pool)."""
     import torch

@@ -16,7 +16,7 @@ from kits.enginekit import off_by_one, reference_greedy
 from kits.svkit import CHEAP_VERIFICATION, LINEAR_VERIFICATION, profile
 from kits.tiny import exact_law_of_first_tokens, perturbed, save_tiny, tiny_model
 
-from blockspec import SamplingParams, SpeculativeDecoder, auto, cli
+from blockspec import SamplingParams, SpeculativeDecoder, auto, cli, machine
 from blockspec.models.hf import HFModel, load_model
 from blockspec.models.quant import quantize
 from blockspec.policy import AdaptiveLength, FixedLength, LatencyTable, latency
@@ -274,6 +274,52 @@ def test_the_lookup_probe_measures_every_width_once_and_measures_a_broken_file_a
     (cached,) = [p for p in (tmp_path / "sv").glob("lookup-b3-*-w6-*")]
     cached.write_text('{"tokens": [1]}')
     assert auto.lookup_latency(target, 3, max_draft=5).tokens == (1, 2, 3, 4, 5, 6) and len(timed) == 3
+
+
+def test_the_latency_probes_are_measured_again_on_other_kernels(tmp_path, monkeypatch):
+    """A cache shared by machines of other kinds (a home folder on a cluster), or kept across a new torch, must not
+    price steps with their costs: another CPU model, other CPU flags or another torch measure both probes again; the
+    same ones read the cache."""
+    monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path))
+    target = HFModel(tiny_model(), name="tiny-target")
+    draft = HFModel(perturbed(tiny_model(), scale=0.3, seed=1), name="tiny-draft")
+    timed = []
+    real = auto.time_forwards
+    monkeypatch.setattr(auto, "time_forwards", lambda models, *a, **kw: timed.append(1) or real(models, *a, **kw))
+
+    def probes() -> int:
+        before = len(timed)
+        auto.lookup_latency(target, 1, max_draft=2)
+        auto.latency_probe(target, draft, 1)
+        return len(timed) - before
+
+    assert probes() == 2 and probes() == 0
+    monkeypatch.setattr(machine, "cpu_flags", lambda: ["avx2"])
+    assert probes() == 2 and probes() == 0
+    monkeypatch.setattr(machine, "cpu_model", lambda: "another CPU")
+    assert probes() == 2
+    monkeypatch.setattr(torch, "__version__", "0.0")
+    assert probes() == 2
+
+
+def test_the_kernels_of_a_model_on_llama_cpp_include_its_build(monkeypatch):
+    """Another llama.cpp build (AVX2 against AVX-512 kernels) prices steps differently on the same CPU."""
+    from blockspec.models import llamacpp
+
+    class Build:
+        info = b"CPU : AVX2 = 1 | AVX512 = 1 |"
+
+        def llama_print_system_info(self):
+            return self.info
+
+    build = Build()
+    monkeypatch.setattr(llamacpp, "library", lambda: build)
+    on_llamacpp = type("OnLlamaCpp", (), {"dtype": "gguf", "device": "cpu"})()
+    on_torch = type("OnTorch", (), {"dtype": torch.float32, "device": "cpu"})()
+    avx512 = auto.kernels(on_llamacpp)
+    build.info = b"CPU : AVX2 = 1 |"
+    assert auto.kernels(on_llamacpp) != avx512
+    assert auto.kernels(on_torch) == auto.kernels(on_torch, on_torch) != auto.kernels(on_torch, on_llamacpp)
 
 
 def test_the_lookup_probe_keeps_its_cost_ratios_through_two_slow_rounds(tmp_path, monkeypatch):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +56,10 @@ BATCH_TOKENS = 512  # tokens per llama_decode call: a longer prefill or forward 
 # tests want to compare decodes of different shapes tightly
 F32_ATTENTION = False
 
+# The instruction sets scripts/llamacpp_flags.sh switches on where the CPU has them (GGML_<set> in CMake, "<set> = 1"
+# in llama.cpp's system info)
+BUILD_SETS = ("AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16")
+
 _lib: Any = None
 _silence: Any = None  # the log callback must outlive every call into llama.cpp
 
@@ -79,6 +84,18 @@ def library():
         lib.llama_backend_init()
         _lib = lib
     return _lib
+
+
+def build_mismatches(cmake_args: str, system_info: str) -> list[str]:
+    """Where a llama.cpp build (``system_info``: its ``llama_print_system_info``) and the CMake arguments it was to be
+    built with disagree on BUILD_SETS: "AVX512: asked for, not built" or "AVX512_BF16: built, not asked for". pip
+    reuses a wheel it compiled before, even one compiled on a machine of another kind (a shared cache): a build
+    without the CPU's instruction sets runs slowly, one with sets the CPU lacks crashes (scripts/setup.sh checks)."""
+    asked = {name for name in BUILD_SETS if f"-DGGML_{name}=ON" in cmake_args.split()}
+    built = {name for name in BUILD_SETS if re.search(rf"\b{name} = 1\b", system_info)}
+    return [f"{name}: asked for, not built" for name in sorted(asked - built)] + [
+        f"{name}: built, not asked for" for name in sorted(built - asked)
+    ]
 
 
 class LlamaCppModel:

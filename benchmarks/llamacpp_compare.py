@@ -104,6 +104,7 @@ def run(args) -> None:
     from blockspec.auto import adaptive_policy, latency_probe, lookup_latency
     from blockspec.bench import datasets
     from blockspec.bench.executor import ExpectedScores
+    from blockspec.bench.provenance import llamacpp_build
     from blockspec.machine import cpu_flags
     from blockspec.models.chat import encode_prompt
     from blockspec.models.llamacpp import load_llamacpp
@@ -112,7 +113,8 @@ def run(args) -> None:
     target, draft = load_llamacpp("qwen2.5-coder-1.5b"), load_llamacpp("qwen2.5-coder-0.5b")
     small = load_llamacpp("qwen2.5-coder-0.5b", quant="q4_0")
     cut = load_llamacpp("qwen2.5-coder-0.5b", quant="q4_0", vocabulary=VOCABULARY_CUT)
-    machine = {"cpu_flags": cpu_flags(), "threads": torch.get_num_threads()}
+    # the build's instruction sets decide llama.cpp's kernels, as the CPU flags decide which it can run
+    machine = {"cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "llamacpp_build": llamacpp_build()}
     args.out.mkdir(parents=True, exist_ok=True)
     records = (args.out / "records.jsonl").open("a")
 
@@ -276,7 +278,9 @@ def report(records: list[dict]) -> None:
     block against token verification on the same drafts."""
     runs = [r for r in records if "temperature" in r]
     flags = sorted({" ".join(r["cpu_flags"]) for r in records})
-    print(f"Machine: CPU flags {'; '.join(flags)}; {records[0]['threads']} threads.\n")
+    builds = sorted({r["llamacpp_build"] for r in records if "llamacpp_build" in r})  # not in earlier records
+    built = f" llama.cpp built with: {'; '.join(builds)}." if builds else ""
+    print(f"Machine: CPU flags {'; '.join(flags)}; {records[0]['threads']} threads.{built}\n")
     alone = {run_key(r): r["tok_s"] for r in runs if r["row"] == BASELINE}
     benches = [r for r in records if r["row"] == "llama-bench" and "temperature" not in r]
     if benches:  # records of earlier runs: llama-bench before (and after) the runs, the runs' median against it

@@ -78,3 +78,13 @@ def test_every_row_is_divided_by_the_llama_bench_beside_it_per_dataset(compare, 
         "| 0 | pydoc-qa | llamacpp-alone | 1 | 20.00 | 0.800x | 1.000x |",
         "| 0 | pydoc-qa | llamacpp-lookup | 1 | 50.00 | 2.000x | 2.500x |",
     ]
+
+
+def test_the_machine_line_names_the_llama_cpp_builds_the_records_hold(compare, capsys):
+    records = [run("llamacpp-alone", "a", 0.0, 27.0), run("llama-bench", "a", 0.0, 30.0)]
+    compare.report(records)
+    assert capsys.readouterr().out.startswith("Machine: CPU flags avx2; 2 threads.\n")
+    compare.report([dict(r, llamacpp_build="CPU : AVX2 = 1 |") for r in records])
+    assert capsys.readouterr().out.startswith(
+        "Machine: CPU flags avx2; 2 threads. llama.cpp built with: CPU : AVX2 = 1 |.\n"
+    )

@@ -104,17 +104,16 @@ def run(args) -> None:
     from blockspec.auto import adaptive_policy, latency_probe, lookup_latency
     from blockspec.bench import datasets
     from blockspec.bench.executor import ExpectedScores
-    from blockspec.bench.provenance import llamacpp_build
     from blockspec.machine import cpu_flags
     from blockspec.models.chat import encode_prompt
-    from blockspec.models.llamacpp import load_llamacpp
+    from blockspec.models.llamacpp import build_info, load_llamacpp
 
     tools = args.tools or Path(subprocess.check_output(["bash", "scripts/build_llamacpp_tools.sh"], text=True).strip())
     target, draft = load_llamacpp("qwen2.5-coder-1.5b"), load_llamacpp("qwen2.5-coder-0.5b")
     small = load_llamacpp("qwen2.5-coder-0.5b", quant="q4_0")
     cut = load_llamacpp("qwen2.5-coder-0.5b", quant="q4_0", vocabulary=VOCABULARY_CUT)
     # the build's instruction sets decide llama.cpp's kernels, as the CPU flags decide which it can run
-    machine = {"cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "llamacpp_build": llamacpp_build()}
+    machine = {"cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "llamacpp_build": build_info()}
     args.out.mkdir(parents=True, exist_ok=True)
     records = (args.out / "records.jsonl").open("a")
 

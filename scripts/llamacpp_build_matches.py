@@ -5,13 +5,13 @@ llama-cpp-python is not installed. A build with sets this CPU lacks may crash he
 import importlib.metadata
 import sys
 
-from blockspec.models.llamacpp import build_mismatches, library
+from blockspec.models.llamacpp import build_info, build_mismatches
 
 try:
     importlib.metadata.version("llama-cpp-python")
 except importlib.metadata.PackageNotFoundError:
     sys.exit(0)
-mismatches = build_mismatches(sys.argv[1], library().llama_print_system_info().decode())
+mismatches = build_mismatches(sys.argv[1], build_info())
 for mismatch in mismatches:
     print(f"installed llama.cpp: {mismatch}", file=sys.stderr)
 sys.exit(1 if mismatches else 0)

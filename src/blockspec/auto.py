@@ -204,9 +204,9 @@ def kernels(*models) -> str:
     if device.type == "cuda":
         key["gpu"] = torch.cuda.get_device_name(device)
     if any(model.dtype == LLAMACPP_DTYPE for model in models):
-        from .models.llamacpp import library
+        from .models.llamacpp import build_info
 
-        key["llama.cpp"] = library().llama_print_system_info().decode().strip()
+        key["llama.cpp"] = build_info()
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
 

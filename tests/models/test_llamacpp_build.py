@@ -38,7 +38,7 @@ def test_a_build_agrees_with_its_flags_set_by_set():
 
 def test_the_installed_llama_cpp_has_the_instruction_sets_set_up_asks_for_on_this_cpu():
     pytest.importorskip("llama_cpp")
-    from blockspec.models.llamacpp import library
+    from blockspec.models.llamacpp import build_info
 
     args = (
         os.environ.get("CMAKE_ARGS")
@@ -46,4 +46,4 @@ def test_the_installed_llama_cpp_has_the_instruction_sets_set_up_asks_for_on_thi
             ["bash", str(ROOT / "scripts" / "llamacpp_flags.sh")], capture_output=True, text=True, check=True
         ).stdout
     )
-    assert build_mismatches(args, library().llama_print_system_info().decode()) == []
+    assert build_mismatches(args, build_info()) == []

@@ -306,18 +306,12 @@ def test_the_kernels_of_a_model_on_llama_cpp_include_its_build(monkeypatch):
     """Another llama.cpp build (AVX2 against AVX-512 kernels) prices steps differently on the same CPU."""
     from blockspec.models import llamacpp
 
-    class Build:
-        info = b"CPU : AVX2 = 1 | AVX512 = 1 |"
-
-        def llama_print_system_info(self):
-            return self.info
-
-    build = Build()
-    monkeypatch.setattr(llamacpp, "library", lambda: build)
+    build = ["CPU : AVX2 = 1 | AVX512 = 1 |"]
+    monkeypatch.setattr(llamacpp, "build_info", lambda: build[0])
     on_llamacpp = type("OnLlamaCpp", (), {"dtype": "gguf", "device": "cpu"})()
     on_torch = type("OnTorch", (), {"dtype": torch.float32, "device": "cpu"})()
     avx512 = auto.kernels(on_llamacpp)
-    build.info = b"CPU : AVX2 = 1 |"
+    build[0] = "CPU : AVX2 = 1 |"
     assert auto.kernels(on_llamacpp) != avx512
     assert auto.kernels(on_torch) == auto.kernels(on_torch, on_torch) != auto.kernels(on_torch, on_llamacpp)
 

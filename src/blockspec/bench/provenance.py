@@ -50,7 +50,9 @@ def versions(backend: str) -> dict:
     found = {"python": platform.python_version(), "blockspec": __version__}
     found |= {package: package_version(package) for package in ("torch", "transformers")}
     if backend == "llamacpp":
-        found |= {"llamacpp_build": llamacpp_build(), "llama-cpp-python": package_version("llama-cpp-python")}
+        from ..models.llamacpp import build_info
+
+        found |= {"llamacpp_build": build_info(), "llama-cpp-python": package_version("llama-cpp-python")}
     return found
 
 
@@ -61,14 +63,6 @@ def package_version(package: str) -> str:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return "not installed"
-
-
-def llamacpp_build() -> str:
-    """The instruction sets the installed llama.cpp was built with (its system info): they decide its kernels, so
-    its figures. ImportError naming the set-up step where llama-cpp-python is missing."""
-    from ..models.llamacpp import library
-
-    return library().llama_print_system_info().decode().strip()
 
 
 def flatten(resolved: dict, shared_with: dict | None = None) -> dict:

@@ -61,9 +61,9 @@ def run(args) -> int:
 
 def _llamacpp_build() -> str:
     """The instruction sets the installed llama.cpp was built with (its system info), or why there is none."""
-    from ..bench.provenance import llamacpp_build
+    from ..models.llamacpp import build_info
 
     try:
-        return llamacpp_build()
+        return build_info()
     except ImportError as error:
         return str(error)

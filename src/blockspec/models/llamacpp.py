@@ -86,6 +86,12 @@ def library():
     return _lib
 
 
+def build_info() -> str:
+    """The instruction sets the installed llama.cpp was built with (its system info): they decide its kernels, so
+    its figures. ImportError naming the set-up step where llama-cpp-python is missing."""
+    return library().llama_print_system_info().decode().strip()
+
+
 def build_mismatches(cmake_args: str, system_info: str) -> list[str]:
     """Where a llama.cpp build (``system_info``: its ``llama_print_system_info``) and the CMake arguments it was to be
     built with disagree on BUILD_SETS: "AVX512: asked for, not built" or "AVX512_BF16: built, not asked for". pip

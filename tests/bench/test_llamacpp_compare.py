@@ -88,3 +88,17 @@ def test_the_machine_line_names_the_llama_cpp_builds_the_records_hold(compare, c
     assert capsys.readouterr().out.startswith(
         "Machine: CPU flags avx2; 2 threads. llama.cpp built with: CPU : AVX2 = 1 |.\n"
     )
+
+
+def test_block_without_llama_cpp_rows_is_compared_with_nothing(compare, capsys):
+    """A run without llama.cpp's own speculative decoding has no figure of its to divide by: "-", not nan."""
+    block = dict(
+        run("llamacpp-block-q4", "a", 1.0, 11.0), expected_token=2.0, expected_block=2.1, accepted_per_step=2.2
+    )
+    compare.report([run("llamacpp-alone", "a", 1.0, 10.0), block])
+    rows = section(capsys.readouterr().out, "block against token verification, and against llama.cpp's own rule")
+    assert rows == ["| 1 | llamacpp-block-q4 | 1 | 2.000 | 2.100 | +5.0% | 2.20 | - | - |"]
+    spec = dict(run("llama.cpp-spec", "a", 1.0, 8.0), accepted_per_step=2.0)
+    compare.report([run("llamacpp-alone", "a", 1.0, 10.0), block, spec])
+    rows = section(capsys.readouterr().out, "block against token verification, and against llama.cpp's own rule")
+    assert rows == ["| 1 | llamacpp-block-q4 | 1 | 2.000 | 2.100 | +5.0% | 2.20 | 2.00 | 1.10x |"]

@@ -112,7 +112,10 @@ class AdaptiveLength(FixedLength):
         more to read, a cost paid once by the step that drafts again; priced as every step's, it would grow with
         each idle step until drafting never paid again. A step that drafts nothing verifies nothing to learn from,
         so there the acceptance drifts back towards the prior (by 1 - ``memory``): after a bad patch the policy
-        drafts again to see whether it ended, rather than decoding alone for the rest of the call."""
+        drafts again to see whether it ended, rather than decoding alone for the rest of the call. It does not where
+        the prior pays after a rejection only (2 tokens to catch up on cost more than it gains): the drift never
+        passes the prior, so after a step without drafts no later step drafts (docs/results.md, "llama.cpp's AVX2
+        kernels, on the AMX machine")."""
         length = self.best_length(batch, min(catch_up, 2))
         if length == 0:
             self.acceptance = self.memory * self.acceptance + (1 - self.memory) * self.prior
@@ -121,11 +124,10 @@ class AdaptiveLength(FixedLength):
     def observe(self, rows, draft_tokens, draft_probs, target_probs, verified, accepted) -> None:
         """``acceptance`` follows the exact acceptance probability sum_v min(draft, target) of the positions each
         step verified, keeping weight ``memory`` per position a row verified (on average over the rows that verified
-        any): a step that verified 3 positions moves it as three steps of one position would. Weighted per step
-        instead, one step could not move it far enough: where a draft pays only a little above the prior (llama.cpp's
-        AVX2 kernels, on which a forward over 2 tokens costs 1.5 one-token ones), a first step of 3 accepted tokens
-        left it at 0.82, below what the next step (whose draft reads 2 tokens) needed, and the policy never drafted
-        again."""
+        any): a step that verified 3 positions moves it as three steps of one position would. Where drafting pays
+        only a little above the prior (llama.cpp's AVX2 kernels, on which a forward over 2 tokens costs 1.5 one-token
+        ones), a step of 3 accepted tokens then takes it from 0.8 to 0.85, where the next step, whose draft reads 2
+        tokens first, pays; weighted per step, to 0.82, where it does not."""
         width = int(verified.max()) if len(verified) else 0
         if width == 0:
             return

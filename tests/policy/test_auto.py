@@ -162,9 +162,8 @@ def test_adaptive_length_keeps_drafting_after_accepted_steps_where_the_prior_pay
     """llama.cpp's AVX2 kernels on the bundled pair (the q4_0 draft's latency probe on an AMX machine with llama.cpp
     built for AVX2 only): a forward over 2 tokens costs 1.5 one-token ones, so at the prior drafting pays a little
     after a rejection and not after a fully accepted step, whose next draft forward reads 2 tokens. A first step of
-    3 accepted tokens must count as 3 observations: counted as one, the acceptance rose to 0.82 only, below what
-    the next step needs, and the policy decoded alone for the rest of the call (as it did there: 0.02 tokens drafted
-    per step)."""
+    3 accepted tokens counts as 3 observations and takes the acceptance to 0.85, where the next step pays; counted
+    as one it would give 0.82, where it does not, and the policy would decode alone for the rest of the call."""
     target = LatencyTable((1,), tuple(range(1, 10)), ((0.089, 0.136, 0.182, 0.173, 0.217, 0.260, 0.300, 0.356, 0.381),))
     draft = LatencyTable((1,), (1, 2, 4), ((0.0296, 0.0484, 0.0563),))
     policy = AdaptiveLength(latency.LatencyProfile(target, draft, None, meta={}), max_draft=8, prior=0.8, memory=0.9)

@@ -28,21 +28,21 @@ CPU_FLAG = re.compile(r"\b(?:avx512[a-z_0-9]*|avx2|amx[a-z_0-9]*)\b")
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
     """The AVX2, AVX-512 and AMX flags of the CPU, sorted; empty where /proc/cpuinfo is unavailable (or lists
     none of them, e.g. on ARM)."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return []
-    return sorted(set(CPU_FLAG.findall(text)))
+    return sorted(set(CPU_FLAG.findall(_read(cpuinfo))))
 
 
 def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """The CPU's model name (the first "model name" line of /proc/cpuinfo), or "" where there is none."""
+    found = re.search(r"^model name\s*:\s*(.*)$", _read(cpuinfo), re.MULTILINE)
+    return found[1].strip() if found else ""
+
+
+def _read(cpuinfo: Path) -> str:
+    """The text of ``cpuinfo``, or "" where it cannot be read (not Linux)."""
     try:
-        text = cpuinfo.read_text()
+        return cpuinfo.read_text()
     except OSError:
         return ""
-    found = re.search(r"^model name\s*:\s*(.*)$", text, re.MULTILINE)
-    return found[1].strip() if found else ""
 
 
 def threads() -> int:

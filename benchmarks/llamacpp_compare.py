@@ -31,7 +31,9 @@ and accepted tokens per step; the block rows also score every step's draft exact
     python benchmarks/llamacpp_compare.py run --out results/llamacpp --datasets humaneval-edit pydoc-qa humaneval
     python benchmarks/llamacpp_compare.py report --out results/llamacpp
 
-Run it alone: llama.cpp's threads collapse under load from another process.
+llama-bench and llama-speculative-simple must run the kernels blockspec's llama.cpp runs: `run` refuses tools whose
+recorded flags ask for other instruction sets (a folder built for another machine kind, or before a rebuild with other
+CMAKE_ARGS) and records their flags. Run it alone: llama.cpp's threads collapse under load from another process.
 """
 
 from __future__ import annotations
@@ -87,7 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     # K = 3: a verification of 4 tokens, the width llama.cpp's repacked matmuls run cheapest per token
     run_parser.add_argument("--max-draft", type=int, default=3, help="K of the fixed rows and of llama.cpp's")
     run_parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
-    run_parser.add_argument("--tools", type=Path, help="folder of llama-bench and llama-speculative-simple")
+    run_parser.add_argument(
+        "--tools",
+        type=Path,
+        help="folder of llama-bench and llama-speculative-simple, as scripts/build_llamacpp_tools.sh builds it",
+    )
     for each in (run_parser, sub.add_parser("report", help="print the tables of <out>/records.jsonl(.gz)")):
         each.add_argument("--out", type=Path, default=Path("results/llamacpp"))
     args = parser.parse_args(argv)
@@ -109,11 +115,17 @@ def run(args) -> None:
     from blockspec.models.llamacpp import build_info, load_llamacpp
 
     tools = args.tools or Path(subprocess.check_output(["bash", "scripts/build_llamacpp_tools.sh"], text=True).strip())
+    tools_args = tools_flags(tools, build_info())
     target, draft = load_llamacpp("qwen2.5-coder-1.5b"), load_llamacpp("qwen2.5-coder-0.5b")
     small = load_llamacpp("qwen2.5-coder-0.5b", quant="q4_0")
     cut = load_llamacpp("qwen2.5-coder-0.5b", quant="q4_0", vocabulary=VOCABULARY_CUT)
     # the build's instruction sets decide llama.cpp's kernels, as the CPU flags decide which it can run
-    machine = {"cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "llamacpp_build": build_info()}
+    machine = {
+        "cpu_flags": cpu_flags(),
+        "threads": torch.get_num_threads(),
+        "llamacpp_build": build_info(),
+        "llamacpp_tools": tools_args,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     records = (args.out / "records.jsonl").open("a")
 
@@ -194,6 +206,27 @@ def run(args) -> None:
                     entry.update({f"expected_{rule}": statistics.fmean(v) for rule, v in scores.expected.items()})
                 record(entry)
     records.close()
+
+
+def tools_flags(tools: Path, system_info: str) -> str:
+    """The CMake arguments llama.cpp's programs in ``tools`` were built with (their file cmake-args, which
+    scripts/build_llamacpp_tools.sh writes), where they ask for the instruction sets the llama.cpp blockspec runs was
+    built with (``system_info``). Otherwise SystemExit: llama-bench and llama-speculative-simple built with other
+    kernels would compare the engines on unequal terms, in either direction."""
+    from blockspec.models.llamacpp import build_mismatches
+
+    path = tools / "cmake-args"
+    if not path.is_file():
+        raise SystemExit(f"{path} is missing: build the tools with scripts/build_llamacpp_tools.sh, which records them")
+    flags = path.read_text().strip()
+    mismatches = build_mismatches(flags, system_info)
+    if mismatches:
+        raise SystemExit(
+            f"llama.cpp's programs in {tools} were built with {flags!r}, the llama.cpp blockspec runs with other "
+            f"instruction sets ({'; '.join(mismatches)}: asked for by the programs' flags, built into blockspec's): "
+            "build them with the same CMAKE_ARGS as scripts/setup.sh used"
+        )
+    return flags
 
 
 def llama_bench(tools: Path, model: Path, threads: int, depth: int, tokens: int) -> dict:

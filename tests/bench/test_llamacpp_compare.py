@@ -102,3 +102,34 @@ def test_block_without_llama_cpp_rows_is_compared_with_nothing(compare, capsys):
     compare.report([run("llamacpp-alone", "a", 1.0, 10.0), block, spec])
     rows = section(capsys.readouterr().out, "block against token verification, and against llama.cpp's own rule")
     assert rows == ["| 1 | llamacpp-block-q4 | 1 | 2.000 | 2.100 | +5.0% | 2.20 | 2.00 | 1.10x |"]
+
+
+AVX512_INFO = "CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | AVX512_VBMI = 1 | AVX512_VNNI = 1 | AVX512_BF16 = 1 |"
+AVX512_ARGS = "-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON"
+
+
+def test_tools_built_with_the_same_instruction_sets_are_taken(compare, tmp_path):
+    (tmp_path / "cmake-args").write_text(AVX512_ARGS + "\n")
+    assert compare.tools_flags(tmp_path, AVX512_INFO) == AVX512_ARGS
+
+
+@pytest.mark.parametrize(
+    ("flags", "system_info", "named"),
+    [
+        # tools built with AVX2 only (another machine kind, or CMAKE_ARGS="-DGGML_NATIVE=OFF") beside an AVX-512 build
+        ("-DGGML_NATIVE=OFF", AVX512_INFO, "AVX512_BF16"),
+        # AVX-512 tools beside a blockspec llama.cpp built for AVX2
+        (AVX512_ARGS, "CPU : SSE3 = 1 | AVX2 = 1 | FMA = 1 |", "AVX512"),
+        # one extension apart
+        (AVX512_ARGS.replace(" -DGGML_AVX512_BF16=ON", ""), AVX512_INFO, "AVX512_BF16"),
+    ],
+)
+def test_tools_built_with_other_instruction_sets_are_refused(compare, tmp_path, flags, system_info, named):
+    (tmp_path / "cmake-args").write_text(flags + "\n")
+    with pytest.raises(SystemExit, match=named):
+        compare.tools_flags(tmp_path, system_info)
+
+
+def test_tools_without_recorded_flags_are_refused(compare, tmp_path):
+    with pytest.raises(SystemExit, match="cmake-args is missing"):
+        compare.tools_flags(tmp_path, AVX512_INFO)

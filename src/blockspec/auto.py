@@ -95,10 +95,11 @@ def choose_arithmetic(device: torch.device | str = "cpu", *, refresh: bool = Fal
 
 def cpu_probe(*, refresh: bool = False) -> dict:
     """Milliseconds per pass of PROBE_TOKENS tokens through the probe's matrices, by arithmetic; cached where the
-    cache can be written."""
+    cache can be written, per processor (``machine.processor``: another CPU model or other flags measure again),
+    thread count and torch version."""
     key = {
         "schema": PROBE_SCHEMA,
-        "cpu_flags": machine.cpu_flags(),
+        **machine.processor(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "processor": platform.processor() or platform.machine(),
@@ -199,7 +200,7 @@ def kernels(*models) -> str:
     the instruction sets its build uses. The latency probes' cache names hold it, so a cache shared by machines of
     other kinds (a home folder on a cluster) or kept across a rebuilt llama.cpp measures again instead of pricing
     steps with other kernels' costs."""
-    key = {"cpu": machine.cpu_model(), "cpu_flags": machine.cpu_flags(), "torch": torch.__version__}
+    key = {**machine.processor(), "torch": torch.__version__}
     device = torch.device(models[0].device)
     if device.type == "cuda":
         key["gpu"] = torch.cuda.get_device_name(device)

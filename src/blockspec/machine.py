@@ -37,6 +37,12 @@ def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     return found[1].strip() if found else ""
 
 
+def processor() -> dict:
+    """What names this CPU's kind in a cache key: its model name and CPU flags (a cache shared by machines of other
+    kinds, a home folder on a cluster, must not serve one machine's measurements to another)."""
+    return {"cpu": cpu_model(), "cpu_flags": cpu_flags()}
+
+
 def _read(cpuinfo: Path) -> str:
     """The text of ``cpuinfo``, or "" where it cannot be read (not Linux)."""
     try:

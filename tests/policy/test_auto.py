@@ -230,6 +230,14 @@ def test_the_cpu_probe_is_measured_once_per_machine_and_cached(tmp_path, monkeyp
     assert json.loads(cached.read_text())["key"]["threads"] == torch.get_num_threads()
     auto.cpu_probe(refresh=True)
     assert len(calls) == 2
+    # a cache shared by machines of other kinds measures again on each: other CPU flags, another CPU model
+    monkeypatch.setattr(machine, "cpu_flags", lambda: ["avx2"])
+    auto.cpu_probe()
+    auto.cpu_probe()
+    assert len(calls) == 3
+    monkeypatch.setattr(machine, "cpu_model", lambda: "another CPU")
+    auto.cpu_probe()
+    assert len(calls) == 4
 
 
 def test_a_probe_measured_while_the_machine_was_busy_is_not_kept(tmp_path, monkeypatch, probe_load):

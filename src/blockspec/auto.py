@@ -26,12 +26,12 @@ from pathlib import Path
 import torch
 
 from . import machine
-from .defaults import ADAPTIVE_MAX_DRAFT, LLAMACPP_DTYPE, LOOKUP_MAX_DRAFT, SV_BATCH_SIZES
+from .defaults import ADAPTIVE_MAX_DRAFT, LOOKUP_MAX_DRAFT, SV_BATCH_SIZES
 from .files import write_atomic
 from .models.base import model_name
 from .models.cache import cache_root
 from .policy import AdaptiveLength, LatencyTable
-from .policy.latency import DRAFT_TOKENS, LatencyProfile, dtype_name, table_dict, table_from_dict
+from .policy.latency import DRAFT_TOKENS, LatencyProfile, dtype_name, kernels, table_dict, table_from_dict
 from .policy.profiles import latency_path, sv_dir
 from .sampling import SamplingParams, process, sample
 
@@ -194,23 +194,6 @@ def adaptive_policy(latency, batch: int, max_draft: int):
     return policy if policy.best_length(batch) > 0 else None
 
 
-def kernels(*models) -> str:
-    """A digest of what the ``models``' step latency depends on besides themselves, their dtype and the thread count:
-    the processor (model name and CPU flags; the GPU's name on CUDA), torch's version and, with a model on llama.cpp,
-    the instruction sets its build uses. The latency probes' cache names hold it, so a cache shared by machines of
-    other kinds (a home folder on a cluster) or kept across a rebuilt llama.cpp measures again instead of pricing
-    steps with other kernels' costs."""
-    key = {**machine.processor(), "torch": torch.__version__}
-    device = torch.device(models[0].device)
-    if device.type == "cuda":
-        key["gpu"] = torch.cuda.get_device_name(device)
-    if any(model.dtype == LLAMACPP_DTYPE for model in models):
-        from .models.llamacpp import build_info
-
-        key["llama.cpp"] = build_info()
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-
-
 def latency_probe(target, draft, batch: int, *, refresh: bool = False):
     """The step latency of ``target`` and ``draft`` (loaded adapters) at batch sizes 1 and ``batch``: a
     ``LatencyProfile`` measured once (6 rounds of 1-9 token forwards, seconds on a CPU) and cached per
@@ -300,6 +283,7 @@ def measure_profile(
         "torch": torch.__version__,
         "machine": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "kernels": kernels(target),
         "context": context,
         "repeats": repeats,
     }

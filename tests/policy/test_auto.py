@@ -341,10 +341,10 @@ def test_the_kernels_of_a_model_on_llama_cpp_include_its_build(monkeypatch):
     monkeypatch.setattr(llamacpp, "build_info", lambda: build[0])
     on_llamacpp = type("OnLlamaCpp", (), {"dtype": "gguf", "device": "cpu"})()
     on_torch = type("OnTorch", (), {"dtype": torch.float32, "device": "cpu"})()
-    avx512 = auto.kernels(on_llamacpp)
+    avx512 = latency.kernels(on_llamacpp)
     build[0] = "CPU : AVX2 = 1 |"
-    assert auto.kernels(on_llamacpp) != avx512
-    assert auto.kernels(on_torch) == auto.kernels(on_torch, on_torch) != auto.kernels(on_torch, on_llamacpp)
+    assert latency.kernels(on_llamacpp) != avx512
+    assert latency.kernels(on_torch) == latency.kernels(on_torch, on_torch) != latency.kernels(on_torch, on_llamacpp)
 
 
 def test_the_lookup_probe_keeps_its_cost_ratios_through_two_slow_rounds(tmp_path, monkeypatch):

@@ -124,6 +124,19 @@ def test_check_names_the_field_that_differs(profile, field, value):
         profile.check(**given)
 
 
+def test_a_profile_records_its_kernels_and_check_refuses_others(profile, monkeypatch):
+    from blockspec import machine
+    from blockspec.policy.latency import kernels
+
+    target = tiny_trio()[0]
+    here = kernels(target)
+    assert profile.meta["kernels"] == here
+    profile.check("tiny-target", "tiny-draft", "tiny-companion", "float32", "cpu", here)
+    monkeypatch.setattr(machine, "cpu_model", lambda: "another CPU")
+    with pytest.raises(ValueError, match="other kernels than this machine's"):
+        profile.check("tiny-target", "tiny-draft", "tiny-companion", "float32", "cpu", kernels(target))
+
+
 def test_check_refuses_a_profile_of_another_device(profile):
     foreign = dataclasses.replace(profile, meta={**profile.meta, "device": "cuda:0"})
     with pytest.raises(ValueError, match="measured for device cuda:0, not cpu"):

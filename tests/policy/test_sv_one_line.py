@@ -122,3 +122,22 @@ def test_sv_at_temperature_zero_is_greedy_decoding(pair):
     plain = SpeculativeDecoder(target).generate(PROMPTS, max_new_tokens=10, sampling=greedy)
     assert result.sequences == plain.sequences
     assert torch.tensor([k for s in result.stats for k in s.verified]).sum() > 0
+
+
+def test_from_cache_refuses_a_latency_profile_measured_on_other_kernels(pair, monkeypatch):
+    """A profile kept in a cache shared by machines of other kinds (or across a new torch) must not price this
+    machine's steps: the kernels it was measured on are in its meta, and another CPU's refuse it."""
+    from blockspec import machine
+    from blockspec.policy.latency import LatencyProfile, kernels
+
+    target, draft = pair
+    _, latency, _, latency_file = save_profiles(target, draft)
+    dataclasses.replace(latency, meta={**latency.meta, "kernels": kernels(target)}).save(latency_file)
+    assert SVPolicy.from_cache(target, draft, sampling=SAMPLING).latency.meta["kernels"] == kernels(target)
+    monkeypatch.setattr(machine, "cpu_model", lambda: "another CPU")
+    with pytest.raises(ValueError, match="other kernels than this machine's .*run `blockspec sv profile`"):
+        SVPolicy.from_cache(target, draft, sampling=SAMPLING)
+    # a profile made before the kernels were recorded cannot tell: it is taken, as before
+    latency.save(latency_file)
+    assert "kernels" not in LatencyProfile.load(latency_file).meta
+    assert SVPolicy.from_cache(target, draft, sampling=SAMPLING).latency.meta == latency.meta

@@ -240,7 +240,7 @@ class SVSetup:
         on llama.cpp without a companion (runner.llamacpp_arithmetic refuses the companion configurations there)."""
         from ..models.companion import load_companion
         from ..models.llamacpp import LlamaCppModel
-        from ..policy.latency import dtype_name
+        from ..policy.latency import dtype_name, kernels
         from ..policy.profiles import run_name
         from ..policy.sv import load_calibration, load_latency
         from ..sampling import SamplingParams
@@ -254,7 +254,7 @@ class SVSetup:
             profile, path = load_calibration(*names, companion, sampling, config.sv_profile)
             self.profiles[temperature], self.paths[temperature] = profile, str(path)
         dtype = dtype_name(target.dtype)
-        self.latency, path = load_latency(*names, companion, dtype, target.device, config.latency)
+        self.latency, path = load_latency(*names, companion, dtype, target.device, config.latency, kernels(target))
         self.latency_path = str(path)
         needs_companion = bool({"sv-token", "sv-block"} & set(config.configs))
         self.companion = (

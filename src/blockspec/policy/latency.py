@@ -2,17 +2,18 @@
 
 SV prices each verification width with a latency table over (batch size B, tokens scored per row n), figures that
 depend on the models, dtype, device, thread count and machine: a profile records what it was measured on, and
-``check`` refuses to price steps for other models. On disk it is human-readable JSON:
+``check`` refuses to price steps for other models or on other kernels (``kernels``). On disk it is human-readable JSON:
 
     {"schema": 1,
      "meta": {"date", "target", "draft", "companion", "dtype", "device", "torch_threads", "torch", "machine",
-              "processor", "context", "repeats"},
+              "processor", "kernels" (profiles made before it was recorded lack it), "context", "repeats"},
      "target": {"batch_sizes": [...], "tokens": [...], "seconds": [[...], ...]},   # seconds[i][j]: B_i, n_j
      "draft": {...}, "companion": {...} or null}
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from .. import machine
+from ..defaults import LLAMACPP_DTYPE
 from ..files import write_atomic
 from .base import LatencyTable
 
@@ -69,8 +72,11 @@ class LatencyProfile:
             raise ValueError("the latency profile has no companion costs: measure it with the companion")
         return self.companion(batch, catch_up + positions - 1) if positions else 0.0
 
-    def check(self, target_name: str, draft_name: str, companion_name: str | None, dtype, device) -> None:
-        """Raise ValueError naming the first field that differs from what the profile was measured for."""
+    def check(
+        self, target_name: str, draft_name: str, companion_name: str | None, dtype, device, on: str | None = None
+    ) -> None:
+        """Raise ValueError naming the first field that differs from what the profile was measured for; with ``on``
+        (``kernels`` of the target), also where it was measured on other kernels (a profile that records them)."""
         wanted = {
             "target": target_name,
             "draft": draft_name,
@@ -81,6 +87,11 @@ class LatencyProfile:
         for field, value in wanted.items():
             if self.meta[field] != value:
                 raise ValueError(f"latency profile was measured for {field} {self.meta[field]}, not {value}: {_RERUN}")
+        if on is not None and self.meta.get("kernels", on) != on:
+            raise ValueError(
+                f"latency profile was measured on {self.meta['machine']} with other kernels than this machine's "
+                f"(another CPU model or CPU flags, torch version, GPU or llama.cpp build): {_RERUN}"
+            )
 
     def save(self, path) -> None:
         tables = {name: table_dict(getattr(self, name)) for name in ("target", "draft", "companion")}
@@ -101,6 +112,23 @@ class LatencyProfile:
         tables = {name: table_from_dict(data[name], f"{path} {name}") for name in ("target", "draft")}
         companion = None if data["companion"] is None else table_from_dict(data["companion"], f"{path} companion")
         return cls(**tables, companion=companion, meta=data["meta"])
+
+
+def kernels(*models) -> str:
+    """A digest of what the ``models``' step latency depends on besides themselves, their dtype and the thread count:
+    the processor (``machine.processor``; the GPU's name on CUDA), torch's version and, with a model on llama.cpp,
+    the instruction sets its build uses. The latency probes' cache names and the profiles' meta hold it, so a cache
+    shared by machines of other kinds (a home folder on a cluster) or kept across a rebuilt llama.cpp measures again
+    instead of pricing steps with other kernels' costs."""
+    key = {**machine.processor(), "torch": torch.__version__}
+    device = torch.device(models[0].device)
+    if device.type == "cuda":
+        key["gpu"] = torch.cuda.get_device_name(device)
+    if any(model.dtype == LLAMACPP_DTYPE for model in models):
+        from ..models.llamacpp import build_info
+
+        key["llama.cpp"] = build_info()
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def dtype_name(dtype) -> str:

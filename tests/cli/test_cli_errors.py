@@ -176,8 +176,9 @@ def test_ctrl_c_exits_130_with_one_line(monkeypatch, capsys):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--backend", "llamacpp", "--target-quant", "int8"], "GGUF's own types"),
-        (["--backend", "llamacpp", "--draft-quant", "int8"], "--draft-quant is one of auto, none, q4_0"),
+        (["--backend", "llamacpp", "--target-quant", "int8"], "--target-quant int8 runs on transformers"),
+        (["--target-quant", "int8"], "--target-quant int8 runs on transformers: add --backend hf"),  # auto: llama.cpp
+        (["--backend", "llamacpp", "--draft-quant", "int8"], "--draft-quant is one of auto, none, q4_0; int8 runs on"),
         (["--backend", "hf", "--draft-quant", "q4_0"], "is llama.cpp's"),
         (["--backend", "llamacpp", "--policy", "sv", "--sv-predictor", "companion"], "use --sv-predictor draft"),
         (["--backend", "llamacpp", "--policy", "sv", "--companion", "prefix:8"], "runs on transformers only"),

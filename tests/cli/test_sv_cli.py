@@ -307,3 +307,21 @@ def test_sv_commands_refuse_an_output_folder_they_cannot_write_before_loading_a_
     assert cli.main(["sv", "calibrate", "--out", str(tmp_path / "p.json")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot write" in err and "--out" in err
+
+
+def test_sv_profile_takes_the_dtype_generate_picks(tmp_path, monkeypatch):
+    """``--dtype auto`` (the default of generate, bench and sv profile) is the machine probe's choice on transformers
+    in all three, so the profile sv profile saves is the one ``generate --policy sv`` looks for."""
+    from blockspec import auto
+
+    monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path / "cache"))
+    probe = {"bfloat16": {"1": 2.0}, "float32": {"1": 1.0}}  # float32 the faster here
+    monkeypatch.setattr(auto, "cpu_probe", lambda refresh=False: probe)
+    target, draft = save_tiny(tmp_path / "target"), save_tiny(tmp_path / "draft", noise=0.3)
+    grid = ["--batch-sizes", "1", "--tokens", "1", "2", "--context", "8", "--repeats", "1"]
+    profile = ["sv", "profile", "--target", target, "--draft", draft, "--companion", "none", *grid]
+    assert cli.main(profile) == 0
+    probe.update(bfloat16={"1": 0.5})  # now bfloat16
+    assert cli.main(profile) == 0
+    saved = [LatencyProfile.load(path).meta["dtype"] for path in (tmp_path / "cache" / "sv").glob("latency-*.json")]
+    assert sorted(saved) == ["bfloat16", "float32"]

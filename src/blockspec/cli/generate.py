@@ -456,10 +456,15 @@ def draft_quant_on(backend: str, draft_quant: str, *, sv: bool = False, target_q
         if draft_quant in LLAMACPP_QUANTS:
             raise ValueError(f"--draft-quant {draft_quant} is llama.cpp's: use --backend llamacpp, or int8 here")
         return "none" if sv and draft_quant == "auto" else draft_quant
-    if target_quant != "none" or draft_quant not in ("auto", "none", *LLAMACPP_QUANTS):
+    if target_quant != "none":
         raise ValueError(
-            "on llama.cpp the target runs the GGUF's own types and --draft-quant is one of "
-            f"{', '.join(('auto', 'none', *LLAMACPP_QUANTS))}"
+            f"--target-quant {target_quant} runs on transformers: add --backend hf (on llama.cpp, the default for "
+            "presets and GGUF files on a CPU, the target runs the GGUF's own types)"
+        )
+    if draft_quant not in ("auto", "none", *LLAMACPP_QUANTS):
+        raise ValueError(
+            f"on llama.cpp --draft-quant is one of {', '.join(('auto', 'none', *LLAMACPP_QUANTS))}; "
+            f"{draft_quant} runs on transformers (--backend hf)"
         )
     return LLAMACPP_QUANTS[0] if draft_quant == "auto" else draft_quant
 

@@ -144,7 +144,12 @@ def _model_arguments(parser) -> None:
         f"{', '.join(LLAMACPP_QUANTS)} on llama.cpp; auto: {LLAMACPP_QUANTS[0]} on llama.cpp, none on transformers "
         "(default: %(default)s)",
     )
-    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="on transformers (default: %(default)s)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", *DTYPES],
+        help="on transformers; auto: the fastest on this machine, as generate and bench pick it (default: %(default)s)",
+    )
     parser.add_argument("--device", default="cpu", help=f"{DEVICE_HELP} (default: %(default)s)")
     parser.add_argument("--allow-download", action="store_true", help=ALLOW_DOWNLOAD_HELP)
 
@@ -160,7 +165,7 @@ class Setup:
     backend: str  # one of BACKENDS
     draft_quant: str  # "none", or one of QUANTS (transformers) or LLAMACPP_QUANTS (llama.cpp)
     companion: str | None  # None: none (always on llama.cpp)
-    dtype: str  # transformers' dtype; llama.cpp runs the GGUF's own types
+    dtype: str  # transformers' dtype, auto resolved as generate resolves it; llama.cpp runs the GGUF's own types
     device: str
 
     @property
@@ -220,15 +225,20 @@ def _setup(args, predictor: str = SV_PREDICTOR) -> Setup:
     from ..models.hf import resolve_backend, resolve_device
     from .generate import draft_quant_on  # generate imports this module: imported when called
 
-    resolve_device(args.device)
+    device = resolve_device(args.device)
     backend = resolve_backend(args.backend, args.device, args.target, args.draft)
+    dtype = args.dtype
+    if dtype == "auto" and backend == "hf":  # what generate's and bench's --dtype auto pick: the profiles match them
+        from ..auto import choose_arithmetic
+
+        dtype = choose_arithmetic(device).dtype
     return Setup(
         target=args.target,
         draft=args.draft,
         backend=backend,
         draft_quant=draft_quant_on(backend, args.draft_quant, sv=True),
         companion=resolve_companion(args.companion, backend, predictor),
-        dtype=args.dtype,
+        dtype=dtype,
         device=args.device,
     )
 
@@ -289,13 +299,13 @@ def run_profile(args) -> int:
     if args.out:
         check_output(args.out, args.force)
     load = {"device": args.device, "allow_download": args.allow_download, "backend": setup.backend}
-    target = load_model(args.target, dtype=args.dtype, **load)
+    target = load_model(args.target, dtype=setup.dtype, **load)
     # the default path names the dtype ("gguf" on llama.cpp) and the device the target loaded on ("cuda:0" for
     # cuda): known once the target is loaded
     out = args.out or latency_path(*setup.names, setup.companion, dtype_name(target.dtype), str(target.device))
     if not args.out:
         check_output(out, args.force)
-    draft = load_model(args.draft, dtype=args.dtype, quant=setup.quant, **load)
+    draft = load_model(args.draft, dtype=setup.dtype, quant=setup.quant, **load)
     companion = _companion(setup, target, args)
     profile = measure_profile(
         target,
@@ -329,7 +339,7 @@ def _companion(setup: Setup, target, args):
     if setup.companion is None:
         return None
     return load_companion(
-        setup.companion, target, dtype=args.dtype, device=args.device, allow_download=args.allow_download
+        setup.companion, target, dtype=setup.dtype, device=args.device, allow_download=args.allow_download
     )
 
 
@@ -347,8 +357,8 @@ def run_calibrate(args) -> int:
     out = args.out or profile_path(target_name, draft_name, setup.companion, sampling_key(sampling))
     check_output(out, args.force)
     load = {"device": args.device, "allow_download": args.allow_download, "backend": setup.backend}
-    target = load_model(args.target, dtype=args.dtype, **load)
-    draft = load_model(args.draft, dtype=args.dtype, quant=setup.quant, **load)
+    target = load_model(args.target, dtype=setup.dtype, **load)
+    draft = load_model(args.draft, dtype=setup.dtype, quant=setup.quant, **load)
     companion = _companion(setup, target, args)
     recorder = Recorder(args.max_draft, companion=companion is not None)
     decoder = SpeculativeDecoder(

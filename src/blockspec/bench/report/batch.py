@@ -64,7 +64,7 @@ class BatchRow:
     verified_per_emitted: Estimate | None
     drafted_per_emitted: float | None  # None for transformers' configurations (no per-step counts)
     block_efficiency: float | None  # 1 + accepted per row-step
-    # auto-tree's tok/s over auto's (the chain generate runs by default, its length chosen each step) at the same K
+    # auto-tree's tok/s over auto's (the chain generate --drafter model runs, its length chosen each step) at the same K
     speedup_vs_auto: Estimate | None = None
 
 

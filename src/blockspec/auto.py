@@ -114,15 +114,22 @@ def cpu_probe(*, refresh: bool = False) -> dict:
             log.warning("ignoring an unreadable probe cache at %s", path)
     start = machine.cpu_clock()
     ms = _measure()
-    others = machine.others_load(start, machine.cpu_clock())["others_cores"]
-    if others is not None and others > BUSY_CORES:  # a busy machine times every arithmetic wrong: do not keep it
-        log.warning(
-            "other processes kept %.1f cores busy during the arithmetic probe: using it for this run only", others
-        )
+    if _busy(start, "arithmetic probe"):
         return ms
     # write_atomic: a concurrent run reads the old file or the new one, never half of one
     _cache(path, lambda: write_atomic(path, json.dumps({"key": key, "ms": ms}, indent=1) + "\n"), "arithmetic probe")
     return ms
+
+
+def _busy(start: machine.CpuClock, what: str) -> bool:
+    """Whether other processes kept more than BUSY_CORES cores busy since ``start`` (then say so): a busy machine
+    times every forward wrong, so a probe measured then serves its own run and is not kept, which would misprice every
+    later run on this machine."""
+    others = machine.others_load(start, machine.cpu_clock())["others_cores"]
+    if others is not None and others > BUSY_CORES:
+        log.warning("other processes kept %.1f cores busy during the %s: using it for this run only", others, what)
+        return True
+    return False
 
 
 def _cache(path: Path, write, what: str) -> None:
@@ -137,14 +144,17 @@ def _cache(path: Path, write, what: str) -> None:
 
 def _measured_once(path: Path, refresh: bool, load, measure, save, what: str):
     """``load(path)``, unless ``refresh`` or the cache holds nothing readable there (then say so); else ``measure()``,
-    kept with ``save(path, value)`` where the cache can be written (``_cache``)."""
+    kept with ``save(path, value)`` where the cache can be written (``_cache``) and the machine was not busy
+    (``_busy``)."""
     if path.is_file() and not refresh:
         try:
             return load(path)
         except (OSError, ValueError) as error:
             log.warning("measuring again: %s", error)
+    start = machine.cpu_clock()
     value = measure()
-    _cache(path, lambda: save(path, value), what)
+    if not _busy(start, what):
+        _cache(path, lambda: save(path, value), what)
     return value
 
 

@@ -248,6 +248,25 @@ def test_a_probe_measured_while_the_machine_was_busy_is_not_kept(tmp_path, monke
     assert not list(tmp_path.glob("machine/probe-*.json"))
 
 
+def test_latency_probes_measured_while_the_machine_was_busy_are_not_kept(tmp_path, monkeypatch, probe_load, caplog):
+    """A busy machine prices wider forwards wrong (a forward over several tokens suffers more from a shared core):
+    kept, such costs would misprice every later run here, e.g. stop the adaptive length from drafting."""
+    monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path))
+    target = HFModel(tiny_model(), name="tiny-target")
+    draft = HFModel(perturbed(tiny_model(), scale=0.3, seed=1), name="tiny-draft")
+    probe_load["others_cores"] = 1.0
+    with caplog.at_level(logging.WARNING, logger=auto.__name__):
+        assert auto.latency_probe(target, draft, 1).target(1, 1) > 0
+        assert auto.lookup_latency(target, 1, max_draft=2).tokens == (1, 2, 3)
+    assert not list(tmp_path.rglob("*.json"))
+    warnings = [r.getMessage() for r in caplog.records if "cores busy" in r.getMessage()]
+    assert len(warnings) == 2 and "using it for this run only" in warnings[0]
+    probe_load["others_cores"] = 0.0  # idle: measured again, and kept
+    auto.latency_probe(target, draft, 1)
+    auto.lookup_latency(target, 1, max_draft=2)
+    assert len(list(tmp_path.rglob("*.json"))) == 2
+
+
 def test_the_real_probe_measures_every_arithmetic():
     ms = auto._measure(repeats=1)
     assert set(ms) == {"bfloat16", "float32", "int8"}
@@ -290,7 +309,7 @@ def test_a_read_only_cache_serves_the_probes_measured_and_says_they_cannot_be_ke
     assert not list(read_only_cache.rglob("*.json"))
 
 
-def test_the_lookup_probe_measures_every_width_once_and_measures_a_broken_file_again(tmp_path, monkeypatch):
+def test_the_lookup_probe_measures_every_width_once_and_measures_a_broken_file_again(tmp_path, monkeypatch, probe_load):
     monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path))
     target = HFModel(tiny_model(), name="tiny-target")
     timed = []
@@ -307,7 +326,7 @@ def test_the_lookup_probe_measures_every_width_once_and_measures_a_broken_file_a
     assert auto.lookup_latency(target, 3, max_draft=5).tokens == (1, 2, 3, 4, 5, 6) and len(timed) == 3
 
 
-def test_the_latency_probes_are_measured_again_on_other_kernels(tmp_path, monkeypatch):
+def test_the_latency_probes_are_measured_again_on_other_kernels(tmp_path, monkeypatch, probe_load):
     """A cache shared by machines of other kinds (a home folder on a cluster), or kept across a new torch, must not
     price steps with their costs: another CPU model, other CPU flags or another torch measure both probes again; the
     same ones read the cache."""

@@ -280,7 +280,7 @@ def test_law_of_the_first_tokens_is_the_targets(mode, rule, monkeypatch):
     policy = None
     if mode in ("lookup+adaptive", "lookup+priced"):  # latency under which the prior's K is 1 and what the steps
         # teach moves it
-        policy = AdaptiveLength(profile([100, 150, 200, 250, 300], draft_ms=10), max_draft=4, memory=0.5)
+        policy = AdaptiveLength(profile([100, 150, 200, 250, 300], draft_ms=10), max_draft=4, prior=0.8, memory=0.5)
     first_k = policy.best_length(2 * samples) if policy else 2
     costs = {"lookup+costs": table(10, 12.5, 21), "lookup+priced": table(100, 118, 190, 240, 290)}.get(mode)
     lookup = PromptLookup(costs=costs)
@@ -452,7 +452,10 @@ def test_a_proposal_must_beat_the_model_draft_it_replaces(pair):
     assert [PromptLookup().match(p, 8)[0] for p in prompts] == [1, 9]
     flat = PromptLookup(costs=table(*[10] * 34))  # every width costs 10 ms, as the profile's target
     first_steps = {}
-    for name, policy in (("priced", AdaptiveLength(profile([10] * 9, draft_ms=1), max_draft=4)), ("fixed", None)):
+    for name, policy in (
+        ("priced", AdaptiveLength(profile([10] * 9, draft_ms=1), max_draft=4, prior=0.8)),
+        ("fixed", None),
+    ):
         decoder = SpeculativeDecoder(target, HFModel(target), max_draft=4, policy=policy, lookup=flat)
         result = decoder.generate(prompts, max_new_tokens=12, sampling=GREEDY, stop_on_eos=False)
         assert result.sequences == [reference_greedy(target, p, 12, eos=None) for p in prompts]

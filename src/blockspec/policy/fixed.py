@@ -57,12 +57,14 @@ class AdaptiveLength(FixedLength):
         latency,
         *,
         max_draft: int = ADAPTIVE_MAX_DRAFT,
-        prior: float = 0.8,
+        prior: float = 0.85,
         memory: float = 0.9,
         carry_over: bool = False,
     ):
         """``latency``: the step latency (``latency.drafting``, ``latency.target``); ``prior``: the acceptance a
-        starts at (0.8 is about what the bundled 0.5B draft gets from the 1.5B target at temperature 1);
+        starts at, and drifts back to while nothing is drafted (0.85: the bundled 0.5B draft's exact per-position
+        acceptance from the 1.5B target is 0.875 at temperature 1 on the bench's five prompt sets, docs/results.md,
+        "Block verification against llama.cpp's rule, by K"; a little less with the draft in q4_0);
         ``memory``: the weight the acceptance keeps for each position a row verifies (``observe``), and at each
         step that drafts nothing (``draft_budget``)."""
         if not (is_int(max_draft) and max_draft >= 1) or not 0 < prior < 1 or not 0 <= memory < 1:
@@ -79,44 +81,49 @@ class AdaptiveLength(FixedLength):
         if not self.carry_over:
             self.acceptance = self.prior
 
-    def best_length(self, batch: int, catch_up: int = 1) -> int:
+    def best_length(self, batch: int) -> int:
         """The K in 0..max_draft with the most expected tokens per second at this batch size (``goodputs``).
         Where even the prior cannot pay for a draft (a machine on which a multi-token forward costs nearly as much
         per token as a plain step), it is 0 from the first step and stays 0 (``draft_budget``'s drift never passes
         the prior): the caller can say so."""
-        goodput = self.goodputs(batch, catch_up)
+        goodput = self.goodputs(batch)
         return max(range(len(goodput)), key=goodput.__getitem__)
 
-    def goodputs(self, batch: int, catch_up: int = 1) -> list[float]:
-        """Expected tokens per second of a step drafting K, for K in 0..max_draft.
+    def goodputs(self, batch: int) -> list[float]:
+        """Expected tokens per second of drafting K at every step, for K in 0..max_draft.
 
         A step drafting K emits 1 + a + a^2 + ... + a^K tokens in expectation when each drafted token is accepted
         with probability a (``acceptance``) once the ones before it were (the token rule; the block rule accepts at
-        least as many), and costs the draft's forwards (the first catching up on the ``catch_up`` tokens the draft
-        has not read) and the target's forward over K + 1 tokens, from ``latency``."""
-        emitted = list(itertools.accumulate(self.acceptance**i for i in range(self.max_draft + 1)))  # O(K)
-        return [
-            emitted[k]
-            / (self.latency.drafting(batch, k, catch_up, companion=False) + self.latency.target(batch, 1 + k))
-            for k in range(self.max_draft + 1)
-        ]
+        least as many), and costs the draft's forwards and the target's forward over K + 1 tokens, from
+        ``latency``. The draft's first forward reads the tokens it has not read yet: 2 after a step that accepted
+        all its K drafted tokens (chance a^K), else 1; priced at that mix, the rate is that of drafting K step after
+        step, the same whatever this step's own catch-up (``draft_budget`` says why)."""
+        a, latency = self.acceptance, self.latency
+        emitted = list(itertools.accumulate(a**i for i in range(self.max_draft + 1)))  # O(K)
+        rates = []
+        for k in range(self.max_draft + 1):
+            full = a**k  # the previous step accepted all its K drafts: its bonus token and the last draft to read
+            drafting = full * latency.drafting(batch, k, 2, companion=False) + (1 - full) * latency.drafting(
+                batch, k, 1, companion=False
+            )
+            rates.append(emitted[k] / (drafting + latency.target(batch, 1 + k)))
+        return rates
 
     def expected_rate(self, batch: int, catch_up: int) -> float:
-        """The goodput of the step ``draft_budget`` would take now (its catch-up priced as there), in tokens per
-        plain target step's time."""
-        return max(self.goodputs(batch, min(catch_up, 2))) * self.latency.target(batch, 1)
+        """The goodput of the step ``draft_budget`` would take now, in tokens per plain target step's time."""
+        return max(self.goodputs(batch)) * self.latency.target(batch, 1)
 
     def draft_budget(self, batch: int, catch_up: int) -> int:
-        """``best_length``, with the draft's first forward priced as while drafting goes on: at most 2 tokens to
-        catch up on (1 after a rejection, 2 after a fully accepted step). After steps without drafts the draft has
-        more to read, a cost paid once by the step that drafts again; priced as every step's, it would grow with
-        each idle step until drafting never paid again. A step that drafts nothing verifies nothing to learn from,
-        so there the acceptance drifts back towards the prior (by 1 - ``memory``): after a bad patch the policy
-        drafts again to see whether it ended, rather than decoding alone for the rest of the call. It does not where
-        the prior pays after a rejection only (2 tokens to catch up on cost more than it gains): the drift never
-        passes the prior, so after a step without drafts no later step drafts (docs/results.md, "llama.cpp's AVX2
-        kernels, on the AMX machine")."""
-        length = self.best_length(batch, min(catch_up, 2))
+        """``best_length``: the K that drafting step after step pays most for, whatever this step's ``catch_up``.
+        Priced at its own catch-up instead, a step after a fully accepted one (2 tokens to read) or after steps
+        without drafts (more) could find that a plain step pays more; but a plain step does not spare the draft
+        those tokens, it only adds one to them, so where drafting pays in the long run, idling would only defer
+        the cost while losing the draft's gains, and where the prior pays after a rejection only, one rejected
+        step would end drafting for the rest of the call (docs/results.md, "llama.cpp's AVX2 kernels, on the AMX
+        machine"). A step that drafts nothing verifies nothing to learn from, so there the acceptance drifts back
+        towards the prior (by 1 - ``memory``): after a bad patch the policy drafts again to see whether it ended,
+        rather than decoding alone for the rest of the call."""
+        length = self.best_length(batch)
         if length == 0:
             self.acceptance = self.memory * self.acceptance + (1 - self.memory) * self.prior
         return length
@@ -124,10 +131,9 @@ class AdaptiveLength(FixedLength):
     def observe(self, rows, draft_tokens, draft_probs, target_probs, verified, accepted) -> None:
         """``acceptance`` follows the exact acceptance probability sum_v min(draft, target) of the positions each
         step verified, keeping weight ``memory`` per position a row verified (on average over the rows that verified
-        any): a step that verified 3 positions moves it as three steps of one position would. Where drafting pays
-        only a little above the prior (llama.cpp's AVX2 kernels, on which a forward over 2 tokens costs 1.5 one-token
-        ones), a step of 3 accepted tokens then takes it from 0.8 to 0.85, where the next step, whose draft reads 2
-        tokens first, pays; weighted per step, to 0.82, where it does not."""
+        any): a step that verified 3 positions moves it as three steps of one position would, so 3 accepted tokens
+        take it from 0.8 to 0.85 (weighted per step, to 0.82: too slow to follow a run of accepted drafts where
+        drafting pays only a little above the prior, as on llama.cpp's AVX2 kernels)."""
         width = int(verified.max()) if len(verified) else 0
         if width == 0:
             return

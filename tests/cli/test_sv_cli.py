@@ -19,6 +19,8 @@ from blockspec.policy import LatencyTable
 from blockspec.policy.latency import LatencyProfile
 from blockspec.verify import SAMPLED_RULES
 
+pytestmark = pytest.mark.usefixtures("probes_in_a_temporary_cache")  # sv on transformers probes the machine
+
 
 def run(*args: str, cache=None) -> subprocess.CompletedProcess:
     env = None

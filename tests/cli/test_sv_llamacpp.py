@@ -26,7 +26,7 @@ from blockspec.sampling import SamplingParams
 
 pytest.importorskip("llama_cpp")
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "probes_in_a_temporary_cache")  # sv on hf probes the machine
 
 PROMPT = "abc de"
 GREEDY = ["--temperature", "0"]

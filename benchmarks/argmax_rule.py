@@ -158,7 +158,7 @@ def run(args) -> None:
     from blockspec import SamplingParams, SpeculativeDecoder, machine
     from blockspec.bench import datasets
     from blockspec.models.chat import encode_prompt
-    from blockspec.models.hf import load_model
+    from blockspec.models.load import load_model
 
     target = load_model(args.target, backend="llamacpp")
     draft = load_model(args.draft, backend="llamacpp")

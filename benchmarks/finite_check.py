@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from blockspec import machine
-from blockspec.models.hf import load_model
+from blockspec.models.load import load_model
 from blockspec.sampling import SamplingParams, check_softmax, process
 
 

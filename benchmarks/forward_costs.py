@@ -46,7 +46,7 @@ def main() -> None:
 
     from blockspec import machine
     from blockspec.auto import step_seconds
-    from blockspec.models.hf import load_model
+    from blockspec.models.load import load_model
 
     models = {}
     for variant in args.variants:

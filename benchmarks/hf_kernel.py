@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     from blockspec.bench.executor import hf_generate
     from blockspec.models.attention import GROUPED_SDPA
     from blockspec.models.chat import encode_prompt
-    from blockspec.models.hf import load_model
+    from blockspec.models.load import load_model
 
     target, draft = load_model(args.target, dtype=args.dtype), load_model(args.draft, dtype=args.dtype)
     prompts = [encode_prompt(target.tokenizer, text) for text in PROMPTS[: args.prompts]]

@@ -154,7 +154,7 @@ def run(args) -> None:
     }
     if {"hf-alone", "hf-assisted"} & set(args.rows):
         from blockspec.bench.executor import run_assisted
-        from blockspec.models.hf import load_model
+        from blockspec.models.load import load_model
 
         hf_target, hf_draft = (
             load_model(name, dtype="bfloat16") for name in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")

@@ -28,7 +28,7 @@ import torch
 
 from blockspec import machine
 from blockspec.bench import datasets
-from blockspec.models.hf import load_model
+from blockspec.models.load import load_model
 
 
 def scored(model, rows: list[list[int]], start: int, steps: int, width: int) -> torch.Tensor:

@@ -44,7 +44,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from blockspec.models.attention import GROUPED_SDPA
-    from blockspec.models.hf import load_model
+    from blockspec.models.load import load_model
 
     model = load_model(args.model, dtype=args.dtype, progress=False)
     print(f"{args.model} {args.dtype}, {torch.get_num_threads()} threads; median seconds")

@@ -129,7 +129,7 @@ def load(backend: str, name: str, dtype: str):
         from blockspec.models.llamacpp import load_llamacpp
 
         return load_llamacpp(name, progress=False)
-    from blockspec.models.hf import load_model
+    from blockspec.models.load import load_model
 
     return load_model(name, dtype=dtype, progress=False)
 

@@ -118,7 +118,7 @@ def measure_acceptance(args) -> list[dict]:
     from blockspec.bench import datasets
     from blockspec.models.base import target_vocabulary
     from blockspec.models.chat import encode_prompt
-    from blockspec.models.hf import load_model
+    from blockspec.models.load import load_model
 
     target = load_model(args.target, dtype=args.dtype, quant=args.target_quant, progress=False)
     draft = load_model(args.draft, dtype=args.dtype, quant=args.draft_quant, progress=False)

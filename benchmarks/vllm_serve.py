@@ -340,7 +340,7 @@ def run_blockspec(args) -> None:
     import torch
 
     from blockspec import SamplingParams, SpeculativeDecoder
-    from blockspec.models.hf import load_model
+    from blockspec.models.load import load_model
 
     setup = json.loads((args.out / "prompts.json").read_text())
     sampling = SamplingParams(temperature=args.temperature)

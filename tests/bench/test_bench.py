@@ -163,7 +163,7 @@ def test_hf_lookup_is_planned_at_batch_size_one_only():
 
 def test_hf_lookup_greedy_output_is_the_target_alone_and_it_drafts_from_the_context(tiny_config, monkeypatch):
     from blockspec.engine import SpeculativeDecoder
-    from blockspec.models.hf import load_model
+    from blockspec.models.load import load_model
     from blockspec.sampling import SamplingParams
 
     target = load_model(tiny_config.target, dtype="float32")

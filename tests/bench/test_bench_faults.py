@@ -68,7 +68,7 @@ def no_model_loads(monkeypatch) -> None:
     def load_model(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr("blockspec.models.hf.load_model", load_model)
+    monkeypatch.setattr("blockspec.models.load.load_model", load_model)
 
 
 # --- a failing run --------------------------------------------------------------------------------------------
@@ -337,7 +337,7 @@ def test_a_resume_under_dtype_auto_runs_in_the_arithmetic_its_runs_resolved_to(a
         if name == auto_run.draft:
             raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr("blockspec.models.hf.load_model", load_model)
+    monkeypatch.setattr("blockspec.models.load.load_model", load_model)
     with pytest.raises(AssertionError, match="a model was loaded"):
         runner.run(replace(auto_run, configs=("target-only", "auto")), progress=False)
     assert loads == [(auto_run.target, "float32", None), (auto_run.draft, "float32", "int8")]
@@ -408,15 +408,15 @@ def test_the_report_refuses_records_of_other_builds(recorded, tmp_path, capsys, 
 
 
 def test_a_hub_model_the_bench_downloads_is_fingerprinted_once_loaded_and_resumes(auto_run, tmp_path, monkeypatch):
-    from blockspec.models import hf
+    from blockspec.models import load as loading
 
-    load, cached = hf.load_model, []
+    load, cached = loading.load_model, []
 
     def download_then_load(name, **kwargs):  # "org/tiny" is the tiny target, in the hub cache once loaded
         cached.append(name)
         return load(auto_run.target if name == "org/tiny" else name, **kwargs)
 
-    monkeypatch.setattr(hf, "load_model", download_then_load)
+    monkeypatch.setattr(loading, "load_model", download_then_load)
     monkeypatch.setattr(identity, "hub_snapshot", lambda name: Path(auto_run.target) if cached else None)
     config = replace(auto_run, target="org/tiny", allow_download=True, out=tmp_path / "hub")
     runner.run(config, progress=False)
@@ -430,19 +430,19 @@ def test_a_hub_model_whose_snapshot_holds_only_its_config_is_fingerprinted_once_
 ):
     """A config alone in the hub cache (an earlier look-up fetched it) is no model yet: fingerprinted before the
     download, the bench would store a fingerprint its later resumes never find again."""
-    from blockspec.models import hf
+    from blockspec.models import load as loading
 
     snapshot = tmp_path / "snapshot"
     snapshot.mkdir()
     shutil.copy(Path(auto_run.target) / "config.json", snapshot)
-    load = hf.load_model
+    load = loading.load_model
 
     def download_then_load(name, **kwargs):
         if name == "org/tiny":
             shutil.copytree(auto_run.target, snapshot, dirs_exist_ok=True)
         return load(str(snapshot) if name == "org/tiny" else name, **kwargs)
 
-    monkeypatch.setattr(hf, "load_model", download_then_load)
+    monkeypatch.setattr(loading, "load_model", download_then_load)
     monkeypatch.setattr(identity, "hub_snapshot", lambda name: snapshot if name == "org/tiny" else None)
     config = replace(auto_run, target="org/tiny", allow_download=True, out=tmp_path / "hub")
     runner.run(config, progress=False)
@@ -636,7 +636,7 @@ def test_load_model_is_asked_to_download_only_when_allowed(small, tmp_path, monk
         asked.append(kwargs["allow_download"])
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr("blockspec.models.hf.load_model", load_model)
+    monkeypatch.setattr("blockspec.models.load.load_model", load_model)
     for allow in (False, True):
         with pytest.raises(RuntimeError, match="stop here"):
             runner.run(replace(small, out=tmp_path / str(allow), allow_download=allow), progress=False)

@@ -8,7 +8,7 @@ import torch
 
 from blockspec import cli
 from blockspec.cli import env as env_cli
-from blockspec.models import hf
+from blockspec.models import load
 
 
 @pytest.fixture
@@ -21,7 +21,7 @@ def loads(monkeypatch):
         calls.append((name, kwargs))
         raise AssertionError(f"loaded {name}")
 
-    monkeypatch.setattr(hf, "load_model", fake_load_model)
+    monkeypatch.setattr(load, "load_model", fake_load_model)
     return calls
 
 

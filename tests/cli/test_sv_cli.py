@@ -14,7 +14,7 @@ from kits.tiny import save_tiny
 
 from blockspec import cli
 from blockspec.bench import replay
-from blockspec.models import hf
+from blockspec.models import load
 from blockspec.policy import LatencyTable
 from blockspec.policy.latency import LatencyProfile
 from blockspec.verify import SAMPLED_RULES
@@ -246,7 +246,7 @@ def test_sv_commands_download_hub_models_only_when_allowed(command, flag, expect
         calls.append(kwargs["allow_download"])
         raise ValueError("stopped before measuring")
 
-    monkeypatch.setattr(hf, "load_model", fake_load_model)
+    monkeypatch.setattr(load, "load_model", fake_load_model)
     assert cli.main(["sv", command, *flag, "--target", "some/model"]) == 2
     assert calls == [expected]
 
@@ -254,7 +254,7 @@ def test_sv_commands_download_hub_models_only_when_allowed(command, flag, expect
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch that cannot use CUDA")
 @pytest.mark.parametrize("command", ["profile", "calibrate"])
 def test_sv_commands_refuse_an_unusable_device_before_loading_a_model(command, monkeypatch, capsys):
-    monkeypatch.setattr(hf, "load_model", lambda name, **kwargs: pytest.fail(f"loaded {name}"))
+    monkeypatch.setattr(load, "load_model", lambda name, **kwargs: pytest.fail(f"loaded {name}"))
     assert cli.main(["sv", command, "--device", "cuda"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("blockspec: error: ") and "cuda" in err
@@ -266,7 +266,7 @@ def test_sv_commands_refuse_to_replace_a_saved_profile_before_loading_a_model(co
     before any model loads, naming the models the existing profile holds."""
     saved = tmp_path / "saved.json"
     saved.write_text(json.dumps({"meta": {"target": "a/model", "draft": "d", "companion": None, "date": "2026-01-01"}}))
-    monkeypatch.setattr(hf, "load_model", lambda name, **kwargs: pytest.fail(f"loaded {name}"))
+    monkeypatch.setattr(load, "load_model", lambda name, **kwargs: pytest.fail(f"loaded {name}"))
     assert cli.main(["sv", command, "--out", str(saved)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--force" in err and "a/model" in err and str(saved) in err
@@ -274,7 +274,7 @@ def test_sv_commands_refuse_to_replace_a_saved_profile_before_loading_a_model(co
     def stop(name, **kwargs):
         raise ValueError("stopped before measuring")
 
-    monkeypatch.setattr(hf, "load_model", stop)
+    monkeypatch.setattr(load, "load_model", stop)
     assert cli.main(["sv", command, "--out", str(saved), "--force"]) == 2
     err = capsys.readouterr().err
     assert "will replace" in err and "stopped before measuring" in err
@@ -285,7 +285,7 @@ def test_sv_calibrate_refuses_to_replace_the_default_profile_before_loading_a_mo
     from blockspec.policy.profiles import profile_path
 
     monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path))
-    monkeypatch.setattr(hf, "load_model", lambda name, **kwargs: pytest.fail(f"loaded {name}"))
+    monkeypatch.setattr(load, "load_model", lambda name, **kwargs: pytest.fail(f"loaded {name}"))
     saved = profile_path("t", "d", "prefix:8", {"temperature": 0.5, "top_k": 0, "top_p": 1.0})
     saved.parent.mkdir(parents=True)
     saved.write_text(json.dumps({"target": "t", "draft": "d", "companion": "prefix:8", "sampling": {}}))
@@ -300,7 +300,7 @@ def test_sv_calibrate_refuses_to_replace_the_default_profile_before_loading_a_mo
 def test_sv_commands_refuse_an_output_folder_they_cannot_write_before_loading_a_model(tmp_path, monkeypatch, capsys):
     from blockspec.cli import sv as sv_cli
 
-    monkeypatch.setattr(hf, "load_model", lambda name, **kwargs: pytest.fail(f"loaded {name}"))
+    monkeypatch.setattr(load, "load_model", lambda name, **kwargs: pytest.fail(f"loaded {name}"))
 
     def read_only(*args, **kwargs):  # what a read-only mount answers, to root too
         raise OSError(errno.EROFS, "Read-only file system")

@@ -20,7 +20,7 @@ from kits.tinygguf import save_gguf
 
 from blockspec import cli
 from blockspec.bench import records as rec
-from blockspec.models import hf
+from blockspec.models import load
 from blockspec.policy.latency import LatencyProfile
 from blockspec.sampling import SamplingParams
 
@@ -127,8 +127,8 @@ def test_the_library_finds_the_profiles_the_command_line_made(pair, cache):
     `sv profile` and `sv calibrate` saved: both name a model with what runs it."""
     from blockspec.policy import SVPolicy
 
-    target = hf.load_model(pair.target, backend="llamacpp")
-    draft = hf.load_model(pair.draft, backend="llamacpp")
+    target = load.load_model(pair.target, backend="llamacpp")
+    draft = load.load_model(pair.draft, backend="llamacpp")
     greedy = SamplingParams(temperature=0.0)
     policy = SVPolicy.from_cache(target, draft, sampling=greedy, companion=None)
     assert policy.latency.meta["draft"] == f"{pair.draft} (llama.cpp)"
@@ -232,7 +232,7 @@ def test_bench_runs_sv_draft_on_llama_cpp_with_the_q4_0_draft_and_its_profiles(p
 @pytest.fixture
 def loads(monkeypatch):
     """Fails the test if any model loads."""
-    monkeypatch.setattr(hf, "load_model", lambda name, **kwargs: pytest.fail(f"loaded {name}"))
+    monkeypatch.setattr(load, "load_model", lambda name, **kwargs: pytest.fail(f"loaded {name}"))
 
 
 @pytest.mark.parametrize(
@@ -260,7 +260,7 @@ def test_the_companion_predictor_stays_available_on_transformers(tmp_path, monke
         assert kwargs["backend"] == "hf"
         raise ValueError("stopped before loading")
 
-    monkeypatch.setattr(hf, "load_model", stop)
+    monkeypatch.setattr(load, "load_model", stop)
     models = ["--target", str(tmp_path / "t.gguf"), "--draft", str(tmp_path / "d.gguf"), "--backend", "hf"]
     assert cli.main(["sv", "calibrate", *models, "--sv-predictor", "companion", "--out", str(tmp_path / "p.json")]) == 2
     assert "stopped before loading" in capsys.readouterr().err

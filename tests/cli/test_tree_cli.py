@@ -10,7 +10,7 @@ import pytest
 from kits.tiny import save_tiny
 
 from blockspec import cli
-from blockspec.models import hf
+from blockspec.models import load
 
 pytestmark = pytest.mark.usefixtures("probes_in_a_temporary_cache")
 
@@ -31,7 +31,7 @@ def loads(monkeypatch):
         calls.append((name, kwargs))
         raise ValueError("stopped before decoding")
 
-    monkeypatch.setattr(hf, "load_model", fake_load_model)
+    monkeypatch.setattr(load, "load_model", fake_load_model)
     return calls
 
 
@@ -95,7 +95,7 @@ def test_backend_auto_runs_a_tree_or_paths_where_it_runs_a_chain(loads, monkeypa
     """Where auto picks llama.cpp (a preset on the CPU with llama-cpp-python installed), a tree or paths load their
     models there too, as a chain does: both backends score trees."""
     monkeypatch.setattr(
-        hf, "resolve_backend", lambda backend, device, *names: "llamacpp" if backend == "auto" else backend
+        load, "resolve_backend", lambda backend, device, *names: "llamacpp" if backend == "auto" else backend
     )
     flags = ["--draft-quant", "none", "hello"]
     assert cli.main(["generate", *shape, *flags]) == 2

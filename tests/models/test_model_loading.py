@@ -15,7 +15,8 @@ import pytest
 import torch
 from kits.tiny import save_tiny, tiny_model, tiny_tokenizer
 
-from blockspec.models.hf import HFModel, load_model, resolve_device
+from blockspec.models.hf import HFModel
+from blockspec.models.load import load_model, resolve_device
 
 # --- model names --------------------------------------------------------------------------------------------
 
@@ -38,7 +39,7 @@ server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
 threading.Thread(target=server.serve_forever, daemon=True).start()
 os.environ["HF_ENDPOINT"] = f"http://127.0.0.1:{server.server_port}"
 
-from blockspec.models.hf import load_model
+from blockspec.models.load import load_model
 
 out = {}
 for name, allow_download in json.loads(sys.argv[1]):

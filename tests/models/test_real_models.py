@@ -19,7 +19,8 @@ TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 @pytest.fixture(scope="module")
 def qwen_pair():
     from blockspec.models import presets
-    from blockspec.models.hf import HFModel, load_model
+    from blockspec.models.hf import HFModel
+    from blockspec.models.load import load_model
 
     missing = [name for name in (TARGET, DRAFT) if not presets.is_installed(name)]
     if missing:

@@ -17,7 +17,8 @@ from kits.svkit import CHEAP_VERIFICATION, LINEAR_VERIFICATION, profile
 from kits.tiny import exact_law_of_first_tokens, perturbed, save_tiny, tiny_model
 
 from blockspec import SamplingParams, SpeculativeDecoder, auto, cli, machine
-from blockspec.models.hf import HFModel, load_model
+from blockspec.models.hf import HFModel
+from blockspec.models.load import load_model
 from blockspec.models.quant import quantize
 from blockspec.policy import AdaptiveLength, FixedLength, LatencyTable, latency
 from blockspec.verify import RULES, SAMPLED_RULES

@@ -55,7 +55,7 @@ class BenchConfig:
     # T_d: the draft's own temperatures, each run by the fixed-K configurations; empty: the target's temperature
     draft_temperatures: tuple[float, ...] = ()
     # who runs the models: "hf" (transformers), "llamacpp" (llama.cpp, presets and GGUF files, CPU), or "auto"
-    # (models.hf.resolve_backend); transformers' own baselines (hf-*) and SV (its profiles) need "hf"
+    # (models.load.resolve_backend); transformers' own baselines (hf-*) and SV (its profiles) need "hf"
     backend: str = "hf"
 
     def __post_init__(self):
@@ -314,7 +314,7 @@ def stored_arithmetic(config: BenchConfig, stored: dict):
     auto configurations where the directory has run none. Refused (ValueError) where they ran with different ones,
     as a bench whose auto-tree drafted with the unquantized draft did: no one choice extends them all."""
     from ..auto import Arithmetic, choose_arithmetic
-    from ..models.hf import resolve_device
+    from ..models.load import resolve_device
 
     drafted = {name: quant for name, quant in stored["draft_quant"].items() if name in AUTO_DRAFT}
     quants = set(drafted.values())
@@ -368,7 +368,7 @@ def run(config: BenchConfig, *, progress: bool = True) -> Path:
 def _run(config: BenchConfig, progress: bool) -> Path:
     from ..auto import choose_arithmetic
     from ..models.chat import encode_prompt
-    from ..models.hf import load_model, resolve_backend, resolve_device
+    from ..models.load import load_model, resolve_backend, resolve_device
     from . import datasets
 
     existing, found = prepare_out(config)

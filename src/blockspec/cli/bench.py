@@ -143,7 +143,7 @@ def bench_config(args):
 
 def run(args) -> int:
     from ..bench import report, runner
-    from ..models.hf import resolve_device
+    from ..models.load import resolve_device
     from ..sampling import SamplingParams
 
     config = bench_config(args)

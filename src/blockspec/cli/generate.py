@@ -211,7 +211,7 @@ def generate(config: GenerateConfig) -> int:
     from ..checks import check_stop_strings, check_text, row_seeds
     from ..drafting import PromptLookup
     from ..models.chat import encode_prompt
-    from ..models.hf import load_model, refuse_model_code, resolve_backend, resolve_device
+    from ..models.load import load_model, refuse_model_code, resolve_backend, resolve_device
     from ..policy.shapes import AdaptiveShape
     from ..sampling import SamplingParams
     from ..verify import RULES, SAMPLED_RULES

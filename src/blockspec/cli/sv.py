@@ -222,7 +222,7 @@ def resolve_companion(companion: str | None, backend: str, predictor: str) -> st
 
 def _setup(args, predictor: str = SV_PREDICTOR) -> Setup:
     """``sv profile``'s and ``sv calibrate``'s Setup; a device torch cannot use is refused here, before any load."""
-    from ..models.hf import resolve_backend, resolve_device
+    from ..models.load import resolve_backend, resolve_device
     from .generate import draft_quant_on  # generate imports this module: imported when called
 
     device = resolve_device(args.device)
@@ -292,7 +292,7 @@ def build_policy(config, target, sampling):
 
 def run_profile(args) -> int:
     from ..auto import measure_profile
-    from ..models.hf import load_model
+    from ..models.load import load_model
     from ..policy.latency import dtype_name
 
     setup = _setup(args)
@@ -348,7 +348,7 @@ def run_calibrate(args) -> int:
     from ..bench.datasets import load as load_prompts
     from ..engine import SpeculativeDecoder
     from ..models.chat import encode_prompt
-    from ..models.hf import load_model
+    from ..models.load import load_model
     from ..sampling import SamplingParams
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)  # values checked before the models load

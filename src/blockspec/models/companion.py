@@ -14,7 +14,8 @@ import copy
 import torch
 
 from .base import check_shared_vocabulary, target_vocabulary
-from .hf import HFModel, load_model
+from .hf import HFModel
+from .load import load_model
 
 
 def target_prefix(target, layers: int) -> HFModel:

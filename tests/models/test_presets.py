@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from blockspec.models import convert, integrity, presets
-from blockspec.models.cache import cache_root, converted_dir, lock_path, status, verify
+from blockspec.models.cache import cache_root, converted_dir, lock_path, status, tokenizer_dir, verify
 from blockspec.models.presets import ChecksumMismatchError, Preset, PresetError, PresetNotInstalledError
 
 # Chunk contents chosen so that any wrong order gives a different file: chunk n holds bytes of value n.
@@ -360,6 +360,72 @@ def test_verify_flags_a_copy_made_from_a_gguf_that_was_not_the_pinned_one(conver
     dequantised = fake_dequantiser(monkeypatch)
     convert.load_preset(preset, dtype="float32", cache=cache, progress=False)
     assert len(dequantised) == 1 and verify(preset, cache=cache, progress=False) == []
+
+
+# --- the tokenizer alone (the llama.cpp backend's) ---------------------------------------------------------------
+
+
+def counting_header_reads(monkeypatch) -> list[str]:
+    """``fake_dequantiser``, and the list of GGUF files whose header a tokenizer was read from, appended to as read."""
+    from transformers import AutoTokenizer
+
+    fake_dequantiser(monkeypatch)
+    reads, load = [], AutoTokenizer.from_pretrained
+
+    def counted(folder, *args, **kwargs):
+        if "gguf_file" in kwargs:
+            reads.append(kwargs["gguf_file"])
+        return load(folder, *args, **kwargs)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", counted)
+    return reads
+
+
+def test_the_tokenizer_is_read_from_the_gguf_once_then_from_its_copy(fake_install, monkeypatch):
+    """Reading the Qwen pair's tokenizer from a GGUF header takes about 15 s: the first load saves it, marked as a
+    converted copy is, and later loads read the copy, which tokenizes as the header's does."""
+    from kits.tiny import tiny_tokenizer
+
+    preset, cache, _ = fake_install
+    reads = counting_header_reads(monkeypatch)
+    first = convert.load_preset_tokenizer(preset, cache=cache, progress=False)
+    again = convert.load_preset_tokenizer(preset, cache=cache, progress=False)
+    assert reads == ["fake.gguf"]
+    marker = json.loads((tokenizer_dir(preset, cache) / "blockspec-preset.json").read_text())
+    assert marker["gguf_sha256"] == preset.sha256 and "tokenizer.json" in marker["files"]
+    text = "the cat sat on the mat"
+    assert first(text).input_ids == again(text).input_ids == tiny_tokenizer()(text).input_ids
+    assert verify(preset, cache=cache, progress=False) == []
+
+
+def test_a_changed_tokenizer_copy_is_refused_not_loaded(fake_install, monkeypatch):
+    preset, cache, _ = fake_install
+    counting_header_reads(monkeypatch)
+    convert.load_preset_tokenizer(preset, cache=cache, progress=False)
+    out = tokenizer_dir(preset, cache)
+    _flip_byte(out / "tokenizer.json", 40)
+    with pytest.raises(ChecksumMismatchError, match=rf"tokenizer.json.*delete {re.escape(str(out))}"):
+        convert.load_preset_tokenizer(preset, cache=cache, progress=False)
+    assert any("tokenizer.json" in problem for problem in verify(preset, cache=cache, progress=False))
+
+
+def test_a_cache_that_cannot_take_the_tokenizer_still_gives_it(fake_install, monkeypatch, caplog):
+    """A read-only or full cache: every load reads the header, with a warning, and nothing is left half-written."""
+    import errno
+
+    from kits.tiny import tiny_tokenizer
+
+    preset, cache, _ = fake_install
+    reads = counting_header_reads(monkeypatch)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(type(tiny_tokenizer()), "save_pretrained", full)
+    for _ in range(2):
+        assert convert.load_preset_tokenizer(preset, cache=cache, progress=False)("the cat").input_ids
+    assert reads == ["fake.gguf", "fake.gguf"] and "cannot keep the tokenizer" in caplog.text
+    assert sorted(p.name for p in (cache / "fake-model").iterdir()) == ["fake.gguf", "fake.gguf.verified.json"]
 
 
 @pytest.mark.parametrize("writer", ["weights", "tokenizer"])

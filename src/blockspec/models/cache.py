@@ -8,7 +8,11 @@
                                  from, measured just before dequantising them, and each file's size, sha256 and
                                  fingerprint (`integrity`): every load checks the fingerprints, `verify` the full
                                  hashes.
-    and beside each folder `<preset>.lock`, held by the one process writing into it (`convert`).
+      tokenizer/                 the tokenizer alone (the llama.cpp backend's), saved from the GGUF header; its
+                                 marker is as hf-<dtype>/'s.
+    and beside each folder `<preset>.lock`, held by the one process writing into it (`convert`). The llama.cpp
+    backend keeps what it makes from a GGUF file in `llamacpp/` (`derived`): requantized and vocabulary-cut copies,
+    and the tokenizer read from the file's header, saved with `save_pretrained`.
 
 Standard library only: `blockspec models` reads the cache without torch or transformers.
 """
@@ -66,6 +70,10 @@ def converted_dir(preset: str | Preset, dtype: Any, cache: str | os.PathLike | N
     return preset_dir(preset, cache) / f"hf-{dtype_name(dtype)}"
 
 
+def tokenizer_dir(preset: str | Preset, cache: str | os.PathLike | None = None) -> Path:
+    return preset_dir(preset, cache) / "tokenizer"
+
+
 def dtype_name(dtype: Any) -> str:
     """The name of a converted copy's dtype: ``torch.float32``, ``"fp32"`` and ``"float32"`` are ``"float32"``."""
     name = str(dtype).removeprefix("torch.")
@@ -77,13 +85,13 @@ def dtype_name(dtype: Any) -> str:
 # ------------------------------------------------------------------------------------------- the GGUF file
 
 
-def derived_gguf(source: Path, kind: str) -> Path:
-    """Where a GGUF made from ``source`` by llama.cpp's tools or blockspec goes (``kind``: "q4_0", "vocab32768"):
-    ``llamacpp/`` in the model cache, named after the source's path, size and mtime, so a changed source makes
-    another copy."""
+def derived(source: Path, kind: str) -> Path:
+    """Where what llama.cpp's tools or blockspec make from the GGUF file ``source`` goes (``kind``: "q4_0.gguf",
+    "vocab32768.gguf", "tokenizer" for a folder): ``llamacpp/`` in the model cache, named after the source's path,
+    size and mtime, so a changed source makes another copy."""
     stat = source.stat()
     identity = hashlib.sha256(f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return cache_root() / "llamacpp" / f"{source.stem}-{identity}.{kind}.gguf"
+    return cache_root() / "llamacpp" / f"{source.stem}-{identity}.{kind}"
 
 
 def _gguf_marker(gguf: Path) -> Path:
@@ -121,10 +129,10 @@ def _copy_files(folder: Path) -> list[Path]:
     return sorted(f for f in folder.iterdir() if f.is_file() and f.name != CONVERTED_MARKER)
 
 
-def mark_converted(folder: Path, preset: Preset, dtype: str, gguf_sha256: str) -> None:
+def mark_converted(folder: Path, preset: Preset, dtype: str | None, gguf_sha256: str) -> None:
     """Mark ``folder`` complete, recording ``gguf_sha256``, the hash measured on the GGUF bytes it was made from,
     and size, fingerprint and sha256 of each of its files (the full hash reads the whole copy once, at conversion,
-    where dequantising took a minute anyway)."""
+    where dequantising took a minute anyway). ``dtype`` is None for the tokenizer alone."""
     files = {f.name: integrity.record(f) for f in _copy_files(folder)}
     marker = {"preset": preset.name, "gguf_sha256": gguf_sha256, "dtype": dtype, "files": files}
     write_atomic(folder / CONVERTED_MARKER, json.dumps(marker, indent=1))
@@ -211,8 +219,9 @@ def status_all() -> list[PresetStatus]:
 def verify(preset: str | Preset, *, cache: str | os.PathLike | None = None, progress: bool = True) -> list[str]:
     """Full check of the preset's cache, reading every byte: the GGUF against the pinned sha256, each converted
     copy's source (the GGUF hash its marker records, measured when it was made, against the pinned one) and its
-    files against the sha256 recorded when the copy was written. Returns one message per problem, naming the file
-    and the fix; empty when everything cached is intact (or nothing is cached). Deletes nothing."""
+    files, and the saved tokenizer's, against the sha256 recorded when the copy was written. Returns one message
+    per problem, naming the file and the fix; empty when everything cached is intact (or nothing is cached).
+    Deletes nothing."""
     preset = get_preset(preset)
     problems = []
     gguf = gguf_path(preset, cache)
@@ -229,10 +238,10 @@ def verify(preset: str | Preset, *, cache: str | os.PathLike | None = None, prog
                 f"{out}: made from a GGUF whose sha256 was {marker.get('gguf_sha256') or 'not measured'}, not the "
                 f"pinned {preset.sha256}; the next load rebuilds it from the installed packages (or delete it)"
             )
-    for dtype in status(preset, cache=cache).converted:
-        out = converted_dir(preset, dtype, cache)
+    copies = [converted_dir(preset, dtype, cache) for dtype in status(preset, cache=cache).converted]
+    for out in [*copies, tokenizer_dir(preset, cache)]:
         record = converted_record(preset, out)
-        if record is None:  # deleted or rewritten since `status` saw it complete
+        if record is None:  # absent, or deleted or rewritten since `status` saw it complete
             continue
         problems += [
             f"{line}; delete {out} and the next load rebuilds it"

@@ -2,8 +2,9 @@
 
 `materialize` concatenates the chunks into the GGUF file and checks its sha256; `load_preset` hashes the GGUF again
 in full, dequantises it through transformers' GGUF loader once per dtype and saves a dense copy, marked with that
-hash, that later loads take in seconds. One process at a time writes into a preset's folder, holding its lock
-(`_writing` says why that is safe); loading what is already in the cache takes no lock.
+hash, that later loads take in seconds; `load_preset_tokenizer` saves the tokenizer alone in the same way. One
+process at a time writes into a preset's folder, holding its lock (`_writing` says why that is safe); loading what
+is already in the cache takes no lock.
 
 This module imports transformers inside functions only.
 """
@@ -37,7 +38,7 @@ from .cache import (
     lock_path,
     mark_converted,
     mark_gguf_verified,
-    status,
+    tokenizer_dir,
 )
 from .presets import ChecksumMismatchError, Preset, PresetError, corrupt_packages, get_preset
 
@@ -249,14 +250,59 @@ def _convert(preset: Preset, gguf: Path, gguf_sha256: str, out: Path, name: str)
 
 
 def load_preset_tokenizer(preset: str | Preset, *, cache: str | os.PathLike | None = None, progress: bool = True):
-    """The preset's tokenizer alone: from any complete cached copy, else from the GGUF header (a few seconds)."""
+    """The preset's tokenizer alone (the llama.cpp backend's), from its copy in the cache, ``tokenizer/``, checked as
+    a converted copy is (``load_preset``). The first load reads it from the GGUF header, about 15 s for the Qwen
+    pair's vocabulary on 2 cores, and saves that copy (the tokenizer a converted copy holds, the same files), which
+    later loads read in about a second. Where the cache cannot take the copy (read-only, full), every load reads the
+    header, with a warning."""
     from transformers import AutoTokenizer
 
     preset = get_preset(preset)
-    for name in status(preset, cache=cache).converted:
-        return AutoTokenizer.from_pretrained(converted_dir(preset, name, cache), trust_remote_code=False)
-    gguf = materialize(preset, cache=cache, progress=progress)
-    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
+    out = tokenizer_dir(preset, cache)
+    record = converted_record(preset, out)
+    if record is None:
+        gguf = materialize(preset, cache=cache, progress=progress)
+        tokenizer = None
+        try:
+            with _writing(out.parent):
+                if converted_record(preset, out) is None:  # else written by the process this one waited for
+                    sha256 = _checked_sha256(preset, gguf, progress)
+                    tokenizer = _header_tokenizer(gguf)
+                    _save_tokenizer(tokenizer, preset, sha256, out)
+        except OSError as error:
+            log.warning("preset %s: cannot keep the tokenizer in %s (%s): reading the GGUF", preset.name, out, error)
+            return tokenizer if tokenizer is not None else _header_tokenizer(gguf)
+        record = converted_record(preset, out)
+        assert record is not None  # written under the lock
+    changed = changed_files(out, record["files"], full=False)
+    if changed:
+        raise ChecksumMismatchError(
+            f"preset {preset.name!r}: the cached tokenizer changed after it was written: {'; '.join(changed)}; "
+            f"delete {out} and the next load saves it again from the GGUF"
+        )
+    return AutoTokenizer.from_pretrained(out, trust_remote_code=False)
+
+
+def _header_tokenizer(gguf: Path):
+    from transformers import AutoTokenizer
+
+    t0 = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
+    log.info("read the tokenizer from the header of %s in %.1f s", gguf.name, time.perf_counter() - t0)
+    return tokenizer
+
+
+def _save_tokenizer(tokenizer, preset: Preset, gguf_sha256: str, out: Path) -> None:
+    """Save ``tokenizer``, read from a GGUF whose bytes hash to ``gguf_sha256``, as the copy ``out`` and mark it. The
+    caller holds the folder's lock."""
+    partial = out.with_name(out.name + PARTIAL)
+    try:
+        tokenizer.save_pretrained(partial)
+        mark_converted(partial, preset, None, gguf_sha256)
+        shutil.rmtree(out, ignore_errors=True)  # a stale or incomplete copy
+        os.replace(partial, out)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def _make_dense(model) -> None:

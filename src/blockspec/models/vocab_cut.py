@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cache import derived_gguf
+from .cache import derived
 
 _SPECIAL_ID = ("bos", "eos", "eot", "eom", "unknown", "padding", "sep", "cls", "mask")  # tokenizer.ggml.<x>_token_id
 _TOKEN_IDS = {f"tokenizer.ggml.{name}_token_id" for name in _SPECIAL_ID}
@@ -72,7 +72,7 @@ def cut_vocabulary(path: Path, keep: int) -> Path:
 
     from ..files import TEMPORARY_SUFFIX
 
-    out = derived_gguf(path, f"vocab{keep}")
+    out = derived(path, f"vocab{keep}.gguf")
     if out.is_file() and ids_file(out).is_file():
         return out
     reader = gguf.GGUFReader(path)

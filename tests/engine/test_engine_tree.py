@@ -237,8 +237,8 @@ def adaptive(monkeypatch, max_draft: int = 3) -> tuple[AdaptiveShape, list[tuple
     shape, chosen = AdaptiveShape(FLAT, max_draft=max_draft, prior=LOW_PRIOR, memory=0.0), []
     choose = shape.choose
 
-    def recorded(batch: int, catch_up: int) -> tuple[int, ...]:
-        chosen.append(choose(batch, catch_up))
+    def recorded(batch: int) -> tuple[int, ...]:
+        chosen.append(choose(batch))
         return chosen[-1]
 
     monkeypatch.setattr(shape, "choose", recorded)
@@ -318,7 +318,7 @@ def test_the_shape_estimator_draws_from_its_own_generator(pair, monkeypatch):
     consumed none of the rows' randomness, nor the global generator's."""
     target, draft = pair
     shape = AdaptiveShape(FLAT, max_draft=6)
-    monkeypatch.setattr(shape, "choose", lambda batch, catch_up: (2, 1, 1))
+    monkeypatch.setattr(shape, "choose", lambda batch: (2, 1, 1))
     static = SpeculativeDecoder(target, draft, tree=(2, 1, 1)).generate(PROMPTS, max_new_tokens=20, seed=5)
     state = torch.get_rng_state()
     adaptive_run = SpeculativeDecoder(target, draft, tree=shape).generate(PROMPTS, max_new_tokens=20, seed=5)

@@ -507,7 +507,7 @@ def _adaptive_shape(config: GenerateConfig, target, draft):
     _status("step latency of these models on this machine (measured on the first run, then cached)")
     latency = latency_probe(target, draft, batch)
     shape = AdaptiveShape(latency, max_draft=config.resolved_max_draft)
-    if shape.choose(batch, catch_up=1):  # at the prior, before any step: the engine starts each call there again
+    if shape.choose(batch):  # at the prior, before any step: the engine starts each call there again
         return shape
     _cannot_pay(latency, batch, "decoding with the target alone", "--tree 2,1,1 drafts a tree anyway", config.backend)
     return None

@@ -98,9 +98,7 @@ class TreeProposer:
         proposal of width 0). An adaptive shape chooses the step's shape first, from earlier steps only."""
         device = self.target.device
         if self.adaptive is not None:
-            seen = self.draft.lengths.tolist()
-            catch_up = max((len(c) - n for c, n in zip(contexts, seen)), default=1)
-            self._lay_out(self.adaptive.choose(len(contexts), catch_up))
+            self._lay_out(self.adaptive.choose(len(contexts)))
         batch, slots = len(contexts), len(self.parent_of)
         depth = room.minimum(torch.tensor([self._draft_room(c) for c in contexts])).clamp(0, len(self.levels) - 1)
         depth = depth.to(device)  # [B]

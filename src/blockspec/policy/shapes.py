@@ -31,9 +31,9 @@ WIDTHS = 4  # alpha_k is estimated for k = 1..WIDTHS candidates per node, the wi
 # in bytes)
 ELEMENTS = 1 << 22
 # AdaptiveShape's starting alpha_1..alpha_4: the bundled pair measures about 0.91, 0.97, 0.98, 0.99 at temperature 1
-# (benchmarks/results/measurements/tree-plan-epyc.json); alpha_1 starts at AdaptiveLength's 0.8, the others as far
-# below the measurement, so that the first steps do not overrate what a wider node adds
-PRIOR = (0.8, 0.86, 0.87, 0.88)
+# (benchmarks/results/measurements/tree-plan-epyc.json); alpha_1 starts at AdaptiveLength's prior, 0.85, the others
+# about 0.11 below the measurement, so that the first steps do not overrate what a wider node adds
+PRIOR = (0.85, 0.86, 0.87, 0.88)
 # The most tokens AdaptiveShape's estimate evaluates candidates on at a position (the rest lumped into one): a top-k
 # rather than a sort of the whole vocabulary, each step
 SUPPORT = 4096
@@ -80,6 +80,15 @@ def expected_accepted(alpha: torch.Tensor, shape: Sequence[int]) -> torch.Tensor
     return alpha[..., depth, width].cumprod(-1).sum(-1)
 
 
+def accepted_whole(alpha: torch.Tensor, shape: Sequence[int]) -> float:
+    """The chance that a step drafting ``shape`` accepts a path down to its deepest level, prod_i alpha[i, k_i - 1]
+    (alpha [d, WIDTHS] as in ``expected_accepted``): then the next step's draft first reads 2 tokens, the last
+    accepted node and the bonus token, else 1. The empty shape: 0."""
+    if not shape:
+        return 0.0
+    return float(alpha[torch.arange(len(shape)), torch.tensor(shape) - 1].prod())
+
+
 def step_cost(shape: Sequence[int], target: Cost, draft: Cost, catch_up: int = 1) -> float:
     """A step's forward costs: the target's over the pending token and the N nodes, and one draft forward per level
     drafted, the first reading the ``catch_up`` tokens the draft has not read, each later one the parents of the level
@@ -95,14 +104,17 @@ def best_shape(
     shapes: Sequence[tuple[int, ...]],
     target: Cost,
     draft: Cost,
-    catch_up: int = 1,
 ) -> tuple[int, ...]:
-    """The shape of ``shapes`` predicted to emit the most tokens per unit of cost, (1 + E) / ``step_cost``. A tree is
-    chosen only where it beats every chain (and the empty shape, if offered) outright: on a tie the chain stays."""
+    """The shape of ``shapes`` predicted to emit the most tokens per unit of cost when drafted step after step:
+    (1 + E) over ``step_cost`` at the catch-up that drafting meets (2 tokens after a step that accepted a whole path,
+    chance ``accepted_whole``, else 1), as ``AdaptiveLength.goodputs`` prices a chain. A tree is chosen only where
+    it beats every chain (and the empty shape, if offered) outright: on a tie the chain stays."""
     alpha = alpha.double().expand(max(map(len, shapes), default=0), -1)
 
     def goodput(shape: tuple[int, ...]) -> float:
-        return (1 + float(expected_accepted(alpha[: len(shape)], shape))) / step_cost(shape, target, draft, catch_up)
+        whole = accepted_whole(alpha[: len(shape)], shape)
+        cost = whole * step_cost(shape, target, draft, 2) + (1 - whole) * step_cost(shape, target, draft, 1)
+        return (1 + float(expected_accepted(alpha[: len(shape)], shape))) / cost
 
     rate = {shape: goodput(shape) for shape in shapes}
     chains = [s for s in shapes if all(k == 1 for k in s)]
@@ -282,16 +294,12 @@ class AdaptiveShape:
         self.alpha = self.prior.clone()
         self.generator.manual_seed(self.seed)
 
-    def choose(self, batch: int, catch_up: int) -> tuple[int, ...]:
-        """The shape this step drafts, before it drafts: ``best_shape`` at this batch size, the draft's first forward
-        priced as while drafting goes on (at most 2 tokens to catch up on, as ``AdaptiveLength.draft_budget``
-        explains); a plain step drifts alpha towards the prior."""
+    def choose(self, batch: int) -> tuple[int, ...]:
+        """The shape this step drafts, before it drafts: ``best_shape`` at this batch size, priced as drafting it step
+        after step, whatever this step's own catch-up (``AdaptiveLength.draft_budget`` says why); a plain step drifts
+        alpha towards the prior."""
         shape = best_shape(
-            self.alpha,
-            self.shapes,
-            lambda n: self.latency.target(batch, n),
-            lambda n: self.latency.draft(batch, n),
-            min(catch_up, 2),
+            self.alpha, self.shapes, lambda n: self.latency.target(batch, n), lambda n: self.latency.draft(batch, n)
         )
         if not shape:
             self.alpha = self.memory * self.alpha + (1 - self.memory) * self.prior

@@ -139,9 +139,9 @@ def log_forwards(models: dict) -> list[tuple[str, int, float]]:
     log = []
     for name, model in models.items():
 
-        def timed(tokens, valid, forward=model.forward, name=name):
+        def timed(tokens, valid, *, last=False, forward=model.forward, name=name):
             start = time.perf_counter()
-            logits = forward(tokens, valid)
+            logits = forward(tokens, valid, last=last)
             log.append((name, tokens.shape[1], time.perf_counter() - start))
             return logits
 

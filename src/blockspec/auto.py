@@ -48,8 +48,9 @@ PROBE_TOKENS = (1, 4)  # a plain step and a short verification
 # loses. The median of 5 resists two slow rounds.
 LATENCY_REPEATS = 5
 # The probes' method, in their cache files' names: a probe cached by an earlier method is measured again.
-# 1: 2 rounds, widths ascending. 2: LATENCY_REPEATS rounds, widths descending (``time_forwards``).
-LATENCY_METHOD = 2
+# 1: 2 rounds, widths ascending. 2: LATENCY_REPEATS rounds, widths descending (``time_forwards``). 3: the draft's
+# forward computes its last position's logits alone, as the draft catching up does (``step_seconds``).
+LATENCY_METHOD = 3
 PROBE_CONTEXT = 128  # cached tokens per row while the step-latency probes time
 BUSY_CORES = 0.25  # other processes' CPU use (in cores) above which a probe is not cached
 
@@ -339,11 +340,12 @@ def time_forwards(
 
 
 def step_seconds(model, step: torch.Tensor, last_only: bool) -> float:
-    """Wall time of ``model.forward(step)`` [B, n] and the processing of its logits (the last position's alone,
-    and a token sampled from it, if ``last_only``), rolling back to the prefilled rows afterwards."""
+    """Wall time of ``model.forward(step)`` [B, n] and the processing of its logits (with ``last_only``, the last
+    position's alone, the only one computed, as for a draft catching up, and a token sampled from it), rolling back
+    to the prefilled rows afterwards."""
     prefilled, valid = model.lengths.clone(), torch.ones_like(step, dtype=torch.bool)
     start = time.perf_counter()
-    logits = model.forward(step, valid)
+    logits = model.forward(step, valid, last=last_only)
     if last_only:
         sample(process(logits[:, -1], SamplingParams()), torch.full((len(step),), 0.5, dtype=torch.float64))
     else:

@@ -196,7 +196,7 @@ def test_the_policy_is_told_how_many_tokens_the_draft_reads_before_drafting(pair
     decoder = SpeculativeDecoder(target, target, rule="block", policy=policy)  # the target drafts: all accepted
     widths = []
     forward = decoder.draft.forward
-    decoder.draft.forward = lambda tokens, valid: widths.append(tokens.shape[1]) or forward(tokens, valid)
+    decoder.draft.forward = lambda tokens, valid, **kw: widths.append(tokens.shape[1]) or forward(tokens, valid, **kw)
     result = decoder.generate(PROMPTS[:1], max_new_tokens=14, sampling=GREEDY, stop_on_eos=False)
     assert result.sequences[0] == reference_greedy(target, PROMPTS[0], 14, eos=None)
     assert policy.catch_ups == [1, 2, 2, 3, 4, 2]

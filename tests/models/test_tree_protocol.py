@@ -39,7 +39,7 @@ from kits.treeforward import (
 )
 
 from blockspec.models import llamacpp
-from blockspec.models.base import TreeLanguageModel
+from blockspec.models.base import TreeLanguageModel, left_pad
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -324,3 +324,21 @@ def test_a_batch_of_no_rows_takes_an_empty_forward_and_tree(adapter):
     assert model.forward_tree(none, none, none.bool()).shape == (0, 3, VOCAB)
     model.commit(torch.zeros(0, 0, dtype=torch.long))
     assert model.lengths.tolist() == []
+
+
+def test_the_last_column_alone_is_that_of_the_whole_forward(adapter):
+    """``forward(..., last=True)``, as a draft catching up calls it (its rows left-padded, of different widths, one
+    reading nothing): the logits of the whole forward's last column, zeros where that slot is a hole, and the same
+    cache after it, so that the next forward is the same."""
+    whole, last = adapter.new(), adapter.new()
+    tokens, valid = left_pad([[20, 21, 22], [23], [], [24, 25]])
+    for model in (whole, last):
+        model.prefill(ROWS)
+    expected = forward(whole, tokens, valid)[:, -1:]
+    got = last.forward(tokens.to(last.device), valid.to(last.device), last=True)
+    assert got.shape == (len(ROWS), 1, VOCAB)
+    adapter.assert_close(got[valid[:, -1]].cpu(), expected[valid[:, -1]].cpu(), "the last column")
+    assert not bool(got[~valid[:, -1]].any())
+    assert last.lengths.tolist() == whole.lengths.tolist()
+    step = torch.tensor([[26], [27], [28], [29]])
+    adapter.assert_close(forward(last, step).cpu(), forward(whole, step).cpu(), "the next forward")

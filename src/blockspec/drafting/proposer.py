@@ -142,7 +142,7 @@ class DraftProposer:
                 tokens, valid = left_pad([u if d else [] for u, d in zip(unseen, drafting.tolist())])
             else:
                 tokens, valid = drafted[:, -1:], drafting[:, None]
-            logits = self.draft.forward(tokens.to(self.draft.device), valid.to(self.draft.device))[:, -1]
+            logits = self.draft.forward(tokens.to(self.draft.device), valid.to(self.draft.device), last=True)[:, -1]
             return probabilities(self.draft, "draft", logits.to(device), self.draft_sampling, self.vocab)  # [B, V]
 
         def choose(position: int, probs: torch.Tensor) -> torch.Tensor:

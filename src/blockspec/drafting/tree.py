@@ -175,7 +175,7 @@ class TreeProposer:
         if level == 0:  # the root: the tokens the draft has not read (1, or 2 after a whole path was accepted)
             seen = self.draft.lengths.tolist()
             unseen, valid = left_pad([c[n:] if d else [] for c, n, d in zip(contexts, seen, drafting.tolist())])
-            logits = self.draft.forward(unseen.to(self.draft.device), valid.to(self.draft.device))[:, -1:]
+            logits = self.draft.forward(unseen.to(self.draft.device), valid.to(self.draft.device), last=True)
         else:  # the nodes at this depth, whose parents the draft read in an earlier forward of this step
             at = torch.tensor(self.levels[level], device=device) - 1  # their columns
             valid = drawn[:, at] & drafting[:, None]

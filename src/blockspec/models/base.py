@@ -28,10 +28,12 @@ class LanguageModel(Protocol):
     def prefill(self, sequences: list[list[int]]) -> None:
         """Start a new batch: one row per sequence, every token of it in the cache (no logits kept)."""
 
-    def forward(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, valid: torch.Tensor, *, last: bool = False) -> torch.Tensor:
         """Append ``tokens`` [B, S] to each row (slots where ``valid`` [B, S] is False are skipped: they take no
-        position and are never attended to) and return their logits [B, S, vocab_size]. The logits of skipped
-        slots are never used but must be finite: the engine checks every logit it is handed for NaN and inf."""
+        position and are never attended to) and return their logits [B, S, vocab_size]; with ``last``, those of the
+        last column alone, [B, 1, vocab_size] (a draft catching up on its rows' unread tokens, left-padded, reads no
+        other: each position's logits cost the output layer's work). The logits of skipped slots are never used but
+        must be finite: the engine checks every logit it is handed for NaN and inf."""
         ...
 
     def rollback(self, lengths: torch.Tensor) -> None:

@@ -102,11 +102,11 @@ class HFModel:
                     self.on_prefill(done, total)
             self._cache.place(rows, part, slot_pos)
 
-    def forward(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, valid: torch.Tensor, *, last: bool = False) -> torch.Tensor:
         self._no_tree_pending("forward")
         if tokens.numel() == 0:
-            return self._no_logits(tokens)
-        return self._run(tokens, valid, logits_to_keep=0)
+            return self._no_logits(tokens[:, -1:] if last else tokens)
+        return self._run(tokens, valid, logits_to_keep=1 if last else 0)
 
     def rollback(self, lengths: torch.Tensor) -> None:
         self._no_tree_pending("rollback")

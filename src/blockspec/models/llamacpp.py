@@ -177,24 +177,27 @@ class LlamaCppModel:
         self._reserve(sum(len(s) for s in sequences), fresh=True)
         self._decode_all()
 
-    def forward(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, valid: torch.Tensor, *, last: bool = False) -> torch.Tensor:
         self._no_tree_pending("forward")
         # The valid slots row-major, in plain Python: at one token a step, torch's per-call cost on tiny tensors
         # would be a measurable share of the step
-        new, positions, row_of = [], [], []
+        new, positions, row_of, outputs = [], [], [], []
+        final = tokens.shape[1] - 1
         for b, (row, kept) in enumerate(zip(tokens.tolist(), valid.tolist(), strict=True)):
             at = len(self._tokens[b])
-            for token, here in zip(row, kept, strict=True):
+            for column, (token, here) in enumerate(zip(row, kept, strict=True)):
                 if here:
                     new.append(token)
                     positions.append(at)
                     row_of.append(b)
+                    outputs.append(not last or column == final)
                     at += 1
         if self.max_length is not None and max(positions, default=-1) >= self.max_length:
             raise ValueError(f"{self.name}: the sequence outgrew the model's context of {self.max_length} tokens")
         self._reserve(len(new))
         sequences = np.array([self._sequences[b] for b in row_of], dtype=np.int32)[:, None]  # [n, 1]
-        logits = self._placed(self._decode(new, positions, sequences, outputs=True), valid)
+        scored = self._decode(new, positions, sequences, outputs=np.array(outputs, dtype=bool))
+        logits = self._placed(scored, valid[:, -1:] if last else valid)
         for b, token in zip(row_of, new, strict=True):
             self._tokens[b].append(token)
         return logits
@@ -427,26 +430,27 @@ class LlamaCppModel:
         positions: list[int],
         sequences: np.ndarray,
         *,
-        outputs: bool,
+        outputs: bool | np.ndarray,
         counts: np.ndarray | None = None,
     ) -> torch.Tensor:
         """``llama_decode`` of ``tokens`` at ``positions``, token i in the sequences ``sequences[i, :counts[i]]``
-        ([n, k] int32; ``counts`` None: the first only), in calls of at most BATCH_TOKENS; their logits
-        [n, vocab_size] if ``outputs``, else an empty tensor."""
+        ([n, k] int32; ``counts`` None: the first only), in calls of at most BATCH_TOKENS; the logits [m, vocab_size]
+        of the m tokens ``outputs`` asks for (all, none, or those where a bool array [n] is True), in order."""
         lib = library()
         if counts is None:
             counts = np.ones(len(tokens), dtype=np.int32)
+        wanted = np.broadcast_to(np.asarray(outputs, dtype=bool), (len(tokens),))
         parts = []
         for start in range(0, len(tokens), BATCH_TOKENS):
             end = min(start + BATCH_TOKENS, len(tokens))
             batch = self._batch.fill(
-                tokens[start:end], positions[start:end], sequences[start:end], counts[start:end], outputs
+                tokens[start:end], positions[start:end], sequences[start:end], counts[start:end], wanted[start:end]
             )
             code = lib.llama_decode(self._context, batch)
             if code != 0:
                 raise RuntimeError(f"{self.name}: llama_decode failed with code {code} on {end - start} tokens")
-            if outputs:  # copied out of llama.cpp's buffer, which the next decode overwrites
-                parts.append(torch.empty(end - start, self.vocab_size))
+            if scored := int(wanted[start:end].sum()):  # copied out of llama.cpp's buffer, which the next decode reuses
+                parts.append(torch.empty(scored, self.vocab_size))
                 ctypes.memmove(parts[-1].data_ptr(), lib.llama_get_logits(self._context), parts[-1].nbytes)
         if len(parts) == 1:  # cat would copy again
             return parts[0]
@@ -518,9 +522,12 @@ class _Batch:
         self.batch.seq_id = self.seq_pointers
         self.batch.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
 
-    def fill(self, tokens: list[int], positions: list[int], sequences: np.ndarray, counts: np.ndarray, outputs: bool):
+    def fill(
+        self, tokens: list[int], positions: list[int], sequences: np.ndarray, counts: np.ndarray, outputs: np.ndarray
+    ):
+        """``outputs`` [n] bool: the tokens whose logits llama.cpp computes."""
         n, width = sequences.shape
-        self.token[:n], self.pos[:n], self.logits[:n] = tokens, positions, int(outputs)
+        self.token[:n], self.pos[:n], self.logits[:n] = tokens, positions, outputs
         self.seq[:n, :width], self.n_seq_id[:n] = sequences, counts
         self.batch.n_tokens = n
         return self.batch

@@ -163,8 +163,8 @@ class VocabularyCut:
     def prefill(self, sequences: list[list[int]]) -> None:
         self.model.prefill([self.reads[torch.as_tensor(s, dtype=torch.long)].tolist() for s in sequences])
 
-    def forward(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        return self._full(self.model.forward(self.reads[tokens], valid))
+    def forward(self, tokens: torch.Tensor, valid: torch.Tensor, *, last: bool = False) -> torch.Tensor:
+        return self._full(self.model.forward(self.reads[tokens], valid, last=last))
 
     def rollback(self, lengths: torch.Tensor) -> None:
         self.model.rollback(lengths)

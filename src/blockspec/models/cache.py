@@ -11,8 +11,7 @@
       tokenizer/                 the tokenizer alone (the llama.cpp backend's), saved from the GGUF header; its
                                  marker is as hf-<dtype>/'s.
     and beside each folder `<preset>.lock`, held by the one process writing into it (`convert`). The llama.cpp
-    backend keeps what it makes from a GGUF file in `llamacpp/` (`derived`): requantized and vocabulary-cut copies,
-    and the tokenizer read from the file's header, saved with `save_pretrained`.
+    backend keeps the GGUF files it makes from another (requantized, vocabulary cut) in `llamacpp/` (`derived_gguf`).
 
 Standard library only: `blockspec models` reads the cache without torch or transformers.
 """
@@ -85,13 +84,13 @@ def dtype_name(dtype: Any) -> str:
 # ------------------------------------------------------------------------------------------- the GGUF file
 
 
-def derived(source: Path, kind: str) -> Path:
-    """Where what llama.cpp's tools or blockspec make from the GGUF file ``source`` goes (``kind``: "q4_0.gguf",
-    "vocab32768.gguf", "tokenizer" for a folder): ``llamacpp/`` in the model cache, named after the source's path,
-    size and mtime, so a changed source makes another copy."""
+def derived_gguf(source: Path, kind: str) -> Path:
+    """Where a GGUF made from ``source`` by llama.cpp's tools or blockspec goes (``kind``: "q4_0", "vocab32768"):
+    ``llamacpp/`` in the model cache, named after the source's path, size and mtime, so a changed source makes
+    another copy."""
     stat = source.stat()
     identity = hashlib.sha256(f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return cache_root() / "llamacpp" / f"{source.stem}-{identity}.{kind}"
+    return cache_root() / "llamacpp" / f"{source.stem}-{identity}.{kind}.gguf"
 
 
 def _gguf_marker(gguf: Path) -> Path:

@@ -41,7 +41,7 @@ import torch
 
 from ..defaults import LLAMACPP_DTYPE, LLAMACPP_QUANTS
 from .base import check_tree, committed_path
-from .cache import derived
+from .cache import derived_gguf
 from .vocab_cut import VocabularyCut, cut_vocabulary, read_cut
 
 log = logging.getLogger(__name__)
@@ -546,7 +546,7 @@ def requantize(path: Path, quant: str) -> Path:
 
     if quant not in QUANTS:
         raise ValueError(f"llama.cpp quantization must be one of {tuple(QUANTS)}, got {quant!r}")
-    out = derived(path, f"{quant}.gguf")
+    out = derived_gguf(path, quant)
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

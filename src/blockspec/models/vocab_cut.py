@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cache import derived
+from .cache import derived_gguf
 
 _SPECIAL_ID = ("bos", "eos", "eot", "eom", "unknown", "padding", "sep", "cls", "mask")  # tokenizer.ggml.<x>_token_id
 _TOKEN_IDS = {f"tokenizer.ggml.{name}_token_id" for name in _SPECIAL_ID}
@@ -72,7 +72,7 @@ def cut_vocabulary(path: Path, keep: int) -> Path:
 
     from ..files import TEMPORARY_SUFFIX
 
-    out = derived(path, f"vocab{keep}.gguf")
+    out = derived_gguf(path, f"vocab{keep}")
     if out.is_file() and ids_file(out).is_file():
         return out
     reader = gguf.GGUFReader(path)

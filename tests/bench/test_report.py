@@ -11,6 +11,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import warnings
 from dataclasses import replace
 from typing import Any
 
@@ -342,6 +343,19 @@ def test_render_writes_tables_and_png_plots(tmp_path):
         assert path.stat().st_size > 0
         if path.suffix == ".png":
             assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_panel_with_nothing_plotted_gets_no_legend_and_no_warning():
+    pytest.importorskip("matplotlib")
+    from blockspec.bench.report.plots import _legend, new_figure
+
+    _, (empty, full) = new_figure(2, "two panels")
+    full.plot([1, 2], [1, 2], label="a line")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib warns on a legend with no labelled artist
+        _legend(empty, 7)
+        _legend(full, 7)
+    assert empty.get_legend() is None and full.get_legend() is not None
 
 
 def test_cli_prints_the_table_and_ends_with_one_json_line(tmp_path, capsys):

@@ -31,7 +31,7 @@ def _k_axis(ax, report: Report, title: str, ylabel: str) -> None:
     """A panel against K: its title and labels, a tick at every K of the report, the legend."""
     ax.set(title=title, xlabel="K (draft length)", ylabel=ylabel)
     ax.set_xticks(sorted({r.max_draft for r in report.rows}))
-    ax.legend(fontsize=7)
+    _legend(ax, 7)
 
 
 def plot_efficiency(report: Report, path: Path) -> Path:
@@ -93,7 +93,7 @@ def plot_accepted(report: Report, path: Path) -> Path:
                     counts = np.array(h.counts, float)
                     ax.bar(np.arange(len(counts)) + offset, counts / counts.sum(), width=0.4, label=name)
         ax.set(title=f"T={temperature:g}, K={max_draft}", xlabel="accepted tokens", ylabel="fraction of steps")
-        ax.legend(fontsize=8)
+        _legend(ax, 8)
     figure.savefig(path, dpi=110)
     return path
 
@@ -144,9 +144,16 @@ def plot_batch(report: Report, path: Path) -> Path:
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [str(b) for b in sizes])
         ax.set(title=f"T={temperature:g}", xlabel="batch size B", ylabel="tokens/s (all rows)")
-        ax.legend(fontsize=7)
+        _legend(ax, 7)
     figure.savefig(path, dpi=110)
     return path
+
+
+def _legend(ax, fontsize: int) -> None:
+    """The panel's legend, where it plotted something labelled (an empty panel gets none, rather than matplotlib's
+    warning that it found nothing to put in a legend)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=fontsize)
 
 
 def _nan(value: float | None) -> float:

@@ -267,6 +267,7 @@ def measure_profile(
     *,
     batch_sizes: tuple[int, ...] = SV_BATCH_SIZES,
     tokens: tuple[int, ...] = (1, 2, 3, 5, 9),
+    draft_tokens: tuple[int, ...] = DRAFT_TOKENS,
     context: int = 160,
     repeats: int = 3,
     progress: bool = True,
@@ -274,12 +275,13 @@ def measure_profile(
     """Time what a step does with each model: a ``forward`` of n tokens per row on B rows of ``context`` cached
     tokens, then the processing of its logits into probabilities at temperature 1 (the target's and the
     companion's at every position, the draft's at the last one, which it also samples from; the draft at n in
-    DRAFT_TOKENS). Median of ``repeats`` after one warm-up round; within a batch size the cells take turns, each
-    model's widest first, so the machine's drift is shared by all of them and no forward is timed right after a
-    much wider one. Token ids are random (seeded), which costs the same as text.
+    ``draft_tokens``, DRAFT_TOKENS unless a caller prices longer catch-ups offline). Median of ``repeats`` after one
+    warm-up round; within a batch size the cells take turns, each model's widest first, so the machine's drift is
+    shared by all of them and no forward is timed right after a much wider one. Token ids are random (seeded), which
+    costs the same as text.
     Each model's batch is replaced by an empty one at the end, so its next prefill starts clean.
     """
-    models = {"target": (target, tokens), "draft": (draft, DRAFT_TOKENS)}
+    models = {"target": (target, tokens), "draft": (draft, draft_tokens)}
     if companion is not None:
         models["companion"] = (companion, tokens)
     tables = time_forwards(models, batch_sizes, context, repeats, progress)

@@ -8,6 +8,7 @@ taken from (<records> is benchmarks/results/<run>/records.jsonl.gz):
     Reproduce: `python benchmarks/llamacpp_compare.py report --out benchmarks/results/<run>`, section "<title>".
     Reproduce: `python benchmarks/draft_layers.py report --out benchmarks/results/<run>`, section "<title>".
     Reproduce: `python benchmarks/argmax_rule.py report --out benchmarks/results/<run>`, section "<title>".
+    Reproduce: `python benchmarks/length_replay.py report --out benchmarks/results/<run>`, section "<title>".
 
 The tests run that command's code path (``blockspec.bench.report.main``, or the benchmark script's ``main``, which
 reads <run>/records.jsonl.gz) on the kept records and require the page's table to equal the section's table line
@@ -36,12 +37,12 @@ PAGE = ROOT / "docs" / "results.md"
 KEPT = ROOT / "benchmarks" / "results"
 COMMAND = re.compile(
     r"^Reproduce: `(?P<command>python -m blockspec\.bench\.report"
-    r"|python benchmarks/(?:vllm_serve|llamacpp_compare|draft_layers|argmax_rule)\.py report)"
+    r"|python benchmarks/(?:vllm_serve|llamacpp_compare|draft_layers|argmax_rule|length_replay)\.py report)"
     r' (?P<args>[^`]+)`, section "(?P<section>[^"]+)"\.$'
 )
 SCRIPTS = {  # the benchmark scripts whose `report --out <run>` prints tables of <run>/records.jsonl.gz
     f"python benchmarks/{name}.py report": name
-    for name in ("vllm_serve", "llamacpp_compare", "draft_layers", "argmax_rule")
+    for name in ("vllm_serve", "llamacpp_compare", "draft_layers", "argmax_rule", "length_replay")
 }
 MACHINE = re.compile(r"^Machine: CPU flags (?P<flags>.+); (?P<threads>\d+) threads\.$", re.M)
 

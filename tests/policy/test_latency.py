@@ -48,6 +48,12 @@ def test_measured_grid_is_as_requested_and_positive(profile):
         assert all(math.isfinite(s) and s > 0 for row in table.seconds for s in row), name
 
 
+def test_the_draft_is_measured_at_the_widths_asked_for():
+    target, draft, _ = tiny_trio()
+    wider = measure(target, draft, None, batch_sizes=(1,), draft_tokens=(1, 8, 16))
+    assert wider.draft.tokens == (1, 8, 16) and wider.target.tokens == TOKENS and wider.companion is None
+
+
 def test_meta_records_models_and_machine(profile):
     assert set(META_FIELDS) <= set(profile.meta)
     meta = profile.meta

@@ -165,7 +165,9 @@ def test_every_from_pretrained_in_the_library_refuses_remote_code():
                     for k in node.keywords
                 )
                 calls.append((f"{source.name}:{node.lineno}", refused))
-    assert len(calls) >= 10 and [call for call, refused in calls if not refused] == []
+    # the scan finds the calls of each module that loads a model or tokenizer from files
+    assert {"load.py", "convert.py"} <= {call.split(":")[0] for call, _ in calls} and len(calls) >= 8
+    assert [call for call, refused in calls if not refused] == []
 
 
 @pytest.fixture(scope="module")

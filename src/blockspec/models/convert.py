@@ -220,14 +220,14 @@ def _convert(preset: Preset, gguf: Path, gguf_sha256: str, out: Path, name: str)
     """Dequantise ``gguf`` (whose bytes hash to ``gguf_sha256``) in dtype ``name``, save it as the copy ``out`` and
     mark it; return (model, tokenizer)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     t0 = time.perf_counter()
     log.info("preset %s: first load, dequantising %s to %s (slow, once per dtype)", preset.name, gguf.name, name)
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, name), trust_remote_code=False
     )
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
+    tokenizer = header_tokenizer(gguf)
     _make_dense(model)
     if preset.eos_token_ids is not None:
         model.generation_config.eos_token_id = list(preset.eos_token_ids)
@@ -267,11 +267,11 @@ def load_preset_tokenizer(preset: str | Preset, *, cache: str | os.PathLike | No
             with _writing(out.parent):
                 if converted_record(preset, out) is None:  # else written by the process this one waited for
                     sha256 = _checked_sha256(preset, gguf, progress)
-                    tokenizer = _header_tokenizer(gguf)
+                    tokenizer = header_tokenizer(gguf)
                     _save_tokenizer(tokenizer, preset, sha256, out)
         except OSError as error:
             log.warning("preset %s: cannot keep the tokenizer in %s (%s): reading the GGUF", preset.name, out, error)
-            return tokenizer if tokenizer is not None else _header_tokenizer(gguf)
+            return tokenizer if tokenizer is not None else header_tokenizer(gguf)
         record = converted_record(preset, out)
         assert record is not None  # written under the lock
     changed = changed_files(out, record["files"], full=False)
@@ -283,7 +283,9 @@ def load_preset_tokenizer(preset: str | Preset, *, cache: str | os.PathLike | No
     return AutoTokenizer.from_pretrained(out, trust_remote_code=False)
 
 
-def _header_tokenizer(gguf: Path):
+def header_tokenizer(gguf: Path):
+    """The tokenizer transformers builds from the header of the GGUF file ``gguf`` (seconds for a large vocabulary:
+    a preset's is kept as a copy, ``load_preset_tokenizer``)."""
     from transformers import AutoTokenizer
 
     t0 = time.perf_counter()

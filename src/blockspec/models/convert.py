@@ -189,12 +189,7 @@ def load_preset(
             if record is None:
                 return _convert(preset, gguf, _checked_sha256(preset, gguf, progress), out, name)
     t0 = time.perf_counter()
-    changed = changed_files(out, record["files"], full=False)
-    if changed:
-        raise ChecksumMismatchError(
-            f"preset {preset.name!r}: the cached {name} copy changed after it was written: "
-            f"{'; '.join(changed)}; delete {out} and the next load rebuilds it from the GGUF"
-        )
+    _check_copy(preset, out, record, f"{name} copy")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -234,17 +229,10 @@ def _convert(preset: Preset, gguf: Path, gguf_sha256: str, out: Path, name: str)
     log.info("preset %s: dequantised in %.1f s", preset.name, time.perf_counter() - t0)
 
     t0 = time.perf_counter()
-    partial = out.with_name(out.name + PARTIAL)
     weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     with _space_for(out.parent, f"the {name} copy of preset {preset.name!r}", weights):
-        try:
-            model.save_pretrained(partial)  # safetensors is the default format in transformers 5
-            tokenizer.save_pretrained(partial)
-            mark_converted(partial, preset, name, gguf_sha256)
-            shutil.rmtree(out, ignore_errors=True)  # a stale or incomplete copy
-            os.replace(partial, out)
-        finally:
-            shutil.rmtree(partial, ignore_errors=True)  # never a half copy: only a complete one is renamed into place
+        # safetensors is the default format in transformers 5
+        _save_copy(out, (model, tokenizer), preset, name, gguf_sha256)
     log.info("preset %s: saved fast-loading copy to %s in %.1f s", preset.name, out, time.perf_counter() - t0)
     return model.eval(), tokenizer
 
@@ -268,18 +256,13 @@ def load_preset_tokenizer(preset: str | Preset, *, cache: str | os.PathLike | No
                 if converted_record(preset, out) is None:  # else written by the process this one waited for
                     sha256 = _checked_sha256(preset, gguf, progress)
                     tokenizer = header_tokenizer(gguf)
-                    _save_tokenizer(tokenizer, preset, sha256, out)
+                    _save_copy(out, (tokenizer,), preset, None, sha256)
         except OSError as error:
             log.warning("preset %s: cannot keep the tokenizer in %s (%s): reading the GGUF", preset.name, out, error)
             return tokenizer if tokenizer is not None else header_tokenizer(gguf)
         record = converted_record(preset, out)
         assert record is not None  # written under the lock
-    changed = changed_files(out, record["files"], full=False)
-    if changed:
-        raise ChecksumMismatchError(
-            f"preset {preset.name!r}: the cached tokenizer changed after it was written: {'; '.join(changed)}; "
-            f"delete {out} and the next load saves it again from the GGUF"
-        )
+    _check_copy(preset, out, record, "tokenizer")
     return AutoTokenizer.from_pretrained(out, trust_remote_code=False)
 
 
@@ -294,13 +277,26 @@ def header_tokenizer(gguf: Path):
     return tokenizer
 
 
-def _save_tokenizer(tokenizer, preset: Preset, gguf_sha256: str, out: Path) -> None:
-    """Save ``tokenizer``, read from a GGUF whose bytes hash to ``gguf_sha256``, as the copy ``out`` and mark it. The
-    caller holds the folder's lock."""
+def _check_copy(preset: Preset, out: Path, record: dict, what: str) -> None:
+    """Raise ChecksumMismatchError where a file of the cached copy ``out`` changed after ``record`` was written (its
+    size or fingerprint: ``changed_files``)."""
+    changed = changed_files(out, record["files"], full=False)
+    if changed:
+        raise ChecksumMismatchError(
+            f"preset {preset.name!r}: the cached {what} changed after it was written: {'; '.join(changed)}; "
+            f"delete {out} and the next load makes it again from the GGUF"
+        )
+
+
+def _save_copy(out: Path, parts, preset: Preset, dtype: str | None, gguf_sha256: str) -> None:
+    """Save ``parts`` (a model and its tokenizer, or a tokenizer alone: dtype None), made from a GGUF whose bytes hash
+    to ``gguf_sha256``, as the copy ``out`` and mark it. Never a half copy: only a complete one is renamed into place.
+    The caller holds the folder's lock."""
     partial = out.with_name(out.name + PARTIAL)
     try:
-        tokenizer.save_pretrained(partial)
-        mark_converted(partial, preset, None, gguf_sha256)
+        for part in parts:
+            part.save_pretrained(partial)
+        mark_converted(partial, preset, dtype, gguf_sha256)
         shutil.rmtree(out, ignore_errors=True)  # a stale or incomplete copy
         os.replace(partial, out)
     finally:

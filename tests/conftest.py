@@ -38,8 +38,8 @@ def devices() -> list[str]:
 @pytest.fixture(autouse=True, scope="session")
 def the_users_model_cache_gains_no_test_copies():
     """Tests must not fill the user's model cache with copies (float32 ones take GBs). They may reuse (or make) the
-    bfloat16 copies the main job makes anyway; anything else, the machine's arithmetic probe and the models'
-    latency probes included, goes to a temporary cache."""
+    bfloat16 copies the main job makes anyway; anything else, the machine's arithmetic probe, the models' latency
+    probes and the tokenizers of GGUF files the tests write included, goes to a temporary cache."""
     from blockspec.models.cache import cache_root
 
     def copies() -> set[Path]:
@@ -48,6 +48,7 @@ def the_users_model_cache_gains_no_test_copies():
             {p for p in root.glob("*/hf-*") if p.name != "hf-bfloat16"}
             | set(root.glob("machine/*"))
             | set(root.glob("sv/*"))
+            | set(root.glob("tokenizers*"))  # the folder and its lock too: a failed read leaves them
         )
 
     before = copies()

@@ -123,3 +123,18 @@ def damage_gguf(good: str | os.PathLike, damaged: str | os.PathLike, how: str) -
     with open(damaged, "wb") as file:
         file.write(edits[how]())
     return str(damaged)
+
+
+def header_reads(monkeypatch) -> list[str]:
+    """The names of the GGUF files whose header transformers reads a tokenizer from, appended to as read."""
+    from transformers import AutoTokenizer
+
+    reads, load = [], AutoTokenizer.from_pretrained
+
+    def counted(folder, *args, **kwargs):
+        if "gguf_file" in kwargs:
+            reads.append(kwargs["gguf_file"])
+        return load(folder, *args, **kwargs)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", counted)
+    return reads

@@ -179,10 +179,12 @@ def good_gguf(tmp_path_factory):
 
 @pytest.mark.parametrize("backend", ["hf", "llamacpp"])
 @pytest.mark.parametrize("how", ["tensor count", "metadata count", "100 bytes", "truncated"])
-def test_a_damaged_gguf_file_is_a_clear_error_naming_it(good_gguf, tmp_path, how, backend):
+def test_a_damaged_gguf_file_is_a_clear_error_naming_it(good_gguf, tmp_path, monkeypatch, how, backend):
     """The loaders fail deep in the parse of such a file (with numpy's or struct's words, naming no file): the error
     names the file and says it is truncated or corrupted."""
     from kits.tinygguf import damage_gguf
+
+    monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path / "cache"))  # where its tokenizer would be kept
 
     path = damage_gguf(good_gguf, tmp_path / "damaged.gguf", how)
     with pytest.raises(ValueError, match=rf"^{path}: not a valid GGUF file; it is truncated or corrupted$"):

@@ -367,18 +367,10 @@ def test_verify_flags_a_copy_made_from_a_gguf_that_was_not_the_pinned_one(conver
 
 def counting_header_reads(monkeypatch) -> list[str]:
     """``fake_dequantiser``, and the list of GGUF files whose header a tokenizer was read from, appended to as read."""
-    from transformers import AutoTokenizer
+    from kits.tinygguf import header_reads
 
     fake_dequantiser(monkeypatch)
-    reads, load = [], AutoTokenizer.from_pretrained
-
-    def counted(folder, *args, **kwargs):
-        if "gguf_file" in kwargs:
-            reads.append(kwargs["gguf_file"])
-        return load(folder, *args, **kwargs)
-
-    monkeypatch.setattr(AutoTokenizer, "from_pretrained", counted)
-    return reads
+    return header_reads(monkeypatch)
 
 
 def test_the_tokenizer_is_read_from_the_gguf_once_then_from_its_copy(fake_install, monkeypatch):

@@ -12,6 +12,9 @@
                                  marker is as hf-<dtype>/'s.
     and beside each folder `<preset>.lock`, held by the one process writing into it (`convert`). The llama.cpp
     backend keeps the GGUF files it makes from another (requantized, vocabulary cut) in `llamacpp/` (`derived_gguf`).
+    The tokenizer of a GGUF file that is no preset's is kept in `tokenizers/<stem>-<hash>/`, named after the sha256 of
+    the file's metadata, where the tokenizer lives (`header_copy_dir`); its marker records that hash, the
+    transformers version that read it and its files as hf-<dtype>/'s does.
 
 Standard library only: `blockspec models` reads the cache without torch or transformers.
 """
@@ -93,6 +96,13 @@ def derived_gguf(source: Path, kind: str) -> Path:
     return cache_root() / "llamacpp" / f"{source.stem}-{identity}.{kind}.gguf"
 
 
+def header_copy_dir(gguf: Path, metadata_sha256: str) -> Path:
+    """Where the tokenizer read from the header of the GGUF file ``gguf`` (not a preset's) is kept: named after the
+    sha256 of its metadata (``integrity.metadata_sha256``), so a file whose tokenizer changes gets another copy and
+    one moved to another folder keeps its copy."""
+    return cache_root() / "tokenizers" / f"{gguf.stem}-{metadata_sha256[:16]}"
+
+
 def _gguf_marker(gguf: Path) -> Path:
     return gguf.with_name(gguf.name + ".verified.json")
 
@@ -128,13 +138,12 @@ def _copy_files(folder: Path) -> list[Path]:
     return sorted(f for f in folder.iterdir() if f.is_file() and f.name != CONVERTED_MARKER)
 
 
-def mark_converted(folder: Path, preset: Preset, dtype: str | None, gguf_sha256: str) -> None:
-    """Mark ``folder`` complete, recording ``gguf_sha256``, the hash measured on the GGUF bytes it was made from,
-    and size, fingerprint and sha256 of each of its files (the full hash reads the whole copy once, at conversion,
-    where dequantising took a minute anyway). ``dtype`` is None for the tokenizer alone."""
+def mark_copy(folder: Path, **source: str | None) -> None:
+    """Mark ``folder`` complete, recording what it was made from (``source``: for a preset's copy, the sha256
+    measured on the GGUF bytes it was made from) and each of its files' size, fingerprint and sha256 (the full hash
+    reads the whole copy once, when it is made, where dequantising took a minute anyway)."""
     files = {f.name: integrity.record(f) for f in _copy_files(folder)}
-    marker = {"preset": preset.name, "gguf_sha256": gguf_sha256, "dtype": dtype, "files": files}
-    write_atomic(folder / CONVERTED_MARKER, json.dumps(marker, indent=1))
+    write_atomic(folder / CONVERTED_MARKER, json.dumps({**source, "files": files}, indent=1))
 
 
 def _converted_marker(out: Path) -> dict | None:
@@ -149,10 +158,16 @@ def converted_record(preset: Preset, out: Path) -> dict | None:
     pinned sha256 (a copy of another GGUF is stale, and so is one whose marker records no measured hash: it was
     made from a GGUF nobody hashed just before, maybe one rotten since it was cached) and recording its files'
     hashes (a copy whose marker has none is rebuilt: nothing known-good remains to check it against)."""
+    return copy_record(out, gguf_sha256=preset.sha256)
+
+
+def copy_record(out: Path, **source: str) -> dict | None:
+    """The marker of the copy ``out`` if the copy is complete, made from ``source`` (each key's recorded value is
+    the one given) and records its files."""
     marker = _converted_marker(out)
-    if marker is None or marker.get("gguf_sha256") != preset.sha256 or not isinstance(marker.get("files"), dict):
+    if marker is None or not isinstance(marker.get("files"), dict):
         return None
-    return marker
+    return marker if all(marker.get(key) == value for key, value in source.items()) else None
 
 
 def changed_files(out: Path, recorded: dict, *, full: bool, progress: bool = False) -> list[str]:

@@ -2,9 +2,10 @@
 
 `materialize` concatenates the chunks into the GGUF file and checks its sha256; `load_preset` hashes the GGUF again
 in full, dequantises it through transformers' GGUF loader once per dtype and saves a dense copy, marked with that
-hash, that later loads take in seconds; `load_preset_tokenizer` saves the tokenizer alone in the same way. One
-process at a time writes into a preset's folder, holding its lock (`_writing` says why that is safe); loading what
-is already in the cache takes no lock.
+hash, that later loads take in seconds; `load_preset_tokenizer` saves the tokenizer alone in the same way, and
+`gguf_tokenizer` the tokenizer of a GGUF file that is no preset's. One process at a time writes into a preset's
+folder (or `tokenizers/`), holding its lock (`_writing` says why that is safe); loading what is already in the cache
+takes no lock.
 
 This module imports transformers inside functions only.
 """
@@ -19,7 +20,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +33,13 @@ from .cache import (
     changed_files,
     converted_dir,
     converted_record,
+    copy_record,
     dtype_name,
     gguf_path,
     gguf_verified,
+    header_copy_dir,
     lock_path,
-    mark_converted,
+    mark_copy,
     mark_gguf_verified,
     tokenizer_dir,
 )
@@ -189,7 +192,7 @@ def load_preset(
             if record is None:
                 return _convert(preset, gguf, _checked_sha256(preset, gguf, progress), out, name)
     t0 = time.perf_counter()
-    _check_copy(preset, out, record, f"{name} copy")
+    _check_copy(f"preset {preset.name!r}", out, record, f"{name} copy")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -232,7 +235,7 @@ def _convert(preset: Preset, gguf: Path, gguf_sha256: str, out: Path, name: str)
     weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     with _space_for(out.parent, f"the {name} copy of preset {preset.name!r}", weights):
         # safetensors is the default format in transformers 5
-        _save_copy(out, (model, tokenizer), preset, name, gguf_sha256)
+        _save_copy(out, (model, tokenizer), {"preset": preset.name, "gguf_sha256": gguf_sha256, "dtype": name})
     log.info("preset %s: saved fast-loading copy to %s in %.1f s", preset.name, out, time.perf_counter() - t0)
     return model.eval(), tokenizer
 
@@ -243,32 +246,70 @@ def load_preset_tokenizer(preset: str | Preset, *, cache: str | os.PathLike | No
     pair's vocabulary on 2 cores, and saves that copy (the tokenizer a converted copy holds, the same files), which
     later loads read in about a second. Where the cache cannot take the copy (read-only, full), every load reads the
     header, with a warning."""
-    from transformers import AutoTokenizer
-
     preset = get_preset(preset)
     out = tokenizer_dir(preset, cache)
-    record = converted_record(preset, out)
-    if record is None:
-        gguf = materialize(preset, cache=cache, progress=progress)
+    kept = converted_record(preset, out) is not None  # else the GGUF is needed: hashed in full before it is read
+    gguf = gguf_path(preset, cache) if kept else materialize(preset, cache=cache, progress=progress)
+    return _kept_tokenizer(
+        out,
+        f"preset {preset.name!r}",
+        lambda: converted_record(preset, out),
+        lambda: {"preset": preset.name, "gguf_sha256": _checked_sha256(preset, gguf, progress), "dtype": None},
+        lambda: header_tokenizer(gguf),
+    )
+
+
+def gguf_tokenizer(gguf: Path):
+    """The tokenizer of the GGUF file ``gguf`` (one that is no preset's) as transformers reads it from the header,
+    kept in the cache as a preset's is (``load_preset_tokenizer``) under the sha256 of the file's metadata, where the
+    tokenizer lives (``cache.header_copy_dir``): a file whose metadata changes gets a copy of its own, and no load
+    takes a tokenizer from another file's. A file this reader cannot parse is read by transformers every time."""
+    from transformers import __version__ as transformers_version
+
+    metadata = integrity.metadata_sha256(gguf)
+    if metadata is None:  # transformers' reader says what is wrong with it, or reads what this one does not know
+        return header_tokenizer(gguf)
+    out = header_copy_dir(gguf, metadata)
+    source = {"gguf_metadata_sha256": metadata, "transformers": transformers_version}
+    return _kept_tokenizer(
+        out, gguf.name, lambda: copy_record(out, **source), lambda: source, lambda: header_tokenizer(gguf)
+    )
+
+
+def _kept_tokenizer(
+    out: Path,
+    label: str,
+    record: Callable[[], dict | None],
+    source: Callable[[], dict[str, Any]],
+    read: Callable[[], Any],
+):
+    """The tokenizer kept in the cache folder ``out``, checked as a converted copy is. Where none is kept there
+    (``record()``, its marker, is None), ``read()`` one from the GGUF header and keep it, marked as made from
+    ``source()`` (measured first, under the folder's lock); where the cache cannot take it (read-only, full), the
+    one read, with a warning."""
+    from transformers import AutoTokenizer
+
+    marker = record()
+    if marker is None:
         tokenizer = None
         try:
             with _writing(out.parent):
-                if converted_record(preset, out) is None:  # else written by the process this one waited for
-                    sha256 = _checked_sha256(preset, gguf, progress)
-                    tokenizer = header_tokenizer(gguf)
-                    _save_copy(out, (tokenizer,), preset, None, sha256)
+                if record() is None:  # else written by the process this one waited for
+                    made_from = source()
+                    tokenizer = read()
+                    _save_copy(out, (tokenizer,), made_from)
         except OSError as error:
-            log.warning("preset %s: cannot keep the tokenizer in %s (%s): reading the GGUF", preset.name, out, error)
-            return tokenizer if tokenizer is not None else header_tokenizer(gguf)
-        record = converted_record(preset, out)
-        assert record is not None  # written under the lock
-    _check_copy(preset, out, record, "tokenizer")
+            log.warning("%s: cannot keep the tokenizer in %s (%s): reading the GGUF", label, out, error)
+            return tokenizer if tokenizer is not None else read()
+        marker = record()
+        assert marker is not None  # written under the lock
+    _check_copy(label, out, marker, "tokenizer")
     return AutoTokenizer.from_pretrained(out, trust_remote_code=False)
 
 
 def header_tokenizer(gguf: Path):
     """The tokenizer transformers builds from the header of the GGUF file ``gguf`` (seconds for a large vocabulary:
-    a preset's is kept as a copy, ``load_preset_tokenizer``)."""
+    loads keep it as a copy, ``load_preset_tokenizer`` and ``gguf_tokenizer``)."""
     from transformers import AutoTokenizer
 
     t0 = time.perf_counter()
@@ -277,26 +318,26 @@ def header_tokenizer(gguf: Path):
     return tokenizer
 
 
-def _check_copy(preset: Preset, out: Path, record: dict, what: str) -> None:
+def _check_copy(label: str, out: Path, record: dict, what: str) -> None:
     """Raise ChecksumMismatchError where a file of the cached copy ``out`` changed after ``record`` was written (its
     size or fingerprint: ``changed_files``)."""
     changed = changed_files(out, record["files"], full=False)
     if changed:
         raise ChecksumMismatchError(
-            f"preset {preset.name!r}: the cached {what} changed after it was written: {'; '.join(changed)}; "
+            f"{label}: the cached {what} changed after it was written: {'; '.join(changed)}; "
             f"delete {out} and the next load makes it again from the GGUF"
         )
 
 
-def _save_copy(out: Path, parts, preset: Preset, dtype: str | None, gguf_sha256: str) -> None:
-    """Save ``parts`` (a model and its tokenizer, or a tokenizer alone: dtype None), made from a GGUF whose bytes hash
-    to ``gguf_sha256``, as the copy ``out`` and mark it. Never a half copy: only a complete one is renamed into place.
-    The caller holds the folder's lock."""
+def _save_copy(out: Path, parts, source: dict) -> None:
+    """Save ``parts`` (a model and its tokenizer, or a tokenizer alone) as the copy ``out`` and mark it as made from
+    ``source`` (``cache.mark_copy``). Never a half copy: only a complete one is renamed into place. The caller holds
+    the folder's lock."""
     partial = out.with_name(out.name + PARTIAL)
     try:
         for part in parts:
             part.save_pretrained(partial)
-        mark_converted(partial, preset, dtype, gguf_sha256)
+        mark_copy(partial, **source)
         shutil.rmtree(out, ignore_errors=True)  # a stale or incomplete copy
         os.replace(partial, out)
     finally:

@@ -596,7 +596,7 @@ def load_llamacpp(
     every token id. ``quant`` (one of QUANTS) runs a requantized copy (``requantize``); ``vocabulary`` a copy whose
     vocabulary is cut to that many tokens and their special tokens, as a model of the full vocabulary (a cheaper
     draft: ``vocab_cut``)."""
-    from .convert import header_tokenizer, load_preset_tokenizer, materialize
+    from .convert import gguf_tokenizer, load_preset_tokenizer, materialize
     from .presets import PRESETS
 
     if name_or_path in PRESETS:
@@ -608,7 +608,7 @@ def load_llamacpp(
         if not os.path.isfile(name_or_path):
             raise FileNotFoundError(f"no GGUF file at {name_or_path}")
         path = Path(name_or_path).resolve()
-        tokenizer, eos = header_tokenizer(path), None
+        tokenizer, eos = gguf_tokenizer(path), None
     else:
         raise ValueError(
             f"the llama.cpp backend runs GGUF files: {name_or_path!r} is neither a preset nor a .gguf file "

@@ -130,7 +130,7 @@ def load_model(
         raise ValueError(f"quant must be one of {QUANTS}, on the CPU only; got {quant!r} on {target_device}")
     from transformers import AutoModelForCausalLM
 
-    from .convert import header_tokenizer, load_preset
+    from .convert import gguf_tokenizer, load_preset
     from .hf import HFModel
     from .quant import quantize
 
@@ -144,7 +144,7 @@ def load_model(
             model = AutoModelForCausalLM.from_pretrained(
                 folder, gguf_file=file, dtype=torch_dtype, trust_remote_code=False
             )
-            tokenizer = header_tokenizer(Path(folder, file))
+            tokenizer = gguf_tokenizer(Path(folder, file))
     elif os.path.isdir(name_or_path) or allow_download or hub_snapshot(name_or_path) is not None:
         folder = name_or_path if os.path.isdir(name_or_path) else _hub_config_folder(name_or_path, allow_download)
         if folder is not None:

@@ -110,6 +110,32 @@ def test_generate_by_default_drafts_by_lookup_alone_where_no_draft_pays_and_says
     assert "--target-quant" not in capsys.readouterr().err  # llama.cpp runs the GGUF's own types
 
 
+def test_a_draft_of_another_vocabulary_is_refused_before_its_costs_are_measured(
+    tiny_pair, tmp_path, monkeypatch, capsys
+):
+    """The default draft with a target of another family: no step could use it, so it is refused at once, with the
+    way out, instead of after a probe of its costs (about 40 s for the bundled draft) that ends in lookup alone."""
+    from kits.tiny import tiny_tokenizer
+
+    from blockspec import auto
+
+    def no_probe(*args):
+        raise AssertionError("the draft's costs were measured")
+
+    monkeypatch.setattr(auto, "latency_probe", no_probe)
+    draft = tmp_path / "other-draft"
+    tiny_model(vocab=20).save_pretrained(draft)
+    tiny_tokenizer(20).save_pretrained(draft)
+    target = tiny_pair[0]
+    argv = ["generate", "--target", target, "--draft", str(draft), "--dtype", "float32", "--max-new-tokens", "4", "ab"]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "blockspec: error: draft and target tokenizers differ: speculative decoding needs a shared vocabulary "
+        f"(draft {draft}, target {target}; --draft none decodes with the target alone) (run with --debug for the "
+        "traceback)"
+    )
+
+
 @pytest.mark.slow  # a subprocess or thousands of rows: the full suite runs it
 @pytest.mark.parametrize("drafter", ["lookup", "lookup+model", None])
 def test_generate_with_prompt_lookup_gives_the_greedy_text_of_the_target(tiny_pair, drafter):

@@ -210,6 +210,7 @@ def config_from(args) -> GenerateConfig:
 def generate(config: GenerateConfig) -> int:
     from ..checks import check_stop_strings, check_text, row_seeds
     from ..drafting import PromptLookup
+    from ..models.base import check_shared_vocabulary, target_vocabulary
     from ..models.chat import encode_prompt
     from ..models.load import load_model, refuse_model_code, resolve_backend, resolve_device
     from ..policy.shapes import AdaptiveShape
@@ -268,6 +269,14 @@ def generate(config: GenerateConfig) -> int:
                 backend=config.backend,
             )
     target, draft = models["target"], models.get("draft")
+    if draft is not None:  # before its costs are measured: a draft of another vocabulary is never of use
+        try:
+            check_shared_vocabulary(target, draft, target_vocabulary(target), "draft")
+        except ValueError as error:
+            raise ValueError(
+                f"{error} (draft {config.draft}, target {config.target}; --draft {NO_DRAFT} decodes with the target "
+                "alone)"
+            ) from error
     policy, companion = None, None
     if config.policy == "sv":
         policy, companion = sv.build_policy(config, target, sampling)

@@ -45,6 +45,19 @@ def tiny_config(tmp_path_factory):
     )
 
 
+def test_a_draft_of_another_vocabulary_is_refused_before_any_run(tiny_config, tmp_path):
+    """Every run with it would fail: refused once, naming both models, not recorded run by run as failures."""
+    from kits.tiny import tiny_model, tiny_tokenizer
+
+    draft = tmp_path / "other-draft"
+    tiny_model(vocab=20).save_pretrained(draft)
+    tiny_tokenizer(20).save_pretrained(draft)
+    config = replace(tiny_config, draft=str(draft), configs=("target-only", "block"), out=tmp_path / "out")
+    with pytest.raises(ValueError, match=rf"^the draft \({re.escape(str(draft))}.*different tokenizers"):
+        runner.run(config, progress=False)
+    assert not (config.out / runner.RECORDS).exists()
+
+
 def test_plan_interleaves_configurations_prompt_by_prompt_with_one_seed_per_prompt():
     config = runner.BenchConfig(max_drafts=(2, 4), temperatures=(1.0, 0.0), seed=7)
     runs = runner.plan(config, {"a": [("a/0", [1]), ("a/1", [2])], "b": [("b/0", [3])]})

@@ -367,6 +367,7 @@ def run(config: BenchConfig, *, progress: bool = True) -> Path:
 
 def _run(config: BenchConfig, progress: bool) -> Path:
     from ..auto import choose_arithmetic
+    from ..models.base import check_shared_vocabulary, target_vocabulary
     from ..models.chat import encode_prompt
     from ..models.load import load_model, resolve_backend, resolve_device
     from . import datasets
@@ -410,6 +411,8 @@ def _run(config: BenchConfig, progress: bool) -> Path:
         )
         for quant in {draft_quant_of(name, arithmetic) for name in config.configs if name not in NO_DRAFT}
     }
+    for draft in drafts.values():  # before any run: with a draft of another vocabulary, every run would fail
+        check_shared_vocabulary(target, draft, target_vocabulary(target), "draft")
     if downloads:
         resolved = store_settings(config, found, provenance.resolve(config, backend, dtype, arithmetic))
     prompts = {

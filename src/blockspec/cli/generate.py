@@ -273,10 +273,7 @@ def generate(config: GenerateConfig) -> int:
         try:
             check_shared_vocabulary(target, draft, target_vocabulary(target), "draft")
         except ValueError as error:
-            raise ValueError(
-                f"{error} (draft {config.draft}, target {config.target}; --draft {NO_DRAFT} decodes with the target "
-                "alone)"
-            ) from error
+            raise ValueError(f"{error}; --draft {NO_DRAFT} decodes with the target alone") from error
     policy, companion = None, None
     if config.policy == "sv":
         policy, companion = sv.build_policy(config, target, sampling)

@@ -242,7 +242,10 @@ def check_shared_vocabulary(target: LanguageModel, model: LanguageModel, vocab: 
     the target's law would silently lose the ids it cannot propose or score."""
     if target.tokenizer is not None and model.tokenizer is not None:
         if target.tokenizer.get_vocab() != model.tokenizer.get_vocab():
-            raise ValueError(f"{role} and target tokenizers differ: speculative decoding needs a shared vocabulary")
+            raise ValueError(
+                f"the {role} ({model_name(model)}) and the target ({model_name(target)}) have different tokenizers: "
+                "speculative decoding needs a shared vocabulary"
+            )
     elif model.vocab_size != target.vocab_size:
         raise ValueError(
             f"{role} has {model.vocab_size} logits and target {target.vocab_size}, and without tokenizers "

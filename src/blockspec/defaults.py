@@ -3,6 +3,9 @@
 Stdlib only (no torch), so ``blockspec --help`` lists them instantly.
 """
 
+# The logging level of the messages that announce slow work done once and kept in the model cache (a tokenizer read
+# from a GGUF header, a requantized or dequantized copy): between INFO and WARNING, so the CLI shows them by default
+NOTICE = 25
 TARGET = "qwen2.5-coder-1.5b"  # the bundled pair: a preset name (blockspec.models.presets)
 DRAFT = "qwen2.5-coder-0.5b"
 DTYPES = ("bfloat16", "float16", "float32")  # model weights and activations

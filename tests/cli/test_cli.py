@@ -137,6 +137,24 @@ def test_a_draft_of_another_vocabulary_is_refused_before_its_costs_are_measured(
 
 
 @pytest.mark.slow  # a subprocess or thousands of rows: the full suite runs it
+def test_slow_work_done_once_is_announced_before_it_starts(tmp_path):
+    """Reading a tokenizer from a GGUF header (about 15 s for the bundled pair's vocabulary), requantizing or
+    dequantizing a model: the command says so before, without --verbose, so a first run is not minutes of silence.
+    Here the file holds a tokenizer and no model, so llama.cpp fails on it next."""
+    from kits.tinygguf import tokenizer_gguf
+
+    path = tokenizer_gguf(tmp_path / "tokenizer-only.gguf")
+    env = {**os.environ, "BLOCKSPEC_CACHE": str(tmp_path / "cache")}
+    argv = ["generate", "--target", str(path), "--draft", "none", "--backend", "llamacpp", "hi"]
+    done = subprocess.run([sys.executable, "-m", "blockspec.cli", *argv], capture_output=True, text=True, env=env)
+    lines = done.stderr.splitlines()
+    notice = "blockspec.models.convert: reading the tokenizer from the header of tokenizer-only.gguf"
+    assert done.returncode == 2 and lines[-1].startswith("blockspec: error: llama.cpp could not load")
+    assert any(line.startswith(notice) for line in lines), done.stderr
+    assert not any("read the tokenizer from the header" in line for line in lines)  # INFO, shown with --verbose
+
+
+@pytest.mark.slow  # a subprocess or thousands of rows: the full suite runs it
 @pytest.mark.parametrize("drafter", ["lookup", "lookup+model", None])
 def test_generate_with_prompt_lookup_gives_the_greedy_text_of_the_target(tiny_pair, drafter):
     target, draft = tiny_pair

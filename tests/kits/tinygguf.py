@@ -10,6 +10,7 @@ symbols, same ids, and no merge that ever applies (see ``_DEAD_MERGE``)."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import gguf
 import torch
@@ -138,3 +139,28 @@ def header_reads(monkeypatch) -> list[str]:
 
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", counted)
     return reads
+
+
+def tokenizer_gguf(path: Path, eos: str = "<eos>") -> Path:
+    """A GGUF file holding a byte-level BPE tokenizer of six tokens (one merge, "a b", and the end token ``eos``) in
+    its metadata, as transformers reads one, and no tensor."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(path, "qwen2")
+    writer.add_context_length(64)
+    writer.add_embedding_length(8)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(16)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(1)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(["\u0120", "a", "b", "c", "ab", eos])
+    writer.add_token_types([gguf.TokenType.NORMAL] * 5 + [gguf.TokenType.CONTROL])
+    writer.add_token_merges(["a b"])
+    writer.add_eos_token_id(5)
+    writer.add_add_bos_token(False)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -14,7 +14,7 @@ from pathlib import Path
 import gguf
 import pytest
 from kits.tiny import tiny_model
-from kits.tinygguf import damage_gguf, header_reads, save_gguf
+from kits.tinygguf import damage_gguf, header_reads, save_gguf, tokenizer_gguf
 
 from blockspec.models import convert, integrity
 from blockspec.models.cache import header_copy_dir
@@ -34,31 +34,6 @@ def tiny_gguf(tmp_path_factory) -> Path:
     """A tiny model as llama.cpp runs it (its tokenizer, with a merge that never fires, is not one transformers
     reads)."""
     return Path(save_gguf(tiny_model(), tmp_path_factory.mktemp("gguf") / "tiny.gguf"))
-
-
-def tokenizer_gguf(path: Path, eos: str = "<eos>") -> Path:
-    """A GGUF file holding a byte-level BPE tokenizer of six tokens (one merge, "a b", and the end token ``eos``) in
-    its metadata, as transformers reads one, and no tensor."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(path, "qwen2")
-    writer.add_context_length(64)
-    writer.add_embedding_length(8)
-    writer.add_block_count(1)
-    writer.add_feed_forward_length(16)
-    writer.add_head_count(2)
-    writer.add_head_count_kv(1)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(["\u0120", "a", "b", "c", "ab", eos])
-    writer.add_token_types([gguf.TokenType.NORMAL] * 5 + [gguf.TokenType.CONTROL])
-    writer.add_token_merges(["a b"])
-    writer.add_eos_token_id(5)
-    writer.add_add_bos_token(False)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 @pytest.fixture

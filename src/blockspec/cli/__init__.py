@@ -12,6 +12,7 @@ import os
 import select
 import sys
 
+from ..defaults import NOTICE
 from . import align, bench, env, generate, models, sv
 
 EXIT_STATUS = """exit status:
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     --debug, as the usual traceback."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO if args.verbose else NOTICE, format="%(name)s: %(message)s")
     try:
         return args.run(args)
     except KeyboardInterrupt:

@@ -26,6 +26,7 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
+from ..defaults import NOTICE
 from ..files import TEMPORARY_SUFFIX
 from . import integrity, presets
 from .cache import (
@@ -137,7 +138,8 @@ def _concatenate(preset: Preset, gguf: Path, progress: bool) -> str:
     if total != preset.size:  # fail before copying a gigabyte
         raise corrupt_packages(preset, "size (bytes)", preset.size, total)
     partial = gguf.with_name(gguf.name + PARTIAL)
-    log.info("preset %s: concatenating %d chunk(s), %d bytes, into %s", preset.name, len(chunks), total, gguf)
+    size = _size(total)
+    log.log(NOTICE, "preset %s: concatenating %d chunk(s), %s, into %s (once)", preset.name, len(chunks), size, gguf)
     t0 = time.perf_counter()
     digest = hashlib.sha256()
     bar = integrity.progress_bar(total, f"{preset.name}: concatenating", progress)
@@ -221,7 +223,7 @@ def _convert(preset: Preset, gguf: Path, gguf_sha256: str, out: Path, name: str)
     from transformers import AutoModelForCausalLM
 
     t0 = time.perf_counter()
-    log.info("preset %s: first load, dequantising %s to %s (slow, once per dtype)", preset.name, gguf.name, name)
+    log.log(NOTICE, "preset %s: dequantising %s to %s (about a minute, once per dtype)", preset.name, gguf.name, name)
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, name), trust_remote_code=False
     )
@@ -312,6 +314,7 @@ def header_tokenizer(gguf: Path):
     loads keep it as a copy, ``load_preset_tokenizer`` and ``gguf_tokenizer``)."""
     from transformers import AutoTokenizer
 
+    log.log(NOTICE, "reading the tokenizer from the header of %s (seconds for a large vocabulary)", gguf.name)
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
     log.info("read the tokenizer from the header of %s in %.1f s", gguf.name, time.perf_counter() - t0)

@@ -39,7 +39,7 @@ from typing import Any, overload
 import numpy as np
 import torch
 
-from ..defaults import LLAMACPP_DTYPE, LLAMACPP_QUANTS
+from ..defaults import LLAMACPP_DTYPE, LLAMACPP_QUANTS, NOTICE
 from .base import check_tree, committed_path
 from .cache import derived_gguf
 from .vocab_cut import VocabularyCut, cut_vocabulary, read_cut
@@ -555,7 +555,7 @@ def requantize(path: Path, quant: str) -> Path:
     params.ftype = params.output_tensor_type = params.token_embedding_type = QUANTS[quant]
     params.allow_requantize, params.nthread = True, torch.get_num_threads()
     partial = out.with_name(f"{out.name}.{secrets.token_hex(4)}{TEMPORARY_SUFFIX}")  # concurrent runs each write own
-    log.info("requantizing %s to %s (once)", path.name, quant)
+    log.log(NOTICE, "requantizing %s to %s (once: kept as %s)", path.name, quant, out)
     try:
         if lib.llama_model_quantize(str(path).encode(), str(partial).encode(), ctypes.byref(params)) != 0:
             raise RuntimeError(f"llama.cpp could not requantize {path} to {quant}")

@@ -20,6 +20,7 @@ in rare tokens, which a cut draft can neither read nor propose), so nothing cuts
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 from pathlib import Path
@@ -27,7 +28,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..defaults import NOTICE
 from .cache import derived_gguf
+
+log = logging.getLogger(__name__)
 
 _SPECIAL_ID = ("bos", "eos", "eot", "eom", "unknown", "padding", "sep", "cls", "mask")  # tokenizer.ggml.<x>_token_id
 _TOKEN_IDS = {f"tokenizer.ggml.{name}_token_id" for name in _SPECIAL_ID}
@@ -75,6 +79,7 @@ def cut_vocabulary(path: Path, keep: int) -> Path:
     out = derived_gguf(path, f"vocab{keep}")
     if out.is_file() and ids_file(out).is_file():
         return out
+    log.log(NOTICE, "cutting the vocabulary of %s to %d tokens (once: kept as %s)", path.name, keep, out)
     reader = gguf.GGUFReader(path)
     tokens = [str(t) for t in reader.fields["tokenizer.ggml.tokens"].contents()]
     types = np.asarray(reader.fields["tokenizer.ggml.token_type"].contents())

@@ -360,6 +360,24 @@ def test_bench_passes_allow_download_and_retry_failed_to_its_config(monkeypatch)
     assert (plain.allow_download, plain.retry_failed) == (preset.allow_download, preset.retry_failed) == (False, False)
 
 
+def test_models_lists_what_else_the_cache_holds_and_its_size(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path))
+    (tmp_path / "llamacpp").mkdir()
+    (tmp_path / "llamacpp" / "draft-0123.q4_0.gguf").write_bytes(bytes(3 << 20))
+    (tmp_path / "tokenizers" / "mine-4567").mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "tokenizers" / "mine-4567" / name).write_bytes(bytes(1024))
+    (tmp_path / "sv").mkdir()  # empty: not listed
+    assert cli.main(["models"]) == 0
+    also = [line for line in capsys.readouterr().out.splitlines() if line.startswith("also cached: ")]
+    assert also == [
+        f"also cached: {tmp_path}/llamacpp/, 1 file(s), 3.0 MiB: GGUF files made from others (requantized, "
+        "vocabulary cut); made again when needed",
+        f"also cached: {tmp_path}/tokenizers/, 2 file(s), 2.0 KiB: tokenizers read from the headers of GGUF files "
+        "of your own; read again when needed",
+    ]
+
+
 def test_models_verify_hashes_the_cache_and_fails_on_a_mismatch(monkeypatch, capsys):
     from blockspec.models import cache, presets
 

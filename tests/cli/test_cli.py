@@ -179,7 +179,7 @@ def test_generate_with_prompt_lookup_gives_the_greedy_text_of_the_target(tiny_pa
     # lookup alone takes its lengths from its own settings; lookup+model's model rows follow the default policy,
     # unless this machine's probe finds that no draft pays on the tiny models: lookup alone then
     alone = drafter == "lookup" or "so drafting by prompt lookup alone" in spec.stderr
-    assert ("[block, lookup alone, up to 32" if alone else "[block, auto K=") in spec.stderr
+    assert ("[block, lookup alone, up to 32" if alone else "[block, auto K=8 or lookup up to 32, ") in spec.stderr
     assert "prompt lookup in" in spec.stderr and "prompt lookup in" not in plain.stderr
     if drafter:
         refused = run("generate", "--drafter", drafter, "--policy", "sv", *common)

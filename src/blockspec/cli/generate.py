@@ -330,8 +330,10 @@ def generate(config: GenerateConfig) -> int:
         shape = f"tree {','.join(map(str, tree))} ({decoder.max_draft} nodes)"
     elif decoder.draft is None and decoder.lookup is not None:  # lookup alone: --drafter lookup, or no K paid
         shape = f"lookup alone, up to {decoder.lookup.max_draft}"
-    else:
-        shape = f"{config.policy} K={decoder.max_draft}"
+    else:  # the model's K; lookup, where it is beside the model, proposes up to its own limit
+        shape = f"{config.policy} K={decoder.policy.max_draft}"
+        if decoder.lookup is not None:
+            shape += f" or lookup up to {decoder.lookup.max_draft}"
     if decoder.lookup is not None:  # the share of row steps that verified a lookup proposal instead of a draft
         shape += f", prompt lookup in {result.lookup_rate:.0%} of steps"
     print(

@@ -61,9 +61,11 @@ def eos_renamed(data: bytes) -> bytes:
 
 
 def kept_copy(path: Path) -> Path:
+    import transformers
+
     metadata = integrity.metadata_sha256(path)
     assert metadata is not None
-    return header_copy_dir(path, metadata)
+    return header_copy_dir(path, metadata, transformers.__version__)
 
 
 # --- the metadata's hash ------------------------------------------------------------------------------------------
@@ -87,12 +89,30 @@ def test_the_metadata_hash_covers_the_metadata_and_nothing_after_it(tiny_gguf, t
         lambda d: d[:20],  # shorter than the header
         lambda d: d[:16] + (1 << 40).to_bytes(8, "little") + d[24:],  # more metadata than the file holds
         lambda d: d[:300],  # cut inside the metadata
+        None,  # cut one byte before the metadata's end
+        lambda d: d[:16] + (1 << 63).to_bytes(8, "little") + d[24:],  # 2**63 keys
     ],
-    ids=["text", "version 1", "20 bytes", "metadata count", "cut in the metadata"],
+    ids=["text", "version 1", "20 bytes", "metadata count", "cut in the metadata", "one byte short", "2**63 keys"],
 )
 def test_no_metadata_hash_for_what_is_not_a_whole_gguf_header(tiny_gguf, tmp_path, edit):
-    assert 300 < metadata_end(tiny_gguf)
+    end = metadata_end(tiny_gguf)
+    assert 300 < end
+    edit = edit or (lambda d: d[: end - 1])
     assert integrity.metadata_sha256(copy_with(tiny_gguf, tmp_path / "bad.gguf", edit)) is None
+
+
+def test_no_metadata_hash_for_lengths_past_any_file(tmp_path):
+    """A string of 2**63 bytes, an array of 2**62 strings, arrays nested past Python's recursion limit: None, fast,
+    not an overflow or a recursion error."""
+    head = b"GGUF" + (3).to_bytes(4, "little") + (0).to_bytes(8, "little") + (1).to_bytes(8, "little")
+    key = (1).to_bytes(8, "little") + b"k"
+    string = (8).to_bytes(4, "little") + (1 << 63).to_bytes(8, "little")
+    strings = (9).to_bytes(4, "little") + (8).to_bytes(4, "little") + (1 << 62).to_bytes(8, "little")
+    nested = (9).to_bytes(4, "little") + ((9).to_bytes(4, "little") + (1).to_bytes(8, "little")) * 5000
+    for n, value in enumerate((string, strings + bytes(64), nested)):
+        path = tmp_path / f"{n}.gguf"
+        path.write_bytes(head + key + value)
+        assert integrity.metadata_sha256(path) is None
 
 
 # --- the kept tokenizer -------------------------------------------------------------------------------------------
@@ -131,12 +151,32 @@ def test_a_copy_read_by_another_transformers_version_is_made_again(tokens_gguf, 
 
     reads = header_reads(monkeypatch)
     convert.gguf_tokenizer(tokens_gguf)
+    first = kept_copy(tokens_gguf)
     monkeypatch.setattr(transformers, "__version__", "0.0.1")
     convert.gguf_tokenizer(tokens_gguf)
     convert.gguf_tokenizer(tokens_gguf)
     assert reads == ["tok.gguf", "tok.gguf"]
     out = kept_copy(tokens_gguf)
+    assert out != first and first.is_dir()  # an environment sharing the cache keeps its own copy
     assert json.loads((out / "blockspec-preset.json").read_text())["transformers"] == "0.0.1"
+
+
+def test_a_file_rewritten_while_its_tokenizer_is_read_keeps_no_copy(tokens_gguf, cache, monkeypatch, tmp_path):
+    """What was read may be the old file's tokenizer or the new one's: neither is kept under the hash taken before."""
+    from transformers import AutoTokenizer
+
+    load = AutoTokenizer.from_pretrained
+
+    def rewritten_meanwhile(folder, *args, **kwargs):
+        tokenizer = load(folder, *args, **kwargs)
+        if "gguf_file" in kwargs:
+            tokenizer_gguf(tokens_gguf, eos="<eot>")
+        return tokenizer
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", rewritten_meanwhile)
+    with pytest.raises(ValueError, match="tok.gguf changed while its tokenizer was read; load it again"):
+        convert.gguf_tokenizer(tokens_gguf)
+    assert list((cache / "tokenizers").iterdir()) == []
 
 
 def test_a_changed_copy_is_refused_not_loaded(tokens_gguf, cache):

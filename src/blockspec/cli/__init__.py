@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     --debug, as the usual traceback."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    logging.addLevelName(NOTICE, "NOTICE")
     logging.basicConfig(level=logging.INFO if args.verbose else NOTICE, format="%(name)s: %(message)s")
     try:
         return args.run(args)

@@ -248,7 +248,8 @@ def check_shared_vocabulary(target: LanguageModel, model: LanguageModel, vocab: 
             )
     elif model.vocab_size != target.vocab_size:
         raise ValueError(
-            f"{role} has {model.vocab_size} logits and target {target.vocab_size}, and without tokenizers "
+            f"the {role} ({model_name(model)}) has {model.vocab_size} logits and the target ({model_name(target)}) "
+            f"{target.vocab_size}, and without tokenizers "
             "blockspec cannot check they share a vocabulary"
         )
     if model.vocab_size < vocab:

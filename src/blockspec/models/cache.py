@@ -96,11 +96,12 @@ def derived_gguf(source: Path, kind: str) -> Path:
     return cache_root() / "llamacpp" / f"{source.stem}-{identity}.{kind}.gguf"
 
 
-def header_copy_dir(gguf: Path, metadata_sha256: str) -> Path:
-    """Where the tokenizer read from the header of the GGUF file ``gguf`` (not a preset's) is kept: named after the
-    sha256 of its metadata (``integrity.metadata_sha256``), so a file whose tokenizer changes gets another copy and
-    one moved to another folder keeps its copy."""
-    return cache_root() / "tokenizers" / f"{gguf.stem}-{metadata_sha256[:16]}"
+def header_copy_dir(gguf: Path, metadata_sha256: str, reader: str) -> Path:
+    """Where the tokenizer that transformers ``reader`` (its version) read from the header of the GGUF file ``gguf``
+    (not a preset's) is kept: named after the sha256 of the file's metadata (``integrity.metadata_sha256``) and the
+    version, so a file whose tokenizer changes gets another copy, one moved to another folder keeps its copy, and
+    two environments sharing the cache do not rewrite each other's."""
+    return cache_root() / "tokenizers" / f"{gguf.stem}-{metadata_sha256[:16]}-transformers-{reader}"
 
 
 def _gguf_marker(gguf: Path) -> Path:
@@ -252,10 +253,19 @@ def other_folders(cache: str | os.PathLike | None = None) -> list[tuple[Path, in
     root = Path(cache).expanduser() if cache is not None else cache_root()
     found = []
     for name, what in OTHER_FOLDERS.items():
-        files = [f for f in (root / name).rglob("*") if f.is_file()]
-        if files:
-            found.append((root / name, len(files), sum(f.stat().st_size for f in files), what))
+        sizes = [size for f in (root / name).rglob("*") if (size := _file_size(f)) is not None]
+        if sizes:
+            found.append((root / name, len(sizes), sum(sizes), what))
     return found
+
+
+def _file_size(path: Path) -> int | None:
+    """The size of the file ``path``; None for a folder, or a file gone since it was listed (a temporary one renamed
+    by a process writing into the cache)."""
+    try:
+        return path.stat().st_size if path.is_file() else None
+    except FileNotFoundError:
+        return None
 
 
 def verify(preset: str | Preset, *, cache: str | os.PathLike | None = None, progress: bool = True) -> list[str]:

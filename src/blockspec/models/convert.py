@@ -262,17 +262,23 @@ def gguf_tokenizer(gguf: Path):
     """The tokenizer of the GGUF file ``gguf`` (one that is no preset's) as transformers reads it from the header,
     kept in the cache as a preset's is (``load_preset_tokenizer``) under the sha256 of the file's metadata, where the
     tokenizer lives (``cache.header_copy_dir``): a file whose metadata changes gets a copy of its own, and no load
-    takes a tokenizer from another file's. A file this reader cannot parse is read by transformers every time."""
+    takes a tokenizer from another file's. A file this reader cannot parse is read by transformers every time; one
+    rewritten while its tokenizer was read is a ValueError (what was read may be neither file's)."""
     from transformers import __version__ as transformers_version
 
     metadata = integrity.metadata_sha256(gguf)
     if metadata is None:  # transformers' reader says what is wrong with it, or reads what this one does not know
         return header_tokenizer(gguf)
-    out = header_copy_dir(gguf, metadata)
+    out = header_copy_dir(gguf, metadata, transformers_version)
     source = {"gguf_metadata_sha256": metadata, "transformers": transformers_version}
-    return _kept_tokenizer(
-        out, gguf.name, lambda: copy_record(out, **source), lambda: source, lambda: header_tokenizer(gguf)
-    )
+
+    def read():
+        tokenizer = header_tokenizer(gguf)
+        if integrity.metadata_sha256(gguf) != metadata:  # since it was hashed, before the lock was taken
+            raise ValueError(f"{gguf} changed while its tokenizer was read; load it again once it is written")
+        return tokenizer
+
+    return _kept_tokenizer(out, gguf.name, lambda: copy_record(out, **source), lambda: source, read)
 
 
 def _kept_tokenizer(
@@ -284,8 +290,8 @@ def _kept_tokenizer(
 ):
     """The tokenizer kept in the cache folder ``out``, checked as a converted copy is. Where none is kept there
     (``record()``, its marker, is None), ``read()`` one from the GGUF header and keep it, marked as made from
-    ``source()`` (measured first, under the folder's lock); where the cache cannot take it (read-only, full), the
-    one read, with a warning."""
+    ``source()`` (asked for under the folder's lock, before the read); where the cache cannot take it (read-only,
+    full), the one read, with a warning."""
     from transformers import AutoTokenizer
 
     marker = record()

@@ -118,27 +118,30 @@ def metadata_sha256(path: str | os.PathLike) -> str | None:
                     end = _gguf_value_end(view, end, _GGUF_STRING)  # the key
                     (kind,) = struct.unpack_from("<I", view, end)
                     end = _gguf_value_end(view, end + 4, kind)
-            except (struct.error, ValueError):
-                return None
-            if end > len(view):
+            except (struct.error, ValueError, RecursionError):  # defects past the file's end, or nested without end
                 return None
             return hashlib.sha256(view[:end]).hexdigest()
 
 
 def _gguf_value_end(view: mmap.mmap, offset: int, kind: int) -> int:
-    """Where the GGUF metadata value of type ``kind`` that starts at ``offset`` ends."""
+    """Where the GGUF metadata value of type ``kind`` that starts at ``offset`` ends; ValueError where it would end
+    past the file's end."""
     if kind in _GGUF_SCALAR:
-        return offset + _GGUF_SCALAR[kind]
-    if kind == _GGUF_STRING:
-        return offset + 8 + struct.unpack_from("<Q", view, offset)[0]
-    if kind != _GGUF_ARRAY:
+        end = offset + _GGUF_SCALAR[kind]
+    elif kind == _GGUF_STRING:
+        end = offset + 8 + struct.unpack_from("<Q", view, offset)[0]
+    elif kind == _GGUF_ARRAY:
+        item, count = struct.unpack_from("<IQ", view, offset)
+        end = offset + 12
+        if item in _GGUF_SCALAR:
+            end += count * _GGUF_SCALAR[item]
+        elif count > (len(view) - end) // 8:  # every string or array takes 8 bytes at least
+            raise ValueError("an array of more items than the file holds")
+        else:
+            for _ in range(count):
+                end = _gguf_value_end(view, end, item)
+    else:
         raise ValueError(f"unknown GGUF value type {kind}")
-    item, count = struct.unpack_from("<IQ", view, offset)
-    offset += 12
-    if item in _GGUF_SCALAR:
-        return offset + count * _GGUF_SCALAR[item]
-    for _ in range(count):
-        offset = _gguf_value_end(view, offset, item)
-        if offset > len(view):
-            raise ValueError("metadata runs past the end of the file")
-    return offset
+    if end > len(view):
+        raise ValueError("metadata runs past the end of the file")
+    return end

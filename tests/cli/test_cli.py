@@ -46,12 +46,15 @@ def test_help_is_instant_and_shows_examples():
 
 def test_generate_defaults_come_from_one_place():
     args = cli.build_parser().parse_args(["generate", "hi"])
-    assert (args.target, args.draft, args.rule, args.max_draft) == (
+    config = generate_cli.config_from(args)
+    assert (config.target, config.draft, config.draft_given, config.rule, config.max_draft) == (
         "qwen2.5-coder-1.5b",
         "qwen2.5-coder-0.5b",
+        False,
         "block",
         None,
     )
+    assert generate_cli.config_from(cli.build_parser().parse_args(["generate", "--draft", "none", "hi"])).draft is None
     assert (args.temperature, args.top_k, args.top_p, args.dtype, args.chat) == (1.0, 0, 1.0, "auto", True)
     assert (args.policy, args.draft_quant, args.target_quant) == ("auto", "auto", "none")
 
@@ -110,11 +113,9 @@ def test_generate_by_default_drafts_by_lookup_alone_where_no_draft_pays_and_says
     assert "--target-quant" not in capsys.readouterr().err  # llama.cpp runs the GGUF's own types
 
 
-def test_a_draft_of_another_vocabulary_is_refused_before_its_costs_are_measured(
-    tiny_pair, tmp_path, monkeypatch, capsys
-):
-    """The default draft with a target of another family: no step could use it, so it is refused at once, with the
-    way out, instead of after a probe of its costs (about 40 s for the bundled draft) that ends in lookup alone."""
+@pytest.fixture
+def other_vocabulary_draft(tmp_path, monkeypatch) -> str:
+    """A tiny draft whose vocabulary is not the tiny target's; the draft's costs must not be measured."""
     from kits.tiny import tiny_tokenizer
 
     from blockspec import auto
@@ -126,14 +127,41 @@ def test_a_draft_of_another_vocabulary_is_refused_before_its_costs_are_measured(
     draft = tmp_path / "other-draft"
     tiny_model(vocab=20).save_pretrained(draft)
     tiny_tokenizer(20).save_pretrained(draft)
-    target = tiny_pair[0]
-    argv = ["generate", "--target", target, "--draft", str(draft), "--draft-quant", "none", "--dtype", "float32", "ab"]
+    return str(draft)
+
+
+def test_a_draft_of_another_vocabulary_is_refused_before_its_costs_are_measured(
+    tiny_pair, other_vocabulary_draft, capsys
+):
+    """A draft given with a target of another family: no step could use it, so it is refused at once, with the way
+    out, instead of after a probe of its costs (about 40 s for the bundled draft) that ends in lookup alone."""
+    target, draft = tiny_pair[0], other_vocabulary_draft
+    argv = ["generate", "--target", target, "--draft", draft, "--draft-quant", "none", "--dtype", "float32", "ab"]
     assert cli.main(argv) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"blockspec: error: the draft ({draft}) and the target ({target}) have different tokenizers: speculative "
         "decoding needs a shared vocabulary; --draft none decodes with the target alone (run with --debug for the "
         "traceback)"
     )
+
+
+def test_the_default_draft_of_another_vocabulary_is_left_out_with_a_note(
+    tiny_pair, other_vocabulary_draft, monkeypatch, capsys
+):
+    """`generate --target <a model of another family>` without --draft: the default draft cannot draft for it, and
+    the user did not ask for it, so the run goes on without it (prompt lookup alone, the target's greedy text), saying
+    so; with --tree, which needs a draft model, it is refused as a given one is."""
+    monkeypatch.setattr(generate_cli.defaults, "DRAFT", other_vocabulary_draft)
+    target = tiny_pair[0]
+    common = ["--target", target, "--dtype", "float32", "--max-new-tokens", "8", "--temperature", "0", "--no-chat"]
+    assert cli.main(["generate", *common, "ab ab ab"]) == 0
+    out, err = capsys.readouterr()
+    assert f"the default draft {other_vocabulary_draft} does not share the vocabulary of {target}: left out" in err
+    assert err.splitlines()[-1].startswith("[block, lookup alone, up to 32, ")
+    assert cli.main(["generate", *common, "--draft", "none", "ab ab ab"]) == 0
+    assert out == capsys.readouterr().out and out.strip()
+    assert cli.main(["generate", *common, "--tree", "2,1", "ab ab ab"]) == 2
+    assert "have different tokenizers" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # a subprocess or thousands of rows: the full suite runs it

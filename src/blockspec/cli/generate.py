@@ -43,6 +43,7 @@ class GenerateConfig:
     prompts: tuple[str, ...]
     target: str
     draft: str | None  # None: no draft model (the target alone, or prompt lookup alone)
+    draft_given: bool  # False: the default draft, dropped with a note where its vocabulary is not the target's
     rule: str
     max_draft: int | None  # None: the policy's default
     temperature: float
@@ -98,8 +99,8 @@ def add_parser(sub) -> None:
     )
     gen.add_argument(
         "--draft",
-        default=defaults.DRAFT,
-        help=f"the small model that proposes tokens; {NO_DRAFT}: the target alone (default: %(default)s)",
+        help=f"the small model that proposes tokens; {NO_DRAFT}: the target alone (default: {defaults.DRAFT}, "
+        "left out where its vocabulary is not the target's)",
     )
     gen.add_argument(
         "--rule",
@@ -198,10 +199,12 @@ def run(args) -> int:
 
 def config_from(args) -> GenerateConfig:
     """The ``GenerateConfig`` of parsed ``generate`` arguments (the prompt from stdin if none is given)."""
-    given = {f.name for f in fields(GenerateConfig)} - {"prompts", "draft", "stop"}  # the flags named as the fields
+    given = {f.name for f in fields(GenerateConfig)} - {"prompts", "draft", "draft_given", "stop"}  # flags as fields
+    draft = defaults.DRAFT if args.draft is None else args.draft
     return GenerateConfig(
         prompts=tuple(args.prompts) or (sys.stdin.read(),),
-        draft=None if args.draft == NO_DRAFT else args.draft,
+        draft=None if draft == NO_DRAFT else draft,
+        draft_given=args.draft is not None,
         stop=tuple(args.stop),
         **{name: getattr(args, name) for name in given},
     )
@@ -272,8 +275,11 @@ def generate(config: GenerateConfig) -> int:
     if draft is not None:  # before its costs are measured: a draft of another vocabulary is never of use
         try:
             check_shared_vocabulary(target, draft, target_vocabulary(target), "draft")
-        except ValueError as error:
-            raise ValueError(f"{error}; --draft {NO_DRAFT} decodes with the target alone") from error
+        except ValueError as error:  # the default draft is left out where the run needs no draft model
+            if config.draft_given or config.policy == "sv" or config.tree is not None or config.paths is not None:
+                raise ValueError(f"{error}; --draft {NO_DRAFT} decodes with the target alone") from error
+            _status(f"the default draft {config.draft} does not share the vocabulary of {config.target}: left out")
+            draft = None
     policy, companion = None, None
     if config.policy == "sv":
         policy, companion = sv.build_policy(config, target, sampling)

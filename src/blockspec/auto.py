@@ -29,7 +29,7 @@ from . import machine
 from .defaults import ADAPTIVE_MAX_DRAFT, LOOKUP_MAX_DRAFT, SV_BATCH_SIZES
 from .files import write_atomic
 from .models.base import model_name
-from .models.cache import cache_root
+from .models.cache import PROBES, cache_root
 from .policy import AdaptiveLength, LatencyTable
 from .policy.latency import DRAFT_TOKENS, LatencyProfile, dtype_name, kernels, table_dict, table_from_dict
 from .policy.profiles import latency_path, sv_dir
@@ -161,7 +161,7 @@ def _measured_once(path: Path, refresh: bool, load, measure, save, what: str):
 
 def _probe_path(key: dict) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_root() / "machine" / f"probe-{digest}.json"
+    return cache_root() / PROBES / f"probe-{digest}.json"
 
 
 @torch.inference_mode()

@@ -12,9 +12,10 @@
                                  marker is as hf-<dtype>/'s.
     and beside each folder `<preset>.lock`, held by the one process writing into it (`convert`). The llama.cpp
     backend keeps the GGUF files it makes from another (requantized, vocabulary cut) in `llamacpp/` (`derived_gguf`).
-    The tokenizer of a GGUF file that is no preset's is kept in `tokenizers/<stem>-<hash>/`, named after the sha256 of
-    the file's metadata, where the tokenizer lives (`header_copy_dir`); its marker records that hash, the
-    transformers version that read it and its files as hf-<dtype>/'s does.
+    The tokenizer of a GGUF file that is no preset's is kept in `tokenizers/<stem>-<hash>-transformers-<version>/`,
+    named after the sha256 of the file's metadata, where the tokenizer lives, and the transformers version that read
+    it (`header_copy_dir`); its marker records both and its files as hf-<dtype>/'s does. `sv/` holds measured step
+    latencies and SV profiles, `machine/` the arithmetic probe (`OTHER_FOLDERS`).
 
 Standard library only: `blockspec models` reads the cache without torch or transformers.
 """
@@ -34,6 +35,8 @@ from .presets import PRESETS, Preset, PresetError, get_preset, missing_packages
 
 CACHE_ENV = "BLOCKSPEC_CACHE"
 DEFAULT_CACHE = "~/.cache/blockspec"
+# the folders of the cache beside the presets' ones (OTHER_FOLDERS says what each holds)
+DERIVED, TOKENIZERS, PROFILES, PROBES = "llamacpp", "tokenizers", "sv", "machine"
 CONVERTED_MARKER = "blockspec-preset.json"  # written last in hf-<dtype>/: its presence means the copy is complete
 _DTYPES = {
     "bfloat16": "bfloat16",
@@ -93,7 +96,7 @@ def derived_gguf(source: Path, kind: str) -> Path:
     another copy."""
     stat = source.stat()
     identity = hashlib.sha256(f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return cache_root() / "llamacpp" / f"{source.stem}-{identity}.{kind}.gguf"
+    return cache_root() / DERIVED / f"{source.stem}-{identity}.{kind}.gguf"
 
 
 def header_copy_dir(gguf: Path, metadata_sha256: str, reader: str) -> Path:
@@ -101,7 +104,7 @@ def header_copy_dir(gguf: Path, metadata_sha256: str, reader: str) -> Path:
     (not a preset's) is kept: named after the sha256 of the file's metadata (``integrity.metadata_sha256``) and the
     version, so a file whose tokenizer changes gets another copy, one moved to another folder keeps its copy, and
     two environments sharing the cache do not rewrite each other's."""
-    return cache_root() / "tokenizers" / f"{gguf.stem}-{metadata_sha256[:16]}-transformers-{reader}"
+    return cache_root() / TOKENIZERS / f"{gguf.stem}-{metadata_sha256[:16]}-transformers-{reader}"
 
 
 def _gguf_marker(gguf: Path) -> Path:
@@ -239,12 +242,11 @@ def size_text(size: int) -> str:
     return f"{size / 2**10:.1f} KiB"
 
 
-# The folders of the cache beside the presets' ones, and what they hold
-OTHER_FOLDERS = {
-    "llamacpp": "GGUF files made from others (requantized, vocabulary cut); made again when needed",
-    "tokenizers": "tokenizers read from the headers of GGUF files of your own; read again when needed",
-    "sv": "measured step latencies (measured again when needed) and Speculative Verification profiles",
-    "machine": "the machine's arithmetic probe; measured again when needed",
+OTHER_FOLDERS = {  # what each folder beside the presets' ones holds
+    DERIVED: "GGUF files made from others (requantized, vocabulary cut); made again when needed",
+    TOKENIZERS: "tokenizers read from the headers of GGUF files of your own; read again when needed",
+    PROFILES: "measured step latencies (measured again when needed) and Speculative Verification profiles",
+    PROBES: "the machine's arithmetic probe; measured again when needed",
 }
 
 

@@ -28,7 +28,7 @@ import json
 import re
 from pathlib import Path
 
-from ..models.cache import cache_root
+from ..models.cache import PROFILES, cache_root
 from ..models.identity import fingerprint
 from ..models.presets import PRESETS
 
@@ -39,7 +39,7 @@ _DIGEST = 16  # hex digits of the digest that ends a profile's file name
 
 def sv_dir() -> Path:
     """Where profiles go by default: ``sv/`` in the model cache (``$BLOCKSPEC_CACHE`` or ~/.cache/blockspec)."""
-    return cache_root() / "sv"
+    return cache_root() / PROFILES
 
 
 def sampling_key(sampling) -> dict:

@@ -35,15 +35,17 @@ def devices() -> list[str]:
     return ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 
-@pytest.fixture(autouse=True, scope="session")
-def the_users_model_cache_gains_no_test_copies():
+@pytest.fixture(autouse=True, scope="module")
+def the_users_model_cache_gains_no_test_copies(request):
     """Tests must not fill the user's model cache with copies (float32 ones take GBs). They may reuse (or make) the
     bfloat16 copies the main job makes anyway; anything else, the machine's arithmetic probe, the models' latency
-    probes and the tokenizers of GGUF files the tests write included, goes to a temporary cache."""
+    probes and the tokenizers of GGUF files the tests write included, goes to a temporary cache. Checked after each
+    module, which the failure names (a folder a fresh machine lacks is seen there only)."""
     from blockspec.models.cache import cache_root
 
+    root = cache_root()  # the user's: set up before any fixture that points BLOCKSPEC_CACHE elsewhere
+
     def copies() -> set[Path]:
-        root = cache_root()
         return (
             {p for p in root.glob("*/hf-*") if p.name != "hf-bfloat16"}
             | set(root.glob("machine/*"))
@@ -54,7 +56,7 @@ def the_users_model_cache_gains_no_test_copies():
     before = copies()
     yield
     added = copies() - before
-    assert not added, f"the tests wrote into the user's model cache: {sorted(map(str, added))}"
+    assert not added, f"{request.module.__name__} wrote into the user's model cache: {sorted(map(str, added))}"
 
 
 @pytest.fixture(scope="module")

@@ -247,10 +247,11 @@ def test_code_in_a_model_folder_never_runs_even_when_stdin_trusts_it(tmp_path, c
 
 
 @pytest.mark.parametrize("how", ["tensor count", "metadata count", "100 bytes", "truncated"])
-def test_a_damaged_gguf_file_is_one_line_naming_it_and_exit_2(tmp_path, capsys, how):
+def test_a_damaged_gguf_file_is_one_line_naming_it_and_exit_2(tmp_path, monkeypatch, capsys, how):
     from kits.tiny import tiny_model
     from kits.tinygguf import damage_gguf, save_gguf
 
+    monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path / "cache"))  # its tokenizer's copy is tried there, and fails
     good = save_gguf(tiny_model(), tmp_path / "good.gguf")
     damaged = damage_gguf(good, tmp_path / "damaged.gguf", how)
     assert cli.main(["generate", "--target", damaged, "--draft", "none", "--dtype", "float32", "hello"]) == 2

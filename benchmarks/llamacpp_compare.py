@@ -306,8 +306,10 @@ def run_key(record: dict) -> tuple:
 
 def report(records: list[dict]) -> None:
     """The tables: the target alone against llama-bench (run before and after the runs in earlier records, prompt
-    by prompt since); per temperature and prompt group, every row against the target alone on the same prompts;
-    block against token verification on the same drafts."""
+    by prompt since); per temperature and dataset, every row against the llama-bench run beside it (or, in a run
+    without llama-bench rows, against the target alone); per temperature and prompt group, every row against the
+    target alone on the same prompts; block against token verification on the same drafts, where a run has block
+    rows."""
     runs = [r for r in records if "temperature" in r]
     flags = sorted({" ".join(r["cpu_flags"]) for r in records})
     builds = sorted({r["llamacpp_build"] for r in records if "llamacpp_build" in r})  # not in earlier records
@@ -342,6 +344,8 @@ def report(records: list[dict]) -> None:
             )
     if paired:
         against_llama_bench(runs, {run_key(r): r["tok_s"] for r in paired}, alone)
+    else:
+        per_dataset(runs, alone)
     groups = {
         "prompts grounded in their input (humaneval-edit, pydoc-qa)": ("humaneval-edit", "pydoc-qa"),
         "other prompts": None,
@@ -363,17 +367,25 @@ def report(records: list[dict]) -> None:
                     f"{statistics.median(r['tok_s'] for r in these):.2f} | {interval(ratios)} | "
                     f"{mean_of(these, 'accepted_per_step')} | {mean_of(these, 'drafted_per_step')} |"
                 )
+    scored = [r for r in runs if "expected_block" in r]
+    if scored:
+        block_against_token(runs, scored)
+
+
+def block_against_token(runs: list[dict], scored: list[dict]) -> None:
+    """Per temperature, each block row's analytic accepted tokens per step under both rules on its own drafts
+    (``scored``: the runs that scored them), and its measured ones against llama.cpp's own rule on the same prompts."""
     print("\n## block against token verification, and against llama.cpp's own rule\n")
     print(
         "| T | row | runs | analytic accepted / step token | block | analytic gain | measured accepted / step | "
         "llama.cpp-spec accepted / step | block / llama.cpp |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
-    for temperature in sorted({r["temperature"] for r in runs}):
+    for temperature in sorted({r["temperature"] for r in scored}):
         spec = [r for r in runs if r["row"] == "llama.cpp-spec" and r["temperature"] == temperature]
         own = {run_key(r): r["accepted_per_step"] for r in spec}
         for row in ("llamacpp-block", "llamacpp-block-q4", "llamacpp-block-q4-cut"):
-            these = [r for r in runs if r["row"] == row and r["temperature"] == temperature and "expected_block" in r]
+            these = [r for r in scored if r["row"] == row and r["temperature"] == temperature]
             if not these:
                 continue
             token = statistics.fmean(r["expected_token"] for r in these)
@@ -411,6 +423,26 @@ def against_llama_bench(runs: list[dict], bench: dict, alone: dict) -> None:
                     f"{statistics.median(r['tok_s'] for r in these):.2f} | "
                     f"{interval([r['tok_s'] / bench[run_key(r)] for r in these])} | "
                     f"{interval([r['tok_s'] / alone[run_key(r)] for r in these])} |"
+                )
+
+
+def per_dataset(runs: list[dict], alone: dict) -> None:
+    """Every row against blockspec's target alone on the same prompt, temperature and seed, per temperature and
+    dataset: the table against llama-bench gives these figures beside its own where a run has llama-bench rows."""
+    print("\n## every row against the target alone, per dataset\n")
+    print("| T | dataset | row | runs | tok/s | x target alone (CI) | accepted / step | drafted / step |")
+    print("|---|---|---|---|---|---|---|---|")
+    for temperature in sorted({r["temperature"] for r in runs}):
+        for dataset in sorted({r["dataset"] for r in runs}):
+            for row in ROWS:
+                these = [r for r in runs if (r["row"], r["temperature"], r["dataset"]) == (row, temperature, dataset)]
+                if not these:
+                    continue
+                print(
+                    f"| {temperature:g} | {dataset} | {row} | {len(these)} | "
+                    f"{statistics.median(r['tok_s'] for r in these):.2f} | "
+                    f"{interval([r['tok_s'] / alone[run_key(r)] for r in these])} | "
+                    f"{mean_of(these, 'accepted_per_step')} | {mean_of(these, 'drafted_per_step')} |"
                 )
 
 

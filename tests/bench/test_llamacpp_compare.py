@@ -80,6 +80,30 @@ def test_every_row_is_divided_by_the_llama_bench_beside_it_per_dataset(compare, 
     ]
 
 
+def test_without_llama_bench_every_row_is_divided_by_the_target_alone_per_dataset(compare, capsys):
+    # lookup at 1.2x and 0.9x of the target alone on two humaneval prompts and 2.0x on a pydoc-qa one; paired across
+    # prompts, or medians divided, humaneval's figure would differ (medians 35 and 33: 1.061x)
+    records = [
+        run("llamacpp-alone", "a", 1.0, 30.0),
+        run("llamacpp-lookup", "a", 1.0, 36.0),
+        run("llamacpp-alone", "b", 1.0, 40.0),
+        run("llamacpp-lookup", "b", 1.0, 36.0),
+        run("llamacpp-alone", "q", 1.0, 20.0, "pydoc-qa"),
+        dict(run("llamacpp-lookup", "q", 1.0, 40.0, "pydoc-qa"), accepted_per_step=1.5, drafted_per_step=2.0),
+    ]
+    compare.report(records)
+    out = capsys.readouterr().out
+    assert "## every row against llama-bench, per dataset" not in out
+    rows = section(out, "every row against the target alone, per dataset")
+    assert rows == [
+        "| 1 | humaneval | llamacpp-alone | 2 | 35.00 | 1.000x | - | - |",
+        "| 1 | humaneval | llamacpp-lookup | 2 | 36.00 | 1.050x | - | - |",
+        "| 1 | pydoc-qa | llamacpp-alone | 1 | 20.00 | 1.000x | - | - |",
+        "| 1 | pydoc-qa | llamacpp-lookup | 1 | 40.00 | 2.000x | 1.50 | 2.00 |",
+    ]
+    assert "## block against token verification" not in out  # no block rows: no empty table
+
+
 def test_the_machine_line_names_the_llama_cpp_builds_the_records_hold(compare, capsys):
     records = [run("llamacpp-alone", "a", 0.0, 27.0), run("llama-bench", "a", 0.0, 30.0)]
     compare.report(records)

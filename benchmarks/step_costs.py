@@ -2,18 +2,24 @@
 
     python benchmarks/step_costs.py --backend llamacpp --dataset humaneval --prompts 6 --configs alone lookup
     python benchmarks/step_costs.py --backend hf --configs alone block:4
+    python benchmarks/step_costs.py --dataset pydoc-qa --temperatures 1 --configs alone default --draft-quant q4_0
 
 Prompt lookup and the adaptive policy price a step by a probe (``blockspec.auto``: forwards of each width, timed in
 turns on random tokens, cached). Here every ``forward`` of real decoding is timed: each configuration decodes the
 first --prompts prompts of --dataset (chat template, batch 1, --max-new-tokens) at each --temperature (seed 0),
 configurations taking turns prompt by prompt. Configurations: ``alone`` (the target alone), ``lookup`` (prompt lookup
-priced by the cached ``lookup_latency`` probe), ``token:K`` and ``block:K`` (the draft model, K tokens a step).
+priced by the cached ``lookup_latency`` probe), ``token:K`` and ``block:K`` (the draft model, K tokens a step),
+``default`` (what ``blockspec generate`` runs: prompt lookup beside the draft under the adaptive length, whose step
+costs come from the cached ``latency_probe``; lookup alone where that finds the draft cannot pay). --draft-quant q4_0
+drafts with the draft requantized by llama.cpp, as the default does on llama.cpp.
 
 Before each prompt's turn the probe's method runs once more, uncached (``blockspec.auto.time_forwards`` over
 --probe-widths, as ``lookup_latency`` times them), so the probe's ratios over the run sit beside decoding's.
 
 Per configuration: tokens/s over the decoding (prefill left out); per (model, tokens per row) the calls and their
-median seconds; per step the seconds outside the forwards (sampling, verification, lookup, bookkeeping); and the
+median seconds; per step the seconds outside the forwards (sampling, verification, lookup, bookkeeping); the share
+of the decoding spent in draft forwards that read more than 2 tokens (catching up on tokens the draft did not read:
+after steps that did not draft with it, or a lookup proposal); and the
 target's in-loop cost of each width over its 1-token cost. Then the probes' ratios (lowest, median, highest), and
 the cached probe's that ``lookup`` chose by. Run it alone on the machine. Prints a table; the records (one line per
 run or probe, every forward's seconds) go to --out as JSON lines, and the last stdout line is the summary's JSON.
@@ -40,6 +46,7 @@ def main() -> None:
     parser.add_argument("--backend", choices=("llamacpp", "hf"), default="llamacpp")
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--draft-quant", choices=("q4_0",), help="the llamacpp backend's draft, requantized")
     parser.add_argument("--dtype", default="bfloat16", help="the hf backend's dtype")
     parser.add_argument("--dataset", default="humaneval")
     parser.add_argument("--prompts", type=int, default=6)
@@ -51,20 +58,34 @@ def main() -> None:
     args = parser.parse_args()
 
     from blockspec import PromptLookup, SamplingParams, SpeculativeDecoder
-    from blockspec.auto import LATENCY_REPEATS, PROBE_CONTEXT, lookup_latency, time_forwards
+    from blockspec.auto import (
+        LATENCY_REPEATS,
+        PROBE_CONTEXT,
+        adaptive_policy,
+        latency_probe,
+        lookup_latency,
+        time_forwards,
+    )
     from blockspec.bench import datasets
+    from blockspec.defaults import ADAPTIVE_MAX_DRAFT
     from blockspec.models.chat import encode_prompt
 
     target, draft = load(args.backend, args.target, args.dtype), None
-    if any(":" in c for c in args.configs):
-        draft = load(args.backend, args.draft, args.dtype)
-    probe = lookup_latency(target, 1) if "lookup" in args.configs else None
+    if any(":" in c or c == "default" for c in args.configs):
+        draft = load(args.backend, args.draft, args.dtype, args.draft_quant)
+    probe = lookup_latency(target, 1) if {"lookup", "default"} & set(args.configs) else None
     decoders = {}
     for name in args.configs:
         if name == "alone":
             decoders[name] = SpeculativeDecoder(target)
         elif name == "lookup":
             decoders[name] = SpeculativeDecoder(target, lookup=PromptLookup(costs=probe))
+        elif name == "default":
+            policy = adaptive_policy(latency_probe(target, draft, 1), 1, ADAPTIVE_MAX_DRAFT)
+            lookup, model = PromptLookup(costs=probe), draft if policy is not None else None
+            decoders[name] = SpeculativeDecoder(
+                target, model, max_draft=ADAPTIVE_MAX_DRAFT, policy=policy, lookup=lookup
+            )
         else:
             rule, k = name.split(":")
             decoders[name] = SpeculativeDecoder(target, draft, rule=rule, max_draft=int(k))
@@ -115,20 +136,22 @@ def main() -> None:
 
 
 def config_name(text: str) -> str:
-    """``alone``, ``lookup`` or ``token:K`` / ``block:K`` with K >= 1 (argparse's type)."""
-    if text in ("alone", "lookup"):
+    """``alone``, ``lookup``, ``default`` or ``token:K`` / ``block:K`` with K >= 1 (argparse's type)."""
+    if text in ("alone", "lookup", "default"):
         return text
     rule, _, k = text.partition(":")
     if rule not in ("token", "block") or not k.isdigit() or int(k) < 1:
-        raise argparse.ArgumentTypeError(f"expected alone, lookup, token:K or block:K, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected alone, lookup, default, token:K or block:K, got {text!r}")
     return text
 
 
-def load(backend: str, name: str, dtype: str):
+def load(backend: str, name: str, dtype: str, quant: str | None = None):
     if backend == "llamacpp":
         from blockspec.models.llamacpp import load_llamacpp
 
-        return load_llamacpp(name, progress=False)
+        return load_llamacpp(name, quant=quant, progress=False)
+    if quant is not None:
+        raise SystemExit("--draft-quant is the llamacpp backend's")
     from blockspec.models.load import load_model
 
     return load_model(name, dtype=dtype, progress=False)
@@ -151,7 +174,8 @@ def log_forwards(models: dict) -> list[tuple[str, int, float]]:
 
 def summarize(runs: list[dict]) -> list[dict]:
     """Per (configuration, temperature): tokens/s, the median seconds of each (model, width) call, the target's
-    width-w median over its 1-token median, and the seconds per step outside the forwards."""
+    width-w median over its 1-token median, the seconds per step outside the forwards, and the share of the decoding
+    in draft forwards over more than 2 tokens (catch-ups)."""
     groups = defaultdict(list)
     for run in runs:
         groups[run["config"], run["temperature"]].append(run)
@@ -167,6 +191,7 @@ def summarize(runs: list[dict]) -> list[dict]:
         decode = sum(run["decode_s"] for run in kept)
         steps = sum(run["steps"] for run in kept)
         forwards = sum(sum(s) for s in calls.values())
+        catch_up = sum(sum(s) for kind, s in calls.items() if kind.startswith("draft") and int(kind.split()[1]) > 2)
         rows.append(
             {
                 "config": config,
@@ -179,6 +204,7 @@ def summarize(runs: list[dict]) -> list[dict]:
                     kind.split()[1]: s / one for kind, s in medians.items() if kind.startswith("target") and one
                 },
                 "outside_s_per_step": (decode - forwards) / steps,
+                "catch_up_share": catch_up / decode,
             }
         )
     return rows
@@ -200,7 +226,8 @@ def print_table(summary: dict, flags: list[str]) -> None:
     for row in summary["rows"]:
         print(
             f"{row['config']:<9} T={row['temperature']:g}  {row['tokens_per_s']:6.2f} tok/s  {row['steps']} steps, "
-            f"outside forwards {1e3 * row['outside_s_per_step']:.2f} ms/step"
+            f"outside forwards {1e3 * row['outside_s_per_step']:.2f} ms/step, "
+            f"draft catch-ups over 2 tokens {100 * row['catch_up_share']:.1f} % of the decoding"
         )
         for kind, seconds in row["median_s"].items():
             ratio = row["target_ratio"].get(kind.split()[1]) if kind.startswith("target") else None

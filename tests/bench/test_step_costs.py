@@ -26,6 +26,14 @@ def test_each_step_logs_its_target_forward_with_the_width_it_verified(costs):
     assert any(width > 1 for _, width, _ in log) and all(seconds > 0 for _, _, seconds in log)
 
 
+def test_the_summary_counts_draft_forwards_over_more_than_two_tokens_as_catch_ups(costs):
+    # a draft reads 1 or 2 tokens as drafting goes on; 3 or more only after steps that left it behind
+    forwards = [("draft", 1, 0.01), ("draft", 2, 0.02), ("draft", 3, 0.05), ("draft", 9, 0.12), ("target", 3, 0.3)]
+    run = {"config": "default", "temperature": 1.0, "tokens": 8, "steps": 4, "decode_s": 1.0, "forwards": forwards}
+    (row,) = costs.summarize([run])
+    assert row["catch_up_share"] == pytest.approx(0.17)
+
+
 def test_the_summary_takes_medians_per_width_and_the_rest_of_the_step_by_difference(costs):
     forwards = [("target", 1, 0.010), ("target", 1, 0.014), ("target", 1, 0.012), ("target", 3, 0.030)]
     runs = [
@@ -51,12 +59,12 @@ def test_the_probes_spread_is_over_their_ratios_to_one_token(costs):
     assert costs.spread((1, 2), []) == {}
 
 
-@pytest.mark.parametrize("text", ["alone", "lookup", "block:4", "token:1"])
+@pytest.mark.parametrize("text", ["alone", "lookup", "default", "block:4", "token:1"])
 def test_configurations_are_named_as_the_help_says(costs, text):
     assert costs.config_name(text) == text
 
 
 @pytest.mark.parametrize("text", ["block", "block:0", "tree:2", "block:x", "Alone"])
 def test_other_configuration_names_are_refused(costs, text):
-    with pytest.raises(argparse.ArgumentTypeError, match="alone, lookup, token:K or block:K"):
+    with pytest.raises(argparse.ArgumentTypeError, match="alone, lookup, default, token:K or block:K"):
         costs.config_name(text)

@@ -408,22 +408,14 @@ def against_llama_bench(runs: list[dict], bench: dict, alone: dict) -> None:
     print("\n## every row against llama-bench, per dataset\n")
     print("| T | dataset | row | runs | tok/s | x llama-bench (CI) | x target alone (CI) |")
     print("|---|---|---|---|---|---|---|")
-    for temperature in sorted({r["temperature"] for r in runs}):
-        for dataset in sorted({r["dataset"] for r in runs}):
-            for row in (row for row in ROWS if row != "llama-bench"):
-                these = [
-                    r
-                    for r in runs
-                    if (r["row"], r["temperature"], r["dataset"]) == (row, temperature, dataset) and run_key(r) in bench
-                ]
-                if not these:
-                    continue
-                print(
-                    f"| {temperature:g} | {dataset} | {row} | {len(these)} | "
-                    f"{statistics.median(r['tok_s'] for r in these):.2f} | "
-                    f"{interval([r['tok_s'] / bench[run_key(r)] for r in these])} | "
-                    f"{interval([r['tok_s'] / alone[run_key(r)] for r in these])} |"
-                )
+    beside = [r for r in runs if r["row"] != "llama-bench" and run_key(r) in bench]
+    for temperature, dataset, row, these in by_dataset(beside):
+        print(
+            f"| {temperature:g} | {dataset} | {row} | {len(these)} | "
+            f"{statistics.median(r['tok_s'] for r in these):.2f} | "
+            f"{interval([r['tok_s'] / bench[run_key(r)] for r in these])} | "
+            f"{interval([r['tok_s'] / alone[run_key(r)] for r in these])} |"
+        )
 
 
 def per_dataset(runs: list[dict], alone: dict) -> None:
@@ -432,18 +424,23 @@ def per_dataset(runs: list[dict], alone: dict) -> None:
     print("\n## every row against the target alone, per dataset\n")
     print("| T | dataset | row | runs | tok/s | x target alone (CI) | accepted / step | drafted / step |")
     print("|---|---|---|---|---|---|---|---|")
+    for temperature, dataset, row, these in by_dataset(runs):
+        print(
+            f"| {temperature:g} | {dataset} | {row} | {len(these)} | "
+            f"{statistics.median(r['tok_s'] for r in these):.2f} | "
+            f"{interval([r['tok_s'] / alone[run_key(r)] for r in these])} | "
+            f"{mean_of(these, 'accepted_per_step')} | {mean_of(these, 'drafted_per_step')} |"
+        )
+
+
+def by_dataset(runs: list[dict]):
+    """(temperature, dataset, row, its runs) for each that has runs, in the tables' order (rows as ROWS lists them)."""
     for temperature in sorted({r["temperature"] for r in runs}):
         for dataset in sorted({r["dataset"] for r in runs}):
             for row in ROWS:
                 these = [r for r in runs if (r["row"], r["temperature"], r["dataset"]) == (row, temperature, dataset)]
-                if not these:
-                    continue
-                print(
-                    f"| {temperature:g} | {dataset} | {row} | {len(these)} | "
-                    f"{statistics.median(r['tok_s'] for r in these):.2f} | "
-                    f"{interval([r['tok_s'] / alone[run_key(r)] for r in these])} | "
-                    f"{mean_of(these, 'accepted_per_step')} | {mean_of(these, 'drafted_per_step')} |"
-                )
+                if these:
+                    yield temperature, dataset, row, these
 
 
 def mean_of(runs: list[dict], key: str) -> str:

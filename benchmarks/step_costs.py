@@ -191,7 +191,7 @@ def summarize(runs: list[dict]) -> list[dict]:
         decode = sum(run["decode_s"] for run in kept)
         steps = sum(run["steps"] for run in kept)
         forwards = sum(sum(s) for s in calls.values())
-        catch_up = sum(sum(s) for kind, s in calls.items() if kind.startswith("draft") and int(kind.split()[1]) > 2)
+        catch_up = sum(s for run in kept for model, width, s in run["forwards"] if model == "draft" and width > 2)
         rows.append(
             {
                 "config": config,

@@ -49,8 +49,9 @@ PROBE_TOKENS = (1, 4)  # a plain step and a short verification
 LATENCY_REPEATS = 5
 # The probes' method, in their cache files' names: a probe cached by an earlier method is measured again.
 # 1: 2 rounds, widths ascending. 2: LATENCY_REPEATS rounds, widths descending (``time_forwards``). 3: the draft's
-# forward computes its last position's logits alone, as the draft catching up does (``step_seconds``).
-LATENCY_METHOD = 3
+# forward computes its last position's logits alone, as the draft catching up does (``step_seconds``). 4: the draft
+# over 8 and 32 tokens too (``DRAFT_TOKENS``), the catch-ups ``AdaptiveLength`` prices.
+LATENCY_METHOD = 4
 PROBE_CONTEXT = 128  # cached tokens per row while the step-latency probes time
 BUSY_CORES = 0.25  # other processes' CPU use (in cores) above which a probe is not cached
 

@@ -23,6 +23,7 @@ PATHS_DRAWN = "distinct"
 PATH_DRAWINGS = ("distinct", "iid")
 LOOKUP_MAX_DRAFT = 32  # the most tokens one prompt lookup proposal holds (PromptLookup.max_draft)
 ADAPTIVE_MAX_DRAFT = 8  # the most a step drafts when the length adapts to measured latency (AdaptiveLength)
+CATCH_UP_HORIZON = 30  # steps over which AdaptiveLength pays back a catch-up of its draft beyond 2 tokens
 COMPANION = "prefix:8"  # SV's companion: the target's own first 8 layers (shared weights)
 SV_PREDICTOR = "draft"  # SV's features: draft-only (no companion forward)
 SV_BATCH_SIZES = (1, 4, 16, 32, 64)  # the batch sizes an SV latency profile measures and replays

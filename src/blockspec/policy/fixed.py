@@ -6,7 +6,7 @@ import itertools
 
 import torch
 
-from ..defaults import ADAPTIVE_MAX_DRAFT
+from ..defaults import ADAPTIVE_MAX_DRAFT, CATCH_UP_HORIZON
 from ..sampling import is_int
 from ..verify import agreement, draft_distributions
 
@@ -59,6 +59,7 @@ class AdaptiveLength(FixedLength):
         max_draft: int = ADAPTIVE_MAX_DRAFT,
         prior: float = 0.85,
         memory: float = 0.9,
+        horizon: float = CATCH_UP_HORIZON,
         carry_over: bool = False,
     ):
         """``latency``: the step latency (``latency.drafting``, ``latency.target``); ``prior``: the acceptance a
@@ -66,13 +67,16 @@ class AdaptiveLength(FixedLength):
         acceptance from the 1.5B target is 0.875 at temperature 1 on the bench's five prompt sets, docs/results.md,
         "Block verification against llama.cpp's rule, by K"; a little less with the draft in q4_0);
         ``memory``: the weight the acceptance keeps for each position a row verifies (``observe``), and at each
-        step that drafts nothing (``draft_budget``)."""
-        if not (is_int(max_draft) and max_draft >= 1) or not 0 < prior < 1 or not 0 <= memory < 1:
+        step that drafts nothing (``draft_budget``); ``horizon``: the steps over which a step that drafts again pays
+        back the tokens its draft must read first beyond 2 (``goodputs``; ``math.inf``: never counted)."""
+        if not (is_int(max_draft) and max_draft >= 1) or not 0 < prior < 1 or not 0 <= memory < 1 or not horizon >= 1:
             raise ValueError(
-                f"need max_draft >= 1, 0 < prior < 1 and 0 <= memory < 1; got {max_draft}, {prior}, {memory}"
+                "need max_draft >= 1, 0 < prior < 1, 0 <= memory < 1 and horizon >= 1; "
+                f"got {max_draft}, {prior}, {memory}, {horizon}"
             )
         super().__init__(max_draft)
         self.latency, self.memory, self.prior, self.carry_over = latency, memory, prior, carry_over
+        self.horizon = horizon
         self.acceptance = prior
 
     def reset(self) -> None:
@@ -81,15 +85,15 @@ class AdaptiveLength(FixedLength):
         if not self.carry_over:
             self.acceptance = self.prior
 
-    def best_length(self, batch: int) -> int:
-        """The K in 0..max_draft with the most expected tokens per second at this batch size (``goodputs``).
-        Where even the prior cannot pay for a draft (a machine on which a multi-token forward costs nearly as much
-        per token as a plain step), it is 0 from the first step and stays 0 (``draft_budget``'s drift never passes
-        the prior): the caller can say so."""
-        goodput = self.goodputs(batch)
+    def best_length(self, batch: int, catch_up: int = 1) -> int:
+        """The K in 0..max_draft with the most expected tokens per second at this batch size when the draft has
+        ``catch_up`` tokens to read first (``goodputs``). Where even the prior cannot pay for a draft (a machine on
+        which a multi-token forward costs nearly as much per token as a plain step), it is 0 from the first step and
+        stays 0 (``draft_budget``'s drift never passes the prior): the caller can say so."""
+        goodput = self.goodputs(batch, catch_up)
         return max(range(len(goodput)), key=goodput.__getitem__)
 
-    def goodputs(self, batch: int) -> list[float]:
+    def goodputs(self, batch: int, catch_up: int = 1) -> list[float]:
         """Expected tokens per second of drafting K at every step, for K in 0..max_draft.
 
         A step drafting K emits 1 + a + a^2 + ... + a^K tokens in expectation when each drafted token is accepted
@@ -97,33 +101,39 @@ class AdaptiveLength(FixedLength):
         least as many), and costs the draft's forwards and the target's forward over K + 1 tokens, from
         ``latency``. The draft's first forward reads the tokens it has not read yet: 2 after a step that accepted
         all its K drafted tokens (chance a^K), else 1; priced at that mix, the rate is that of drafting K step after
-        step, the same whatever this step's own catch-up (``draft_budget`` says why)."""
+        step. Tokens beyond 2 (``catch_up``: after steps without drafts, or prompt lookup's) are read once, when
+        drafting resumes: what reading them costs more than reading 2 is spread over ``horizon`` steps
+        (``draft_budget`` says why)."""
         a, latency = self.acceptance, self.latency
+        behind = max(0.0, latency.draft(batch, catch_up) - latency.draft(batch, 2)) / self.horizon
         emitted = list(itertools.accumulate(a**i for i in range(self.max_draft + 1)))  # O(K)
-        rates = []
-        for k in range(self.max_draft + 1):
+        rates = [emitted[0] / latency.target(batch, 1)]
+        for k in range(1, self.max_draft + 1):
             full = a**k  # the previous step accepted all its K drafts: its bonus token and the last draft to read
             drafting = full * latency.drafting(batch, k, 2, companion=False) + (1 - full) * latency.drafting(
                 batch, k, 1, companion=False
             )
-            rates.append(emitted[k] / (drafting + latency.target(batch, 1 + k)))
+            rates.append(emitted[k] / (drafting + behind + latency.target(batch, 1 + k)))
         return rates
 
     def expected_rate(self, batch: int, catch_up: int) -> float:
         """The goodput of the step ``draft_budget`` would take now, in tokens per plain target step's time."""
-        return max(self.goodputs(batch)) * self.latency.target(batch, 1)
+        return max(self.goodputs(batch, catch_up)) * self.latency.target(batch, 1)
 
     def draft_budget(self, batch: int, catch_up: int) -> int:
-        """``best_length``: the K that drafting step after step pays most for, whatever this step's ``catch_up``.
-        Priced at its own catch-up instead, a step after a fully accepted one (2 tokens to read) or after steps
-        without drafts (more) could find that a plain step pays more; but a plain step does not spare the draft
-        those tokens, it only adds one to them, so where drafting pays in the long run, idling would only defer
-        the cost while losing the draft's gains, and where the prior pays after a rejection only, one rejected
-        step would end drafting for the rest of the call (docs/results.md, "llama.cpp's AVX2 kernels, on the AMX
-        machine"). A step that drafts nothing verifies nothing to learn from, so there the acceptance drifts back
-        towards the prior (by 1 - ``memory``): after a bad patch the policy drafts again to see whether it ended,
-        rather than decoding alone for the rest of the call."""
-        length = self.best_length(batch)
+        """``best_length`` at this step's ``catch_up``. Two tokens to read are priced into every step, not by the
+        step that has them: priced at its own catch-up, a step after a fully accepted one could find that a plain
+        step pays more, but a plain step does not spare the draft those tokens, it only adds one to them; and where
+        the prior pays after a rejection only, one rejected step would end drafting for the rest of the call
+        (docs/results.md, "llama.cpp's AVX2 kernels, on the AMX machine"). More tokens to read are a cost drafting
+        pays once, when it resumes, and gains back over the steps it then drafts: ``horizon`` of them. Where the
+        draft pays by a hair (the bundled pair on llama.cpp's AVX2 kernels: 0.2 % at the prior), its forward over
+        the 20 tokens decoded while it idled costs 1.5 plain steps more than one over 2, which hundreds of steps of
+        drafting would not gain back, and it does not resume; where it pays well, the catch-up barely delays it.
+        A step that drafts nothing verifies nothing to learn from, so there the acceptance drifts back towards the
+        prior (by 1 - ``memory``): after a bad patch the policy drafts again to see whether it ended, once what it
+        expects to gain pays for the catch-up, rather than decoding alone for the rest of the call."""
+        length = self.best_length(batch, catch_up)
         if length == 0:
             self.acceptance = self.memory * self.acceptance + (1 - self.memory) * self.prior
         return length

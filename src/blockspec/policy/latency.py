@@ -28,8 +28,9 @@ from .base import LatencyTable
 
 SCHEMA = 1
 # The draft tokens per row a profile measures: a step's first draft forward catches up (1 token, 2 after a fully
-# accepted step, more after steps that did not draft); each later one scores a single token.
-DRAFT_TOKENS = (1, 2, 4)
+# accepted step, more after steps that did not draft or took prompt lookup's proposal: tens of tokens); each later
+# one scores a single token.
+DRAFT_TOKENS = (1, 2, 4, 8, 32)
 META_FIELDS = (
     "date",
     "target",

@@ -12,6 +12,8 @@ Per prompt, in one interleaved round (batch 1, the same chat-formatted prompt an
   llamacpp-lookup    blockspec, prompt lookup alone (no draft model)
   llamacpp-default   what `blockspec generate` runs on llama.cpp: prompt lookup beside the q4_0 draft's adaptive
                      length (a proposal only where it is expected to beat the draft's step)
+  llamacpp-default-blind  the same with the adaptive length blind to what the draft's catch-up costs (it resumes
+                     drafting wherever drafting step after step pays, however far behind the draft is)
   hf-alone           blockspec's engine, target alone, on transformers (bfloat16 weights dequantized from the GGUF)
   hf-assisted        transformers' assisted generation with the same draft (its whole wall time: it reports no
                      prefill time; the others are decode time)
@@ -41,6 +43,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import math
 import random
 import re
 import statistics
@@ -61,6 +64,7 @@ ROWS = (
     "llamacpp-auto-q4-cut",
     "llamacpp-lookup",
     "llamacpp-default",
+    "llamacpp-default-blind",
     "llama.cpp-spec",
     "llama.cpp-ngram",
     "hf-alone",
@@ -110,6 +114,7 @@ def run(args) -> None:
     from blockspec.auto import adaptive_policy, latency_probe, lookup_latency
     from blockspec.bench import datasets
     from blockspec.bench.executor import ExpectedScores
+    from blockspec.defaults import CATCH_UP_HORIZON
     from blockspec.machine import cpu_flags
     from blockspec.models.chat import encode_prompt
     from blockspec.models.llamacpp import build_info, load_llamacpp
@@ -135,8 +140,8 @@ def run(args) -> None:
         records.flush()
         print(json.dumps({k: v for k, v in entry.items() if k not in machine}), flush=True)
 
-    def auto(model, lookup=None):
-        policy = adaptive_policy(latency_probe(target, model, 1), 1, 8)
+    def auto(model, lookup=None, horizon: float = CATCH_UP_HORIZON):
+        policy = adaptive_policy(latency_probe(target, model, 1), 1, 8, horizon=horizon)
         record({"row": "policy", "draft": model.name, "speculates": policy is not None})
         return SpeculativeDecoder(target, model if policy else None, max_draft=8, policy=policy, lookup=lookup)
 
@@ -151,6 +156,7 @@ def run(args) -> None:
         "llamacpp-auto-q4-cut": auto(cut),
         "llamacpp-lookup": SpeculativeDecoder(target, lookup=PromptLookup(costs=lookup_latency(target, 1))),
         "llamacpp-default": auto(small, PromptLookup(costs=lookup_latency(target, 1))),
+        "llamacpp-default-blind": auto(small, PromptLookup(costs=lookup_latency(target, 1)), horizon=math.inf),
     }
     if {"hf-alone", "hf-assisted"} & set(args.rows):
         from blockspec.bench.executor import run_assisted

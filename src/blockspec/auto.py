@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from . import machine
-from .defaults import ADAPTIVE_MAX_DRAFT, LOOKUP_MAX_DRAFT, SV_BATCH_SIZES
+from .defaults import ADAPTIVE_MAX_DRAFT, CATCH_UP_HORIZON, LOOKUP_MAX_DRAFT, SV_BATCH_SIZES
 from .files import write_atomic
 from .models.base import model_name
 from .models.cache import PROBES, cache_root
@@ -198,11 +198,11 @@ def _measure(repeats: int = 5) -> dict:
     }
 
 
-def adaptive_policy(latency, batch: int, max_draft: int):
+def adaptive_policy(latency, batch: int, max_draft: int, *, horizon: float = CATCH_UP_HORIZON):
     """The default length policy: ``policy.AdaptiveLength`` over ``latency`` (``latency_probe``'s), or None where
     even its prior acceptance cannot pay for one drafted token on this machine (then decode with the target
     alone)."""
-    policy = AdaptiveLength(latency, max_draft=max_draft)
+    policy = AdaptiveLength(latency, max_draft=max_draft, horizon=horizon)
     return policy if policy.best_length(batch) > 0 else None
 
 

@@ -10,7 +10,7 @@ after plain steps first reads every token since it last drafted); `report` runs 
 engine's loop does (what the draft has not read, the tokens left, what the policy learns from the positions a step
 verified) and prices its steps with those costs: per dataset, its predicted speed over the target alone
 (geometric mean over prompts), drafted tokens per step and the share of plain steps. The adaptive length (`auto`)
-prices its choices with the draft's costs over 1, 2 and 4 tokens alone, as the engine's latency probe measures them;
+prices its choices with the draft's costs at the widths the engine's latency probe measures (DRAFT_TOKENS) alone;
 the replay charges every step what the costs file says it costs. What the engine spends around each forward is left
 out, and positions after a step's first rejected draft teach the policy the bit of the committed text there (the
 engine's draft read its own rejected token there).

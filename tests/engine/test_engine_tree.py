@@ -232,17 +232,19 @@ FLAT = LatencyProfile(LatencyTable((1,), (1,), ((1.0,),)), LatencyTable((1,), (1
 LOW_PRIOR = (0.3, 0.95, 0.99, 1.0)
 
 
-def adaptive(monkeypatch, max_draft: int = 3) -> tuple[AdaptiveShape, list[tuple[int, ...]]]:
-    """An ``AdaptiveShape`` over FLAT from LOW_PRIOR, and the list of the shapes it chooses, step by step."""
-    shape, chosen = AdaptiveShape(FLAT, max_draft=max_draft, prior=LOW_PRIOR, memory=0.0), []
+def adaptive(monkeypatch, max_draft: int = 3) -> tuple[AdaptiveShape, list[tuple[int, ...]], list[int]]:
+    """An ``AdaptiveShape`` over FLAT from LOW_PRIOR, the list of the shapes it chooses, step by step, and the list of
+    the catch-ups it was asked at."""
+    shape, chosen, catch_ups = AdaptiveShape(FLAT, max_draft=max_draft, prior=LOW_PRIOR, memory=0.0), [], []
     choose = shape.choose
 
-    def recorded(batch: int) -> tuple[int, ...]:
-        chosen.append(choose(batch))
+    def recorded(batch: int, catch_up: int = 1) -> tuple[int, ...]:
+        chosen.append(choose(batch, catch_up))
+        catch_ups.append(catch_up)
         return chosen[-1]
 
     monkeypatch.setattr(shape, "choose", recorded)
-    return shape, chosen
+    return shape, chosen, catch_ups
 
 
 def shapes_law(target, draft, shapes: list[tuple[int, ...]], rule: str, *, wrong: bool = False) -> torch.Tensor:
@@ -271,7 +273,7 @@ def test_first_tokens_of_a_decoder_choosing_tree_or_chain_each_step_follow_the_t
     target, draft = lawkit.processed(target_logits, case.sampling), lawkit.processed(draft_logits, case.sampling)
     law = lawkit.target_law(lawkit.Tables(VOCAB, target, target), LENGTH)
 
-    shape, chosen = adaptive(monkeypatch)
+    shape, chosen, _ = adaptive(monkeypatch)
     counts, result = run(SpeculativeDecoder(target_model, draft_model, rule=case.rule, tree=shape), case)
     assert chosen[0] == (3,) and all(s and max(s) == 1 for s in chosen[1:]), chosen
     assert lawkit.max_abs_error(shapes_law(target, draft, chosen, case.rule), law) < ENUMERATION_TOLERANCE
@@ -279,7 +281,7 @@ def test_first_tokens_of_a_decoder_choosing_tree_or_chain_each_step_follow_the_t
     assert test.passed, POOLED.describe("adaptive", test)
     POOLED.describe(f"adaptive {chosen} (block efficiency {result.block_efficiency:.2f})", test)
 
-    shape, chosen = adaptive(monkeypatch)
+    shape, chosen, _ = adaptive(monkeypatch)
     broken = SpeculativeDecoder(target_model, draft_model, rule=case.rule, tree=shape)
     calls = wrong_engine(case, monkeypatch)
     counts, _ = run(broken, case)
@@ -292,17 +294,19 @@ def test_first_tokens_of_a_decoder_choosing_tree_or_chain_each_step_follow_the_t
 
 def test_greedy_output_of_a_decoder_choosing_tree_or_chain_equals_plain_greedy_decoding(pair, monkeypatch):
     target, draft = pair
-    shape, chosen = adaptive(monkeypatch, max_draft=4)
+    shape, chosen, catch_ups = adaptive(monkeypatch, max_draft=4)
     result = SpeculativeDecoder(target, draft, tree=shape).generate(PROMPTS, max_new_tokens=24, sampling=GREEDY)
     for b, prompt in enumerate(PROMPTS):
         assert result.sequences[b] == reference_greedy(target, prompt, 24), f"row {b}"
     assert any(max(s) > 1 for s in chosen) and any(max(s) == 1 for s in chosen), chosen
+    # every step drafts, so the draft has 1 token to read, 2 after a step that accepted a whole path
+    assert catch_ups[0] == 1 and set(catch_ups) == {1, 2}, catch_ups
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingParams()], ids=["greedy", "sampled"])
 def test_after_every_step_of_a_changing_shape_the_caches_hold_the_committed_tokens(pair, sampling, monkeypatch):
     target, draft = pair
-    shape, chosen = adaptive(monkeypatch, max_draft=4)
+    shape, chosen, _ = adaptive(monkeypatch, max_draft=4)
     decoder = SpeculativeDecoder(target, draft, tree=shape)
     check = CacheCheck(decoder, {"target": target, "draft": draft}, monkeypatch)
     result = decoder.generate(PROMPTS, max_new_tokens=24, sampling=sampling, seed=0)
@@ -318,7 +322,7 @@ def test_the_shape_estimator_draws_from_its_own_generator(pair, monkeypatch):
     consumed none of the rows' randomness, nor the global generator's."""
     target, draft = pair
     shape = AdaptiveShape(FLAT, max_draft=6)
-    monkeypatch.setattr(shape, "choose", lambda batch: (2, 1, 1))
+    monkeypatch.setattr(shape, "choose", lambda batch, catch_up: (2, 1, 1))
     static = SpeculativeDecoder(target, draft, tree=(2, 1, 1)).generate(PROMPTS, max_new_tokens=20, seed=5)
     state = torch.get_rng_state()
     adaptive_run = SpeculativeDecoder(target, draft, tree=shape).generate(PROMPTS, max_new_tokens=20, seed=5)

@@ -56,6 +56,14 @@ def profile(target_ms: Sequence[float], draft_ms: float) -> LatencyProfile:
 
 CHEAP_VERIFICATION = [100, 102, 104, 106, 108, 110, 112, 114, 116]  # AVX-512-BF16-like: width almost free
 LINEAR_VERIFICATION = [100 * n for n in range(1, 10)]  # AVX2 bf16-like: every scored token costs a step
+# The bundled pair on llama.cpp's AVX2 kernels (the AVX2-only AMD EPYC, 2 threads, the draft in q4_0), seconds: the
+# target over 1..9 tokens, the draft over 1, 2, 4, 8 and 32 tokens; at the prior a one-token draft pays by a hair
+AVX2_LLAMACPP = LatencyProfile(
+    LatencyTable((1,), tuple(range(1, 10)), ((0.0939, 0.1371, 0.1838, 0.2357, 0.2973, 0.288, 0.3449, 0.5102, 0.5376),)),
+    LatencyTable((1,), (1, 2, 4, 8, 32), ((0.0279, 0.0378, 0.0493, 0.0890, 0.2674),)),
+    None,
+    meta={},
+)
 
 
 ENGINE_LATENCY = LatencyProfile(

@@ -14,7 +14,7 @@ import pytest
 import torch
 from kits import lawkit
 from kits.enginekit import off_by_one, reference_greedy
-from kits.svkit import CHEAP_VERIFICATION, LINEAR_VERIFICATION, profile
+from kits.svkit import AVX2_LLAMACPP, CHEAP_VERIFICATION, LINEAR_VERIFICATION, profile
 from kits.tiny import exact_law_of_first_tokens, perturbed, save_tiny, tiny_model
 
 from blockspec import SamplingParams, SpeculativeDecoder, auto, cli, machine
@@ -214,23 +214,18 @@ def test_the_adaptive_length_drafts_where_drafting_step_after_step_pays_and_only
     assert [policy.draft_budget(1, catch_up=c) for c in (1, 2, 3)] == [3, 3, 3]
 
 
-# The bundled pair on llama.cpp's AVX2 kernels (the AVX2-only AMD EPYC, 2 threads, the draft in q4_0), seconds: the
-# target over 1..9 tokens, the draft over 1, 2, 4, 8 and 32 tokens
-AVX2_TARGET = (0.0939, 0.1371, 0.1838, 0.2357, 0.2973, 0.2880, 0.3449, 0.5102, 0.5376)
-AVX2_DRAFT = (0.0279, 0.0378, 0.0493, 0.0890, 0.2674)
-
-
 def test_a_draft_that_pays_by_a_hair_does_not_draft_again_once_its_catch_up_costs_more_than_it_gains():
-    """On those costs, drafting 1 token step after step gains 0.2 % over the target alone at the prior, and a draft
-    forward over the 20 tokens decoded while the draft idled costs 1.5 plain steps more than one over 2. After a bad
-    patch the policy decodes alone for the rest of the call, though the drift brings its acceptance back to the
-    prior, and prompt lookup's bar is the target alone's; priced blind to the catch-up, it drafted again. A draft
-    that gains 9 % (its forwards at 0.6 of those costs) drafts again within a few steps, catch-up included."""
+    """On the bundled pair's costs on llama.cpp's AVX2 kernels, drafting 1 token step after step gains 0.2 % over the
+    target alone at the prior, and a draft forward over the 20 tokens decoded while the draft idled costs 1.5 plain
+    steps more than one over 2. After a bad patch the policy decodes alone for the rest of the call, though the drift
+    brings its acceptance back to the prior, and prompt lookup's bar is the target alone's; priced blind to the
+    catch-up, it drafted again. A draft that gains 9 % (its forwards at 0.6 of those costs) drafts again within a few
+    steps, catch-up included."""
 
     def policy(scale: float, horizon: float = 30) -> AdaptiveLength:
-        target = LatencyTable((1,), tuple(range(1, 10)), (AVX2_TARGET,))
-        draft = LatencyTable((1,), (1, 2, 4, 8, 32), (tuple(scale * s for s in AVX2_DRAFT),))
-        return AdaptiveLength(latency.LatencyProfile(target, draft, None, meta={}), horizon=horizon)
+        draft = AVX2_LLAMACPP.draft
+        scaled = LatencyTable(draft.batch_sizes, draft.tokens, (tuple(scale * s for s in draft.seconds[0]),))
+        return AdaptiveLength(replace(AVX2_LLAMACPP, draft=scaled), horizon=horizon)
 
     def idle_steps(policy: AdaptiveLength) -> int:
         """Plain steps after four rejected ones, until it drafts again (60: it did not)."""
@@ -243,13 +238,13 @@ def test_a_draft_that_pays_by_a_hair_does_not_draft_again_once_its_catch_up_cost
         return idle
 
     hair = policy(1.0)
-    assert max(hair.goodputs(1)) * AVX2_TARGET[0] == pytest.approx(1.002, abs=5e-4)
+    assert max(hair.goodputs(1)) * AVX2_LLAMACPP.target(1, 1) == pytest.approx(1.002, abs=5e-4)
     assert hair.draft_budget(1, catch_up=1) == hair.draft_budget(1, catch_up=2) == 1  # drafting step after step
     assert hair.expected_rate(1, catch_up=21) == 1.0  # behind by 20 tokens: lookup need only beat the target alone
     assert idle_steps(hair) == 60 and hair.acceptance == pytest.approx(hair.prior, abs=1e-3)
     assert idle_steps(policy(1.0, horizon=math.inf)) < 60
     gaining = policy(0.6)
-    assert max(gaining.goodputs(1)) * AVX2_TARGET[0] == pytest.approx(1.09, abs=0.01)
+    assert max(gaining.goodputs(1)) * AVX2_LLAMACPP.target(1, 1) == pytest.approx(1.09, abs=0.01)
     assert idle_steps(gaining) < 10
 
 

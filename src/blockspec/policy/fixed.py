@@ -105,7 +105,7 @@ class AdaptiveLength(FixedLength):
         drafting resumes: what reading them costs more than reading 2 is spread over ``horizon`` steps
         (``draft_budget`` says why)."""
         a, latency = self.acceptance, self.latency
-        behind = max(0.0, latency.draft(batch, catch_up) - latency.draft(batch, 2)) / self.horizon
+        behind = latency.behind(batch, catch_up) / self.horizon
         emitted = list(itertools.accumulate(a**i for i in range(self.max_draft + 1)))  # O(K)
         rates = [emitted[0] / latency.target(batch, 1)]
         for k in range(1, self.max_draft + 1):

@@ -66,6 +66,11 @@ class LatencyProfile:
         scoring = self.scoring(batch, positions, catch_up) if companion else 0.0
         return self.draft(batch, catch_up) + (positions - 1) * self.draft(batch, 1) + scoring
 
+    def behind(self, batch: int, catch_up: int) -> float:
+        """Seconds a draft forward over ``catch_up`` tokens costs beyond one over 2 (none for 2 or fewer): what a draft
+        that fell behind (after steps without drafts, or prompt lookup's) pays once, when it drafts again."""
+        return max(0.0, self.draft(batch, catch_up) - self.draft(batch, 2))
+
     def scoring(self, batch: int, positions: int, catch_up: int) -> float:
         """Seconds of the companion's forward that scores ``positions`` drafted tokens per row: it reads the
         ``catch_up`` tokens it has not seen and every drafted token but the last."""

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..defaults import ADAPTIVE_MAX_DRAFT
+from ..defaults import ADAPTIVE_MAX_DRAFT, CATCH_UP_HORIZON
 from ..sampling import is_int
 
 WIDTHS = 4  # alpha_k is estimated for k = 1..WIDTHS candidates per node, the widest a candidate shape branches
@@ -104,17 +104,19 @@ def best_shape(
     shapes: Sequence[tuple[int, ...]],
     target: Cost,
     draft: Cost,
+    behind: float = 0.0,
 ) -> tuple[int, ...]:
     """The shape of ``shapes`` predicted to emit the most tokens per unit of cost when drafted step after step:
     (1 + E) over ``step_cost`` at the catch-up that drafting meets (2 tokens after a step that accepted a whole path,
-    chance ``accepted_whole``, else 1), as ``AdaptiveLength.goodputs`` prices a chain. A tree is chosen only where
-    it beats every chain (and the empty shape, if offered) outright: on a tie the chain stays."""
+    chance ``accepted_whole``, else 1) plus ``behind`` for a shape that drafts (its share of a longer catch-up), as
+    ``AdaptiveLength.goodputs`` prices a chain. A tree is chosen only where it beats every chain (and the empty
+    shape, if offered) outright: on a tie the chain stays."""
     alpha = alpha.double().expand(max(map(len, shapes), default=0), -1)
 
     def goodput(shape: tuple[int, ...]) -> float:
         whole = accepted_whole(alpha[: len(shape)], shape)
         cost = whole * step_cost(shape, target, draft, 2) + (1 - whole) * step_cost(shape, target, draft, 1)
-        return (1 + float(expected_accepted(alpha[: len(shape)], shape))) / cost
+        return (1 + float(expected_accepted(alpha[: len(shape)], shape))) / (cost + (behind if shape else 0.0))
 
     rate = {shape: goodput(shape) for shape in shapes}
     chains = [s for s in shapes if all(k == 1 for k in s)]
@@ -260,21 +262,27 @@ class AdaptiveShape:
         max_draft: int = ADAPTIVE_MAX_DRAFT,
         prior: Sequence[float] = PRIOR,
         memory: float = 0.9,
+        horizon: float = CATCH_UP_HORIZON,
         draws: int = 4,
         rest: float = 1e-4,
         seed: int = 0,
     ):
         """``max_draft``: the most nodes a step drafts, the longest chain (the latency probe measures the target over
         up to ``ADAPTIVE_MAX_DRAFT`` + 1 tokens; costs beyond are extrapolated); ``prior``: alpha_1..alpha_WIDTHS at
-        the start of each call; ``memory``: the weight alpha keeps at each step; ``draws``: candidate sets per position
-        for alpha_k, k >= 2, on a support leaving out less than ``rest`` (``candidate_acceptance``); ``seed``: the
-        estimator's generator's, at each ``reset``."""
+        the start of each call; ``memory``: the weight alpha keeps at each step; ``horizon``: the steps over which
+        drafting again pays back what the draft reads first beyond 2 tokens (``AdaptiveLength``'s); ``draws``:
+        candidate sets per position for alpha_k, k >= 2, on a support leaving out less than ``rest``
+        (``candidate_acceptance``); ``seed``: the estimator's generator's, at each ``reset``."""
         prior_alpha = torch.tensor(prior, dtype=torch.float64)
-        if not (is_int(max_draft) and max_draft >= 1) or not 0 <= memory < 1 or draws < 1:
-            raise ValueError(f"need max_draft >= 1, 0 <= memory < 1 and draws >= 1; got {max_draft}, {memory}, {draws}")
+        if not (is_int(max_draft) and max_draft >= 1) or not 0 <= memory < 1 or not horizon >= 1 or draws < 1:
+            raise ValueError(
+                "need max_draft >= 1, 0 <= memory < 1, horizon >= 1 and draws >= 1; "
+                f"got {max_draft}, {memory}, {horizon}, {draws}"
+            )
         if prior_alpha.shape != (WIDTHS,) or not bool(((prior_alpha > 0) & (prior_alpha <= 1)).all()):
             raise ValueError(f"prior must hold alpha_1..alpha_{WIDTHS}, each in (0, 1]; got {prior}")
         self.latency, self.memory, self.draws, self.rest, self.seed = latency, memory, draws, rest, seed
+        self.horizon = horizon
         self.prior = prior_alpha
         self.shapes = [()] + tree_shapes(int(max_draft), int(max_draft))
         self.generator = torch.Generator()
@@ -294,12 +302,13 @@ class AdaptiveShape:
         self.alpha = self.prior.clone()
         self.generator.manual_seed(self.seed)
 
-    def choose(self, batch: int) -> tuple[int, ...]:
+    def choose(self, batch: int, catch_up: int = 1) -> tuple[int, ...]:
         """The shape this step drafts, before it drafts: ``best_shape`` at this batch size, priced as drafting it step
-        after step, whatever this step's own catch-up (``AdaptiveLength.draft_budget`` says why); a plain step drifts
-        alpha towards the prior."""
+        after step, with what the draft must read first beyond 2 tokens (``catch_up``) spread over ``horizon`` steps
+        (``AdaptiveLength.draft_budget`` says why); a plain step drifts alpha towards the prior."""
+        latency, behind = self.latency, self.latency.behind(batch, catch_up) / self.horizon
         shape = best_shape(
-            self.alpha, self.shapes, lambda n: self.latency.target(batch, n), lambda n: self.latency.draft(batch, n)
+            self.alpha, self.shapes, lambda n: latency.target(batch, n), lambda n: latency.draft(batch, n), behind
         )
         if not shape:
             self.alpha = self.memory * self.alpha + (1 - self.memory) * self.prior

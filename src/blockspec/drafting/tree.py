@@ -97,12 +97,13 @@ class TreeProposer:
         float64, one per slot (None at temperature 0). A step where no row drafts is a plain target step (a chain
         proposal of width 0). An adaptive shape chooses the step's shape first, from earlier steps only."""
         device = self.target.device
-        if self.adaptive is not None:  # priced with the most tokens a row's draft has not read
-            unseen = max((len(c) - n for c, n in zip(contexts, self.draft.lengths.tolist())), default=1)
+        limit = room.minimum(torch.tensor([self._draft_room(c) for c in contexts]))  # [B]
+        if self.adaptive is not None:  # priced with the most tokens the draft of a row that may draft has not read
+            seen = self.draft.lengths.tolist()
+            unseen = max((len(c) - n for c, n, k in zip(contexts, seen, limit.tolist()) if k > 0), default=1)
             self._lay_out(self.adaptive.choose(len(contexts), unseen))
         batch, slots = len(contexts), len(self.parent_of)
-        depth = room.minimum(torch.tensor([self._draft_room(c) for c in contexts])).clamp(0, len(self.levels) - 1)
-        depth = depth.to(device)  # [B]
+        depth = limit.clamp(0, len(self.levels) - 1).to(device)  # [B]
         levels = int(depth.max()) if batch else 0
         self.root_laws = None
         if levels == 0:

@@ -114,7 +114,6 @@ def run(args) -> None:
     from blockspec.auto import adaptive_policy, latency_probe, lookup_latency
     from blockspec.bench import datasets
     from blockspec.bench.executor import ExpectedScores
-    from blockspec.defaults import CATCH_UP_HORIZON
     from blockspec.machine import cpu_flags
     from blockspec.models.chat import encode_prompt
     from blockspec.models.llamacpp import build_info, load_llamacpp
@@ -140,8 +139,8 @@ def run(args) -> None:
         records.flush()
         print(json.dumps({k: v for k, v in entry.items() if k not in machine}), flush=True)
 
-    def auto(model, lookup=None, horizon: float = CATCH_UP_HORIZON):
-        policy = adaptive_policy(latency_probe(target, model, 1), 1, 8, horizon=horizon)
+    def auto(model, lookup=None, **options):  # options: AdaptiveLength's, beside the default's
+        policy = adaptive_policy(latency_probe(target, model, 1), 1, 8, **options)
         record({"row": "policy", "draft": model.name, "speculates": policy is not None})
         return SpeculativeDecoder(target, model if policy else None, max_draft=8, policy=policy, lookup=lookup)
 

@@ -19,6 +19,7 @@ from blockspec.defaults import LOOKUP_MAX_DRAFT
 from blockspec.drafting import LookupState
 from blockspec.drafting import proposer as proposer_module
 from blockspec.drafting.lookup import Odds, ngram_class
+from blockspec.drafting.proposer import behind
 from blockspec.models.hf import HFModel
 from blockspec.policy import AdaptiveLength, FixedLength, LatencyTable, SVPolicy
 from blockspec.verify import RULES, SAMPLED_RULES
@@ -511,3 +512,12 @@ def test_bad_decoder_arguments_get_clear_errors(pair):
         SpeculativeDecoder(target, draft, lookup=PromptLookup(max_draft=0))
     with pytest.raises(ValueError, match="is not below the target's context"):
         SpeculativeDecoder(target, None, lookup=PromptLookup(max_draft=256))
+
+
+def test_a_step_is_priced_at_the_catch_up_of_the_rows_that_may_draft():
+    """A row that may not draft (a lookup row, or one whose prompt filled the draft's context: its draft row is empty)
+    is left out of the catch-up the length policy prices the step at; with no row left, the catch-up is 1."""
+    contexts = [[5, 6, 7, 8], [5] * 9]
+    assert behind(contexts, [3, 0], [2, 0]) == 1
+    assert behind(contexts, [3, 0], [2, 1]) == 9
+    assert behind(contexts, [3, 0], [0, 0]) == 1

@@ -92,7 +92,7 @@ class DraftProposer:
             proposals = self.lookup.propose(rows, contexts, limit.tolist(), alone)
         looked_up = torch.tensor([len(p) > 0 for p in proposals], dtype=torch.bool)  # [B]
         limit = limit.masked_fill(looked_up, 0)  # lookup rows are holes in the draft's forward
-        catch_up = max((len(u) for u, n in zip(unseen, limit.tolist()) if n > 0), default=1)
+        catch_up = behind(contexts, seen, limit.tolist())
         # without a draft model the policy is FixedLength(0): no row drafts with a model
         limit = limit.clamp(max=self.policy.draft_budget(len(contexts), catch_up))
         tokens, probs = self._draft(unseen, limit, uniforms)  # [B, K], [B, K, V]
@@ -174,6 +174,12 @@ class DraftProposer:
         return probabilities(
             self.scorer, "companion", logits[:, -drafted:].to(target_device), self.sampling, self.vocab
         )
+
+
+def behind(contexts: list[list[int]], seen: list[int], limit: list[int]) -> int:
+    """The most tokens a draft that has read ``seen[b]`` of row b's context has still to read, over the rows that may
+    draft (``limit[b]`` > 0); 1 where none may: what the policy prices a step's catch-up at."""
+    return max((len(c) - n for c, n, k in zip(contexts, seen, limit) if k > 0), default=1)
 
 
 def room_in(model: LanguageModel, context: list[int]) -> int:

@@ -34,7 +34,7 @@ from ..policy.shapes import AdaptiveShape
 from ..sampling import SamplingParams, draw
 from ..verify import TreeVerifyOutput, VerifyOutput
 from .block import PAD
-from .proposer import Proposal, room_in
+from .proposer import Proposal, behind, room_in
 
 SCHEME = "distinct"  # how siblings are drawn, as the tree verifiers name it
 
@@ -98,10 +98,9 @@ class TreeProposer:
         proposal of width 0). An adaptive shape chooses the step's shape first, from earlier steps only."""
         device = self.target.device
         limit = room.minimum(torch.tensor([self._draft_room(c) for c in contexts]))  # [B]
-        if self.adaptive is not None:  # priced with the most tokens the draft of a row that may draft has not read
-            seen = self.draft.lengths.tolist()
-            unseen = max((len(c) - n for c, n, k in zip(contexts, seen, limit.tolist()) if k > 0), default=1)
-            self._lay_out(self.adaptive.choose(len(contexts), unseen))
+        if self.adaptive is not None:
+            catch_up = behind(contexts, self.draft.lengths.tolist(), limit.tolist())
+            self._lay_out(self.adaptive.choose(len(contexts), catch_up))
         batch, slots = len(contexts), len(self.parent_of)
         depth = limit.clamp(0, len(self.levels) - 1).to(device)  # [B]
         levels = int(depth.max()) if batch else 0

@@ -111,7 +111,7 @@ def run(args) -> None:
     import torch
 
     from blockspec import PromptLookup, SamplingParams, SpeculativeDecoder
-    from blockspec.auto import adaptive_policy, latency_probe, lookup_latency
+    from blockspec.auto import default_decoder, lookup_latency
     from blockspec.bench import datasets
     from blockspec.bench.executor import ExpectedScores
     from blockspec.machine import cpu_flags
@@ -139,10 +139,10 @@ def run(args) -> None:
         records.flush()
         print(json.dumps({k: v for k, v in entry.items() if k not in machine}), flush=True)
 
-    def auto(model, lookup=None, **options):  # options: AdaptiveLength's, beside the default's
-        policy = adaptive_policy(latency_probe(target, model, 1), 1, 8, **options)
-        record({"row": "policy", "draft": model.name, "speculates": policy is not None})
-        return SpeculativeDecoder(target, model if policy else None, max_draft=8, policy=policy, lookup=lookup)
+    def auto(model, lookup=False, **options):  # blockspec generate's default; options: AdaptiveLength's
+        decoder = default_decoder(target, model, lookup=lookup, **options)
+        record({"row": "policy", "draft": model.name, "speculates": decoder.draft is not None})
+        return decoder
 
     decoders = {
         "llamacpp-alone": SpeculativeDecoder(target),
@@ -154,8 +154,8 @@ def run(args) -> None:
         "llamacpp-block-q4-cut": SpeculativeDecoder(target, cut, rule="block", max_draft=args.max_draft),
         "llamacpp-auto-q4-cut": auto(cut),
         "llamacpp-lookup": SpeculativeDecoder(target, lookup=PromptLookup(costs=lookup_latency(target, 1))),
-        "llamacpp-default": auto(small, PromptLookup(costs=lookup_latency(target, 1))),
-        "llamacpp-default-blind": auto(small, PromptLookup(costs=lookup_latency(target, 1)), horizon=math.inf),
+        "llamacpp-default": auto(small, lookup=True),
+        "llamacpp-default-blind": auto(small, lookup=True, horizon=math.inf),
     }
     if {"hf-alone", "hf-assisted"} & set(args.rows):
         from blockspec.bench.executor import run_assisted

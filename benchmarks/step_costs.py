@@ -9,9 +9,9 @@ turns on random tokens, cached). Here every ``forward`` of real decoding is time
 first --prompts prompts of --dataset (chat template, batch 1, --max-new-tokens) at each --temperature (seed 0),
 configurations taking turns prompt by prompt. Configurations: ``alone`` (the target alone), ``lookup`` (prompt lookup
 priced by the cached ``lookup_latency`` probe), ``token:K`` and ``block:K`` (the draft model, K tokens a step),
-``default`` (what ``blockspec generate`` runs: prompt lookup beside the draft under the adaptive length, whose step
-costs come from the cached ``latency_probe``; lookup alone where that finds the draft cannot pay). --draft-quant q4_0
-drafts with the draft requantized by llama.cpp, as the default does on llama.cpp.
+``default`` (``blockspec.auto.default_decoder``, what ``blockspec generate`` runs: prompt lookup beside the draft
+under the adaptive length, whose step costs come from the cached ``latency_probe``; lookup alone where that finds the
+draft cannot pay). --draft-quant q4_0 drafts with the draft requantized by llama.cpp, as the default does on llama.cpp.
 
 Before each prompt's turn the probe's method runs once more, uncached (``blockspec.auto.time_forwards`` over
 --probe-widths, as ``lookup_latency`` times them), so the probe's ratios over the run sit beside decoding's.
@@ -61,13 +61,11 @@ def main() -> None:
     from blockspec.auto import (
         LATENCY_REPEATS,
         PROBE_CONTEXT,
-        adaptive_policy,
-        latency_probe,
+        default_decoder,
         lookup_latency,
         time_forwards,
     )
     from blockspec.bench import datasets
-    from blockspec.defaults import ADAPTIVE_MAX_DRAFT
     from blockspec.models.chat import encode_prompt
 
     target, draft = load(args.backend, args.target, args.dtype), None
@@ -81,11 +79,7 @@ def main() -> None:
         elif name == "lookup":
             decoders[name] = SpeculativeDecoder(target, lookup=PromptLookup(costs=probe))
         elif name == "default":
-            policy = adaptive_policy(latency_probe(target, draft, 1), 1, ADAPTIVE_MAX_DRAFT)
-            lookup, model = PromptLookup(costs=probe), draft if policy is not None else None
-            decoders[name] = SpeculativeDecoder(
-                target, model, max_draft=ADAPTIVE_MAX_DRAFT, policy=policy, lookup=lookup
-            )
+            decoders[name] = default_decoder(target, draft)
         else:
             rule, k = name.split(":")
             decoders[name] = SpeculativeDecoder(target, draft, rule=rule, max_draft=int(k))

@@ -5,6 +5,8 @@ slower than the target alone on another (docs/results.md).
 - ``choose_arithmetic(device)``: the target's dtype and whether to quantize the draft (a timed probe on the CPU).
 - ``latency_probe(target, draft, batch)``: the models' own step latency at this batch size, which
   ``policy.AdaptiveLength`` turns into a draft length each step; ``adaptive_policy`` is that policy, or None.
+- ``lookup_latency(target, batch)``: the target's step latency, which ``PromptLookup`` prices its proposals by.
+- ``default_decoder(target, draft)``: what ``blockspec generate`` decodes with by default, built from those probes.
 - ``measure_profile(target, draft, companion)``: the latency profile itself (what ``blockspec sv profile`` saves).
 
 What each probe measures and how it is cached: docs/guide/cli.md ("Defaults follow the machine").
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 
 from . import machine
-from .defaults import ADAPTIVE_MAX_DRAFT, CATCH_UP_HORIZON, LOOKUP_MAX_DRAFT, SV_BATCH_SIZES
+from .defaults import ADAPTIVE_MAX_DRAFT, CATCH_UP_HORIZON, LOOKUP_MAX_DRAFT, RULE, SV_BATCH_SIZES
 from .files import write_atomic
 from .models.base import model_name
 from .models.cache import PROBES, cache_root
@@ -204,6 +206,36 @@ def adaptive_policy(latency, batch: int, max_draft: int, *, horizon: float = CAT
     alone)."""
     policy = AdaptiveLength(latency, max_draft=max_draft, horizon=horizon)
     return policy if policy.best_length(batch) > 0 else None
+
+
+def default_decoder(
+    target,
+    draft=None,
+    *,
+    batch_size: int = 1,
+    lookup: bool = True,
+    latency: LatencyProfile | None = None,
+    rule: str = RULE,
+    max_draft: int = ADAPTIVE_MAX_DRAFT,
+    horizon: float = CATCH_UP_HORIZON,
+):
+    """What ``blockspec generate`` decodes with by default, on loaded models: prompt lookup priced by the target's
+    measured step costs (``lookup_latency``) beside ``draft`` under ``adaptive_policy`` (its length chosen each step
+    from ``latency``, ``latency_probe``'s measurement by default). Where no draft length is expected to beat the
+    target alone, the draft is left out (lookup alone, or the target alone without ``lookup``); with no draft it is
+    lookup alone. On llama.cpp the command line's draft is the shipped one requantized to q4_0
+    (``load_model(draft, backend="llamacpp", quant="q4_0")``). ``batch_size``: the rows each call decodes, which the
+    costs are measured at."""
+    from .drafting import PromptLookup
+    from .engine import SpeculativeDecoder
+
+    policy = None
+    if draft is not None:
+        latency = latency if latency is not None else latency_probe(target, draft, batch_size)
+        policy = adaptive_policy(latency, batch_size, max_draft, horizon=horizon)
+    proposals = PromptLookup(costs=lookup_latency(target, batch_size)) if lookup else None
+    model = draft if policy is not None else None  # the policy, not the engine's fixed length, sets max_draft
+    return SpeculativeDecoder(target, model, rule=rule, policy=policy, lookup=proposals)
 
 
 def latency_probe(target, draft, batch: int, *, refresh: bool = False):

@@ -18,6 +18,7 @@ from kits.svkit import AVX2_LLAMACPP, CHEAP_VERIFICATION, LINEAR_VERIFICATION, p
 from kits.tiny import exact_law_of_first_tokens, perturbed, save_tiny, tiny_model
 
 from blockspec import SamplingParams, SpeculativeDecoder, auto, cli, machine
+from blockspec.defaults import ADAPTIVE_MAX_DRAFT
 from blockspec.models.hf import HFModel
 from blockspec.models.load import load_model
 from blockspec.models.quant import quantize
@@ -212,6 +213,36 @@ def test_the_adaptive_length_drafts_where_drafting_step_after_step_pays_and_only
     policy = auto.adaptive_policy(costs, 1, 8)
     assert policy is not None and policy.prior == 0.85
     assert [policy.draft_budget(1, catch_up=c) for c in (1, 2, 3)] == [3, 3, 3]
+
+
+def test_the_default_decoder_is_lookup_beside_the_adaptive_draft_and_leaves_out_a_draft_that_cannot_pay(monkeypatch):
+    """``auto.default_decoder`` (what `blockspec generate` runs): the draft under the adaptive length over the
+    measured costs, its options passed on, with prompt lookup priced by the target's own measured costs; where no
+    length pays, lookup alone, or the target alone without lookup; a latency given is used, not measured again."""
+    target, draft = HFModel(tiny_model(), name="tiny-target"), HFModel(tiny_model(), name="tiny-draft")
+    costs = {"cheap": profile(CHEAP_VERIFICATION, draft_ms=10), "dear": profile(LINEAR_VERIFICATION, draft_ms=100)}
+    probed = []  # (draft, batch size) of each latency probe, and the costs it returns
+
+    def probe(target, draft, batch):
+        probed.append((draft.name, batch))
+        return costs["dear" if len(probed) > 1 else "cheap"]
+
+    table = LatencyTable((1, 3), (1, 2), ((0.1, 0.2), (0.2, 0.4)))
+    monkeypatch.setattr(auto, "latency_probe", probe)
+    monkeypatch.setattr(auto, "lookup_latency", lambda target, batch: table if batch == 3 else None)
+
+    decoder = auto.default_decoder(target, draft, batch_size=3, rule="token", max_draft=5, horizon=12)
+    assert probed == [("tiny-draft", 3)] and decoder.draft is draft and decoder.rule == "token"
+    assert isinstance(decoder.policy, AdaptiveLength) and (decoder.policy.max_draft, decoder.policy.horizon) == (5, 12)
+    assert decoder.lookup is not None and decoder.lookup.costs is table
+    alone = auto.default_decoder(target, draft, batch_size=3)  # the dear costs
+    assert alone.draft is None and alone.lookup is not None and alone.lookup.costs is table  # lookup alone
+    plain = auto.default_decoder(target, draft, lookup=False, latency=costs["dear"])
+    assert plain.draft is None and plain.lookup is None and plain.max_draft == 0  # the target alone
+    given = auto.default_decoder(target, draft, lookup=False, latency=costs["cheap"])
+    assert given.draft is draft and given.lookup is None and given.policy.max_draft == ADAPTIVE_MAX_DRAFT
+    assert len(probed) == 2  # a latency given is not measured again
+    assert auto.default_decoder(target, batch_size=3).draft is None  # no draft model: lookup alone
 
 
 def test_a_draft_that_pays_by_a_hair_does_not_draft_again_once_its_catch_up_costs_more_than_it_gains():

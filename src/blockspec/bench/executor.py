@@ -133,8 +133,7 @@ class Executor:
         )
 
     def _decoder(self, item: Run):
-        from ..auto import adaptive_policy, latency_probe, lookup_latency
-        from ..drafting import PromptLookup
+        from ..auto import default_decoder, latency_probe
         from ..engine import SpeculativeDecoder
 
         draft = None if item.config in NO_DRAFT else self.drafts[draft_quant_of(item.config, self.arithmetic)]
@@ -154,11 +153,10 @@ class Executor:
             rule = item.config.removesuffix("-int8")
             return SpeculativeDecoder(self.target, draft, rule=rule, max_draft=item.max_draft)
         if item.config in rec.ADAPTIVE_CONFIGS:  # as `blockspec generate` decides, with a fresh policy per run
-            probe = None if draft is None else latency_probe(self.target, draft, item.batch_size)
-            policy = None if probe is None else adaptive_policy(probe, item.batch_size, item.max_draft)
-            lookup = None if item.config == "auto" else PromptLookup(costs=lookup_latency(self.target, item.batch_size))
-            draft = draft if policy is not None else None  # lookup alone where the model's drafts cannot pay
-            return SpeculativeDecoder(self.target, draft, policy=policy, lookup=lookup)  # neither: the target alone
+            lookup = item.config != "auto"
+            return default_decoder(
+                self.target, draft, batch_size=item.batch_size, lookup=lookup, max_draft=item.max_draft
+            )
         assert self.sv is not None, f"{item.config} is not a configuration of this bench"
         policy, companion, rule = self.sv.policy(item)  # a fresh policy: no history across runs
         return SpeculativeDecoder(

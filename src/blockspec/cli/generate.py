@@ -23,6 +23,7 @@ from .common import (
 from .progress import PrefillProgress, Streamer, watch_prefill
 
 DRAFTERS = ("auto", "model", "lookup", "lookup+model")
+LOOKUP_PROBE = "step latency of the target for prompt lookup (measured on the first run, then cached)"
 NO_DRAFT = "none"  # --draft none: decode with the target alone
 
 EXAMPLES = """examples:
@@ -212,7 +213,6 @@ def config_from(args) -> GenerateConfig:
 
 def generate(config: GenerateConfig) -> int:
     from ..checks import check_stop_strings, check_text, row_seeds
-    from ..drafting import PromptLookup
     from ..models.base import check_shared_vocabulary, target_vocabulary
     from ..models.chat import encode_prompt
     from ..models.load import load_model, refuse_model_code, resolve_backend, resolve_device
@@ -280,25 +280,10 @@ def generate(config: GenerateConfig) -> int:
                 raise ValueError(f"{error}; --draft {NO_DRAFT} decodes with the target alone") from error
             _status(f"the default draft {config.draft} does not share the vocabulary of {config.target}: left out")
             draft = None
-    policy, companion = None, None
-    if config.policy == "sv":
-        policy, companion = sv.build_policy(config, target, sampling)
-    elif config.policy == "auto" and draft is not None and flag is None:
-        policy = _adaptive_policy(config, target, draft)
-        if policy is None:
-            draft = None
-    tree = config.tree
-    if tree == "auto":
-        tree = _adaptive_shape(config, target, draft)
-        if tree is None:
-            draft = None
-    lookup = None
-    if config.drafter != "model":
-        from ..auto import lookup_latency
-
-        _status("step latency of the target for prompt lookup (measured on the first run, then cached)")
-        lookup = PromptLookup(costs=lookup_latency(target, len(config.prompts)))
-    decoder = _decoder(config, target, draft, policy=policy, companion=companion, lookup=lookup, tree=tree)
+    if config.policy == "auto" and draft is not None and flag is None:
+        decoder = _default_decoder(config, target, draft)
+    else:
+        decoder = _decoder(config, target, draft, sampling)
     if decoder.tokenizer is None:
         raise ValueError(f"{config.target} has no tokenizer: the CLI needs one to read and print text")
     ids = [encode_prompt(decoder.tokenizer, p, chat=config.chat) for p in config.prompts]
@@ -306,7 +291,7 @@ def generate(config: GenerateConfig) -> int:
     # Before the first token the models read the whole prompt, minutes for thousands of tokens on a CPU: say so.
     total = sum(len(i) for i in ids)
     _status(f"prefilling {total} prompt tokens" + (f" ({len(ids)} prompts)" if len(ids) > 1 else ""))
-    for role, model in (("target", target), ("draft", draft), ("companion", companion)):
+    for role, model in (("target", decoder.target), ("draft", decoder.draft), ("companion", decoder.companion)):
         if model is not None:
             watch_prefill(model, PrefillProgress(role))
     stream = Streamer(decoder.tokenizer) if len(ids) == 1 else None
@@ -352,10 +337,49 @@ def generate(config: GenerateConfig) -> int:
     return 0
 
 
-def _decoder(config: GenerateConfig, target, draft, *, policy, companion, lookup, tree):
-    """The one call into the engine. With neither a draft model nor lookup it decodes with the target alone."""
+def _default_decoder(config: GenerateConfig, target, draft):
+    """``auto.default_decoder``: the draft under ``policy.AdaptiveLength`` over this machine's measured step latency,
+    with prompt lookup beside it unless ``--drafter model``; where no draft length is expected to beat the target
+    alone, it says so and decodes with lookup alone, or the target alone."""
+    from ..auto import default_decoder, latency_probe
+
+    batch, lookup = len(config.prompts), config.drafter != "model"
+    _status("step latency of these models on this machine (measured on the first run, then cached)")
+    latency = latency_probe(target, draft, batch)
+    if lookup:
+        _status(LOOKUP_PROBE)
+    decoder = default_decoder(
+        target,
+        draft,
+        batch_size=batch,
+        lookup=lookup,
+        latency=latency,
+        rule=config.rule,
+        max_draft=config.resolved_max_draft,
+    )
+    if decoder.draft is None:
+        fallback = "drafting by prompt lookup alone" if lookup else "decoding with the target alone"
+        _cannot_pay(latency, batch, fallback, "--policy fixed speculates anyway", config.backend)
+    return decoder
+
+
+def _decoder(config: GenerateConfig, target, draft, sampling):
+    """Any decoder but the default: a fixed length, SV, a tree (``--tree auto`` over this machine's measured step
+    latency) or paths, prompt lookup alone. With neither a draft model nor lookup it decodes with the target alone."""
+    from ..auto import lookup_latency
+    from ..drafting import PromptLookup
     from ..engine import SpeculativeDecoder
 
+    policy, companion, tree, lookup = None, None, config.tree, None
+    if config.policy == "sv":
+        policy, companion = sv.build_policy(config, target, sampling)
+    if isinstance(tree, str):  # auto: each step's shape chosen from measured costs
+        tree = _adaptive_shape(config, target, draft)
+        if tree is None:
+            draft = None
+    if config.drafter != "model":
+        _status(LOOKUP_PROBE)
+        lookup = PromptLookup(costs=lookup_latency(target, len(config.prompts)))
     return SpeculativeDecoder(
         target,
         draft,
@@ -481,23 +505,6 @@ def draft_quant_on(backend: str, draft_quant: str, *, sv: bool = False, target_q
             f"{draft_quant} runs on transformers (--backend hf)"
         )
     return LLAMACPP_QUANTS[0] if draft_quant == "auto" else draft_quant
-
-
-def _adaptive_policy(config: GenerateConfig, target, draft):
-    """``policy.AdaptiveLength`` over this machine's measured step latency, or None (after saying so) where no
-    draft length is expected to beat the target alone."""
-    from ..auto import adaptive_policy, latency_probe
-
-    batch = len(config.prompts)
-    _status("step latency of these models on this machine (measured on the first run, then cached)")
-    latency = latency_probe(target, draft, batch)
-    policy = adaptive_policy(latency, batch, config.resolved_max_draft)
-    if policy is None:
-        fallback = (
-            "drafting by prompt lookup alone" if config.drafter == "lookup+model" else "decoding with the target alone"
-        )
-        _cannot_pay(latency, batch, fallback, "--policy fixed speculates anyway", config.backend)
-    return policy
 
 
 def _cannot_pay(latency, batch: int, instead: str, anyway: str, backend: str) -> None:

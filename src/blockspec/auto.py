@@ -222,8 +222,8 @@ def default_decoder(
     """What ``blockspec generate`` decodes with by default, on loaded models: prompt lookup priced by the target's
     measured step costs (``lookup_latency``) beside ``draft`` under ``adaptive_policy`` (its length chosen each step
     from ``latency``, ``latency_probe``'s measurement by default). Where no draft length is expected to beat the
-    target alone, the draft is left out (lookup alone, or the target alone without ``lookup``); with no draft it is
-    lookup alone. On llama.cpp the command line's draft is the shipped one requantized to q4_0
+    target alone, the draft is left out, as it is with no ``draft``: lookup alone, or the target alone without
+    ``lookup``. On llama.cpp the command line's draft is the shipped one requantized to q4_0
     (``load_model(draft, backend="llamacpp", quant="q4_0")``). ``batch_size``: the rows each call decodes, which the
     costs are measured at."""
     from .drafting import PromptLookup

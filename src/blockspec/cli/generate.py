@@ -341,11 +341,10 @@ def _default_decoder(config: GenerateConfig, target, draft):
     """``auto.default_decoder``: the draft under ``policy.AdaptiveLength`` over this machine's measured step latency,
     with prompt lookup beside it unless ``--drafter model``; where no draft length is expected to beat the target
     alone, it says so and decodes with lookup alone, or the target alone."""
-    from ..auto import default_decoder, latency_probe
+    from ..auto import default_decoder
 
     batch, lookup = len(config.prompts), config.drafter != "model"
-    _status("step latency of these models on this machine (measured on the first run, then cached)")
-    latency = latency_probe(target, draft, batch)
+    latency = _latency(target, draft, batch)
     if lookup:
         _status(LOOKUP_PROBE)
     decoder = default_decoder(
@@ -507,6 +506,14 @@ def draft_quant_on(backend: str, draft_quant: str, *, sv: bool = False, target_q
     return LLAMACPP_QUANTS[0] if draft_quant == "auto" else draft_quant
 
 
+def _latency(target, draft, batch: int):
+    """``auto.latency_probe``'s step latency of the two models at this batch size, after saying it is measured."""
+    from ..auto import latency_probe
+
+    _status("step latency of these models on this machine (measured on the first run, then cached)")
+    return latency_probe(target, draft, batch)
+
+
 def _cannot_pay(latency, batch: int, instead: str, anyway: str, backend: str) -> None:
     """Says why no draft is expected to beat the target alone, what runs ``instead``, and what speculates ``anyway``
     (and, on transformers, that an int8 target verifies cheaper: llama.cpp runs the GGUF's own types)."""
@@ -521,12 +528,10 @@ def _cannot_pay(latency, batch: int, instead: str, anyway: str, backend: str) ->
 def _adaptive_shape(config: GenerateConfig, target, draft):
     """``policy.AdaptiveShape`` over this machine's measured step latency (``--tree auto``), or None (after saying
     so) where even its prior acceptance picks no draft, as ``--policy auto`` does for chains."""
-    from ..auto import latency_probe
     from ..policy.shapes import AdaptiveShape
 
     batch = len(config.prompts)
-    _status("step latency of these models on this machine (measured on the first run, then cached)")
-    latency = latency_probe(target, draft, batch)
+    latency = _latency(target, draft, batch)
     shape = AdaptiveShape(latency, max_draft=config.resolved_max_draft)
     if shape.choose(batch):  # at the prior, before any step: the engine starts each call there again
         return shape

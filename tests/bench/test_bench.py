@@ -321,10 +321,9 @@ def test_auto_tree_runs_at_the_largest_k_with_the_probes_draft_and_the_batch_tab
     assert "| auto-tree " in (tmp_path / "report" / "report.md").read_text()
 
 
-def test_trees_paths_and_auto_tree_run_on_llama_cpp(tmp_path, monkeypatch):
-    """The tree configurations on --backend llamacpp (tiny GGUFs; their tokenizer handed over as in
-    tests/cli/test_sv_llamacpp.py): every run ok, the static shapes with the draft as it is and auto-tree with the
-    q4_0 draft the auto configurations use, trees drafted and verified, at a batch of two rows."""
+def tiny_gguf_pair(tmp_path, monkeypatch) -> dict:
+    """A tiny GGUF target and draft (their tokenizer handed over as in tests/cli/test_sv_llamacpp.py), as
+    BenchConfig's ``target`` and ``draft``; the latency probe pinned to cheap verification."""
     pytest.importorskip("llama_cpp")
     import transformers
     from kits.tiny import perturbed, tiny_model, tiny_tokenizer
@@ -338,9 +337,47 @@ def test_trees_paths_and_auto_tree_run_on_llama_cpp(tmp_path, monkeypatch):
     )
     monkeypatch.setattr(auto, "latency_probe", lambda target, draft, batch: profile(CHEAP_VERIFICATION, draft_ms=10))
     target = tiny_model(sharpness=5.0)
+    return {
+        "target": save_gguf(target, tmp_path / "target.gguf"),
+        "draft": save_gguf(perturbed(target, scale=0.3, seed=1), tmp_path / "draft.gguf"),
+    }
+
+
+def test_auto_runs_gguf_models_on_llama_cpp_and_leaves_out_what_only_transformers_runs(tmp_path, monkeypatch, caplog):
+    """The quick preset's backend, auto, on GGUF files on a CPU: llama.cpp, as generate runs them, with transformers'
+    own baselines left out and said so, and the directory's settings naming llama.cpp; nothing but those: refused.
+    Transformers keeps them all, and a backend given by name leaves llama.cpp to refuse them."""
+    import logging
+
     config = runner.BenchConfig(
-        target=save_gguf(target, tmp_path / "target.gguf"),
-        draft=save_gguf(perturbed(target, scale=0.3, seed=1), tmp_path / "draft.gguf"),
+        **tiny_gguf_pair(tmp_path, monkeypatch),
+        configs=("target-only", "hf-assisted", "block", "hf-lookup"),
+        datasets=("lm1b",),
+        prompts_per_dataset=1,
+        max_drafts=(2,),
+        max_new_tokens=4,
+        chat=False,
+        out=tmp_path / "out",
+    )
+    assert config.backend == runner.PRESETS["quick"].backend == "auto"
+    with caplog.at_level(logging.WARNING, logger="blockspec.bench.runner"):
+        records = list(rec.read(runner.run(config, progress=False)))
+    assert [r.config for r in records] == ["target-only", "block"] and all(r.ok for r in records), records
+    assert "hf-assisted, hf-lookup left out" in caplog.text and "--backend hf runs them" in caplog.text
+    stored = json.loads((config.out / runner.CONFIG).read_text())
+    assert (stored["backend"], stored["configs"]) == ("llamacpp", ["target-only", "block"])
+    with pytest.raises(ValueError, match="hf-assisted run on transformers only: add --backend hf"):
+        runner.run(replace(config, configs=("hf-assisted",), out=tmp_path / "none"), progress=False)
+    assert runner.on_backend(config, "hf") == replace(config, backend="hf")
+    assert runner.on_backend(replace(config, backend="llamacpp"), "llamacpp").configs == config.configs
+
+
+def test_trees_paths_and_auto_tree_run_on_llama_cpp(tmp_path, monkeypatch):
+    """The tree configurations on --backend llamacpp (tiny GGUFs): every run ok, the static shapes with the draft as
+    it is and auto-tree with the q4_0 draft the auto configurations use, trees drafted and verified, at a batch of
+    two rows."""
+    config = runner.BenchConfig(
+        **tiny_gguf_pair(tmp_path, monkeypatch),
         backend="llamacpp",
         configs=("target-only", "tree-2,1,1", "paths-2", "auto-tree"),
         datasets=("lm1b",),

@@ -162,7 +162,7 @@ def copy_of(config: runner.BenchConfig, out) -> runner.BenchConfig:
 def test_the_run_directory_stores_its_settings_and_machine(recorded):
     stored = json.loads((recorded.out / runner.CONFIG).read_text())
     resolved = stored.pop("resolved")
-    assert stored == runner.settings(recorded)
+    assert recorded.backend == "auto" and stored == runner.settings(replace(recorded, backend="hf"))  # as it resolved
     assert stored["target"] == recorded.target and stored["seed"] == recorded.seed and stored["chat"] is True
     assert stored["cpu_flags"] == machine.cpu_flags() and stored["threads"] == machine.threads()
     assert resolved["dtype"] == "float32" and resolved["draft_quant"] == {}  # target-only drafts nothing

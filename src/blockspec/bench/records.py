@@ -31,6 +31,8 @@ OK, FAILED = "ok", "failed"  # Record.status
 HF_CONFIGS = ("hf-assisted", "hf-lookup")  # transformers' generate: batch 1, no per-step lists, no prefill time
 SV_CONFIGS = ("sv-draft", "sv-token", "sv-block")  # Speculative Verification: draft-only / companion predictor
 FIXED_CONFIGS = ("token", "block", "block-int8")  # fixed-K speculative decoding: one run per K
+# what only transformers runs: its own baselines, the int8 draft, SV with the companion built from the target's layers
+TRANSFORMERS_ONLY = (*HF_CONFIGS, "block-int8", "sv-token", "sv-block")
 # blockspec's own defaults, each deciding its lengths: the draft length `generate --drafter model` picks
 # (AdaptiveLength over the draft the machine's probe chose), prompt lookup alone, and lookup beside that model draft
 # where a proposal is expected to beat it (what `generate` runs by default)

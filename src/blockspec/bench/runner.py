@@ -13,7 +13,7 @@ import logging
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .. import defaults, machine
@@ -55,8 +55,9 @@ class BenchConfig:
     # T_d: the draft's own temperatures, each run by the fixed-K configurations; empty: the target's temperature
     draft_temperatures: tuple[float, ...] = ()
     # who runs the models: "hf" (transformers), "llamacpp" (llama.cpp, presets and GGUF files, CPU), or "auto"
-    # (models.load.resolve_backend); transformers' own baselines (hf-*) and SV (its profiles) need "hf"
-    backend: str = "hf"
+    # (models.load.resolve_backend: llama.cpp for the bundled GGUF pair on a CPU, as `blockspec generate` runs it,
+    # leaving out the configurations only transformers runs, rec.TRANSFORMERS_ONLY; transformers otherwise)
+    backend: str = "auto"
 
     def __post_init__(self):
         unknown = sorted(name for name in self.configs if not rec.is_known(name))
@@ -104,7 +105,7 @@ class BenchConfig:
 
 
 PRESETS = {
-    # The bundled pair, 3 datasets, a few prompts each, K in {4, 8}, temperature 1.
+    # The bundled pair, 3 datasets, a few prompts each, K in {4, 8}, temperature 1, on the backend generate runs.
     "quick": BenchConfig(),
     # The paper's grid: every dataset, K in {2, 4, 6, 8}, greedy and sampled; resumable, in several parts.
     "paper": BenchConfig(
@@ -115,6 +116,7 @@ PRESETS = {
         max_new_tokens=128,
         time_budget=3 * 3600.0,
         precision=0.01,
+        backend="hf",
     ),
     # Speculative Verification: target-only, token and block at K in {2, 4, 8}, and SV with the
     # draft-only and the companion predictor (at most 8 drafted tokens), at batch sizes 1 to 64, on prompt
@@ -126,10 +128,11 @@ PRESETS = {
         batch_sizes=(1, 4, 16, 32, 64),
         configs=("target-only", "token", "block", "sv-draft", "sv-token", "sv-block"),
         time_budget=3 * 3600.0,
+        backend="hf",
     ),
     # The alignment sweep (`blockspec align`): block at K = 4 with the draft at five temperatures of its own, the
     # target at 1; what it measures needs no wall clock (expected accepted lengths, overlap).
-    "align": BenchConfig(**{**defaults.ALIGN, "out": Path(defaults.ALIGN["out"])}),
+    "align": BenchConfig(**{**defaults.ALIGN, "out": Path(defaults.ALIGN["out"]), "backend": "hf"}),
 }
 
 
@@ -372,13 +375,14 @@ def _run(config: BenchConfig, progress: bool) -> Path:
     from ..models.load import load_model, resolve_backend, resolve_device
     from . import datasets
 
+    config = on_backend(config, resolve_backend(config.backend, config.device, config.target, config.draft))
+    backend = config.backend
     existing, found = prepare_out(config)
     records_file = config.out / RECORDS
     done = {r.key for r in existing if r.ok or not config.retry_failed}
     failed = rec.still_failed(existing)
     if failed and not config.retry_failed:
         log.warning("%d runs failed before and are not retried (retry_failed reruns them)", len(failed))
-    backend = resolve_backend(config.backend, config.device, config.target, config.draft)
     arithmetic = None
     if backend == "llamacpp":
         arithmetic = llamacpp_arithmetic(config)
@@ -464,6 +468,25 @@ def _run(config: BenchConfig, progress: bool) -> Path:
     return records_file
 
 
+def on_backend(config: BenchConfig, backend: str) -> BenchConfig:
+    """``config`` as it runs on ``backend``, the one ``config.backend`` resolved to: where "auto" resolved to
+    llama.cpp, without the configurations only transformers runs (``rec.TRANSFORMERS_ONLY``), said in a warning;
+    ValueError where none is left. A backend given by name keeps every configuration (llama.cpp refuses those it
+    cannot run: ``llamacpp_arithmetic``)."""
+    left_out = [name for name in config.configs if name in rec.TRANSFORMERS_ONLY]
+    if config.backend != "auto" or backend != "llamacpp" or not left_out:
+        return replace(config, backend=backend)
+    configs = tuple(name for name in config.configs if name not in left_out)
+    if not configs:
+        raise ValueError(f"{', '.join(left_out)} run on transformers only: add --backend hf")
+    log.warning(
+        "on llama.cpp (the backend for these models on this device): %s left out, as only transformers runs them; "
+        "--backend hf runs them, on transformers",
+        ", ".join(left_out),
+    )
+    return replace(config, backend=backend, configs=configs)
+
+
 def llamacpp_arithmetic(config: BenchConfig):
     """The ``auto.Arithmetic`` of a bench on llama.cpp: the GGUF's own types, the auto and SV configurations' draft in
     q4_0 (what ``blockspec generate`` runs there); refuses what only transformers runs, before any model loads: its
@@ -471,7 +494,7 @@ def llamacpp_arithmetic(config: BenchConfig):
     from ..auto import Arithmetic
     from ..defaults import LLAMACPP_DTYPE, LLAMACPP_QUANTS
 
-    only_hf = sorted(set(config.configs) & {*rec.HF_CONFIGS, "block-int8", "sv-token", "sv-block"})
+    only_hf = sorted(set(config.configs) & set(rec.TRANSFORMERS_ONLY))
     if only_hf or config.target_quant is not None:
         raise ValueError(
             f"{', '.join(only_hf) or '--target-quant'} run on transformers only: leave them out with --backend llamacpp"

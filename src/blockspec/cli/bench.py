@@ -24,7 +24,8 @@ PRESETS = ("quick", "paper", "sv", "align")  # blockspec.bench.runner.PRESETS, w
 ALIGN_FIELDS = {"temperature": "temperatures", "max_draft": "max_drafts"}
 
 EXAMPLES = """examples:
-  blockspec bench                        # the quick preset
+  blockspec bench                        # the quick preset (on llama.cpp on a CPU, as generate runs)
+  blockspec bench --backend hf           # the same on transformers, with its assisted generation
   blockspec bench --preset paper --time-budget 3600   # run again to resume
   blockspec bench --datasets gsm8k --max-draft 2 4 --prompts 5 --out results/mine
   blockspec bench --configs target-only block tree-2,1,1 tree-3,1 --max-draft 4   # trees beside a chain
@@ -94,7 +95,9 @@ def add_parser(sub) -> None:
     bench.add_argument(
         "--backend",
         choices=["auto", *BACKENDS],
-        help="llamacpp, hf or auto (default: hf; transformers' baselines, block-int8, sv-token and sv-block need it)",
+        help="llamacpp, hf or auto (default: the preset's: auto for quick, hf for the others). auto: llama.cpp for "
+        "the bundled GGUF pair on a CPU, as generate runs it, leaving out what only transformers runs (its "
+        "assisted generation and prompt lookup, block-int8, sv-token, sv-block); hf otherwise",
     )
     bench.add_argument("--out", type=Path, help="output directory for records, report and plots")
     bench.add_argument("--allow-download", action="store_true", default=None, help=ALLOW_DOWNLOAD_HELP)

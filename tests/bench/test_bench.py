@@ -363,7 +363,7 @@ def test_auto_runs_gguf_models_on_llama_cpp_and_leaves_out_what_only_transformer
     with caplog.at_level(logging.WARNING, logger="blockspec.bench.runner"):
         records = list(rec.read(runner.run(config, progress=False)))
     assert [r.config for r in records] == ["target-only", "block"] and all(r.ok for r in records), records
-    assert "hf-assisted, hf-lookup left out" in caplog.text and "--backend hf runs them" in caplog.text
+    assert "leaving out hf-assisted, hf-lookup, which only transformers runs; --backend hf" in caplog.text
     stored = json.loads((config.out / runner.CONFIG).read_text())
     assert (stored["backend"], stored["configs"]) == ("llamacpp", ["target-only", "block"])
     with pytest.raises(ValueError, match="hf-assisted run on transformers only: add --backend hf"):

@@ -480,8 +480,8 @@ def on_backend(config: BenchConfig, backend: str) -> BenchConfig:
     if not configs:
         raise ValueError(f"{', '.join(left_out)} run on transformers only: add --backend hf")
     log.warning(
-        "on llama.cpp (the backend for these models on this device): %s left out, as only transformers runs them; "
-        "--backend hf runs them, on transformers",
+        "on llama.cpp (the backend for these models on this device): leaving out %s, which only transformers runs; "
+        "--backend hf runs every configuration on transformers",
         ", ".join(left_out),
     )
     return replace(config, backend=backend, configs=configs)

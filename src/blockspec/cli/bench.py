@@ -30,7 +30,7 @@ EXAMPLES = """examples:
   blockspec bench --datasets gsm8k --max-draft 2 4 --prompts 5 --out results/mine
   blockspec bench --configs target-only block tree-2,1,1 tree-3,1 --max-draft 4   # trees beside a chain
   blockspec bench --configs block paths-3 paths-iid-3 --max-draft 4   # 3 paths of 4 tokens beside a chain of 4
-  blockspec sv profile --backend hf && blockspec sv calibrate --backend hf   # once (bench runs transformers),
+  blockspec sv profile --backend hf && blockspec sv calibrate --backend hf   # once (the sv preset runs transformers),
   blockspec bench --preset sv --out results/bench-sv  # then the SV grid (hours; resumable)"""
 
 

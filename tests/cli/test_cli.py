@@ -68,6 +68,8 @@ def test_generate_end_to_end_on_tiny_models(tiny_pair):
     assert spec.returncode == plain.returncode == 0, spec.stderr + plain.stderr
     assert spec.stdout == plain.stdout and spec.stdout.strip()  # same greedy text, streamed
     assert "acceptance length (1 + accepted/steps)" in spec.stderr and "tokens/s" in spec.stderr
+    assert "acceptance rate (accepted/drafted) " in spec.stderr and "nan" not in spec.stderr + plain.stderr
+    assert plain.stderr.rstrip().endswith("acceptance length (1 + accepted/steps) 1.00; nothing drafted"), plain.stderr
     two = run("generate", *common, "ab", "cd efg")
     assert two.returncode == 0 and "--- prompt 0" in two.stdout and "--- prompt 1" in two.stdout
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from dataclasses import dataclass, fields, replace
@@ -327,11 +328,12 @@ def generate(config: GenerateConfig) -> int:
             shape += f" or lookup up to {decoder.lookup.max_draft}"
     if decoder.lookup is not None:  # the share of row steps that verified a lookup proposal instead of a draft
         shape += f", prompt lookup in {result.lookup_rate:.0%} of steps"
+    rate = result.acceptance_rate  # nan where no step verified a drafted token
     print(
         f"[{mode}, {shape}, {_drafted_per_step(result)} drafted per step] "
         f"{result.new_tokens} tokens in {result.wall_time:.1f} s = {result.tokens_per_second:.2f} tokens/s; "
         f"acceptance length (1 + accepted/steps) {result.block_efficiency:.2f}; "
-        f"acceptance rate (accepted/drafted) {result.acceptance_rate:.2f}",
+        + ("nothing drafted" if math.isnan(rate) else f"acceptance rate (accepted/drafted) {rate:.2f}"),
         file=sys.stderr,
     )
     return 0

@@ -75,7 +75,7 @@ def add_parser(sub) -> None:
         f"drafted each step (children per node at each depth, e.g. {TREE}2,1,1); {PATHS}K, K paths of each "
         f"--max-draft tokens drafted each step, first tokens distinct, or {PATHS}iid-K, K i.i.d. paths merged where "
         f"they agree (default: the preset's; quick and paper: "
-        f"{' '.join(CONFIGS)})",
+        f"{' '.join(CONFIGS)}, less hf-assisted where --backend auto picks llama.cpp)",
     )
     bench.add_argument("--batch-sizes", type=int_at_least(1), nargs="+", help="prompts decoded together per run")
     bench.add_argument("--companion", help="SV companion (default: the same as `blockspec sv`)")
@@ -96,8 +96,9 @@ def add_parser(sub) -> None:
         "--backend",
         choices=["auto", *BACKENDS],
         help="llamacpp, hf or auto (default: the preset's: auto for quick, hf for the others). auto: llama.cpp for "
-        "the bundled GGUF pair on a CPU, as generate runs it, leaving out what only transformers runs (its "
-        "assisted generation and prompt lookup, block-int8, sv-token, sv-block); hf otherwise",
+        "GGUF models (the bundled pair's included) on a CPU, as generate runs them, leaving out what only "
+        "transformers runs (its assisted generation and prompt lookup, block-int8, sv-token, sv-block); hf "
+        "otherwise",
     )
     bench.add_argument("--out", type=Path, help="output directory for records, report and plots")
     bench.add_argument("--allow-download", action="store_true", default=None, help=ALLOW_DOWNLOAD_HELP)

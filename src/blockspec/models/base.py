@@ -271,11 +271,11 @@ def same_vocabulary(a: Any, b: Any) -> bool:
     of the whole vocabulary, a quarter of a second for Qwen2.5's, and every decoder built checks its models."""
     try:
         known = _SHARED.setdefault(a, weakref.WeakKeyDictionary())
-        weakref.ref(b), hash(b)
+        remembered = known.get(b)
     except TypeError:  # a tokenizer that weak references cannot track: compared every time
         return a.get_vocab() == b.get_vocab()
     sizes = (len(a), len(b))
-    if known.get(b) == sizes:
+    if remembered == sizes:
         return True
     if a is not b and a.get_vocab() != b.get_vocab():
         return False

@@ -199,6 +199,14 @@ def test_a_resume_with_other_settings_is_refused_naming_them_before_any_model_lo
         assert f"{name}: {asdict(recorded)[name]!r} there, {value!r} here" in str(refused.value)
 
 
+def test_a_resume_on_another_backend_is_refused_naming_it(recorded, tmp_path, monkeypatch):
+    """The directory stores the backend its runs resolved to (transformers, for these models), not "auto"."""
+    config = copy_of(recorded, tmp_path)
+    no_model_loads(monkeypatch)
+    with pytest.raises(ValueError, match="backend: 'hf' there, 'llamacpp' here"):
+        runner.run(replace(config, backend="llamacpp"), progress=False)
+
+
 def test_a_resume_whose_auto_configurations_drafted_differently_is_refused_naming_them(tmp_path):
     """A directory where auto drafted with the int8 draft and auto-tree with the unquantized one (as benches did
     before auto-tree took auto's draft): no one quantization extends both, so the resume says which ran how."""

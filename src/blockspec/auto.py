@@ -243,12 +243,7 @@ def latency_probe(target, draft, batch: int, *, refresh: bool = False):
     ``LatencyProfile`` measured once (6 rounds of 1-9 token forwards, seconds on a CPU) and cached per
     models (``profiles.model_identity``: other weights under the same name are measured again), dtype, device,
     thread count, batch size and ``kernels``; a cache that cannot be written serves this run's measurement only."""
-    name = latency_path(target.name, draft.name, None, dtype_name(target.dtype), str(target.device)).name
-
-    def load(path: Path) -> LatencyProfile:
-        profile = LatencyProfile.load(path)
-        profile.check(target.name, draft.name, None, target.dtype, target.device)
-        return profile
+    path, load = _latency_cache(target, draft.name, kernels(target, draft), batch)
 
     def measure() -> LatencyProfile:
         log.info("measuring step latency of %s and %s at batch %d (once per machine)", target.name, draft.name, batch)
@@ -264,8 +259,33 @@ def latency_probe(target, draft, batch: int, *, refresh: bool = False):
             progress=False,
         )
 
-    path = sv_dir() / f"probe-b{batch}-t{torch.get_num_threads()}-m{LATENCY_METHOD}-k{kernels(target, draft)}-{name}"
     return _measured_once(path, refresh, load, measure, lambda p, profile: profile.save(p), "latency probe")
+
+
+def cached_latency(target, draft: str, batch: int) -> LatencyProfile | None:
+    """``latency_probe``'s profile of ``target`` and a draft on the same backend that is not loaded, named as its
+    adapter would be (``draft``: e.g. ``models.llamacpp.adapter_name``), where the cache holds one; else None. What a
+    run asks before it loads a draft that may not pay."""
+    path, load = _latency_cache(target, draft, kernels(target), batch)
+    if not path.is_file():
+        return None
+    try:
+        return load(path)
+    except (OSError, ValueError):
+        return None  # latency_probe measures it again, and says why
+
+
+def _latency_cache(target, draft: str, kernel: str, batch: int):
+    """Where ``latency_probe`` caches the profile of ``target`` and the draft named ``draft`` at ``batch``, with these
+    ``kernels``, and how it reads it back (checked against the models' names, dtype and device)."""
+    name = latency_path(target.name, draft, None, dtype_name(target.dtype), str(target.device)).name
+
+    def load(path: Path) -> LatencyProfile:
+        profile = LatencyProfile.load(path)
+        profile.check(target.name, draft, None, target.dtype, target.device)
+        return profile
+
+    return sv_dir() / f"probe-b{batch}-t{torch.get_num_threads()}-m{LATENCY_METHOD}-k{kernel}-{name}", load
 
 
 def lookup_latency(target, batch: int, max_draft: int = LOOKUP_MAX_DRAFT, *, refresh: bool = False) -> LatencyTable:

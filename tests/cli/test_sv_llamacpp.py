@@ -112,6 +112,32 @@ def test_generate_with_sv_on_llama_cpp_gives_the_greedy_text_of_the_target(pair,
     assert out == alone and len(alone.strip()) >= 8
 
 
+def test_generate_does_not_load_a_draft_its_cached_step_latency_prices_out(pair, cache, monkeypatch, capsys):
+    """The default on llama.cpp asks the step latency cached for its draft (the q4_0 copy, by the name its adapter will
+    have) before loading it: where no length pays, it decodes by prompt lookup alone and never loads the draft
+    (seconds and memory on a machine where no draft pays); where one pays, the draft loads, and the probe it is
+    priced by is asked of that very name."""
+    from kits.svkit import CHEAP_VERIFICATION, LINEAR_VERIFICATION, profile
+
+    from blockspec import auto
+
+    loaded, asked, probed = [], [], []
+    real = load.load_model
+    monkeypatch.setattr(load, "load_model", lambda name, **options: loaded.append(name) or real(name, **options))
+    dear, cheap = profile(LINEAR_VERIFICATION, draft_ms=100), profile(CHEAP_VERIFICATION, draft_ms=1)
+    monkeypatch.setattr(auto, "cached_latency", lambda target, draft, batch: asked.append(draft) or dear)
+    assert cli.main(generate(pair, "--backend", "llamacpp")) == 0
+    err = capsys.readouterr().err
+    assert loaded == [pair.target] and asked == [f"{pair.draft} (llama.cpp, q4_0)"], (loaded, asked)
+    assert "speculation cannot pay here" in err and "loading draft" not in err, err
+    assert err.splitlines()[-1].startswith("[block, lookup alone, up to 32, "), err
+    monkeypatch.setattr(auto, "cached_latency", lambda target, draft, batch: asked.append(draft) or cheap)
+    monkeypatch.setattr(auto, "latency_probe", lambda target, draft, batch: probed.append(draft.name) or cheap)
+    assert cli.main(generate(pair, "--backend", "llamacpp")) == 0
+    assert loaded == [pair.target, pair.target, pair.draft] and probed == asked[-1:], (loaded, probed, asked)
+    assert "block, auto K=3" in capsys.readouterr().err
+
+
 def test_replay_of_a_recording_without_a_companion_scores_the_draft_only_policy(pair, cache, tmp_path):
     profiles = {kind: str(next((cache / "sv").glob(f"{kind}-*.json"))) for kind in ("calibration", "latency")}
     out = tmp_path / "replay.json"

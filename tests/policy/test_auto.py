@@ -453,6 +453,26 @@ def test_the_latency_probes_are_measured_again_on_other_kernels(tmp_path, monkey
     assert probes() == 2
 
 
+def test_the_cached_latency_probe_is_found_by_the_drafts_name_before_it_loads(tmp_path, monkeypatch, probe_load):
+    """What generate asks before it loads its draft: latency_probe's cached profile, found from the name the draft's
+    adapter will have; None where nothing is cached for that name or batch size, or the file cannot be read."""
+    monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path))
+    target = HFModel(tiny_model(), name="tiny-target")
+    draft = HFModel(perturbed(tiny_model(), scale=0.3, seed=1), name="tiny-draft")
+    assert auto.cached_latency(target, "tiny-draft", 1) is None
+    measured = auto.latency_probe(target, draft, 1)
+    cached = auto.cached_latency(target, "tiny-draft", 1)
+    assert cached is not None and cached.target.seconds == measured.target.seconds
+    assert cached.draft.seconds == measured.draft.seconds
+    assert (
+        auto.cached_latency(target, "tiny-draft (int8)", 1) is None
+        and auto.cached_latency(target, "tiny-draft", 2) is None
+    )
+    (saved,) = (tmp_path / "sv").glob("probe-*.json")
+    saved.write_text("{")
+    assert auto.cached_latency(target, "tiny-draft", 1) is None
+
+
 def test_the_kernels_of_a_model_on_llama_cpp_include_its_build(monkeypatch):
     """Another llama.cpp build (AVX2 against AVX-512 kernels) prices steps differently on the same CPU."""
     from blockspec.models import llamacpp

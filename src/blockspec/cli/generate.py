@@ -253,13 +253,15 @@ def generate(config: GenerateConfig) -> int:
         config = replace(config, companion=sv.resolve_companion(config.companion, config.backend, config.sv_predictor))
     if config.backend == "hf":
         config = _resolve_arithmetic(config, device)
-    models = {}
+    models, known = {}, None  # known: a cached step latency by which the draft cannot pay, so it is not loaded
     for role, name, quant in (
         ("target", config.target, config.target_quant),
         ("draft", config.draft, config.draft_quant),
     ):
         if name:
             quant = None if quant in ("none", "auto") else quant
+            if role == "draft" and flag is None and (known := _cannot_pay_known(config, models["target"], quant)):
+                break
             arithmetic = quant or config.dtype
             if config.backend == "llamacpp":
                 arithmetic = f"llama.cpp, the GGUF requantized to {quant}" if quant else "llama.cpp, the GGUF as it is"
@@ -281,8 +283,8 @@ def generate(config: GenerateConfig) -> int:
                 raise ValueError(f"{error}; --draft {NO_DRAFT} decodes with the target alone") from error
             _status(f"the default draft {config.draft} does not share the vocabulary of {config.target}: left out")
             draft = None
-    if config.policy == "auto" and draft is not None and flag is None:
-        decoder = _default_decoder(config, target, draft)
+    if config.policy == "auto" and (draft is not None or known is not None) and flag is None:
+        decoder = _default_decoder(config, target, draft, known)
     else:
         decoder = _decoder(config, target, draft, sampling)
     if decoder.tokenizer is None:
@@ -339,14 +341,16 @@ def generate(config: GenerateConfig) -> int:
     return 0
 
 
-def _default_decoder(config: GenerateConfig, target, draft):
-    """``auto.default_decoder``: the draft under ``policy.AdaptiveLength`` over this machine's measured step latency,
-    with prompt lookup beside it unless ``--drafter model``; where no draft length is expected to beat the target
-    alone, it says so and decodes with lookup alone, or the target alone."""
+def _default_decoder(config: GenerateConfig, target, draft, latency=None):
+    """``auto.default_decoder``: the draft under ``policy.AdaptiveLength`` over this machine's measured step latency
+    (``latency``, where it was known before the draft loaded: then ``draft`` is None), with prompt lookup beside it
+    unless ``--drafter model``; where no draft length is expected to beat the target alone, it says so and decodes
+    with lookup alone, or the target alone."""
     from ..auto import default_decoder
 
     batch, lookup = len(config.prompts), config.drafter != "model"
-    latency = _latency(target, draft, batch)
+    if latency is None:
+        latency = _latency(target, draft, batch)
     if lookup:
         _status(LOOKUP_PROBE)
     decoder = default_decoder(
@@ -362,6 +366,22 @@ def _default_decoder(config: GenerateConfig, target, draft):
         fallback = "drafting by prompt lookup alone" if lookup else "decoding with the target alone"
         _cannot_pay(latency, batch, fallback, "--policy fixed speculates anyway", config.backend)
     return decoder
+
+
+def _cannot_pay_known(config: GenerateConfig, target, quant: str | None):
+    """The default decoder's draft on llama.cpp (``--policy auto``, a chain), before it loads: its step latency where
+    the cache holds it (``auto.cached_latency``) and no length of it pays at this batch size, as ``_default_decoder``
+    would find once it had loaded the draft; else None (the draft loads)."""
+    from ..auto import adaptive_policy, cached_latency
+    from ..models.llamacpp import adapter_name
+
+    if config.backend != "llamacpp" or config.policy != "auto" or config.draft is None:
+        return None
+    batch = len(config.prompts)
+    latency = cached_latency(target, adapter_name(config.draft, quant), batch)
+    if latency is None or adaptive_policy(latency, batch, config.resolved_max_draft) is not None:
+        return None
+    return latency
 
 
 def _decoder(config: GenerateConfig, target, draft, sampling):

@@ -565,6 +565,13 @@ def requantize(path: Path, quant: str) -> Path:
     return out
 
 
+def adapter_name(name_or_path: str, quant: str | None = None, vocabulary: int | None = None) -> str:
+    """The name ``load_llamacpp`` gives the model it loads with these arguments (which step-latency caches are keyed
+    by: ``auto.cached_latency``)."""
+    label = ", ".join(["llama.cpp", *([quant] if quant else []), *([f"{vocabulary} tokens"] if vocabulary else [])])
+    return f"{name_or_path} ({label})"
+
+
 @overload
 def load_llamacpp(
     name_or_path: str,
@@ -616,11 +623,11 @@ def load_llamacpp(
         )
     if quant is not None:
         path = requantize(Path(path), quant)
-    label = ", ".join(["llama.cpp", *([quant] if quant else []), *([f"{vocabulary} tokens"] if vocabulary else [])])
+    name = adapter_name(name_or_path, quant, vocabulary)
     if vocabulary is None:
-        return LlamaCppModel(path, tokenizer, name=f"{name_or_path} ({label})", eos_token_ids=eos, threads=threads)
+        return LlamaCppModel(path, tokenizer, name=name, eos_token_ids=eos, threads=threads)
     cut = cut_vocabulary(Path(path), vocabulary)
     kept, reads = read_cut(cut)
-    model = LlamaCppModel(cut, name=f"{name_or_path} ({label})", threads=threads)
+    model = LlamaCppModel(cut, name=name, threads=threads)
     eos = eos or tuple(int(kept[t]) for t in model.eos_token_ids)  # the GGUF's own, in the cut's ids
     return VocabularyCut(model, kept, reads, eos_token_ids=eos, tokenizer=tokenizer)

@@ -4,6 +4,9 @@ Per prompt, in one interleaved round (batch 1, the same chat-formatted prompt an
   llamacpp-alone     blockspec's engine, target alone, on the llama.cpp adapter
   llama-bench        llama.cpp's own benchmark of the target alone (`llama-bench`, one repetition): as many new
                      tokens, after as many tokens of context as the prompt has (the goal the target alone is held to)
+  llama.cpp-alone    llama.cpp's own text generation, target alone (`llama-completion`, no chat, the sampler at the
+                     plain law as llama.cpp-spec's): what a llama.cpp user runs, sampling included, which llama-bench
+                     is not; its decode time as its counters give it, evaluation plus sampling
   llamacpp-token/-block  blockspec, the 0.5B draft, fixed K, token / block verification, on llama.cpp
   llamacpp-auto      blockspec's adaptive draft: block verification, length adapted to the measured step costs
   llamacpp-block-q4 / -auto-q4  the same with the draft requantized to q4_0 by llama.cpp (`--draft-quant q4_0`)
@@ -25,15 +28,15 @@ Per prompt, in one interleaved round (batch 1, the same chat-formatted prompt an
                      last NGRAM tokens, kept as llama.cpp-spec keeps drafts), decode time as it reports it (it may
                      decode past the max new tokens: its last step keeps all it accepted)
 Figures are tokens/s of the decode (prefill excluded everywhere: llama.cpp's programs report it so), their ratios to
-llamacpp-alone on the same prompt (and, with the llama-bench row, to the llama-bench run beside it, per dataset),
-and accepted tokens per step; the block rows also score every step's draft exactly under both rules
+llamacpp-alone on the same prompt (and, with the llama-bench or llama.cpp-alone rows, to that run beside it, per
+dataset), and accepted tokens per step; the block rows also score every step's draft exactly under both rules
 (`bench.executor.ExpectedScores`): the paired analytic gain of block over token.
 
-    bash scripts/build_llamacpp_tools.sh      # once: llama-bench and llama-speculative-simple
+    bash scripts/build_llamacpp_tools.sh      # once: llama-bench, llama-completion, llama-speculative-simple
     python benchmarks/llamacpp_compare.py run --out results/llamacpp --datasets humaneval-edit pydoc-qa humaneval
     python benchmarks/llamacpp_compare.py report --out results/llamacpp
 
-llama-bench and llama-speculative-simple must run the kernels blockspec's llama.cpp runs: `run` refuses tools whose
+llama.cpp's programs must run the kernels blockspec's llama.cpp runs: `run` refuses tools whose
 recorded flags ask for other instruction sets (a folder built for another machine kind, or before a rebuild with other
 CMAKE_ARGS) and records their flags. Run it alone: llama.cpp's threads collapse under load from another process.
 """
@@ -55,6 +58,7 @@ from pathlib import Path
 ROWS = (
     "llamacpp-alone",
     "llama-bench",
+    "llama.cpp-alone",
     "llamacpp-token",
     "llamacpp-block",
     "llamacpp-auto",
@@ -72,6 +76,7 @@ ROWS = (
 )
 BASELINE = "llamacpp-alone"
 VOCABULARY_CUT = 32768  # the cut draft's ids (plus its special tokens)
+PROGRAMS = ("llama-bench", "llama-completion", "llama-speculative-simple")  # scripts/build_llamacpp_tools.sh's
 NGRAM, NGRAM_DRAFT = 12, 48  # llama.cpp-ngram's lookup n-gram and longest draft (llama.cpp's ngram-simple defaults)
 
 
@@ -96,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     run_parser.add_argument(
         "--tools",
         type=Path,
-        help="folder of llama-bench and llama-speculative-simple, as scripts/build_llamacpp_tools.sh builds it",
+        help="folder of llama.cpp's programs, as scripts/build_llamacpp_tools.sh builds it",
     )
     for each in (run_parser, sub.add_parser("report", help="print the tables of <out>/records.jsonl(.gz)")):
         each.add_argument("--out", type=Path, default=Path("results/llamacpp"))
@@ -181,6 +186,11 @@ def run(args) -> None:
                     measured = llama_bench(tools, target.path, machine["threads"], len(ids), args.max_new_tokens)
                     record({**base, **measured, "accepted_per_step": None, "drafted_per_step": None})
                     continue
+                if row == "llama.cpp-alone":
+                    text = target.tokenizer.decode(ids)
+                    measured = llama_completion(tools, target.path, text, args, temperature, seed)
+                    record({**base, **measured, "accepted_per_step": None, "drafted_per_step": None})
+                    continue
                 if row in ("llama.cpp-spec", "llama.cpp-ngram"):
                     text = target.tokenizer.decode(ids)
                     model = draft.path if row == "llama.cpp-spec" else None
@@ -216,13 +226,16 @@ def run(args) -> None:
 def tools_flags(tools: Path, system_info: str) -> str:
     """The CMake arguments llama.cpp's programs in ``tools`` were built with (their file cmake-args, which
     scripts/build_llamacpp_tools.sh writes), where they ask for the instruction sets the llama.cpp blockspec runs was
-    built with (``system_info``). Otherwise SystemExit: llama-bench and llama-speculative-simple built with other
-    kernels would compare the engines on unequal terms, in either direction."""
+    built with (``system_info``). Otherwise SystemExit: llama.cpp's programs built with other kernels would compare
+    the engines on unequal terms, in either direction; or built before llama-completion was among them."""
     from blockspec.models.llamacpp import build_mismatches
 
     path = tools / "cmake-args"
     if not path.is_file():
         raise SystemExit(f"{path} is missing: build the tools with scripts/build_llamacpp_tools.sh, which records them")
+    missing = [name for name in PROGRAMS if not (tools / name).is_file()]
+    if missing:
+        raise SystemExit(f"{tools} lacks {', '.join(missing)}: build the tools with scripts/build_llamacpp_tools.sh")
     flags = path.read_text().strip()
     mismatches = build_mismatches(flags, system_info)
     if mismatches:
@@ -241,6 +254,30 @@ def llama_bench(tools: Path, model: Path, threads: int, depth: int, tokens: int)
     command += ["-t", str(threads), "-d", str(depth), "-o", "json"]
     (test,) = json.loads(subprocess.run(command, capture_output=True, text=True, check=True, timeout=900).stdout)
     return {"tok_s": test["avg_ts"], "tokens": tokens, "depth": depth}
+
+
+def llama_completion(tools: Path, target: Path, text: str, args, temperature: float, seed: int) -> dict:
+    """One run of llama.cpp's own text generation with the target alone, sampling at the plain law as
+    llama.cpp-spec's target does: its tokens over its evaluation and sampling time as its counters give them (the
+    prompt's evaluation excluded, and its own few milliseconds of printing and bookkeeping). Each token but the
+    last is evaluated after it is sampled, the first sampled from the prompt's evaluation: tokens are runs plus one."""
+    import torch
+
+    command = [
+        str(tools / "llama-completion"),
+        *("-m", str(target), "-p", text, "-n", str(args.max_new_tokens), "-no-cnv", "--no-display-prompt"),
+        *("--temp", str(temperature), "--top-k", "0", "--top-p", "1", "--min-p", "0"),
+        *("--seed", str(seed), "-c", "4096", "-t", str(torch.get_num_threads())),
+    ]
+    log = subprocess.run(
+        command, capture_output=True, text=True, check=True, timeout=900, stdin=subprocess.DEVNULL
+    ).stderr
+    evaluated = re.search(r"\beval time =\s+([\d.]+) ms /\s+(\d+) runs", log)
+    sampled = re.search(r"sampling time =\s+([\d.]+) ms", log)
+    if not (evaluated and sampled):
+        raise RuntimeError(f"unexpected llama-completion output:\n{log[-2000:]}")
+    tokens = int(evaluated.group(2)) + 1
+    return {"tokens": tokens, "tok_s": tokens / ((float(evaluated.group(1)) + float(sampled.group(1))) / 1000)}
 
 
 def speculative_simple(
@@ -347,9 +384,13 @@ def report(records: list[dict]) -> None:
                 f"| {temperature:g} | {len(these)} | {statistics.median(r['tok_s'] for r in these):.2f} | "
                 f"{statistics.median(alone[run_key(r)] for r in these):.2f} | {interval(ratios)} |"
             )
-    if paired:
-        against_llama_bench(runs, {run_key(r): r["tok_s"] for r in paired}, alone)
-    else:
+    beside = {
+        row: any(r["row"] == row and run_key(r) in alone for r in runs) for row in ("llama-bench", "llama.cpp-alone")
+    }
+    references = [row for row, found in beside.items() if found]
+    for row in references:
+        against(runs, row, alone)
+    if not references:
         per_dataset(runs, alone)
     groups = {
         "prompts grounded in their input (humaneval-edit, pydoc-qa)": ("humaneval-edit", "pydoc-qa"),
@@ -406,19 +447,20 @@ def block_against_token(runs: list[dict], scored: list[dict]) -> None:
             )
 
 
-def against_llama_bench(runs: list[dict], bench: dict, alone: dict) -> None:
-    """Every row against llama.cpp's own target alone, the llama-bench run beside it on the same prompt, temperature
-    and seed, and against blockspec's target alone: per temperature and dataset, as the datasets differ in how much
-    their answers copy."""
-    print("\n## every row against llama-bench, per dataset\n")
-    print("| T | dataset | row | runs | tok/s | x llama-bench (CI) | x target alone (CI) |")
+def against(runs: list[dict], reference: str, alone: dict) -> None:
+    """Every row against llama.cpp's own target alone, the ``reference`` run (llama-bench, or llama.cpp's own
+    generation) beside it on the same prompt, temperature and seed, and against blockspec's target alone: per
+    temperature and dataset, as the datasets differ in how much their answers copy."""
+    print(f"\n## every row against {reference}, per dataset\n")
+    print(f"| T | dataset | row | runs | tok/s | x {reference} (CI) | x target alone (CI) |")
     print("|---|---|---|---|---|---|---|")
-    beside = [r for r in runs if r["row"] != "llama-bench" and run_key(r) in bench]
+    theirs = {run_key(r): r["tok_s"] for r in runs if r["row"] == reference}
+    beside = [r for r in runs if r["row"] != reference and run_key(r) in theirs and run_key(r) in alone]
     for temperature, dataset, row, these in by_dataset(beside):
         print(
             f"| {temperature:g} | {dataset} | {row} | {len(these)} | "
             f"{statistics.median(r['tok_s'] for r in these):.2f} | "
-            f"{interval([r['tok_s'] / bench[run_key(r)] for r in these])} | "
+            f"{interval([r['tok_s'] / theirs[run_key(r)] for r in these])} | "
             f"{interval([r['tok_s'] / alone[run_key(r)] for r in these])} |"
         )
 

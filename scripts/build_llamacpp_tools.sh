@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Build llama.cpp's own programs, llama-bench and llama-speculative-simple, from the source vendored in the pinned
-# llama-cpp-python and with the flags blockspec's build uses ($CMAKE_ARGS, as scripts/setup.sh takes it, else
-# scripts/llamacpp_flags.sh): benchmarks/llamacpp_compare.py runs them beside blockspec. blockspec itself does not
-# need them. About 7 minutes on 2 cores, once per version and flags; prints the folder that holds them
+# Build llama.cpp's own programs, llama-bench, llama-completion and llama-speculative-simple, from the source vendored
+# in the pinned llama-cpp-python and with the flags blockspec's build uses ($CMAKE_ARGS, as scripts/setup.sh takes it,
+# else scripts/llamacpp_flags.sh): benchmarks/llamacpp_compare.py runs them beside blockspec. blockspec itself does
+# not need them. About 7 minutes on 2 cores, once per version and flags; prints the folder that holds them
 # ($LLAMACPP_TOOLS, default in blockspec's cache, named by the version and a digest of the flags) and the flags, in
 # its file cmake-args, which llamacpp_compare.py checks against the llama.cpp blockspec runs.
 set -euo pipefail
@@ -11,7 +11,7 @@ version=$(python -c "import importlib.metadata as m; print(m.version('llama-cpp-
 args=$(echo "${CMAKE_ARGS:-$(bash scripts/llamacpp_flags.sh)}" | sed 's/-DLLAVA_BUILD=OFF//' | xargs)
 digest=$(printf '%s' "$args" | sha256sum | cut -c1-8)
 out="${LLAMACPP_TOOLS:-${BLOCKSPEC_CACHE:-$HOME/.cache/blockspec}/llamacpp-tools-$version-$digest}"
-if [ -x "$out/llama-bench" ] && [ -x "$out/llama-speculative-simple" ] && [ "$(cat "$out/cmake-args" 2>/dev/null)" = "$args" ]; then
+if [ -x "$out/llama-bench" ] && [ -x "$out/llama-completion" ] && [ -x "$out/llama-speculative-simple" ] && [ "$(cat "$out/cmake-args" 2>/dev/null)" = "$args" ]; then
     echo "$out"
     exit 0
 fi
@@ -23,8 +23,8 @@ src=$(echo "$work"/llama_cpp_python-*/vendor/llama.cpp)
 # shellcheck disable=SC2086  # the flags are separate words
 cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF $args >&2
-cmake --build "$work/build" --target llama-bench llama-speculative-simple -j"$(nproc)" >&2
+cmake --build "$work/build" --target llama-bench llama-completion llama-speculative-simple -j"$(nproc)" >&2
 mkdir -p "$out"
-cp "$work/build/bin/llama-bench" "$work/build/bin/llama-speculative-simple" "$out/"
+cp "$work/build/bin/llama-bench" "$work/build/bin/llama-completion" "$work/build/bin/llama-speculative-simple" "$out/"
 echo "$args" >"$out/cmake-args"
 echo "$out"

@@ -260,7 +260,8 @@ def llama_completion(tools: Path, target: Path, text: str, args, temperature: fl
     """One run of llama.cpp's own text generation with the target alone, sampling at the plain law as
     llama.cpp-spec's target does: its tokens over its evaluation and sampling time as its counters give them (the
     prompt's evaluation excluded, and its own few milliseconds of printing and bookkeeping). Each token but the
-    last is evaluated after it is sampled, the first sampled from the prompt's evaluation: tokens are runs plus one."""
+    last is evaluated after it is sampled, the first sampled from the prompt's evaluation: tokens are runs plus one.
+    Both times are kept: llama.cpp's own work per token outside its forwards is its sampling time."""
     import torch
 
     command = [
@@ -277,7 +278,8 @@ def llama_completion(tools: Path, target: Path, text: str, args, temperature: fl
     if not (evaluated and sampled):
         raise RuntimeError(f"unexpected llama-completion output:\n{log[-2000:]}")
     tokens = int(evaluated.group(2)) + 1
-    return {"tokens": tokens, "tok_s": tokens / ((float(evaluated.group(1)) + float(sampled.group(1))) / 1000)}
+    eval_s, sampling_s = float(evaluated.group(1)) / 1000, float(sampled.group(1)) / 1000
+    return {"tokens": tokens, "tok_s": tokens / (eval_s + sampling_s), "eval_s": eval_s, "sampling_s": sampling_s}
 
 
 def speculative_simple(

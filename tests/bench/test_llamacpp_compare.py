@@ -226,6 +226,7 @@ def test_llama_cpps_own_generation_is_timed_by_its_counters_sampling_included(co
     # sampling (not the prompt's 3357.12 ms, nor the samplers' count of 184, which includes the prompt's tokens)
     assert measured["tokens"] == 32
     assert measured["tok_s"] == pytest.approx(32 / 2.16135, rel=1e-9)
+    assert (measured["eval_s"], measured["sampling_s"]) == pytest.approx((2.10145, 0.0599), rel=1e-9)
     passed = (tmp_path / "args").read_text().split()
     for flag, value in (("--temp", "1.0"), ("--top-k", "0"), ("--top-p", "1"), ("--min-p", "0"), ("--seed", "7")):
         assert passed[passed.index(flag) + 1] == value  # the plain law, as llama.cpp-spec's target samples it

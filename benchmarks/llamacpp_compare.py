@@ -36,9 +36,9 @@ dataset), and accepted tokens per step; the block rows also score every step's d
     python benchmarks/llamacpp_compare.py run --out results/llamacpp --datasets humaneval-edit pydoc-qa humaneval
     python benchmarks/llamacpp_compare.py report --out results/llamacpp
 
-llama.cpp's programs must run the kernels blockspec's llama.cpp runs: `run` refuses tools whose
-recorded flags ask for other instruction sets (a folder built for another machine kind, or before a rebuild with other
-CMAKE_ARGS) and records their flags. Run it alone: llama.cpp's threads collapse under load from another process.
+llama.cpp's programs must run the kernels blockspec's llama.cpp runs: `run` refuses tools whose recorded flags ask for
+other instruction sets (a folder built for another machine kind, or before a rebuild with other CMAKE_ARGS) and
+records their flags. Run it alone: llama.cpp's threads collapse under load from another process.
 """
 
 from __future__ import annotations
@@ -350,10 +350,10 @@ def run_key(record: dict) -> tuple:
 
 def report(records: list[dict]) -> None:
     """The tables: the target alone against llama-bench (run before and after the runs in earlier records, prompt
-    by prompt since); per temperature and dataset, every row against the llama-bench run beside it (or, in a run
-    without llama-bench rows, against the target alone); per temperature and prompt group, every row against the
-    target alone on the same prompts; block against token verification on the same drafts, where a run has block
-    rows."""
+    by prompt since); per temperature and dataset, every row against the llama-bench run beside it and against
+    llama.cpp's own generation beside it (or, in a run with neither, against the target alone); per temperature and
+    prompt group, every row against the target alone on the same prompts; block against token verification on the
+    same drafts, where a run has block rows."""
     runs = [r for r in records if "temperature" in r]
     flags = sorted({" ".join(r["cpu_flags"]) for r in records})
     builds = sorted({r["llamacpp_build"] for r in records if "llamacpp_build" in r})  # not in earlier records
@@ -386,10 +386,8 @@ def report(records: list[dict]) -> None:
                 f"| {temperature:g} | {len(these)} | {statistics.median(r['tok_s'] for r in these):.2f} | "
                 f"{statistics.median(alone[run_key(r)] for r in these):.2f} | {interval(ratios)} |"
             )
-    beside = {
-        row: any(r["row"] == row and run_key(r) in alone for r in runs) for row in ("llama-bench", "llama.cpp-alone")
-    }
-    references = [row for row, found in beside.items() if found]
+    paired_rows = {r["row"] for r in runs if run_key(r) in alone}
+    references = [row for row in ("llama-bench", "llama.cpp-alone") if row in paired_rows]
     for row in references:
         against(runs, row, alone)
     if not references:

@@ -11,7 +11,10 @@ version=$(python -c "import importlib.metadata as m; print(m.version('llama-cpp-
 args=$(echo "${CMAKE_ARGS:-$(bash scripts/llamacpp_flags.sh)}" | sed 's/-DLLAVA_BUILD=OFF//' | xargs)
 digest=$(printf '%s' "$args" | sha256sum | cut -c1-8)
 out="${LLAMACPP_TOOLS:-${BLOCKSPEC_CACHE:-$HOME/.cache/blockspec}/llamacpp-tools-$version-$digest}"
-if [ -x "$out/llama-bench" ] && [ -x "$out/llama-completion" ] && [ -x "$out/llama-speculative-simple" ] && [ "$(cat "$out/cmake-args" 2>/dev/null)" = "$args" ]; then
+programs=(llama-bench llama-completion llama-speculative-simple)
+built=1
+for program in "${programs[@]}"; do [ -x "$out/$program" ] || built=0; done
+if [ "$built" = 1 ] && [ "$(cat "$out/cmake-args" 2>/dev/null)" = "$args" ]; then
     echo "$out"
     exit 0
 fi
@@ -23,8 +26,8 @@ src=$(echo "$work"/llama_cpp_python-*/vendor/llama.cpp)
 # shellcheck disable=SC2086  # the flags are separate words
 cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF $args >&2
-cmake --build "$work/build" --target llama-bench llama-completion llama-speculative-simple -j"$(nproc)" >&2
+cmake --build "$work/build" --target "${programs[@]}" -j"$(nproc)" >&2
 mkdir -p "$out"
-cp "$work/build/bin/llama-bench" "$work/build/bin/llama-completion" "$work/build/bin/llama-speculative-simple" "$out/"
+for program in "${programs[@]}"; do cp "$work/build/bin/$program" "$out/"; done
 echo "$args" >"$out/cmake-args"
 echo "$out"

@@ -256,19 +256,25 @@ def llama_bench(tools: Path, model: Path, threads: int, depth: int, tokens: int)
     return {"tok_s": test["avg_ts"], "tokens": tokens, "depth": depth}
 
 
+def plain_sampling(temperature: float, seed: int) -> list[str]:
+    """The arguments that make llama.cpp's programs sample at the plain law (no top-k, top-p or min-p) at
+    ``temperature`` from ``seed``, in a context of 4096 tokens, on torch's threads: the same in each of its rows."""
+    import torch
+
+    sampler = ["--temp", str(temperature), "--top-k", "0", "--top-p", "1", "--min-p", "0", "--seed", str(seed)]
+    return [*sampler, "-c", "4096", "-t", str(torch.get_num_threads())]
+
+
 def llama_completion(tools: Path, target: Path, text: str, args, temperature: float, seed: int) -> dict:
     """One run of llama.cpp's own text generation with the target alone, sampling at the plain law as
     llama.cpp-spec's target does: its tokens over its evaluation and sampling time as its counters give them (the
     prompt's evaluation excluded, and its own few milliseconds of printing and bookkeeping). Each token but the
     last is evaluated after it is sampled, the first sampled from the prompt's evaluation: tokens are runs plus one.
     Both times are kept: llama.cpp's own work per token outside its forwards is its sampling time."""
-    import torch
-
     command = [
         str(tools / "llama-completion"),
         *("-m", str(target), "-p", text, "-n", str(args.max_new_tokens), "-no-cnv", "--no-display-prompt"),
-        *("--temp", str(temperature), "--top-k", "0", "--top-p", "1", "--min-p", "0"),
-        *("--seed", str(seed), "-c", "4096", "-t", str(torch.get_num_threads())),
+        *plain_sampling(temperature, seed),
     ]
     log = subprocess.run(
         command, capture_output=True, text=True, check=True, timeout=900, stdin=subprocess.DEVNULL
@@ -288,8 +294,6 @@ def speculative_simple(
     """One run of llama.cpp's own speculative decoding: the draft drafts K tokens each step (no confidence cut-off),
     or with no draft its n-gram lookup proposes (llama.cpp-ngram's settings); the target verifies them with its
     sampler at the plain law (no top-k, top-p or min-p); its reported decode speed and acceptance."""
-    import torch
-
     if draft is not None:
         spec = ["-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", str(args.max_draft)]
         spec += ["--spec-draft-n-min", "0", "--spec-draft-p-min", "0"]
@@ -300,8 +304,7 @@ def speculative_simple(
         str(tools / "llama-speculative-simple"),
         *("-m", str(target), "-p", text, "-n", str(args.max_new_tokens)),
         *spec,
-        *("--temp", str(temperature), "--top-k", "0", "--top-p", "1", "--min-p", "0"),
-        *("--seed", str(seed), "-c", "4096", "-t", str(torch.get_num_threads())),
+        *plain_sampling(temperature, seed),
     ]
     log = subprocess.run(command, capture_output=True, text=True, check=True, timeout=900).stderr
     found = {
